@@ -1,0 +1,222 @@
+// PYBIND11_MODULE(_core): glue only. Inputs are converted under the GIL; the
+// batched work runs with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "maps.hpp"
+#include "residency.hpp"
+#include "spans.hpp"
+
+namespace py = pybind11;
+using namespace mapoffload;
+
+namespace {
+
+py::list bool_list(const std::vector<uint8_t>& v) {
+  py::list out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyObject* b = v[i] ? Py_True : Py_False;
+    Py_INCREF(b);
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), b);
+  }
+  return out;
+}
+
+template <typename T>
+py::list int_list(const std::vector<T>& v) {
+  py::list out(v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i),
+                    PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(v[i])));
+  return out;
+}
+
+// Accepts a buffer of 8-byte unsigned integers (array('Q'), numpy uint64, ...)
+// or any sequence of ints.
+std::vector<uint64_t> to_u64_vector(const py::object& obj, const char* what) {
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
+    if (info.ndim != 1 || info.itemsize != 8 ||
+        !(info.format == "Q" || info.format == "L" || info.format == "K" ||
+          info.format == "<Q" || info.format == "=Q" || info.format == "q" || info.format == "l"))
+      throw py::type_error(std::string(what) + ": expected a 1-D buffer of 64-bit integers");
+    std::vector<uint64_t> v(static_cast<size_t>(info.shape[0]));
+    const char* base = static_cast<const char*>(info.ptr);
+    for (size_t i = 0; i < v.size(); ++i)
+      std::memcpy(&v[i], base + static_cast<ptrdiff_t>(i) * info.strides[0], 8);
+    return v;
+  }
+  return obj.cast<std::vector<uint64_t>>();
+}
+
+SpanArray make_spans(const py::object& addrs, const py::object& sizes) {
+  SpanArray s;
+  s.addr = to_u64_vector(addrs, "addrs");
+  s.nbytes = to_u64_vector(sizes, "sizes");
+  if (s.addr.size() != s.nbytes.size())
+    throw py::value_error("addrs and sizes differ in length: " + std::to_string(s.addr.size()) +
+                          " != " + std::to_string(s.nbytes.size()));
+  return s;
+}
+
+SpanArray extract(const py::object& seq, const py::object& tensor_type) {
+  SpanArray s;
+  if (!extract_tensor_spans(seq.ptr(), tensor_type.ptr(), s)) throw py::error_already_set();
+  return s;
+}
+
+std::vector<uint8_t> holds_all(const MapsTable& t, const SpanArray& s) {
+  std::vector<uint8_t> out(s.size());
+  py::gil_scoped_release nogil;
+  for (size_t i = 0; i < s.size(); ++i) out[i] = t.holds_span(s.addr[i], s.nbytes[i]);
+  return out;
+}
+
+MapsTable with_mounts(MapsTable t, const std::string& mountinfo_path) {
+  // The mount table only refines classes (tmpfs vs disk); without it the path
+  // rules still apply.
+  try {
+    classify_vmas(t, parse_mountinfo(read_text_file(mountinfo_path)));
+  } catch (const OsError&) {
+  }
+  return t;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "mapoffload native core: /proc maps index, residency, copy engine";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OsError& e) {
+      py::object err = py::module_::import("builtins").attr("OSError")(
+          e.err, std::string(std::strerror(e.err)), e.path);
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    }
+  });
+
+  m.def("page_size", [] { return page_size(); });
+
+  py::class_<SpanArray>(m, "SpanArray", "Byte spans (address, nbytes) as native arrays.")
+      .def(py::init(&make_spans), py::arg("addrs"), py::arg("sizes"))
+      .def("__len__", &SpanArray::size)
+      .def_property_readonly("addrs", [](const SpanArray& s) { return int_list(s.addr); })
+      .def_property_readonly("sizes", [](const SpanArray& s) { return int_list(s.nbytes); })
+      .def_property_readonly("total_bytes", [](const SpanArray& s) {
+        uint64_t t = 0;
+        for (uint64_t n : s.nbytes) t += n;
+        return t;
+      });
+
+  m.def("extract_spans", &extract, py::arg("tensors"), py::arg("tensor_type"),
+        "(data_ptr, nbytes) of every tensor in one call; non-CPU/meta/empty -> (0, 0).");
+
+  py::class_<MapsTable>(m, "MapsTable", "Sorted interval arrays of one maps/smaps snapshot.")
+      .def("__len__", &MapsTable::size)
+      .def_property_readonly("starts", [](const MapsTable& t) { return int_list(t.start); })
+      .def_property_readonly("ends", [](const MapsTable& t) { return int_list(t.end); })
+      .def_property_readonly("offsets", [](const MapsTable& t) { return int_list(t.offset); })
+      .def_property_readonly("inodes", [](const MapsTable& t) { return int_list(t.inode); })
+      .def_property_readonly("run_ends", [](const MapsTable& t) { return int_list(t.run_end); })
+      .def_property_readonly("rss", [](const MapsTable& t) { return int_list(t.rss); })
+      .def_property_readonly("anonymous", [](const MapsTable& t) { return int_list(t.anonymous); })
+      .def_property_readonly("private_dirty", [](const MapsTable& t) { return int_list(t.private_dirty); })
+      .def_property_readonly("swap", [](const MapsTable& t) { return int_list(t.swap); })
+      .def_property_readonly("devs", [](const MapsTable& t) {
+        py::list out;
+        for (DevId d : t.dev) out.append(py::make_tuple(d >> 32, d & 0xffffffffu));
+        return out;
+      })
+      .def_property_readonly("perms", [](const MapsTable& t) {
+        py::list out;
+        for (uint8_t b : t.perms) {
+          char s[5] = {b & kRead ? 'r' : '-', b & kWrite ? 'w' : '-', b & kExec ? 'x' : '-',
+                       b & kShared ? 's' : 'p', 0};
+          out.append(py::str(s));
+        }
+        return out;
+      })
+      .def_property_readonly("paths", [](const MapsTable& t) {
+        py::list out;
+        for (size_t i = 0; i < t.size(); ++i) out.append(py::str(t.path(i)));
+        return out;
+      })
+      .def_property_readonly("classes", [](const MapsTable& t) {
+        py::list out;
+        for (uint8_t c : t.cls) out.append(py::str(vma_class_name(static_cast<VmaClass>(c))));
+        return out;
+      })
+      .def("apply_mountinfo", [](MapsTable& t, const std::string& text) {
+        classify_vmas(t, parse_mountinfo(text));
+      }, py::arg("text"), "Re-classify every VMA with this mount table (tmpfs vs disk).")
+      .def("find", &MapsTable::find, py::arg("addr"), "Index of the VMA holding addr, or -1.")
+      .def("holds_pointer", [](const MapsTable& t, uint64_t p) { return t.holds_span(p, 1); },
+           py::arg("ptr"))
+      .def("holds_spans", [](const MapsTable& t, const SpanArray& s) { return bool_list(holds_all(t, s)); },
+           py::arg("spans"))
+      .def("classify_tensors", [](const MapsTable& t, const py::object& seq, const py::object& type) {
+        SpanArray s = extract(seq, type);
+        return bool_list(holds_all(t, s));
+      }, py::arg("tensors"), py::arg("tensor_type"),
+         "Extract spans (GIL held), then classify (GIL released): holds() for each tensor.")
+      .def("span_classes", [](const MapsTable& t, const SpanArray& s) {
+        std::vector<uint8_t> c(s.size());
+        {
+          py::gil_scoped_release nogil;
+          for (size_t i = 0; i < s.size(); ++i)
+            c[i] = static_cast<uint8_t>(t.span_class(s.addr[i], s.nbytes[i]));
+        }
+        py::list out(c.size());
+        for (size_t i = 0; i < c.size(); ++i)
+          out[i] = py::str(span_class_name(static_cast<SpanClass>(c[i])));
+        return out;
+      }, py::arg("spans"))
+      .def("touching", [](const MapsTable& t, const SpanArray& s) {
+        std::vector<uint32_t> idx;
+        {
+          py::gil_scoped_release nogil;
+          for (size_t i = 0; i < s.size(); ++i) t.touching(s.addr[i], s.nbytes[i], idx);
+          std::sort(idx.begin(), idx.end());
+          idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+        }
+        return int_list(idx);
+      }, py::arg("spans"), "Sorted indices of the VMAs that overlap any span.");
+
+  m.def("parse_maps", [](const std::string& text) { return parse_maps(text); }, py::arg("text"),
+        "Parse /proc/<pid>/maps text (path rules only; see MapsTable.apply_mountinfo).");
+  m.def("parse_smaps", [](const std::string& text) { return parse_smaps(text); }, py::arg("text"));
+  m.def("parse_mountinfo", [](const std::string& text) {
+    py::dict out;
+    for (auto& kv : parse_mountinfo(text))
+      out[py::make_tuple(kv.first >> 32, kv.first & 0xffffffffu)] = kv.second;
+    return out;
+  }, py::arg("text"), "(major, minor) -> filesystem type.");
+
+  m.def("snapshot", [](const std::string& maps_path, const std::string& mountinfo_path) {
+    py::gil_scoped_release nogil;
+    return with_mounts(parse_maps(read_text_file(maps_path)), mountinfo_path);
+  }, py::arg("maps_path") = "/proc/self/maps", py::arg("mountinfo_path") = "/proc/self/mountinfo",
+     "Read and index one maps snapshot. Raises OSError when maps_path is unreadable.");
+  m.def("read_smaps", [](const std::string& smaps_path, const std::string& mountinfo_path) {
+    py::gil_scoped_release nogil;
+    return with_mounts(parse_smaps(read_text_file(smaps_path)), mountinfo_path);
+  }, py::arg("smaps_path") = "/proc/self/smaps", py::arg("mountinfo_path") = "/proc/self/mountinfo");
+
+  m.def("resident_bytes", [](const SpanArray& s) {
+    std::vector<uint64_t> out(s.size());
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < s.size(); ++i) out[i] = resident_bytes(s.addr[i], s.nbytes[i]);
+    }
+    return int_list(out);
+  }, py::arg("spans"), "Bytes of each span on pages resident in RAM now (mincore).");
+  m.def("advise_willneed", [](const SpanArray& s) {
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i]);
+  }, py::arg("spans"), "madvise(MADV_WILLNEED) over each span: start readahead.");
+}

@@ -1,0 +1,65 @@
+#include "residency.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <vector>
+
+namespace mapoffload {
+
+size_t page_size() {
+  static const size_t ps = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return ps;
+}
+
+namespace {
+
+// mincore() fails with ENOMEM when any page of the range is unmapped; the
+// fallback asks page by page so that a span crossing a hole still reports the
+// mapped part.
+bool page_resident(uint64_t page) {
+  unsigned char v = 0;
+  if (mincore(reinterpret_cast<void*>(page), page_size(), &v) != 0) return false;
+  return v & 1;
+}
+
+}  // namespace
+
+uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
+  if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return 0;
+  const uint64_t ps = page_size();
+  const uint64_t first = page_align_down(addr, ps);
+  const uint64_t stop = addr + nbytes;
+  const uint64_t npages = bytes_to_pages(stop - first, ps);
+  // Chunks bound the vector: 64k pages = 256 MiB of address space per call.
+  constexpr uint64_t kChunk = 1 << 16;
+  thread_local std::vector<unsigned char> vec;
+  uint64_t total = 0;
+  for (uint64_t p0 = 0; p0 < npages; p0 += kChunk) {
+    const uint64_t n = std::min(kChunk, npages - p0);
+    const uint64_t base = first + p0 * ps;
+    vec.resize(n);
+    bool ok = mincore(reinterpret_cast<void*>(base), n * ps, vec.data()) == 0;
+    for (uint64_t k = 0; k < n; ++k) {
+      const uint64_t page = base + k * ps;
+      bool res = ok ? (vec[k] & 1) : page_resident(page);
+      if (!res) continue;
+      const uint64_t lo = std::max(page, addr);
+      const uint64_t hi = std::min(page + ps, stop);
+      total += hi - lo;
+    }
+  }
+  return total;
+}
+
+void advise_willneed(uint64_t addr, uint64_t nbytes) {
+  if (addr == 0 || nbytes == 0) return;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
+}
+
+}  // namespace mapoffload

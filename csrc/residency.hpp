@@ -1,0 +1,24 @@
+// Page-cache residency of byte spans (mincore(2)) and readahead hints.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mapoffload {
+
+size_t page_size();
+inline uint64_t page_align_down(uint64_t a, uint64_t ps) { return a & ~(ps - 1); }
+inline uint64_t page_align_up(uint64_t a, uint64_t ps) { return (a + ps - 1) & ~(ps - 1); }
+inline uint64_t bytes_to_pages(uint64_t n, uint64_t ps) { return (n + ps - 1) / ps; }
+
+// Bytes of [addr, addr+nbytes) that lie on pages resident in RAM now.
+// Unmapped pages count as not resident. Partial first/last pages count only
+// the bytes of the span they hold.
+uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
+
+// madvise(MADV_WILLNEED) over the pages of a span: starts kernel readahead
+// for file mappings (a no-op for anonymous memory). Errors are ignored: it is
+// a hint, and spans that are not mapped have nothing to read ahead.
+void advise_willneed(uint64_t addr, uint64_t nbytes);
+
+}  // namespace mapoffload

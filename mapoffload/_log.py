@@ -1,0 +1,17 @@
+"""The library's logger and byte formatting shared by its modules."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("mapoffload")
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``: binary units, two decimals."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
