@@ -1,0 +1,190 @@
+"""The pure parsers of the native core, on hand-written fixtures and against
+the Python reference (property tests)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mapoffload import _core
+
+import maps_reference as ref
+
+FIXTURE = """\
+55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0000001000 r--p 00000000 fd:01 1234                       /opt/models/my model (v2).safetensors
+7f0000001000-7f0000003000 rw-p 00001000 fd:01 1234                       /opt/models/my model (v2).safetensors
+7f0000003000-7f0000004000 r--p 00003000 fd:01 1234                       /opt/models/my model (v2).safetensors
+7f0000010000-7f0000011000 rw-p 00000000 fd:01 99                         /tmp/gone.bin (deleted)
+7f0000020000-7f0000021000 rw-s 00000000 00:01 5                          /memfd:weights (deleted)
+7f0000030000-7f0000031000 rw-s 00000000 00:19 77                         /dev/shm/torch_123_0
+7f0000040000-7f0000041000 rw-s 00000000 00:01 6                          /dev/zero (deleted)
+7f0000050000-7f0000051000 rw-s 00000000 00:01 7                          /SYSV0000abcd (deleted)
+7f0000060000-7f0000061000 rw-p 00000000 00:00 0                          [anon:torch arena]
+7f0000070000-7f0000071000 rw-p 00000000 00:00 0 
+7f0000080000-7f0000081000 rw-s 00000000 00:2a 12                         /run/user/0/scratch.bin
+7f0000090000-7f0000091000 rw-s 00000000 00:05 300                        /dev/nvidia0
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+7ffd00100000-7ffd00102000 r--p 00000000 00:00 0                          [vvar]
+7ffd00102000-7ffd00104000 r-xp 00000000 00:00 0                          [vdso]
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsyscall]
+"""
+
+MOUNTINFO = """\
+22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+24 22 0:25 / /dev/shm rw,nosuid,nodev shared:2 - tmpfs tmpfs rw
+25 22 0:42 / /run/user/0 rw,nosuid - tmpfs tmpfs rw,size=100k
+26 22 0:5 / /dev rw,nosuid - devtmpfs udev rw
+"""
+
+
+def test_fixture_fields_and_path_rules():
+    t = _core.parse_maps(FIXTURE)
+    assert len(t) == 17
+    assert t.starts[0] == 0x55D0C0A00000 and t.ends[0] == 0x55D0C0A21000
+    assert t.paths[1] == "/opt/models/my model (v2).safetensors"
+    assert t.perms[2] == "rw-p" and t.perms[5] == "rw-s"
+    assert t.offsets[2] == 0x1000
+    assert t.devs[1] == (0xFD, 0x01) and t.inodes[1] == 1234
+    assert t.starts[-1] == 0xFFFFFFFFFF600000 and t.ends[-1] == 0xFFFFFFFFFF601000
+    assert t.paths[10] == ""
+    assert t.classes == [
+        "anonymous", "file", "file", "file", "file", "shmem", "shmem", "shmem", "shmem",
+        "anonymous", "anonymous",
+        "file",  # /run/user/0 is tmpfs, but only the mount table says so
+        "special", "anonymous", "special", "special", "special",
+    ]
+
+
+def test_mountinfo_tells_tmpfs_from_disk():
+    t = _core.parse_maps(FIXTURE)
+    assert _core.parse_mountinfo(MOUNTINFO)[(0, 42)] == "tmpfs"
+    t.apply_mountinfo(MOUNTINFO)
+    assert t.classes[11] == "shmem"  # tmpfs mounted elsewhere than /dev/shm
+    assert t.classes[12] == "special"  # device node on devtmpfs
+    assert t.classes[1] == "file" and t.classes[4] == "file"  # ext4, deleted file included
+
+
+def test_adjacent_vmas_of_one_file_form_one_run():
+    t = _core.parse_maps(FIXTURE)
+    base = 0x7F0000000000
+    assert t.run_ends[1] == base + 0x4000  # three VMAs split by mprotect
+    assert t.holds_pointer(base) and t.holds_pointer(base + 0x3FFF)
+    assert not t.holds_pointer(base + 0x4000)
+    spans = _core.SpanArray([base + 10, base + 0x3000, base + 0x3F00, 0, base], [0x3FF0 - 10, 0x1000, 0x200, 8, 0])
+    assert t.holds_spans(spans) == [True, True, False, False, False]
+    assert t.span_classes(spans) == ["file", "file", "mixed", "unmapped", "unmapped"]
+
+
+def test_deleted_file_is_file_and_memfd_is_not():
+    t = _core.parse_maps(FIXTURE)
+    assert t.holds_pointer(0x7F0000010000)
+    assert not t.holds_pointer(0x7F0000020000)
+    assert not t.holds_pointer(0)
+
+
+def test_empty_input_and_unsorted_input():
+    assert len(_core.parse_maps("")) == 0
+    assert not _core.parse_maps("").holds_pointer(4096)
+    lines = FIXTURE.splitlines()
+    t = _core.parse_maps("\n".join(reversed(lines)) + "\n")
+    assert t.starts == sorted(t.starts)
+    assert t.classes[1] == "file"
+
+
+@pytest.mark.parametrize(
+    "line, lineno",
+    [
+        ("zz-1000 r--p 00000000 00:00 0", 1),
+        ("1000-2000 r--x 00000000 00:00 0", 1),
+        ("1000 r--p 00000000 00:00 0", 1),
+        ("2000-1000 r--p 00000000 00:00 0", 1),
+        ("1000-2000 r--p 00000000 0000 0", 1),
+        ("1000-2000 r--p 00000000 00:00 x", 1),
+        ("1000-2000 r--p 00000000 00:00", 1),
+        ("1000-2000 r--p", 1),
+        ("10000000000000000-10000000000000001 r--p 00000000 00:00 0", 1),
+    ],
+)
+def test_malformed_line_names_its_number(line, lineno):
+    good = "1000-2000 r--p 00000000 00:00 0\n"
+    with pytest.raises(ValueError, match=rf"line {lineno + 2}\b"):
+        _core.parse_maps(good + good.replace("1000-2000", "3000-4000") + line + "\n")
+
+
+def test_malformed_mountinfo_names_its_line():
+    with pytest.raises(ValueError, match="line 2"):
+        _core.parse_mountinfo(MOUNTINFO.splitlines()[0] + "\nnot a mount line\n")
+
+
+SMAPS = """\
+7f0000000000-7f0000004000 rw-p 00000000 fd:01 1234                       /data/w.safetensors
+Size:                 16 kB
+Rss:                  12 kB
+Anonymous:             4 kB
+Private_Dirty:         4 kB
+Swap:                  0 kB
+VmFlags: rd wr mr mw me ac sd
+7f0000010000-7f0000011000 rw-p 00000000 00:00 0
+Size:                  4 kB
+Rss:                   4 kB
+Anonymous:             4 kB
+"""
+
+
+def test_smaps_fields():
+    t = _core.parse_smaps(SMAPS)
+    assert len(t) == 2
+    assert t.rss == [12 * 1024, 4096]
+    assert t.anonymous == [4096, 4096]
+    assert t.private_dirty == [4096, 0]
+    assert t.classes == ["file", "anonymous"]
+    assert t.touching(_core.SpanArray([0x7F0000003FFF], [2])) == [0]
+    with pytest.raises(ValueError, match="line 1"):
+        _core.parse_smaps("Rss: 4 kB\n")
+
+
+# --- property tests against the Python reference ---------------------------------
+
+PATHS = [
+    "", "[heap]", "[stack]", "[anon:x]", "[vdso]", "/a/w.safetensors", "/a/b c.bin (deleted)",
+    "/memfd:m (deleted)", "/dev/shm/s", "/SYSV00000001 (deleted)", "/dev/nvidia0", "anon_inode:x",
+]
+
+
+@st.composite
+def maps_text(draw):
+    n = draw(st.integers(0, 30))
+    addr = draw(st.integers(1, 1 << 40)) << 12
+    lines = []
+    for _ in range(n):
+        addr += draw(st.sampled_from([0, 0, 4096, 8192]))
+        size = draw(st.integers(1, 4)) * 4096
+        path = draw(st.sampled_from(PATHS))
+        inode = 0 if path in ("", "[heap]", "[stack]", "[anon:x]", "[vdso]") else draw(st.sampled_from([7, 8]))
+        dev = "00:00" if inode == 0 else draw(st.sampled_from(["fd:01", "00:19"]))
+        perms = draw(st.sampled_from(["r--p", "rw-p", "r-xp", "rw-s"]))
+        pad = " " * draw(st.integers(1, 20))
+        lines.append(f"{addr:x}-{addr + size:x} {perms} {0:08x} {dev} {inode}{pad}{path}")
+        addr += size
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+@settings(max_examples=200, deadline=None)
+@given(maps_text(), st.data())
+def test_parser_and_classifier_match_reference(text, data):
+    native = _core.parse_maps(text)
+    vmas = ref.parse(text)
+    assert native.starts == [v.start for v in vmas]
+    assert native.ends == [v.end for v in vmas]
+    assert native.paths == [v.path for v in vmas]
+    assert native.classes == [v.cls for v in vmas]
+    assert native.devs == [v.dev for v in vmas]
+    lo = vmas[0].start - 8192 if vmas else 4096
+    hi = vmas[-1].end + 8192 if vmas else 1 << 20
+    addrs = data.draw(st.lists(st.integers(max(lo, 0), hi), min_size=1, max_size=20))
+    sizes = data.draw(st.lists(st.integers(0, 40000), min_size=len(addrs), max_size=len(addrs)))
+    spans = _core.SpanArray(addrs, sizes)
+    assert native.holds_spans(spans) == [ref.holds_span(vmas, a, n) for a, n in zip(addrs, sizes)]
+    assert native.span_classes(spans) == [ref.span_class(vmas, a, n) for a, n in zip(addrs, sizes)]

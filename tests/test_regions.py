@@ -1,0 +1,195 @@
+"""MappedRegions and the residency helpers on real mappings."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import mapoffload
+from mapoffload import MappedRegions, component_residency_bytes, cow_report, resident_bytes
+
+from conftest import drop_page_cache
+from native_mem import MAP_FIXED, PAGE, mmap_raw, mprotect, munmap, tensor_at
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(300, 100), "b": torch.randn(7), "c": torch.arange(4096, dtype=torch.int64)}, path)
+    return path
+
+
+def test_load_file_views_are_held_and_anonymous_tensors_are_not(checkpoint):
+    loaded = load_file(checkpoint)
+    other = torch.randn(1000)
+    regions = MappedRegions()
+    assert regions.available
+    assert regions.classify([loaded["a"], loaded["b"], loaded["c"], other]) == [True, True, True, False]
+    assert regions.holds(loaded["a"][10:20]) and regions.holds(loaded["a"][:, 3])
+    assert regions.holds_pointer(loaded["c"].data_ptr())
+    assert not regions.holds_pointer(other.data_ptr())
+    assert not regions.holds_pointer(0)
+    assert regions.span_classes([loaded["a"], other]) == ["file", "anonymous"]
+    assert regions.mapped_bytes([loaded["a"], other]) == loaded["a"].nbytes
+
+
+def test_safe_open_and_torch_load_mmap(checkpoint, tmp_path):
+    with safe_open(checkpoint, framework="pt") as f:
+        a = f.get_tensor("a")
+        sl = f.get_slice("a")[0:5]
+    pt = tmp_path / "w.pt"
+    torch.save({"x": torch.randn(5000)}, pt)
+    loaded_pt = torch.load(pt, mmap=True, weights_only=True)
+    regions = MappedRegions()
+    assert regions.holds(loaded_pt["x"])
+    # safe_open copies get_tensor results out of its own mapping in some
+    # versions; what matters is that the index agrees with smaps.
+    for t in (a, sl):
+        assert regions.holds(t) == (regions.span_classes([t]) == ["file"])
+
+
+def test_empty_meta_and_non_tensors():
+    regions = MappedRegions()
+    assert regions.classify([torch.empty(0), torch.empty(3, device="meta")]) == [False, False]
+    assert regions.classify([]) == []
+    with pytest.raises(TypeError, match="item 1 is list"):
+        regions.classify([torch.zeros(1), [1, 2]])
+
+
+def test_dev_shm_storage_is_shmem_not_file():
+    path = f"/dev/shm/mapoffload-test-{os.getpid()}"
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with open(path, "wb") as f:
+        f.write(b"\1" * PAGE * 2)
+    try:
+        with open(path, "r+b") as f:
+            m = mmap.mmap(f.fileno(), PAGE * 2)
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        regions = MappedRegions()
+        assert not regions.holds(t)
+        assert regions.span_classes([t]) == ["shmem"]
+        shared = torch.zeros(1000).share_memory_()
+        regions = MappedRegions()
+        assert not regions.holds(shared)
+        assert regions.span_classes([shared]) == ["shmem"]
+        del t
+        m.close()
+    finally:
+        os.unlink(path)
+
+
+def test_span_crossing_file_page_into_anonymous_page(tmp_path):
+    path = tmp_path / "page.bin"
+    path.write_bytes(b"\7" * PAGE)
+    base = mmap_raw(2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base)
+        finally:
+            os.close(fd)
+        regions = MappedRegions()
+        assert regions.holds(tensor_at(base, PAGE))
+        crossing = tensor_at(base + PAGE - 8, 16)
+        assert not regions.holds(crossing)
+        assert regions.span_classes([crossing]) == ["mixed"]
+        assert not regions.holds(tensor_at(base + PAGE, 8))
+    finally:
+        munmap(base, 2 * PAGE)
+
+
+def test_file_mapping_split_by_mprotect_counts_as_one(tmp_path):
+    path = tmp_path / "three.bin"
+    path.write_bytes(os.urandom(3 * PAGE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = mmap_raw(3 * PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE, fd)
+    finally:
+        os.close(fd)
+    try:
+        mprotect(base + PAGE, PAGE, mmap.PROT_READ | mmap.PROT_WRITE)
+        regions = MappedRegions()
+        table = regions.table
+        first = table.find(base)
+        assert table.ends[first] == base + PAGE  # really split
+        assert regions.holds(tensor_at(base, 3 * PAGE))
+    finally:
+        munmap(base, 3 * PAGE)
+
+
+def test_snapshot_does_not_see_later_mappings(checkpoint):
+    regions = MappedRegions()
+    loaded = load_file(checkpoint)
+    assert not regions.holds(loaded["a"])
+    assert MappedRegions().holds(loaded["a"])
+
+
+def test_unreadable_proc_answers_false_and_never_raises(checkpoint):
+    loaded = load_file(checkpoint)
+    regions = MappedRegions(maps_path="/nonexistent/maps")
+    assert not regions.available
+    assert regions.classify([loaded["a"]]) == [False]
+    assert not regions.holds(loaded["a"]) and not regions.holds_pointer(loaded["a"].data_ptr())
+    assert regions.span_classes([loaded["a"]]) == ["unmapped"]
+    assert not cow_report(smaps_path="/nonexistent/smaps").available
+
+
+def test_missing_mountinfo_keeps_path_rules(checkpoint):
+    loaded = load_file(checkpoint)
+    regions = MappedRegions(mountinfo_path="/nonexistent/mountinfo")
+    assert regions.available and regions.holds(loaded["a"])
+
+
+def test_residency_follows_the_page_cache(tmp_path):
+    path = tmp_path / "cold.safetensors"
+    save_file({"w": torch.randn(4 << 20)}, path)  # 16 MiB
+    drop_page_cache(path)
+    w = load_file(path)["w"]
+    cold = resident_bytes([w])[0]
+    assert cold <= w.nbytes // 4, f"{cold} of {w.nbytes} bytes resident right after dropping"
+    float(w.sum())
+    assert resident_bytes([w])[0] == w.nbytes
+    anon = torch.ones(1000)
+    assert resident_bytes([anon, torch.empty(0)]) == [anon.nbytes, 0]
+
+
+def test_cow_report_sees_a_write_and_not_a_read(checkpoint):
+    loaded = load_file(checkpoint)
+    a = loaded["a"]
+    before = cow_report([a])
+    assert before.anonymous_bytes == 0 and len(before.mappings) == 1
+    assert before.mappings[0].path == str(checkpoint)
+    float(a.sum())
+    assert cow_report([a]).anonymous_bytes == 0
+    a[0, 0] = 42.0
+    after = cow_report([a])
+    assert after.anonymous_bytes >= PAGE
+    assert after.by_path()[str(checkpoint)] == after.anonymous_bytes
+    assert cow_report().anonymous_bytes >= after.anonymous_bytes
+    assert "turned anonymous" in str(after)
+
+
+def test_component_residency_bytes(checkpoint):
+    loaded = load_file(checkpoint)
+    module = torch.nn.Module()
+    module.a = torch.nn.Parameter(loaded["a"], requires_grad=False)
+    module.a_view = torch.nn.Parameter(loaded["a"][:10], requires_grad=False)  # same storage
+    module.register_buffer("anon", torch.zeros(10))
+    module.register_buffer("meta", torch.empty(10, device="meta"))
+    out = component_residency_bytes(module)
+    assert out["vram"] == 0 and out["host_pinned"] == 0
+    assert out["host"] == 40
+    # The storage of a mapped view is the file region safetensors exposes for it.
+    assert out["host_mapped"] == loaded["a"].untyped_storage().nbytes()
+
+
+def test_public_names_are_sorted_and_importable():
+    assert list(mapoffload.__all__) == sorted(mapoffload.__all__)
+    for name in mapoffload.__all__:
+        assert getattr(mapoffload, name) is not None
