@@ -62,9 +62,9 @@ SpanArray make_spans(const py::object& addrs, const py::object& sizes) {
   return s;
 }
 
-SpanArray extract(const py::object& seq, const py::object& tensor_type) {
+SpanArray extract(const py::object& seq, const py::object& tensor_type, bool check_device) {
   SpanArray s;
-  if (!extract_tensor_spans(seq.ptr(), tensor_type.ptr(), s)) throw py::error_already_set();
+  if (!extract_tensor_spans(seq.ptr(), tensor_type.ptr(), check_device, s)) throw py::error_already_set();
   return s;
 }
 
@@ -114,6 +114,7 @@ PYBIND11_MODULE(_core, m) {
       });
 
   m.def("extract_spans", &extract, py::arg("tensors"), py::arg("tensor_type"),
+        py::arg("check_device") = true,
         "(data_ptr, nbytes) of every tensor in one call; non-CPU/meta/empty -> (0, 0).");
 
   py::class_<MapsTable>(m, "MapsTable", "Sorted interval arrays of one maps/smaps snapshot.")
@@ -159,10 +160,23 @@ PYBIND11_MODULE(_core, m) {
            py::arg("ptr"))
       .def("holds_spans", [](const MapsTable& t, const SpanArray& s) { return bool_list(holds_all(t, s)); },
            py::arg("spans"))
-      .def("classify_tensors", [](const MapsTable& t, const py::object& seq, const py::object& type) {
-        SpanArray s = extract(seq, type);
-        return bool_list(holds_all(t, s));
-      }, py::arg("tensors"), py::arg("tensor_type"),
+      .def("classify_tensors", [](const MapsTable& t, const py::object& seq, const py::object& type,
+                                  bool check_device) {
+        // Device memory never lies in a host file mapping, so the device is
+        // checked only for the spans found held (rarely needed: see regions.py).
+        SpanArray s = extract(seq, type, false);
+        std::vector<uint8_t> held = holds_all(t, s);
+        if (check_device) {
+          py::sequence items = py::reinterpret_borrow<py::sequence>(seq);
+          for (size_t i = 0; i < held.size(); ++i) {
+            if (!held[i]) continue;
+            int cpu = tensor_is_cpu(items[i].ptr());
+            if (cpu < 0) throw py::error_already_set();
+            held[i] = static_cast<uint8_t>(cpu);
+          }
+        }
+        return bool_list(held);
+      }, py::arg("tensors"), py::arg("tensor_type"), py::arg("check_device") = true,
          "Extract spans (GIL held), then classify (GIL released): holds() for each tensor.")
       .def("span_classes", [](const MapsTable& t, const SpanArray& s) {
         std::vector<uint8_t> c(s.size());

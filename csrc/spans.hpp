@@ -17,9 +17,14 @@ struct SpanArray {
   size_t size() const { return addr.size(); }
 };
 
-// Reads data_ptr()/nbytes/is_cpu of every item of `seq`. Raises TypeError
-// naming the index of the first item that is not an instance of tensor_type.
-// Must be called with the GIL held. Returns false with a Python error set.
-bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, SpanArray& out);
+// Reads data_ptr() and nbytes of every item of `seq` (and is_cpu when
+// check_device is true; see regions.py for when it may be skipped). Tensors
+// without storage (sparse, XLA) give (0, 0). Raises TypeError naming the index
+// of the first item that is not an instance of tensor_type. Must be called
+// with the GIL held. Returns false with a Python error set.
+bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, bool check_device, SpanArray& out);
+
+// t.is_cpu as 1/0, or -1 with a Python error set.
+int tensor_is_cpu(PyObject* t);
 
 }  // namespace mapoffload

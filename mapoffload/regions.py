@@ -61,6 +61,25 @@ def _tensor_type() -> type:
     return torch.Tensor
 
 
+def _devices_in_use() -> bool:
+    """Whether a tensor in this process could live on a non-CPU device.
+
+    Classification reads ``is_cpu`` only for tensors found on a file mapping,
+    and only when some accelerator runtime is initialised: without one no
+    tensor with storage can be off the CPU (meta tensors have no data pointer),
+    and device memory never lies inside a host file mapping anyway. This keeps
+    the check (~30 ns a tensor) off the common path without changing an answer.
+    """
+    import torch
+
+    for name in ("cuda", "xpu", "mtia"):
+        backend = getattr(torch, name, None)
+        is_init = getattr(backend, "is_initialized", None)
+        if is_init is not None and is_init():
+            return True
+    return False
+
+
 def tensor_spans(tensors: Sequence[torch.Tensor]) -> _core.SpanArray:
     """``(data_ptr, nbytes)`` of every tensor, extracted in one native call.
 
@@ -129,12 +148,12 @@ class MappedRegions:
 
     def classify(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
         """:meth:`holds` for a whole sequence in one native call."""
+        if not isinstance(tensors, (list, tuple)):
+            tensors = list(tensors)
         if self._table is None:
-            if not isinstance(tensors, Sequence):
-                tensors = list(tensors)
             tensor_spans(tensors)  # same TypeError as when available
             return [False] * len(tensors)
-        return self._table.classify_tensors(tensors, _tensor_type())
+        return self._table.classify_tensors(tensors, _tensor_type(), _devices_in_use())
 
     def classify_spans(self, spans: _core.SpanArray) -> list[bool]:
         """:meth:`holds` for raw spans (``_core.SpanArray``)."""

@@ -193,3 +193,13 @@ def test_public_names_are_sorted_and_importable():
     assert list(mapoffload.__all__) == sorted(mapoffload.__all__)
     for name in mapoffload.__all__:
         assert getattr(mapoffload, name) is not None
+
+
+def test_device_check_path_and_tensors_without_storage(checkpoint):
+    loaded = load_file(checkpoint)
+    table = MappedRegions().table
+    items = [loaded["a"], torch.zeros(3), torch.zeros(3).to_sparse(), torch.empty(2, device="meta")]
+    expected = [True, False, False, False]
+    assert table.classify_tensors(items, torch.Tensor, True) == expected
+    assert table.classify_tensors(items, torch.Tensor, False) == expected
+    assert mapoffload.tensor_spans(items).sizes == [loaded["a"].nbytes, 3 * 4, 0, 0]

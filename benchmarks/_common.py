@@ -1,0 +1,60 @@
+"""Shared helpers of the benchmark scripts: timing, tables, JSON, machine info."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``repeat`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        mem = f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
+    except Exception:
+        mem = "?"
+    return f"{os.cpu_count()} cores, {cpu}, {mem}, Linux {platform.release()}"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A Markdown table: pastes straight into docs/benchmarks.md."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def emit_json(name: str, payload: dict, path: str | None) -> None:
+    payload = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
+    text = json.dumps(payload, indent=2)
+    print("JSON " + json.dumps(payload))
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
