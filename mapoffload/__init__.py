@@ -8,6 +8,26 @@ and re-read) instead of being copied into anonymous or pinned memory. See
 from __future__ import annotations
 
 from ._native import _core
+from .budget import (
+    GIB_BYTES,
+    HOST_COPY_RESERVE_BYTES,
+    HostMemory,
+    cgroup_memory_limit_bytes,
+    describe_host,
+    host_copies_would_not_fit,
+    host_memory,
+    host_memory_available_bytes,
+)
+from .checkpoint import (
+    CheckpointError,
+    LoadReport,
+    checkpoint_bytes,
+    checkpoint_files,
+    empty_weights,
+    keep_checkpoint_mapped,
+    load_checkpoint,
+    match_checkpoint_dtypes,
+)
 from .regions import (
     CowMapping,
     CowReport,
@@ -21,11 +41,27 @@ from .regions import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CowMapping",
     "CowReport",
+    "GIB_BYTES",
+    "HOST_COPY_RESERVE_BYTES",
+    "HostMemory",
+    "LoadReport",
     "MappedRegions",
+    "cgroup_memory_limit_bytes",
+    "checkpoint_bytes",
+    "checkpoint_files",
     "component_residency_bytes",
     "cow_report",
+    "describe_host",
+    "empty_weights",
+    "host_copies_would_not_fit",
+    "host_memory",
+    "host_memory_available_bytes",
+    "keep_checkpoint_mapped",
+    "load_checkpoint",
+    "match_checkpoint_dtypes",
     "resident_bytes",
     "tensor_spans",
 ]

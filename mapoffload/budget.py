@@ -1,0 +1,232 @@
+"""Host memory budget: how many bytes this process may still fill with copies.
+
+Inside containers ``psutil.virtual_memory().available`` reports the machine,
+not the cgroup, so the budget also reads the process's own memory cgroup (v2
+``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/
+``memory.usage_in_bytes``) and takes the tightest cap on the path from the
+leaf up to the mount.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ._log import format_bytes
+
+__all__ = [
+    "ENV_HOST_AVAILABLE_GIB",
+    "GIB_BYTES",
+    "HOST_COPY_RESERVE_BYTES",
+    "HostMemory",
+    "cgroup_memory_limit_bytes",
+    "describe_host",
+    "host_copies_would_not_fit",
+    "host_memory",
+    "host_memory_available_bytes",
+]
+
+GIB_BYTES = 1 << 30
+# Free memory kept out of every copy decision: activations, staging buffers and
+# allocator slack are not in the weight total and cannot be spent on copies.
+HOST_COPY_RESERVE_BYTES = 4 * GIB_BYTES
+ENV_HOST_AVAILABLE_GIB = "MAPOFFLOAD_HOST_AVAILABLE_GIB"
+# cgroup v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, about 2^63.
+_V1_UNLIMITED = 1 << 62
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    text = _read(path)
+    if text is None:
+        return None
+    text = text.strip()
+    if not text.isdigit():  # "max", garbage, empty
+        return None
+    return int(text)
+
+
+def _own_cgroup_paths(root: str) -> tuple[str | None, str | None]:
+    """This process's (v2 path, v1 memory path) from ``/proc/self/cgroup``."""
+    text = _read(os.path.join(root, "proc/self/cgroup")) or ""
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _candidate_dirs(mount: str, path: str) -> list[str]:
+    """Directories from the leaf up to the mount, for the tightest-cap walk.
+
+    In a container the path in ``/proc/self/cgroup`` is the host's; under the
+    container's mount only a suffix of it (or the mount itself) exists.
+    """
+    parts = [p for p in path.split("/") if p]
+    leaf = mount
+    for i in range(len(parts) + 1):
+        cand = os.path.join(mount, *parts[i:])
+        if os.path.isdir(cand):
+            leaf = cand
+            break
+    dirs = []
+    cur = os.path.normpath(leaf)
+    top = os.path.normpath(mount)
+    while True:
+        dirs.append(cur)
+        if cur == top or not cur.startswith(top):
+            break
+        cur = os.path.dirname(cur)
+    return dirs
+
+
+def _tightest(dirs: list[str], cap_file: str, usage_file: str, unlimited: int | None) -> tuple[int, int] | None:
+    best: tuple[int, int] | None = None
+    for d in dirs:
+        cap = _read_int(os.path.join(d, cap_file))
+        if cap is None or (unlimited is not None and cap >= unlimited):
+            continue
+        usage = _read_int(os.path.join(d, usage_file)) or 0
+        if best is None or cap - usage < best[0] - best[1]:
+            best = (cap, usage)
+    return best
+
+
+def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
+    """(cap, usage) of the tightest memory cap that applies to this process.
+
+    Tries cgroup v2 before v1; "max", missing files, garbage and the v1
+    sentinel (>= 2**62) mean uncapped. ``root`` prefixes every ``/proc`` and
+    ``/sys`` path read, so tests build fake trees. None when nothing caps.
+    "Tightest" is the smallest headroom (cap - usage) on the path.
+    """
+    v2, v1 = _own_cgroup_paths(root)
+    if v2 is not None:
+        mount = os.path.join(root, "sys/fs/cgroup")
+        found = _tightest(_candidate_dirs(mount, v2), "memory.max", "memory.current", None)
+        if found:
+            return found
+    if v1 is not None:
+        mount = os.path.join(root, "sys/fs/cgroup/memory")
+        found = _tightest(
+            _candidate_dirs(mount, v1), "memory.limit_in_bytes", "memory.usage_in_bytes", _V1_UNLIMITED
+        )
+        if found:
+            return found
+    return None
+
+
+def _rss_anon_bytes(root: str) -> int:
+    text = _read(os.path.join(root, "proc/self/status")) or ""
+    for line in text.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _env_host_gib() -> float | None:
+    raw = os.environ.get(ENV_HOST_AVAILABLE_GIB)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={raw!r} is not a number of GiB") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={raw!r} must be a finite number >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What the budget sees, for logs, the CLI and JSON."""
+
+    available: int
+    machine_available: int
+    cgroup_cap: int | None
+    cgroup_usage: int | None
+    swap_free: int
+    override_gib: float | None
+
+    def __str__(self) -> str:
+        parts = [f"available {format_bytes(self.available)}"]
+        if self.override_gib is not None:
+            parts.append(f"as if a {self.override_gib:g} GiB host ({ENV_HOST_AVAILABLE_GIB})")
+        parts.append(f"machine {format_bytes(self.machine_available)} available")
+        if self.cgroup_cap is not None:
+            parts.append(
+                f"cgroup cap {format_bytes(self.cgroup_cap)}, usage {format_bytes(self.cgroup_usage or 0)}"
+            )
+        else:
+            parts.append("no cgroup cap")
+        parts.append(f"swap free {format_bytes(self.swap_free)}")
+        return "host memory: " + "; ".join(parts)
+
+
+def host_memory(*, root: str = "/") -> HostMemory:
+    """The whole picture :func:`host_memory_available_bytes` decides from."""
+    import psutil
+
+    machine = int(psutil.virtual_memory().available)
+    swap_free = int(psutil.swap_memory().free)
+    cg = cgroup_memory_limit_bytes(root=root)
+    override = _env_host_gib()
+    if override is not None:
+        available = max(0, int(override * GIB_BYTES) - _rss_anon_bytes(root))
+    else:
+        available = machine
+        if cg is not None:
+            available = min(available, max(0, cg[0] - cg[1]))
+    return HostMemory(
+        available=available,
+        machine_available=machine,
+        cgroup_cap=cg[0] if cg else None,
+        cgroup_usage=cg[1] if cg else None,
+        swap_free=swap_free,
+        override_gib=override,
+    )
+
+
+def host_memory_available_bytes(*, root: str = "/") -> int:
+    """min(psutil available, cgroup cap - usage), in bytes.
+
+    With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X`` the process behaves like a host of
+    X GiB: ``max(0, X GiB - RssAnon)``.
+
+    Raises
+    ------
+    ValueError
+        If the environment variable is not a number >= 0 (it is named).
+    """
+    return host_memory(root=root).available
+
+
+def describe_host(*, root: str = "/") -> str:
+    """One human-readable line: available, cap, usage, swap."""
+    return str(host_memory(root=root))
+
+
+def host_copies_would_not_fit(weight_bytes: int, *, available_bytes: int | None = None) -> bool:
+    """Whether copying ``weight_bytes`` into host memory would fill the host.
+
+    ``weight_bytes > 0 and weight_bytes >= available - HOST_COPY_RESERVE_BYTES``:
+    the reserve is never spendable, and 0 bytes always fit.
+    """
+    if weight_bytes <= 0:
+        return False
+    if available_bytes is None:
+        available_bytes = host_memory_available_bytes()
+    return weight_bytes >= available_bytes - HOST_COPY_RESERVE_BYTES

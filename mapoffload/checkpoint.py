@@ -1,0 +1,408 @@
+"""Loader gates and ``load_checkpoint``: keep weights on the checkpoint's file
+mapping when host copies would not fit.
+
+State of a module after an error: every check (files, keys, shapes, dtypes,
+parameters left on meta) runs before the first parameter is assigned, so an
+error leaves the module exactly as it was. Only a failure while converting or
+copying a tensor's bytes (a file truncated during the load, say) can stop the
+assignment half way; the module is then partly loaded and must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._log import format_bytes, logger
+from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CheckpointError",
+    "LoadReport",
+    "checkpoint_bytes",
+    "checkpoint_files",
+    "empty_weights",
+    "keep_checkpoint_mapped",
+    "load_checkpoint",
+    "match_checkpoint_dtypes",
+]
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as one (``.path`` names it)."""
+
+    def __init__(self, path: str | os.PathLike, message: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {message}")
+        self.path = os.fspath(path)
+
+
+# --- sizes and gates ------------------------------------------------------------
+
+
+def _index_shards(index_path: str) -> list[str]:
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(index_path, f"not a safetensors index ({exc})") from None
+    folder = os.path.dirname(index_path)
+    return [os.path.join(folder, s) for s in dict.fromkeys(weight_map.values())]
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> int:
+    """On-disk bytes of a checkpoint, read from sizes only.
+
+    Every ``.safetensors`` under a directory (recursive), one file's size, or
+    the shards a ``*.safetensors.index.json`` names. 0 for a path that does not
+    exist (a hub id, say).
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        total = 0
+        for folder, _, files in os.walk(p):
+            total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if f.endswith(".safetensors"))
+        return total
+    if p.endswith(_INDEX_SUFFIX) and os.path.isfile(p):
+        return sum(os.path.getsize(s) for s in _index_shards(p) if os.path.isfile(s))
+    if os.path.isfile(p):
+        return os.path.getsize(p)
+    return 0
+
+
+def keep_checkpoint_mapped(*, weight_bytes: int, component: str) -> bool:
+    """True exactly when host copies of ``weight_bytes`` would not fit.
+
+    Logs one line saying why, with the deployment's GiB against the host's.
+    """
+    available = host_memory_available_bytes()
+    keep = host_copies_would_not_fit(weight_bytes, available_bytes=available)
+    gib = 1 << 30
+    logger.info(
+        "%s: %.2f GiB of weights, host has %.2f GiB available (%.0f GiB reserve): %s",
+        component,
+        weight_bytes / gib,
+        available / gib,
+        HOST_COPY_RESERVE_BYTES / gib,
+        "copies would not fit, keeping the checkpoint mapped" if keep else "copies fit, copying into host memory",
+    )
+    return keep
+
+
+def match_checkpoint_dtypes(
+    loaded: dict[str, torch.Tensor], target_state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Convert, in ``loaded``, only tensors whose dtype differs from the target's.
+
+    That conversion is the only anonymous memory a mapped load makes; tensors
+    whose dtype matches stay the very same objects (still views of the
+    mapping), and keys the target lacks are untouched. Returns ``loaded``.
+    """
+    for key, tensor in loaded.items():
+        target = target_state.get(key)
+        if target is not None and tensor.dtype != target.dtype:
+            loaded[key] = tensor.to(target.dtype)
+    return loaded
+
+
+# --- building without memory ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build modules with parameters on the meta device and buffers real.
+
+    Building a 60 GiB model costs nothing: each parameter moves to meta as it
+    is registered, before the module's own initialisation runs on it. Buffers
+    (position ids, rotary tables, non-persistent ones too) are created as
+    usual, so they exist after :func:`load_checkpoint`.
+    """
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            cls = type(param)
+            meta = cls(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = meta
+
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+# --- reading files -------------------------------------------------------------
+
+
+def _looks_remote(p: str) -> bool:
+    return "://" in p or bool(_HUB_ID.match(p))
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The files a checkpoint path stands for, in load order.
+
+    Raises
+    ------
+    FileNotFoundError
+        For a missing path, or a shard an index names that is missing.
+    ValueError
+        For a hub id or URL (only local paths are loaded), or a folder with no
+        checkpoint in it.
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        if _looks_remote(p):
+            raise ValueError(f"{p!r} looks like a hub id or URL: mapoffload loads local paths only")
+        raise FileNotFoundError(f"checkpoint not found: {p}")
+    if os.path.isdir(p):
+        entries = sorted(os.listdir(p))
+        index = [e for e in entries if e.endswith(_INDEX_SUFFIX)]
+        if index:
+            return checkpoint_files(os.path.join(p, index[0]))
+        found = [os.path.join(p, e) for e in entries if e.endswith(".safetensors")]
+        if not found:
+            found = [os.path.join(p, e) for e in entries if e.endswith(_TORCH_SUFFIXES)]
+        if not found:
+            raise ValueError(f"{p}: no .safetensors, .pt or .bin checkpoint in this folder")
+        return found
+    if p.endswith(_INDEX_SUFFIX):
+        shards = _index_shards(p)
+        for s in shards:
+            if not os.path.isfile(s):
+                raise FileNotFoundError(f"shard {s} named by {p} is missing")
+        return shards
+    return [p]
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    """Mapped CPU views of every tensor in one file."""
+    import torch
+
+    if path.endswith(_TORCH_SUFFIXES):
+        try:
+            obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise CheckpointError(path, f"not a readable PyTorch checkpoint ({exc})") from None
+        if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+            obj = obj["state_dict"]
+        if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CheckpointError(path, "does not hold a flat dict of tensors")
+        return dict(obj)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:
+        raise CheckpointError(path, f"not a valid safetensors file ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot be read ({exc})") from None
+
+
+# --- the report ------------------------------------------------------------------
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` did.
+
+    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``device``,
+    ``not mapped``) to the bytes copied for it.
+    """
+
+    files: list[str] = field(default_factory=list)
+    keep_mapping: bool = False
+    tensors: int = 0
+    bytes_mapped: int = 0
+    bytes_copied: int = 0
+    copied: dict[str, int] = field(default_factory=dict)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
+        keys = ""
+        if self.missing_keys:
+            keys += f" Missing keys: {', '.join(self.missing_keys)}."
+        if self.unexpected_keys:
+            keys += f" Unexpected keys: {', '.join(self.unexpected_keys)}."
+        return (
+            f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "
+            f"({'kept on the mapping' if self.keep_mapping else 'copied into host memory'}): "
+            f"{format_bytes(self.bytes_mapped)} left on the file mapping, "
+            f"{format_bytes(self.bytes_copied)} copied ({why}).{keys}"
+        )
+
+
+# --- load_checkpoint -----------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """Where one state-dict name lives in the module."""
+
+    owner: Any
+    attr: str
+    is_param: bool
+    current: Any
+
+
+def _slots(module: torch.nn.Module) -> tuple[dict[str, _Slot], list[list[str]]]:
+    """Every parameter and persistent buffer by name, and tie groups (names
+    sharing one tensor object)."""
+    slots: dict[str, _Slot] = {}
+    groups: dict[int, list[str]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in sub._parameters.items():
+            if p is None:
+                continue
+            slots[dot + name] = _Slot(sub, name, True, p)
+            groups.setdefault(id(p), []).append(dot + name)
+        for name, b in sub._buffers.items():
+            if b is None or name in sub._non_persistent_buffers_set:
+                continue
+            slots[dot + name] = _Slot(sub, name, False, b)
+            groups.setdefault(id(b), []).append(dot + name)
+    return slots, list(groups.values())
+
+
+def load_checkpoint(
+    module: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    keep_mapping: bool | None = None,
+    strict: bool = True,
+    device: str | torch.device = "cpu",
+) -> LoadReport:
+    """Load a checkpoint into ``module``, leaving weights on the file mapping
+    when asked to (or when the gate says copies would not fit).
+
+    Parameters
+    ----------
+    module
+        Built normally or under :func:`empty_weights`.
+    path
+        A ``.safetensors`` file, a ``*.safetensors.index.json``, a directory
+        of safetensors files, or a PyTorch zip checkpoint (``.pt``/``.bin``,
+        read with ``torch.load(mmap=True, weights_only=True)``).
+    keep_mapping
+        None asks :func:`keep_checkpoint_mapped` with the checkpoint's bytes;
+        True assigns the mapped views (after :func:`match_checkpoint_dtypes`,
+        so only mismatched dtypes are copied); False copies into owned memory.
+    strict
+        Missing or unexpected keys raise. Parameters still on meta after
+        loading raise whatever ``strict`` says.
+    device
+        Where the weights go; anything but ``cpu`` copies.
+
+    Returns
+    -------
+    LoadReport
+
+    Raises
+    ------
+    FileNotFoundError, ValueError, CheckpointError
+        See the module docstring for the state the module is left in.
+    """
+    import torch
+
+    from .regions import MappedRegions
+
+    t0 = time.perf_counter()
+    files = checkpoint_files(path)
+    component = type(module).__name__
+    if keep_mapping is None:
+        keep_mapping = keep_checkpoint_mapped(weight_bytes=checkpoint_bytes(path), component=component)
+    target_device = torch.device(device)
+
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        loaded.update(_read_file(f))
+    slots, groups = _slots(module)
+
+    # Validate everything before assigning anything.
+    unexpected = sorted(k for k in loaded if k not in slots)
+    missing: list[str] = []
+    plan: list[tuple[list[str], torch.Tensor]] = []
+    for names in groups:
+        source_key = next((n for n in names if n in loaded), None)
+        if source_key is None:
+            missing.extend(names)
+            continue
+        src = loaded[source_key]
+        target = slots[source_key].current
+        if tuple(src.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{source_key}: checkpoint shape {tuple(src.shape)} does not match the module's {tuple(target.shape)}"
+            )
+        plan.append((names, src))
+    missing.sort()
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {', '.join(unexpected)}")
+        raise ValueError(f"{os.fspath(path)} does not match {component}: " + "; ".join(parts))
+    left_on_meta = [n for n in missing if slots[n].is_param and slots[n].current.device.type == "meta"]
+    if left_on_meta:
+        raise ValueError(f"parameters would stay on the meta device (not in the checkpoint): {', '.join(left_on_meta)}")
+
+    report = LoadReport(files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected)
+    assigned: list[torch.Tensor] = []
+    for names, src in plan:
+        target = slots[names[0]].current
+        tensor = src
+        reason = None
+        if tensor.dtype != target.dtype:
+            tensor = tensor.to(target.dtype)
+            reason = "dtype"
+        if target_device.type != "cpu":
+            tensor = tensor.to(target_device)
+            reason = reason or "device"
+        elif not keep_mapping and reason is None:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+            reason = "keep_mapping=False"
+        if reason:
+            report.copied[reason] = report.copied.get(reason, 0) + tensor.nbytes
+        value: torch.Tensor
+        if slots[names[0]].is_param:
+            value = torch.nn.Parameter(tensor, requires_grad=target.requires_grad and tensor.is_floating_point())
+        else:
+            value = tensor
+        for n in names:
+            s = slots[n]
+            (s.owner._parameters if s.is_param else s.owner._buffers)[s.attr] = value
+        assigned.append(value)
+        report.tensors += 1
+
+    held = MappedRegions().classify(assigned)
+    for t, h in zip(assigned, held):
+        if h:
+            report.bytes_mapped += t.nbytes
+        else:
+            report.bytes_copied += t.nbytes
+    not_mapped = report.bytes_copied - sum(report.copied.values())
+    if not_mapped > 0:
+        report.copied["not mapped"] = not_mapped
+    report.seconds = time.perf_counter() - t0
+    logger.info("%s: %s", component, report)
+    return report
