@@ -28,6 +28,7 @@ from .checkpoint import (
     load_checkpoint,
     match_checkpoint_dtypes,
 )
+from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
 from .regions import (
     CowMapping,
     CowReport,
@@ -42,18 +43,24 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Copier",
+    "CopyHandle",
+    "CopyStats",
     "CowMapping",
     "CowReport",
+    "CudaError",
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
     "LoadReport",
     "MappedRegions",
+    "MappingFaultError",
     "cgroup_memory_limit_bytes",
     "checkpoint_bytes",
     "checkpoint_files",
     "component_residency_bytes",
     "cow_report",
+    "cuda_available",
     "describe_host",
     "empty_weights",
     "host_copies_would_not_fit",

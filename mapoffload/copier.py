@@ -1,0 +1,242 @@
+"""Python face of the native copier: devices, streams, settings.
+
+The engine (``csrc/copier.cpp``) moves bytes from host memory - above all
+from a checkpoint's file mapping - into device buffers on a CUDA stream.
+``staged`` (default): worker threads memcpy the source into a bounded ring of
+pinned slots, then an async H2D copy goes from each slot; a CPU read never
+breaks copy-on-write, and page faults happen off the caller's thread.
+``direct``: one ``cudaMemcpyAsync`` per span from the source, as the seed
+runtime did (kept for comparison). With ``device="cpu"`` the same pipeline runs
+into CPU buffers (page-aligned slots, memcpy in place of the H2D copy).
+
+Settings: arguments, else ``MAPOFFLOAD_COPY_THREADS``,
+``MAPOFFLOAD_STAGING_MIB``, ``MAPOFFLOAD_STAGING_SLOTS``, else defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._log import logger
+from ._native import _core
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CopyHandle", "CopyStats", "Copier", "CudaError", "MappingFaultError", "cuda_available"]
+
+CudaError = _core.CudaError
+MappingFaultError = _core.MappingFaultError
+
+ENV_THREADS = "MAPOFFLOAD_COPY_THREADS"
+ENV_STAGING_MIB = "MAPOFFLOAD_STAGING_MIB"
+ENV_SLOTS = "MAPOFFLOAD_STAGING_SLOTS"
+DEFAULT_SLOT_MIB = 8
+
+
+def cuda_available() -> bool:
+    """True when the CUDA runtime loads (no toolkit needed) and has a device."""
+    return _core.cuda_available()
+
+
+def _setting(value: int | None, env: str, default: int, scale: int = 1) -> int:
+    if value is not None:
+        out = int(value)
+    else:
+        raw = os.environ.get(env)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            out = int(float(raw) * scale)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r} is not a number") from None
+    if out <= 0:
+        raise ValueError(f"{env if value is None else 'setting'} must be positive, got {out}")
+    return out
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """Cumulative counters of one copier."""
+
+    jobs: int
+    units: int
+    bytes: int
+    faults: int
+    read_seconds: float
+    submit_seconds: float
+    slot_wait_seconds: float
+
+
+class CopyHandle:
+    """One :meth:`Copier.copy`: wait for it, or ask whether it is done.
+
+    Keeps the tensors alive until the copy has run.
+    """
+
+    def __init__(self, job: _core.CopyJob, keepalive: tuple, copier: Copier) -> None:
+        self._job = job
+        self._keepalive = keepalive
+        self._copier = copier
+
+    def wait(self) -> None:
+        """Return once every copy is enqueued on the stream (CUDA) or done (CPU).
+
+        Raises
+        ------
+        MappingFaultError
+            A source mapping's file was truncated (the address range is named).
+        CudaError, RuntimeError
+            Another failure on a worker thread.
+        """
+        self._job.wait()
+
+    def done(self) -> bool:
+        return self._job.done()
+
+
+class Copier:
+    """Copy engine for host -> device (or host -> CPU buffer) transfers.
+
+    Parameters
+    ----------
+    device
+        ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+    mode
+        ``"staged"`` (default) or ``"direct"``.
+    threads, staging_bytes, slots
+        Worker threads, bytes per staging slot, slots in the ring.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        mode: str = "staged",
+        *,
+        threads: int | None = None,
+        staging_bytes: int | None = None,
+        slots: int | None = None,
+    ) -> None:
+        import torch
+
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {dev} requested but torch sees no CUDA device")
+            torch.cuda.init()  # the runtime torch loads is the one the copier opens
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+        elif dev.type == "cpu":
+            index = -1
+            self.device = dev
+        else:
+            raise ValueError(f"device must be cuda or cpu, not {dev}")
+        n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1))
+        slot_bytes = _setting(staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20)
+        n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads))
+        self._native = _core.Copier(index, mode, n_threads, slot_bytes, n_slots)
+        logger.debug(
+            "copier on %s: mode %s, %d threads, %d slots of %d bytes",
+            self.device, mode, self._native.threads, n_slots, self._native.slot_bytes,
+        )
+
+    # -- settings ----------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self._native.mode
+
+    @property
+    def threads(self) -> int:
+        return self._native.threads
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._native.slot_bytes
+
+    @property
+    def slots(self) -> int:
+        return self._native.slots
+
+    # -- copying -----------------------------------------------------------------
+    def _stream_handle(self, stream: object | None) -> int:
+        if self.device.type != "cuda":
+            return 0
+        import torch
+
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        return int(getattr(stream, "cuda_stream", stream))
+
+    def copy_spans(
+        self, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int], stream: object | None = None,
+        keepalive: tuple = (),
+    ) -> CopyHandle:
+        """Copy raw ``(dst, src, nbytes)`` spans; the caller vouches for them."""
+        job = self._native.submit(dst, src, sizes, self._stream_handle(stream))
+        return CopyHandle(job, keepalive, self)
+
+    def copy(
+        self, dst_tensors: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor], stream: object | None = None
+    ) -> CopyHandle:
+        """Copy each source tensor's bytes into the destination tensor of the same index.
+
+        Non-blocking: returns a :class:`CopyHandle`. ``stream=None`` means
+        torch's current stream on the destination device.
+
+        Raises
+        ------
+        ValueError
+            Lengths, bytes, devices or contiguity do not match (the index is named).
+        """
+        dst_list, src_list = list(dst_tensors), list(src_tensors)
+        if len(dst_list) != len(src_list):
+            raise ValueError(f"{len(dst_list)} destinations for {len(src_list)} sources")
+        want = self.device
+        for i, (d, s) in enumerate(zip(dst_list, src_list)):
+            if d.nbytes != s.nbytes:
+                raise ValueError(f"pair {i}: destination has {d.nbytes} bytes, source {s.nbytes}")
+            if d.device != want and not (want.type == "cpu" and d.device.type == "cpu"):
+                raise ValueError(f"pair {i}: destination is on {d.device}, the copier on {want}")
+            if s.device.type != "cpu":
+                raise ValueError(f"pair {i}: source is on {s.device}, not on the host")
+            if not (d.is_contiguous() and s.is_contiguous()):
+                raise ValueError(f"pair {i}: tensors must be contiguous")
+        import torch
+
+        dspans = _core.extract_spans(dst_list, torch.Tensor, False)
+        sspans = _core.extract_spans(src_list, torch.Tensor, False)
+        return self.copy_spans(dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list))
+
+    def advise(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Readahead hint (``MADV_WILLNEED``) for tensors to be copied next."""
+        import torch
+
+        spans = _core.extract_spans(list(tensors), torch.Tensor, True)
+        self._native.advise(spans.addrs, spans.sizes)
+
+    def stats(self) -> CopyStats:
+        s = self._native.stats()
+        return CopyStats(s.jobs, s.units, s.bytes, s.faults, s.read_ns / 1e9, s.submit_ns / 1e9, s.slot_wait_ns / 1e9)
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Stop the workers: wait for queued copies, or fail them with ``cancel``."""
+        self._native.close(cancel)
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def __enter__(self) -> Copier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Copier(device={str(self.device)!r}, mode={self.mode!r}, threads={self.threads}, "
+            f"staging_bytes={self.staging_bytes}, slots={self.slots})"
+        )
