@@ -63,6 +63,7 @@ def run_capped(cgroup: str, checkpoint, mode: str) -> subprocess.CompletedProces
     return subprocess.run(
         ["sh", "-c", script, sys.executable, CHILD, str(checkpoint), mode],
         capture_output=True, text=True, timeout=300, env=env,
+        cwd=os.path.dirname(checkpoint),  # not the source folder: it would shadow the installed package
     )
 
 
