@@ -24,6 +24,9 @@ std::string hex(uint64_t v) {
   return buf;
 }
 
+// Below this, a piece's pages are few and faulting them in memcpy is as cheap.
+constexpr uint64_t kPopulateMin = 64 * 1024;
+
 }  // namespace
 
 // --- CopyJob ---------------------------------------------------------------------
@@ -281,7 +284,13 @@ void Copier::run_staged(Unit& u) {
   Slot& slot = slots_[si];
   uint64_t t0 = now_ns();
   try {
-    for (const Piece& p : u.pieces) copy_in(p, slot.ptr + p.slot_off);
+    for (const Piece& p : u.pieces) {
+      // Cold source (its first page is not in RAM): one call reads and maps
+      // the piece's pages instead of a major fault per page inside memcpy.
+      // Hot sources skip it: walking present pages costs more than it saves.
+      if (p.nbytes >= kPopulateMin && !page_resident(p.src)) populate_read(p.src, p.nbytes);
+      copy_in(p, slot.ptr + p.slot_off);
+    }
   } catch (const MappingFault&) {
     faults_.fetch_add(1, std::memory_order_relaxed);
     throw;

@@ -14,18 +14,15 @@ size_t page_size() {
   return ps;
 }
 
-namespace {
-
-// mincore() fails with ENOMEM when any page of the range is unmapped; the
-// fallback asks page by page so that a span crossing a hole still reports the
-// mapped part.
-bool page_resident(uint64_t page) {
+// mincore() fails with ENOMEM when any page of the range is unmapped; callers
+// fall back to asking page by page so that a span crossing a hole still
+// reports the mapped part.
+bool page_resident(uint64_t addr) {
   unsigned char v = 0;
-  if (mincore(reinterpret_cast<void*>(page), page_size(), &v) != 0) return false;
+  void* page = reinterpret_cast<void*>(page_align_down(addr, page_size()));
+  if (mincore(page, page_size(), &v) != 0) return false;
   return v & 1;
 }
-
-}  // namespace
 
 uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
   if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return 0;
@@ -60,6 +57,17 @@ void advise_willneed(uint64_t addr, uint64_t nbytes) {
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
   (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
+}
+
+bool populate_read(uint64_t addr, uint64_t nbytes) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+  if (addr == 0 || nbytes == 0) return true;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_READ) == 0;
 }
 
 }  // namespace mapoffload

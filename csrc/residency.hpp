@@ -21,4 +21,13 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
 // a hint, and spans that are not mapped have nothing to read ahead.
 void advise_willneed(uint64_t addr, uint64_t nbytes);
 
+// True when the page holding addr is resident (one mincore call).
+bool page_resident(uint64_t addr);
+
+// madvise(MADV_POPULATE_READ): fault a span's pages in with one call instead
+// of one fault per page (Linux 5.14+). Pages are mapped readable only, so a
+// private mapping's copy-on-write is not broken. Returns false where the
+// kernel lacks it or a page cannot be read (the caller's read then reports it).
+bool populate_read(uint64_t addr, uint64_t nbytes);
+
 }  // namespace mapoffload
