@@ -29,6 +29,7 @@ from .checkpoint import (
     match_checkpoint_dtypes,
 )
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
+from .offload import LayerwiseOffloadManager
 from .regions import (
     CowMapping,
     CowReport,
@@ -52,6 +53,7 @@ __all__ = [
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
+    "LayerwiseOffloadManager",
     "LoadReport",
     "MappedRegions",
     "MappingFaultError",
