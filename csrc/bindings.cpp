@@ -194,6 +194,10 @@ PYBIND11_MODULE(_core, m) {
     }
     return int_list(out);
   }, py::arg("spans"), "Bytes of each span on pages resident in RAM now (mincore).");
+  m.def("file_resident_bytes", [](const std::string& path) {
+    py::gil_scoped_release nogil;
+    return file_resident_bytes(path);
+  }, py::arg("path"), "(resident bytes, size) of a file in the page cache; reads nothing.");
   m.def("advise_willneed", [](const SpanArray& s) {
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i]);

@@ -1,11 +1,15 @@
 #include "residency.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <vector>
+
+#include "maps.hpp"
 
 namespace mapoffload {
 
@@ -57,6 +61,29 @@ void advise_willneed(uint64_t addr, uint64_t nbytes) {
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
   (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
+}
+
+std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw OsError{errno, path};
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    close(fd);
+    throw OsError{err, path};
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return {0, size};
+  }
+  void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) throw OsError{err, path};
+  const uint64_t res = resident_bytes(reinterpret_cast<uint64_t>(p), size);
+  munmap(p, size);
+  return {res, size};
 }
 
 bool populate_read(uint64_t addr, uint64_t nbytes) {

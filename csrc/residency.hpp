@@ -3,6 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 namespace mapoffload {
 
@@ -20,6 +22,11 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
 // for file mappings (a no-op for anonymous memory). Errors are ignored: it is
 // a hint, and spans that are not mapped have nothing to read ahead.
 void advise_willneed(uint64_t addr, uint64_t nbytes);
+
+// (resident bytes, file size) of a file's pages in the page cache, by mincore
+// over a fresh read-only shared mapping (the vmtouch view): nothing is read.
+// Throws OsError (maps.hpp) when the file cannot be opened or mapped.
+std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path);
 
 // True when the page holding addr is resident (one mincore call).
 bool page_resident(uint64_t addr);
