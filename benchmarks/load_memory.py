@@ -36,20 +36,13 @@ VARIANTS = {
 }
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def child(variant: str, path: str, layers: int, rows: int, cols: int) -> None:
     import torch
     from safetensors.torch import load_file
     from torch import nn
 
     from mapoffload import empty_weights, load_checkpoint
+    from mapoffload.budget import rss_anon_bytes as rss_anon
 
     class Stack(nn.Module):
         def __init__(self) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from _common import emit_json, machine, print_table
 from mapoffload import Copier, LayerwiseOffloadManager, empty_weights, load_checkpoint
+from mapoffload.budget import rss_anon_bytes as rss_anon
 
 
 class Block(nn.Module):
@@ -54,14 +55,6 @@ class Stack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
-
-
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def sync(device: torch.device) -> None:

@@ -29,16 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _common import emit_json, machine, print_table
-from mapoffload import Copier, cow_report
-
-
-def drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from mapoffload import Copier, cow_report, drop_page_cache
 
 
 def sync(device: torch.device) -> None:
@@ -119,7 +110,7 @@ def main(argv=None) -> int:
             # Pages mapped into this process are not dropped by fadvise: unmap
             # (drop every view), drop the file's pages, map it again.
             mapped.clear()
-            drop(path)
+            drop_page_cache(path)
             mapped.extend(load_file(path).values())
             return mapped
 

@@ -24,17 +24,14 @@ void* open_runtime(std::string& which) {
       return h;
     }
   }
-  // The runtime torch already loaded: same library, same context, same streams.
-  for (const char* name : kSonames) {
-    if (void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
-      which = name;
-      return h;
-    }
-  }
-  for (const char* name : kSonames) {
-    if (void* h = dlopen(name, RTLD_NOW | RTLD_LOCAL)) {
-      which = name;
-      return h;
+  // First the runtime torch already loaded (same library, same context, same
+  // streams), then any that opens.
+  for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
+    for (const char* name : kSonames) {
+      if (void* h = dlopen(name, flags)) {
+        which = name;
+        return h;
+      }
     }
   }
   return nullptr;

@@ -17,6 +17,7 @@ from .budget import (
     host_copies_would_not_fit,
     host_memory,
     host_memory_available_bytes,
+    rss_anon_bytes,
 )
 from .checkpoint import (
     CheckpointError,
@@ -36,6 +37,7 @@ from .regions import (
     MappedRegions,
     component_residency_bytes,
     cow_report,
+    drop_page_cache,
     resident_bytes,
     tensor_spans,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "cow_report",
     "cuda_available",
     "describe_host",
+    "drop_page_cache",
     "empty_weights",
     "host_copies_would_not_fit",
     "host_memory",
@@ -72,5 +75,6 @@ __all__ = [
     "load_checkpoint",
     "match_checkpoint_dtypes",
     "resident_bytes",
+    "rss_anon_bytes",
     "tensor_spans",
 ]

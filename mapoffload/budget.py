@@ -24,6 +24,7 @@ __all__ = [
     "host_copies_would_not_fit",
     "host_memory",
     "host_memory_available_bytes",
+    "rss_anon_bytes",
 ]
 
 GIB_BYTES = 1 << 30
@@ -129,7 +130,8 @@ def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     return None
 
 
-def _rss_anon_bytes(root: str) -> int:
+def rss_anon_bytes(*, root: str = "/") -> int:
+    """This process's anonymous resident bytes (``RssAnon`` in ``/proc/self/status``)."""
     text = _read(os.path.join(root, "proc/self/status")) or ""
     for line in text.splitlines():
         if line.startswith("RssAnon:"):
@@ -185,7 +187,7 @@ def host_memory(*, root: str = "/") -> HostMemory:
     cg = cgroup_memory_limit_bytes(root=root)
     override = _env_host_gib()
     if override is not None:
-        available = max(0, int(override * GIB_BYTES) - _rss_anon_bytes(root))
+        available = max(0, int(override * GIB_BYTES) - rss_anon_bytes(root=root))
     else:
         available = machine
         if cg is not None:

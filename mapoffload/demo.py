@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ._log import format_bytes
-from .budget import ENV_HOST_AVAILABLE_GIB
+from .budget import ENV_HOST_AVAILABLE_GIB, rss_anon_bytes
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -30,14 +30,6 @@ class DemoConfig:
     steps: int = 3
     device: str | None = None  # None: cuda if present, else cpu
     host_gib: float | None = None  # None: half the checkpoint
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _model_class():
@@ -118,7 +110,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         os.environ[ENV_HOST_AVAILABLE_GIB] = repr(host_gib)
         try:
             say("[3/5] load_checkpoint under empty_weights(), the gate deciding")
-            anon0 = _rss_anon()
+            anon0 = rss_anon_bytes()
             with empty_weights():
                 model = Model(cfg.layers, cfg.width)
             model.scale = model.scale.to(device)
@@ -153,7 +145,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             turned = cow_report(hosts).anonymous_bytes - cow0
             if turned:
                 failures.append(f"{turned} bytes of the mapping turned anonymous")
-            anon = _rss_anon() - anon0
+            anon = rss_anon_bytes() - anon0
             mapped = mgr.mapped_bytes
             mgr.close()
             copier.close()

@@ -30,6 +30,7 @@ overlayfs, btrfs, NFS and FUSE also use the anonymous major 0.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ __all__ = [
     "MappedRegions",
     "component_residency_bytes",
     "cow_report",
+    "drop_page_cache",
     "resident_bytes",
     "tensor_spans",
 ]
@@ -194,6 +196,20 @@ def resident_bytes(tensors: Sequence[torch.Tensor]) -> list[int]:
     give 0.
     """
     return _core.resident_bytes(tensor_spans(tensors))
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Drop a file's clean pages from the page cache (``POSIX_FADV_DONTNEED``).
+
+    Needs no root; dirty pages are written first. Pages mapped into a process
+    stay: unmap (drop every view) before dropping, to test cold reads.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

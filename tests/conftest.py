@@ -3,12 +3,12 @@ must run against the installed package, not the source folder."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 
 import mapoffload
+from mapoffload import drop_page_cache  # noqa: F401  (tests import it from here)
 
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -34,13 +34,3 @@ def pytest_report_header(config):
 def tmp_file_dir(tmp_path):
     """A temporary folder on a disk filesystem (not tmpfs), for file mappings."""
     return tmp_path
-
-
-def drop_page_cache(path: str | os.PathLike) -> None:
-    """Drop a file's clean pages (POSIX_FADV_DONTNEED) without root."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
