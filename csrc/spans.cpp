@@ -86,14 +86,6 @@ bool clear_no_storage_error() {
   return true;
 }
 
-int tensor_is_cpu(PyObject* t) {
-  PyObject* v = PyObject_GetAttr(t, names().is_cpu);
-  if (!v) return -1;
-  int r = PyObject_IsTrue(v);
-  Py_DECREF(v);
-  return r;
-}
-
 bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, bool check_device, SpanArray& out) {
   if (!PyType_Check(tensor_type)) {
     PyErr_SetString(PyExc_TypeError, "tensor_type must be a type");

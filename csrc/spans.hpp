@@ -24,7 +24,5 @@ struct SpanArray {
 // with the GIL held. Returns false with a Python error set.
 bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, bool check_device, SpanArray& out);
 
-// t.is_cpu as 1/0, or -1 with a Python error set.
-int tensor_is_cpu(PyObject* t);
 
 }  // namespace mapoffload

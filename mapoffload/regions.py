@@ -64,20 +64,24 @@ def _tensor_type() -> type:
 
 
 def _devices_in_use() -> bool:
-    """Whether a tensor in this process could live on a non-CPU device.
+    """Whether any tensor in this process could have its storage off the CPU.
 
-    Classification reads ``is_cpu`` only for tensors found on a file mapping,
-    and only when some accelerator runtime is initialised: without one no
-    tensor with storage can be off the CPU (meta tensors have no data pointer),
-    and device memory never lies inside a host file mapping anyway. This keeps
-    the check (~30 ns a tensor) off the common path without changing an answer.
+    Reading ``is_cpu`` costs about a quarter of the extraction. Without an
+    initialised accelerator runtime no tensor with storage can be off the CPU
+    (meta tensors have a null data pointer; XLA-like tensors have no storage
+    and read as not held), so :meth:`MappedRegions.classify` skips the read
+    then, without changing any answer.
     """
     import torch
 
-    for name in ("cuda", "xpu", "mtia"):
-        backend = getattr(torch, name, None)
-        is_init = getattr(backend, "is_initialized", None)
-        if is_init is not None and is_init():
+    names = ["cuda", "xpu", "mtia", "hpu", "npu"]
+    try:
+        names.append(torch._C._get_privateuse1_backend_name())
+    except Exception:  # pragma: no cover - older torch
+        pass
+    for name in names:
+        is_init = getattr(getattr(torch, name, None), "is_initialized", None)
+        if callable(is_init) and is_init():
             return True
     return False
 
