@@ -243,6 +243,10 @@ class LayerwiseOffloadManager:
         if pool:
             return pool.pop()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self._copy_stream is not None:
+            # Written on the copy stream: the caching allocator must not hand
+            # this memory to another stream before that work is done.
+            buf.record_stream(self._copy_stream)
         self._device_bytes += nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self._device_bytes)
         return buf, None
@@ -458,8 +462,12 @@ class LayerwiseOffloadManager:
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
         """Remove hooks, release device buffers, stop an owned copier."""
+        import torch
+
         self.remove_forward_hooks()
         self.release_all()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # copies into pooled buffers may still run
         self._pool.clear()
         self._device_bytes = 0
         if self._owns_copier:
