@@ -63,10 +63,20 @@ Copier::Copier(const CopierConfig& cfg) : cfg_(cfg) {
   install_fault_guard();
   const size_t ps = page_size();
   cfg_.slot_bytes = static_cast<size_t>(page_align_up(cfg_.slot_bytes, ps));
-  if (cfg_.device >= 0) {
-    const CudaApi& api = cuda_api();
-    MAPOFFLOAD_CUDA_CHECK(api.SetDevice(cfg_.device));
-  }
+  // Pinned slots and events belong to the copier's device; the caller's
+  // current device is restored afterwards (torch tracks it per thread).
+  struct DeviceScope {
+    int prev = -1;
+    explicit DeviceScope(int dev) {
+      if (dev < 0) return;
+      const CudaApi& api = cuda_api();
+      MAPOFFLOAD_CUDA_CHECK(api.GetDevice(&prev));
+      MAPOFFLOAD_CUDA_CHECK(api.SetDevice(dev));
+    }
+    ~DeviceScope() {
+      if (prev >= 0) cuda_api().SetDevice(prev);
+    }
+  } scope(cfg_.device);
   if (cfg_.mode == CopyMode::staged) {
     slots_.resize(cfg_.slots);
     try {
