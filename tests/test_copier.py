@@ -228,3 +228,15 @@ def test_cuda_direct_and_staged_agree():
             torch.cuda.current_stream().synchronize()
             outs.append(d.cpu())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], src)
+
+
+def test_cuda_requested_without_a_device_is_a_clear_error():
+    from mapoffload import cuda_available
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cuda_available() is False
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        Copier("cuda")
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        Copier("meta")
