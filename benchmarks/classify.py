@@ -27,7 +27,6 @@ import bisect
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 

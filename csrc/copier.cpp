@@ -179,10 +179,11 @@ std::shared_ptr<CopyJob> Copier::submit(const std::vector<CopySpan>& spans, uint
     }
     if (!cur.pieces.empty()) units.push_back(std::move(cur));
   }
+  for (Unit& u : units) u.ranges = source_ranges(u.pieces);
   auto job = std::make_shared<CopyJob>(units.size());
   jobs_.fetch_add(1, std::memory_order_relaxed);
   if (units.empty()) return job;
-  for (size_t i = 0; i < units.size() && i < cfg_.readahead_units; ++i) advise_unit(units[i]);
+  for (size_t i = 0; i < units.size() && i < cfg_.readahead_units; ++i) advise_ranges(*units[i].ranges);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("copier is closed");
@@ -195,14 +196,18 @@ std::shared_ptr<CopyJob> Copier::submit(const std::vector<CopySpan>& spans, uint
   return job;
 }
 
-void Copier::advise_unit(const Unit& u) const {
-  // Consecutive pieces usually continue one span: advise each span once.
-  uint64_t last = 0;
-  for (const Piece& p : u.pieces) {
-    if (p.src == last) continue;
-    advise_willneed(p.src, p.nbytes);
-    last = p.src + p.nbytes;
+std::shared_ptr<const Copier::Ranges> Copier::source_ranges(const std::vector<Piece>& pieces) {
+  // Consecutive pieces usually continue one span: advise each run once.
+  auto out = std::make_shared<Ranges>();
+  for (const Piece& p : pieces) {
+    if (!out->empty() && out->back().first + out->back().second == p.src) out->back().second += p.nbytes;
+    else out->emplace_back(p.src, p.nbytes);
   }
+  return out;
+}
+
+void Copier::advise_ranges(const Ranges& r) {
+  for (const auto& [src, n] : r) advise_willneed(src, n);
 }
 
 void Copier::advise(const std::vector<CopySpan>& spans) const {
@@ -219,8 +224,7 @@ void Copier::worker() {
   }
   for (;;) {
     Unit u;
-    const Unit* ahead = nullptr;
-    Unit ahead_copy;
+    std::shared_ptr<const Ranges> ahead;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -228,12 +232,9 @@ void Copier::worker() {
       u = std::move(queue_.front());
       queue_.pop_front();
       // Readahead for the unit entering the window `readahead_units` ahead.
-      if (queue_.size() >= cfg_.readahead_units) {
-        ahead_copy.pieces = queue_[cfg_.readahead_units - 1].pieces;
-        ahead = &ahead_copy;
-      }
+      if (queue_.size() >= cfg_.readahead_units) ahead = queue_[cfg_.readahead_units - 1].ranges;
     }
-    if (ahead) advise_unit(*ahead);
+    if (ahead) advise_ranges(*ahead);
     if (u.job->failed()) {  // an earlier unit of this job failed: skip the rest
       u.job->finish_unit(nullptr);
       continue;

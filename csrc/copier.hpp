@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda_api.hpp"
@@ -98,9 +99,12 @@ class Copier {
     uint64_t dst, src, nbytes, slot_off;
     uint64_t span_src, span_bytes;  // the whole source span, for error messages
   };
+  // Source byte ranges of a unit (contiguous pieces merged), for readahead.
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
   struct Unit {
     std::shared_ptr<CopyJob> job;
     std::vector<Piece> pieces;
+    std::shared_ptr<const Ranges> ranges;  // shared: workers read it outside the lock
     uint64_t stream = 0;
     uint64_t bytes = 0;
   };
@@ -115,7 +119,8 @@ class Copier {
   void run_direct(Unit& u);
   size_t acquire_slot();
   void release_slot(size_t i);
-  void advise_unit(const Unit& u) const;
+  static std::shared_ptr<const Ranges> source_ranges(const std::vector<Piece>& pieces);
+  static void advise_ranges(const Ranges& r);
   void free_slots();
   static void copy_in(const Piece& p, char* dst);
 

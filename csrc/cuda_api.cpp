@@ -62,9 +62,7 @@ CudaApi load() {
   get_symbol(lib, api.EventCreateWithFlags, "cudaEventCreateWithFlags");
   get_symbol(lib, api.EventRecord, "cudaEventRecord");
   get_symbol(lib, api.EventSynchronize, "cudaEventSynchronize");
-  get_symbol(lib, api.EventQuery, "cudaEventQuery");
   get_symbol(lib, api.EventDestroy, "cudaEventDestroy");
-  get_symbol(lib, api.StreamSynchronize, "cudaStreamSynchronize");
   get_symbol(lib, api.GetErrorString, "cudaGetErrorString");
   return api;
 }

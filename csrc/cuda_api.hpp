@@ -18,7 +18,6 @@ using cudaStream_t = void*;
 using cudaEvent_t = void*;
 
 constexpr cudaError_t kCudaSuccess = 0;
-constexpr cudaError_t kCudaErrorNotReady = 600;
 constexpr int kCudaMemcpyHostToDevice = 1;
 constexpr unsigned kCudaHostAllocPortable = 1;
 constexpr unsigned kCudaEventDisableTiming = 2;
@@ -43,9 +42,7 @@ struct CudaApi {
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t*, unsigned);
   cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
   cudaError_t (*EventSynchronize)(cudaEvent_t);
-  cudaError_t (*EventQuery)(cudaEvent_t);
   cudaError_t (*EventDestroy)(cudaEvent_t);
-  cudaError_t (*StreamSynchronize)(cudaStream_t);
   const char* (*GetErrorString)(cudaError_t);
   std::string library;  // the soname or path that was opened
 };

@@ -72,6 +72,20 @@ class LayerStore:
     dtype_bytes: dict[torch.dtype, int] = field(default_factory=dict)  # device buffer size per dtype
     consolidated: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # uint8 host buffers
     pinned: bool = False
+    # What a prefetch copies, built once (host addresses are stable until
+    # update_cpu_weights replaces a tensor): (dtype, device offset, host tensor, bytes).
+    _sources: list[tuple[torch.dtype, int, torch.Tensor, int]] | None = None
+
+    def sources(self) -> list[tuple[torch.dtype, int, torch.Tensor, int]]:
+        """Spans of one prefetch: each consolidated buffer whole, other weights one by one."""
+        if self._sources is None:
+            out = [(dtype, 0, buf, buf.numel()) for dtype, buf in self.consolidated.items()]
+            out += [(w.dtype, w.offset, w.host, w.nbytes) for w in self.weights if w.store != CONSOLIDATED]
+            self._sources = out
+        return self._sources
+
+    def invalidate_sources(self) -> None:
+        self._sources = None
 
     def bytes_in(self, store: str) -> int:
         return sum(w.nbytes for w in self.weights if w.store == store)

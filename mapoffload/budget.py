@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ._env import env_number
 from ._log import format_bytes
 
 __all__ = [
@@ -140,15 +141,9 @@ def rss_anon_bytes(*, root: str = "/") -> int:
 
 
 def _env_host_gib() -> float | None:
-    raw = os.environ.get(ENV_HOST_AVAILABLE_GIB)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={raw!r} is not a number of GiB") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={raw!r} must be a finite number >= 0")
+    value = env_number(ENV_HOST_AVAILABLE_GIB)
+    if value is not None and value < 0:
+        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={value!r} must be a finite number >= 0")
     return value
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._env import env_number
 from ._log import logger
 from ._native import _core
 
@@ -43,19 +44,16 @@ def cuda_available() -> bool:
 
 
 def _setting(value: int | None, env: str, default: int, scale: int = 1) -> int:
-    if value is not None:
-        out = int(value)
-    else:
-        raw = os.environ.get(env)
-        if raw is None or raw.strip() == "":
+    """The argument, else the environment variable (times ``scale``), else the default."""
+    source = "argument"
+    if value is None:
+        from_env = env_number(env)
+        if from_env is None:
             return default
-        try:
-            out = int(float(raw) * scale)
-        except ValueError:
-            raise ValueError(f"{env}={raw!r} is not a number") from None
-    if out <= 0:
-        raise ValueError(f"{env if value is None else 'setting'} must be positive, got {out}")
-    return out
+        value, source = int(from_env * scale), env
+    if value <= 0:
+        raise ValueError(f"{source} must be positive, got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
-                nbytes = sum(w.nbytes for w in mgr._stores[i].weights)
+                nbytes = mgr.layer_bytes(i)
                 per_layer.append(nbytes / dt / 1e9)
                 mgr.release_layer(i)
                 say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} copied at {per_layer[-1]:.2f} GB/s")

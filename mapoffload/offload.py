@@ -124,6 +124,7 @@ class LayerwiseOffloadManager:
         if self._cuda and not copy_on_compute_stream:
             self._copy_stream = torch.cuda.Stream(self.device)
         self._stores = self._collect()
+        self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
         self._plan(available_bytes)
         self._loaded: dict[int, _Loaded] = {}
         self._pool: dict[int, list[tuple[torch.Tensor, Any]]] = {}
@@ -220,6 +221,10 @@ class LayerwiseOffloadManager:
         """Bytes of device buffers held now (in use or pooled for reuse)."""
         return self._device_bytes
 
+    def layer_bytes(self, i: int) -> int:
+        """Bytes one prefetch of layer ``i`` moves."""
+        return sum(w.nbytes for w in self._stores[self._check_index(i)].weights)
+
     def store_of(self, name: str) -> str:
         """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
         return self._weight(name)[1].store
@@ -277,28 +282,20 @@ class LayerwiseOffloadManager:
         i = self._check_index(i)
         if i not in self._loaded:
             store = self._stores[i]
-            buffers = {}
-            dst, src, sizes, keep = [], [], [], []
             stream = self._copy_stream or (torch.cuda.current_stream(self.device) if self._cuda else None)
+            bases = {}
+            buffers = {}
             for dtype, nbytes in store.dtype_bytes.items():
                 buf, event = self._take_buffer(nbytes)
                 if event is not None:
                     stream.wait_event(event)
                 buffers[dtype] = buf
-                cons = store.consolidated.get(dtype)
-                if cons is not None:  # the consolidated group moves as one span
-                    dst.append(buf.data_ptr())
-                    src.append(cons.data_ptr())
-                    sizes.append(cons.numel())
-                    keep.append(cons)
-            for w in store.weights:
-                if w.store == CONSOLIDATED:
-                    continue
-                dst.append(buffers[w.dtype].data_ptr() + w.offset)
-                src.append(w.host.data_ptr())
-                sizes.append(w.nbytes)
-                keep.append(w.host)
-            handle = self.copier.copy_spans(dst, src, sizes, stream=stream, keepalive=(keep, buffers))
+                bases[dtype] = buf.data_ptr()
+            sources = store.sources()
+            dst = [bases[dtype] + offset for dtype, offset, _, _ in sources]
+            src = [host.data_ptr() for _, _, host, _ in sources]
+            sizes = [n for _, _, _, n in sources]
+            handle = self.copier.copy_spans(dst, src, sizes, stream=stream, keepalive=(sources, buffers))
             self._loaded[i] = _Loaded(buffers, handle)
         if not non_blocking:
             self._ensure(i)
@@ -396,11 +393,10 @@ class LayerwiseOffloadManager:
 
     # -- host weights ------------------------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
-        for s in self._stores:
-            for w in s.weights:
-                if name in w.names:
-                    return s, w
-        raise KeyError(f"{name} is not a weight managed by this LayerwiseOffloadManager")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"{name} is not a weight managed by this LayerwiseOffloadManager") from None
 
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, host tensor)`` for every managed weight, mapped ones included."""
@@ -454,6 +450,7 @@ class LayerwiseOffloadManager:
                 # mapping is left as it is.
                 w.host = value.clone(memory_format=torch.contiguous_format)
                 w.store = STRIDED
+                store.invalidate_sources()
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):

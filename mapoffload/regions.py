@@ -310,8 +310,6 @@ def component_residency_bytes(module: torch.nn.Module) -> dict[str, int]:
     is counted once, whole, however many tensors view it; meta tensors count
     nowhere.
     """
-    import torch
-
     out = {"vram": 0, "host_pinned": 0, "host_mapped": 0, "host": 0}
     seen: set[tuple[str, int]] = set()
     cpu_addrs: list[int] = []
