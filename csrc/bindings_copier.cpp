@@ -1,5 +1,15 @@
-// Python face of the copy engine (glue only).
+// Python face of the copy engine (glue, and the one thing the engine cannot
+// do without the GIL: holding the caller's Python objects).
+//
+// A job's keepalive object (its source and destination tensors) is held here,
+// by the copier, until the job is finished — every byte at its destination,
+// device copies included — so dropping a handle, or every reference the
+// caller had, is never a use-after-free. Finished jobs let go of their
+// objects at the next call into the copier (submit, collect, close), under
+// the GIL; the engine's worker threads never touch a Python object.
+#include <errno.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "copier.hpp"
 #include "py_helpers.hpp"
@@ -8,17 +18,76 @@ namespace mapoffload {
 
 namespace {
 
-std::vector<CopySpan> make_copy_spans(const py::object& dst, const py::object& src, const py::object& sizes) {
+class PyCopier {
+ public:
+  explicit PyCopier(const CopierConfig& c) : core_(new Copier(c)) {}
+  ~PyCopier() {
+    // Python is tearing the object down (GIL held): stop the engine, wait for
+    // device copies, then let go of the objects they read and wrote.
+    try {
+      shutdown(true);
+    } catch (...) {
+    }
+  }
+
+  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream, uint64_t wait_for,
+                                  py::object keepalive) {
+    collect();
+    std::shared_ptr<CopyJob> job;
+    {
+      py::gil_scoped_release nogil;
+      job = core_->submit(spans, stream, wait_for);
+    }
+    if (!keepalive.is_none()) held_.emplace_back(job, std::move(keepalive));
+    return job;
+  }
+
+  // Drops the objects of finished jobs; returns how many jobs still hold some.
+  size_t collect() {
+    std::vector<py::object> drop;  // released after the list is consistent
+    size_t w = 0;
+    for (size_t i = 0; i < held_.size(); ++i) {
+      if (held_[i].first->done()) drop.push_back(std::move(held_[i].second));
+      else held_[w++] = std::move(held_[i]);
+    }
+    held_.resize(w);
+    return held_.size();
+  }
+
+  void shutdown(bool cancel) {
+    std::vector<std::shared_ptr<CopyJob>> jobs;
+    for (auto& h : held_) jobs.push_back(h.first);
+    {
+      py::gil_scoped_release nogil;
+      core_->close(cancel);
+      for (auto& j : jobs) j->wait_quietly();  // device copies still reading or writing the objects
+    }
+    collect();
+  }
+
+  Copier& core() { return *core_; }
+  size_t holding() const { return held_.size(); }
+
+ private:
+  std::unique_ptr<Copier> core_;
+  std::vector<std::pair<std::shared_ptr<CopyJob>, py::object>> held_;
+};
+
+std::vector<CopySpan> make_copy_spans(const py::object& dst, const py::object& src, const py::object& sizes,
+                                      const py::object& direct) {
   std::vector<uint64_t> d = to_u64_vector(dst, "dst"), s = to_u64_vector(src, "src"), n = to_u64_vector(sizes, "sizes");
   if (d.size() != s.size() || d.size() != n.size())
     throw py::value_error("dst, src and sizes differ in length: " + std::to_string(d.size()) + ", " +
                           std::to_string(s.size()) + ", " + std::to_string(n.size()));
-  std::vector<CopySpan> out(d.size());
-  for (size_t i = 0; i < d.size(); ++i) {
-    if (n[i] && (d[i] == 0 || s[i] == 0))
-      throw py::value_error("span " + std::to_string(i) + " has a null address");
-    out[i] = {d[i], s[i], n[i]};
+  std::vector<bool> dir;
+  if (!direct.is_none()) {
+    dir = direct.cast<std::vector<bool>>();
+    if (dir.size() != d.size())
+      throw py::value_error("direct has " + std::to_string(dir.size()) + " flags for " + std::to_string(d.size()) +
+                            " spans");
   }
+  std::vector<CopySpan> out(d.size());
+  for (size_t i = 0; i < d.size(); ++i) out[i] = {d[i], s[i], n[i], !dir.empty() && dir[i]};
   return out;
 }
 
@@ -33,7 +102,10 @@ void bind_copier(py::module_& m) {
     } catch (const CudaError& e) {
       py::set_error(cuda_error, e.what());
     } catch (const MappingFault& e) {
-      py::set_error(mapping_fault, e.what());
+      // OSError(errno, strerror, filename): .filename names the mapped file.
+      py::object filename = e.path().empty() ? py::none() : py::object(py::str(e.path()));
+      py::tuple args = py::make_tuple(EIO, e.what(), filename);
+      PyErr_SetObject(mapping_fault.ptr(), args.ptr());
     }
   });
 
@@ -43,8 +115,13 @@ void bind_copier(py::module_& m) {
 
   py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob")
       .def("wait", &CopyJob::wait, py::call_guard<py::gil_scoped_release>(),
-           "Block until every span is enqueued (CUDA) or copied (CPU); re-raise a worker's error.")
-      .def("done", &CopyJob::done);
+           "Block until finished: every byte at its destination (CUDA: the device copies completed). "
+           "Re-raises a worker's error.")
+      .def("done", &CopyJob::done, py::call_guard<py::gil_scoped_release>(),
+           "Finished (non-blocking; never raises).")
+      .def("enqueued", &CopyJob::enqueued, "Every copy has been handed to the stream (CPU: done).")
+      .def("wait_stream", &CopyJob::wait_stream, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "Block until enqueued, re-raise the job's error, then make `stream` wait for the copies on the device.");
 
   py::class_<CopyStats>(m, "CopyStats")
       .def_readonly("jobs", &CopyStats::jobs)
@@ -53,9 +130,10 @@ void bind_copier(py::module_& m) {
       .def_readonly("faults", &CopyStats::faults)
       .def_readonly("read_ns", &CopyStats::read_ns)
       .def_readonly("submit_ns", &CopyStats::submit_ns)
-      .def_readonly("slot_wait_ns", &CopyStats::slot_wait_ns);
+      .def_readonly("slot_wait_ns", &CopyStats::slot_wait_ns)
+      .def_readonly("direct_bytes", &CopyStats::direct_bytes);
 
-  py::class_<Copier>(m, "Copier")
+  py::class_<PyCopier>(m, "Copier")
       .def(py::init([](int device, const std::string& mode, size_t threads, size_t slot_bytes, size_t slots,
                        size_t readahead_units) {
              CopierConfig c;
@@ -68,36 +146,43 @@ void bind_copier(py::module_& m) {
              c.slots = slots;
              c.readahead_units = readahead_units;
              py::gil_scoped_release nogil;
-             return new Copier(c);
+             return new PyCopier(c);
            }),
            py::arg("device"), py::arg("mode"), py::arg("threads"), py::arg("slot_bytes"), py::arg("slots"),
            py::arg("readahead_units") = 0)
-      .def("submit", [](Copier& c, const py::object& dst, const py::object& src, const py::object& sizes,
-                        uint64_t stream) {
-             std::vector<CopySpan> spans = make_copy_spans(dst, src, sizes);
-             py::gil_scoped_release nogil;
-             return c.submit(spans, stream);
+      .def("submit", [](PyCopier& c, const py::object& dst, const py::object& src, const py::object& sizes,
+                        uint64_t stream, py::object keepalive, const py::object& direct, uint64_t wait_for) {
+             return c.submit(make_copy_spans(dst, src, sizes, direct), stream, wait_for, std::move(keepalive));
            },
-           py::arg("dst"), py::arg("src"), py::arg("sizes"), py::arg("stream") = 0)
-      .def("advise", [](const Copier& c, const py::object& src, const py::object& sizes) {
+           py::arg("dst"), py::arg("src"), py::arg("sizes"), py::arg("stream") = 0, py::kw_only(),
+           py::arg("keepalive") = py::none(), py::arg("direct") = py::none(), py::arg("wait_for") = 0,
+           "Queue (dst, src, nbytes) spans; keepalive is held until the job is finished.")
+      .def("advise", [](PyCopier& c, const py::object& src, const py::object& sizes) {
              std::vector<uint64_t> s = to_u64_vector(src, "src"), n = to_u64_vector(sizes, "sizes");
              if (s.size() != n.size()) throw py::value_error("src and sizes differ in length");
              std::vector<CopySpan> spans(s.size());
              for (size_t i = 0; i < s.size(); ++i) spans[i] = {0, s[i], n[i]};
              py::gil_scoped_release nogil;
-             c.advise(spans);
+             c.core().advise(spans);
            },
            py::arg("src"), py::arg("sizes"))
-      .def("close", &Copier::close, py::arg("cancel") = false, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("closed", &Copier::closed)
-      .def("stats", &Copier::stats)
-      .def_property_readonly("device", [](const Copier& c) { return c.config().device; })
-      .def_property_readonly("mode", [](const Copier& c) {
-        return c.config().mode == CopyMode::staged ? "staged" : "direct";
+      .def("collect", &PyCopier::collect, "Let go of finished jobs' objects; returns how many jobs still hold some.")
+      .def_property_readonly("holding", &PyCopier::holding)
+      .def("close", &PyCopier::shutdown, py::arg("cancel") = false,
+           "Stop the workers (cancel: fail queued copies), wait for device copies, let go of every object.")
+      .def_property_readonly("closed", [](PyCopier& c) { return c.core().closed(); })
+      .def_property_readonly("broken", [](PyCopier& c) -> py::object {
+        std::string b = c.core().broken();
+        return b.empty() ? py::none() : py::object(py::str(b));
       })
-      .def_property_readonly("threads", [](const Copier& c) { return c.config().threads; })
-      .def_property_readonly("slot_bytes", [](const Copier& c) { return c.config().slot_bytes; })
-      .def_property_readonly("slots", [](const Copier& c) { return c.config().slots; });
+      .def("stats", [](PyCopier& c) { return c.core().stats(); })
+      .def_property_readonly("device", [](PyCopier& c) { return c.core().config().device; })
+      .def_property_readonly("mode", [](PyCopier& c) {
+        return c.core().config().mode == CopyMode::staged ? "staged" : "direct";
+      })
+      .def_property_readonly("threads", [](PyCopier& c) { return c.core().config().threads; })
+      .def_property_readonly("slot_bytes", [](PyCopier& c) { return c.core().config().slot_bytes; })
+      .def_property_readonly("slots", [](PyCopier& c) { return c.core().config().slots; });
 }
 
 }  // namespace mapoffload

@@ -6,10 +6,23 @@
 //   slots (page faults on the mapping happen there, off the caller's thread,
 //   and a CPU read never breaks copy-on-write), then cudaMemcpyAsync slot ->
 //   destination on the stream; an event per slot recycles it.
-// direct: one cudaMemcpyAsync per span straight from the source (the seed's
-//   path, kept for comparison; a GPU copying from a private writable mapping
-//   can break copy-on-write).
+// direct: one cudaMemcpyAsync per span straight from the source. The mode
+//   for pinned sources (DMA needs no staging), chosen per span; as the whole
+//   copier's mode it is the seed's path, kept for comparison (a GPU copying
+//   from a private writable mapping can break copy-on-write).
+//
+// Ownership: the engine holds raw addresses; whoever submits keeps sources
+// and destinations alive until the job is finished (the Python binding holds
+// the caller's objects until then, so dropping a handle early is safe).
+//
+// Failure: every error path gives back the slot it took. A sticky CUDA error
+// breaks the copier: the job that met it and every later one fail at once
+// with that CudaError; close() always returns. fork(): the child's copier
+// fails the jobs that were in flight; a CPU copier restarts its workers on
+// the next copy, a CUDA copier refuses (CUDA does not survive fork).
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -24,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "copy_job.hpp"
 #include "cuda_api.hpp"
 
 namespace mapoffload {
@@ -39,14 +53,14 @@ struct CopierConfig {
   size_t readahead_units = 0;  // 0: as many as threads
 };
 
+// Limits that keep a typo from exhausting the machine.
+constexpr size_t kMaxThreads = 256;
+constexpr size_t kMaxSlots = 4096;
+constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 32;
+
 struct CopySpan {
   uint64_t dst, src, nbytes;
-};
-
-// A SIGBUS while reading a source mapping (its file was truncated).
-class MappingFault : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
+  bool direct = false;  // DMA straight from src (a pinned source): no staging
 };
 
 // Counters, cumulative over the copier's life.
@@ -55,24 +69,13 @@ struct CopyStats {
   uint64_t read_ns = 0;       // memcpy source -> slot (staged) or source -> destination (CPU direct)
   uint64_t submit_ns = 0;     // enqueueing H2D copies, or memcpy slot -> destination on CPU
   uint64_t slot_wait_ns = 0;  // waiting for a free slot and its event
+  uint64_t direct_bytes = 0;  // bytes copied without staging
 };
 
-// One copy() call: completes when every unit is enqueued (CUDA) or done (CPU).
-class CopyJob {
- public:
-  explicit CopyJob(size_t units) : remaining_(units) {}
-  void wait();  // rethrows the first worker error
-  bool done();
-  bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  void finish_unit(std::exception_ptr err);
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  size_t remaining_;
-  std::exception_ptr error_;
-  std::atomic<bool> failed_{false};
-};
+// Throws std::invalid_argument naming the first pair at fault: a null
+// address, an address range that wraps, a destination overlapping another
+// destination or any source.
+void validate_spans(const std::vector<CopySpan>& spans);
 
 class Copier {
  public:
@@ -81,18 +84,29 @@ class Copier {
   Copier(const Copier&) = delete;
   Copier& operator=(const Copier&) = delete;
 
-  // Queues the spans; never blocks on the copy itself. stream: cudaStream_t
-  // as an integer (ignored on CPU).
-  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream);
+  // Queues the spans (validated first); never blocks on the copy itself.
+  // stream: cudaStream_t as an integer (ignored on CPU). wait_for: a stream
+  // whose work already queued must finish before these copies start (0:
+  // none), e.g. the compute stream that last used a recycled destination.
+  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream, uint64_t wait_for = 0);
   // Readahead hint for what comes next.
   void advise(const std::vector<CopySpan>& spans) const;
-  // Stops the workers. cancel=false waits for queued work; cancel=true fails
-  // queued units ("copier closed") and waits only for those in flight.
+  // Stops the workers and frees the ring; always returns. cancel=false lets
+  // queued work run first; cancel=true fails queued units ("copier closed")
+  // and waits only for those in flight. Pending device copies out of the
+  // slots are waited for.
   void close(bool cancel);
-  bool closed() const { return closed_; }
+  bool closed() const;
+  // The sticky error that broke the copier, or "".
+  std::string broken() const { return health_->what(); }
 
   CopyStats stats() const;
   const CopierConfig& config() const { return cfg_; }
+
+  // fork() handlers (registered once, process-wide).
+  void fork_prepare();
+  void fork_parent();
+  void fork_child();
 
  private:
   struct Piece {
@@ -107,37 +121,61 @@ class Copier {
     std::shared_ptr<const Ranges> ranges;  // shared: workers read it outside the lock
     uint64_t stream = 0;
     uint64_t bytes = 0;
+    bool direct = false;
   };
   struct Slot {
     char* ptr = nullptr;
     cudaEvent_t event = nullptr;
     bool pending = false;  // an H2D copy from it may still run
   };
+  // Everything a thread can hold locked: replaced (the old one leaked) in a
+  // forked child, where the threads that held it do not exist.
+  struct Sync {
+    std::mutex close_mu;  // serialises close()
+    std::mutex mu;        // queue_, stop_, closed_, live_, threads_
+    std::condition_variable cv;
+    std::mutex slot_mu;   // free_
+    std::condition_variable slot_cv;
+  };
 
+  std::vector<Unit> make_units(const std::vector<CopySpan>& spans, uint64_t stream) const;
+  void start_workers();
+  void stop_workers();
   void worker();
   void run_staged(Unit& u);
   void run_direct(Unit& u);
   size_t acquire_slot();
   void release_slot(size_t i);
+  void enqueue_from_slot(const Unit& u, Slot& slot);
+  void fail_cuda(std::exception_ptr err);
   static std::shared_ptr<const Ranges> source_ranges(const std::vector<Piece>& pieces);
   static void advise_ranges(const Ranges& r);
+  void alloc_slots();
   void free_slots();
-  static void copy_in(const Piece& p, char* dst);
+  void copy_in(const Piece& p, char* dst);
+  bool cuda() const { return cfg_.device >= 0; }
+  bool in_child() const;
 
   CopierConfig cfg_;
+  std::unique_ptr<Sync> sync_;
+  std::shared_ptr<Health> health_;
+  pid_t pid_;
+
+  // Guarded by sync_->mu.
   bool closed_ = false;
+  bool stop_ = false;
+  std::deque<Unit> queue_;
+  std::vector<std::thread> threads_;
+  std::vector<std::weak_ptr<CopyJob>> live_;  // jobs not yet known finished (fork bookkeeping)
+
+  // Guarded by sync_->slot_mu.
   std::vector<Slot> slots_;
   std::vector<size_t> free_;
-  std::mutex slot_mu_;
-  std::condition_variable slot_cv_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Unit> queue_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
+  // Held between fork_prepare and fork_parent/fork_child.
+  std::vector<std::shared_ptr<CopyJob>> fork_jobs_;
 
-  std::atomic<uint64_t> jobs_{0}, units_{0}, bytes_{0}, faults_{0};
+  std::atomic<uint64_t> jobs_{0}, units_{0}, bytes_{0}, faults_{0}, direct_bytes_{0};
   std::atomic<uint64_t> read_ns_{0}, submit_ns_{0}, slot_wait_ns_{0};
 };
 

@@ -18,11 +18,17 @@ namespace {
 const char* const kSonames[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"};
 
 void* open_runtime(std::string& which) {
-  if (const char* env = std::getenv("MAPOFFLOAD_CUDART")) {
-    if (void* h = dlopen(env, RTLD_NOW | RTLD_LOCAL)) {
-      which = env;
-      return h;
+  // An explicit choice (a stand-in runtime for tests, a specific toolkit)
+  // must load: falling back silently would test or use another library.
+  if (const char* env = std::getenv("MAPOFFLOAD_CUDART"); env && *env) {
+    void* h = dlopen(env, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      const char* err = dlerror();
+      throw CudaError(std::string("dlopen(MAPOFFLOAD_CUDART=") + env + ")", -1, err ? err : "cannot open", __FILE__,
+                      __LINE__);
     }
+    which = env;
+    return h;
   }
   // First the runtime torch already loaded (same library, same context, same
   // streams), then any that opens.
@@ -62,7 +68,10 @@ CudaApi load() {
   get_symbol(lib, api.EventCreateWithFlags, "cudaEventCreateWithFlags");
   get_symbol(lib, api.EventRecord, "cudaEventRecord");
   get_symbol(lib, api.EventSynchronize, "cudaEventSynchronize");
+  get_symbol(lib, api.EventQuery, "cudaEventQuery");
   get_symbol(lib, api.EventDestroy, "cudaEventDestroy");
+  get_symbol(lib, api.StreamWaitEvent, "cudaStreamWaitEvent");
+  get_symbol(lib, api.GetLastError, "cudaGetLastError");
   get_symbol(lib, api.GetErrorString, "cudaGetErrorString");
   return api;
 }
@@ -93,7 +102,7 @@ void check_cuda(cudaError_t err, const char* call, const char* file, int line) {
   if (err == kCudaSuccess) return;
   const char* what = "unknown error";
   try {
-    what = cuda_api().GetErrorString(err);
+    if (const char* s = cuda_api().GetErrorString(err)) what = s;
   } catch (...) {
   }
   throw CudaError(call, err, what, file, line);

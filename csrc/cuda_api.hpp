@@ -42,7 +42,10 @@ struct CudaApi {
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t*, unsigned);
   cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
   cudaError_t (*EventSynchronize)(cudaEvent_t);
+  cudaError_t (*EventQuery)(cudaEvent_t);
   cudaError_t (*EventDestroy)(cudaEvent_t);
+  cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned);
+  cudaError_t (*GetLastError)();
   const char* (*GetErrorString)(cudaError_t);
   std::string library;  // the soname or path that was opened
 };

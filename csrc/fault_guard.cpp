@@ -2,7 +2,10 @@
 
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -20,46 +23,67 @@ struct Guard {
 // initial-exec: the handler must not call __tls_get_addr (not async-signal-safe).
 __attribute__((tls_model("initial-exec"))) thread_local Guard t_guard;
 
-struct sigaction g_previous;
+std::mutex g_mu;                    // serialises (re)installation
+struct sigaction g_previous;        // what SIGBUS did before our latest installation
+std::atomic<bool> g_forwarded{false};  // a SIGBUS was forwarded since we last took first place
 
-void chain(int sig, siginfo_t* info, void* ctx) {
-  if (g_previous.sa_flags & SA_SIGINFO) {
-    if (g_previous.sa_sigaction) {
-      g_previous.sa_sigaction(sig, info, ctx);
-      return;
-    }
-  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
-    g_previous.sa_handler(sig);
-    return;
+void on_sigbus(int sig, siginfo_t* info, void* ctx);
+
+bool is_ours(const struct sigaction& sa) {
+  return (sa.sa_flags & SA_SIGINFO) && sa.sa_sigaction == on_sigbus;
+}
+
+// Put the previous disposition back and let the signal reach it, as if we
+// had never been installed. A kernel fault (si_code > 0) re-executes the
+// faulting instruction on return and is delivered afresh, with its own
+// siginfo; a sent signal (kill, tgkill, raise, sigqueue: si_code <= 0) is
+// queued again to this thread and delivered once this handler returns (the
+// signal is blocked while it runs).
+void forward(int sig, siginfo_t* info) {
+  struct sigaction prev = g_previous;
+  // A handler that hands the signal straight back to us (faulthandler
+  // restores the handler it displaced — ours — and re-raises) would make a
+  // loop: the second time round, fall back to the default action.
+  if (is_ours(prev) || g_forwarded.exchange(true)) {
+    std::memset(&prev, 0, sizeof prev);
+    prev.sa_handler = SIG_DFL;
+    sigemptyset(&prev.sa_mask);
   }
-  // Default action: restore it and return; the faulting instruction runs
-  // again and the kernel delivers SIGBUS with the default disposition.
-  signal(sig, SIG_DFL);
+  sigaction(sig, &prev, nullptr);
+  if (info->si_code > 0) return;
+  if (syscall(SYS_rt_tgsigqueueinfo, getpid(), static_cast<pid_t>(syscall(SYS_gettid)), sig, info) != 0)
+    raise(sig);
 }
 
 void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  (void)ctx;
   Guard& g = t_guard;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  if (g.active && addr >= g.lo && addr < g.hi) {
+  if (info->si_code > 0 && g.active && addr >= g.lo && addr < g.hi) {
     g.fault = addr;
     g.active = 0;
     siglongjmp(g.env, 1);
   }
-  chain(sig, info, ctx);
+  forward(sig, info);
 }
 
 }  // namespace
 
 void install_fault_guard() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction sa;
-    std::memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, &g_previous);
-  });
+  struct sigaction cur;
+  if (sigaction(SIGBUS, nullptr, &cur) == 0 && is_ours(cur)) return;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (sigaction(SIGBUS, nullptr, &cur) != 0 || is_ours(cur)) return;
+  // Whatever is installed now (the default, faulthandler, a Python handler)
+  // becomes what we forward to.
+  g_previous = cur;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  g_forwarded.store(false);
+  sigaction(SIGBUS, &sa, nullptr);
 }
 
 bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr) {

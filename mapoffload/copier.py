@@ -15,7 +15,9 @@ Settings: arguments, else ``MAPOFFLOAD_COPY_THREADS``,
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +38,9 @@ ENV_THREADS = "MAPOFFLOAD_COPY_THREADS"
 ENV_STAGING_MIB = "MAPOFFLOAD_STAGING_MIB"
 ENV_SLOTS = "MAPOFFLOAD_STAGING_SLOTS"
 DEFAULT_SLOT_MIB = 8
+MAX_THREADS = 256
+MAX_SLOTS = 4096
+MAX_SLOT_BYTES = 1 << 32
 
 
 def cuda_available() -> bool:
@@ -43,17 +48,31 @@ def cuda_available() -> bool:
     return _core.cuda_available()
 
 
-def _setting(value: int | None, env: str, default: int, scale: int = 1) -> int:
+def _setting(value: int | None, env: str, default: int, scale: int = 1, *, name: str, limit: int) -> int:
     """The argument, else the environment variable (times ``scale``), else the default."""
-    source = "argument"
+    source = name
     if value is None:
         from_env = env_number(env)
         if from_env is None:
             return default
         value, source = int(from_env * scale), env
-    if value <= 0:
-        raise ValueError(f"{source} must be positive, got {value}")
+    if not 0 < value <= limit:
+        raise ValueError(f"{source} must be in 1..{limit}, got {value}")
     return int(value)
+
+
+# Every live copier, closed at interpreter exit: workers never outlive the
+# objects they copy, and no exit waits on a copy that can no longer finish.
+_LIVE: weakref.WeakSet[Copier] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for copier in list(_LIVE):
+        try:
+            copier.close(cancel=True)
+        except Exception:  # pragma: no cover - exit must go on
+            logger.debug("closing %r at exit failed", copier, exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -67,33 +86,69 @@ class CopyStats:
     read_seconds: float
     submit_seconds: float
     slot_wait_seconds: float
+    direct_bytes: int
 
 
 class CopyHandle:
     """One :meth:`Copier.copy`: wait for it, or ask whether it is done.
 
-    Keeps the tensors alive until the copy has run.
+    Completion has one meaning: a copy is *done* when every byte is at its
+    destination - on CUDA, when the device copies have completed, not merely
+    been queued. :meth:`wait_stream` is the stream-ordered alternative: the
+    host waits only until the copies are queued, and a CUDA stream waits for
+    them on the device.
+
+    The copier, not this handle, keeps the source and destination tensors
+    alive until the copy is done: dropping the handle (or every other
+    reference to the tensors) early is safe.
     """
 
-    def __init__(self, job: _core.CopyJob, keepalive: tuple, copier: Copier) -> None:
+    __slots__ = ("_job",)
+
+    def __init__(self, job: _core.CopyJob) -> None:
         self._job = job
-        self._keepalive = keepalive
-        self._copier = copier
 
     def wait(self) -> None:
-        """Return once every copy is enqueued on the stream (CUDA) or done (CPU).
+        """Block until every byte is at its destination (CUDA: copies completed).
 
         Raises
         ------
         MappingFaultError
-            A source mapping's file was truncated (the address range is named).
-        CudaError, RuntimeError
-            Another failure on a worker thread.
+            A source mapping's file was truncated (the file and byte range are named).
+        CudaError
+            A CUDA call failed (the call is named). After a sticky error the
+            copier is broken: every later copy fails at once.
+        RuntimeError
+            The copier was closed before the copy ran, or the process forked
+            while it was in flight.
         """
         self._job.wait()
 
     def done(self) -> bool:
+        """True once every byte is at its destination (or the copy failed). Never raises."""
         return self._job.done()
+
+    def enqueued(self) -> bool:
+        """True once every copy has been queued on the stream (CPU: copied)."""
+        return self._job.enqueued()
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        """Make ``stream`` (default: torch's current stream) wait for these copies.
+
+        Blocks the host only until the copies are queued; re-raises a
+        failure. On the CPU it is :meth:`wait`.
+        """
+        handle = 0
+        if stream is None:
+            import torch
+
+            if torch.cuda.is_available():
+                stream = torch.cuda.current_stream()
+        if stream is not None:
+            handle = int(getattr(stream, "cuda_stream", stream))
+        self._job.wait_stream(handle)
+        if not handle:
+            self._job.wait()
 
 
 class Copier:
@@ -132,10 +187,14 @@ class Copier:
             self.device = dev
         else:
             raise ValueError(f"device must be cuda or cpu, not {dev}")
-        n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1))
-        slot_bytes = _setting(staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20)
-        n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads))
+        n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1), name="threads", limit=MAX_THREADS)
+        slot_bytes = _setting(
+            staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20, name="staging_bytes",
+            limit=MAX_SLOT_BYTES,
+        )
+        n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads), name="slots", limit=MAX_SLOTS)
         self._native = _core.Copier(index, mode, n_threads, slot_bytes, n_slots)
+        _LIVE.add(self)
         logger.debug(
             "copier on %s: mode %s, %d threads, %d slots of %d bytes",
             self.device, mode, self._native.threads, n_slots, self._native.slot_bytes,
@@ -169,12 +228,35 @@ class Copier:
         return int(getattr(stream, "cuda_stream", stream))
 
     def copy_spans(
-        self, dst: Sequence[int], src: Sequence[int], sizes: Sequence[int], stream: object | None = None,
-        keepalive: tuple = (),
+        self,
+        dst: Sequence[int],
+        src: Sequence[int],
+        sizes: Sequence[int],
+        stream: object | None = None,
+        keepalive: object = None,
+        *,
+        direct: Sequence[bool] | None = None,
+        wait_for: object | None = None,
     ) -> CopyHandle:
-        """Copy raw ``(dst, src, nbytes)`` spans; the caller vouches for them."""
-        job = self._native.submit(dst, src, sizes, self._stream_handle(stream))
-        return CopyHandle(job, keepalive, self)
+        """Copy raw ``(dst, src, nbytes)`` spans.
+
+        ``keepalive`` (whatever owns the memory) is held by the copier until
+        the copy is done. ``direct`` flags spans whose source is pinned: DMA
+        straight from it, no staging. ``wait_for``: a CUDA stream whose work
+        already queued must finish before these copies start (a destination
+        recycled from it).
+
+        Raises
+        ------
+        ValueError
+            A null address, or a destination overlapping another destination
+            or a source (the pair is named).
+        """
+        job = self._native.submit(
+            dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=direct,
+            wait_for=self._stream_handle(wait_for) if wait_for is not None else 0,
+        )
+        return CopyHandle(job)
 
     def copy(
         self, dst_tensors: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor], stream: object | None = None
@@ -206,7 +288,11 @@ class Copier:
 
         dspans = _core.extract_spans(dst_list, torch.Tensor, False)
         sspans = _core.extract_spans(src_list, torch.Tensor, False)
-        return self.copy_spans(dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list))
+        direct = None
+        if self.device.type == "cuda":
+            # Pinned sources need no staging: the DMA engine reads them directly.
+            direct = [bool(s.is_pinned()) for s in src_list]
+        return self.copy_spans(dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list), direct=direct)
 
     def advise(self, tensors: Sequence[torch.Tensor]) -> None:
         """Readahead hint (``MADV_WILLNEED``) for tensors to be copied next."""
@@ -217,10 +303,26 @@ class Copier:
 
     def stats(self) -> CopyStats:
         s = self._native.stats()
-        return CopyStats(s.jobs, s.units, s.bytes, s.faults, s.read_ns / 1e9, s.submit_ns / 1e9, s.slot_wait_ns / 1e9)
+        return CopyStats(
+            s.jobs, s.units, s.bytes, s.faults, s.read_ns / 1e9, s.submit_ns / 1e9, s.slot_wait_ns / 1e9,
+            s.direct_bytes,
+        )
+
+    @property
+    def broken(self) -> str | None:
+        """The sticky CUDA error that broke this copier (every copy now fails with it), else None."""
+        return self._native.broken
+
+    def collect(self) -> int:
+        """Let go of the tensors of finished copies now; returns how many copies still hold some."""
+        return self._native.collect()
 
     def close(self, *, cancel: bool = False) -> None:
-        """Stop the workers: wait for queued copies, or fail them with ``cancel``."""
+        """Stop the workers: run queued copies first, or fail them with ``cancel``.
+
+        Always returns; waits for device copies in flight, then lets go of
+        every tensor the copier held. Idempotent.
+        """
         self._native.close(cancel)
 
     @property
