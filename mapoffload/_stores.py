@@ -1,4 +1,5 @@
-"""Host stores of the layerwise offload manager: per-layer layout and planning.
+"""Host stores of the layerwise offload manager: which store each weight gets,
+and where its bytes go on the host and on the device.
 
 Each managed weight lives in one of three host stores:
 
@@ -6,24 +7,28 @@ Each managed weight lives in one of three host stores:
     A view of the checkpoint's file mapping, kept as it is: never written,
     never copied on the host (page cache the kernel can drop and re-read).
 ``consolidated``
-    One flat buffer per layer and dtype (pinned or pageable), weights at
-    aligned offsets: one contiguous copy moves the whole group.
+    One flat buffer per layer and dtype (pinned or pageable) holding only the
+    layer's consolidated weights, back to back at aligned offsets: it stores
+    nothing else and costs nothing more.
 ``strided``
     An owned tensor of its own with its exact layout: non-contiguous weights
     (sizes and strides kept; it moves as the byte extent its strides cover),
     and mapped weights replaced through ``update_cpu_weights``.
 
-On the device, every layer has one flat buffer per dtype holding all its
-weights at the same aligned offsets.
+On the device every layer has one flat buffer per dtype: the consolidated
+weights first, at the same offsets as in their host buffer, then every other
+weight at an aligned offset. A prefetch moves each weight's own bytes and
+nothing in between (adjacent spans merged): ``layer_bytes`` plus nothing.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._log import logger
+from ._log import format_bytes, logger
+from .regions import tensor_extent
 
 if TYPE_CHECKING:
     import torch
@@ -37,58 +42,95 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def extent_elements(t: torch.Tensor) -> int:
-    """Elements spanned from the tensor's first element to its last (strides >= 0)."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-
-
 @dataclass
 class Weight:
     """One managed parameter (tied names share one entry)."""
 
     names: list[str]
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter  # the model's own parameter object
+    slots: list[tuple[Any, str]]  # (module, attribute) pairs that hold it
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    nbytes: int  # the byte extent its strides reach (numel * itemsize when contiguous)
+    contiguous: bool
     store: str = CONSOLIDATED
-    host: torch.Tensor | None = None  # the host copy (mapped view, consolidated view, strided tensor)
-    offset: int = 0  # byte offset in the layer's per-dtype device buffer (and consolidated buffer)
-    nbytes: int = 0  # bytes moved: numel * itemsize, or the strided extent
-
-    @property
-    def contiguous(self) -> bool:
-        return self.param.data.is_contiguous()
+    host: torch.Tensor | None = None  # mapped view, consolidated view or strided tensor
+    host_offset: int = 0  # in the layer's consolidated buffer of its dtype
+    dev_offset: int = 0  # in the layer's device buffer of its dtype
+    placeholder: torch.nn.Parameter | None = None
 
 
 @dataclass
 class LayerStore:
-    """Host side of one layer: its weights and per-dtype buffers."""
+    """Host side of one layer: its weights, buffers and prefetch spans."""
 
     index: int
+    name: str
     weights: list[Weight] = field(default_factory=list)
-    dtype_bytes: dict[torch.dtype, int] = field(default_factory=dict)  # device buffer size per dtype
-    consolidated: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # uint8 host buffers
+    dev_bytes: dict = field(default_factory=dict)  # dtype -> device buffer size
+    consolidated: dict = field(default_factory=dict)  # dtype -> uint8 host buffer
     pinned: bool = False
-    # What a prefetch copies, built once (host addresses are stable until
-    # update_cpu_weights replaces a tensor): (dtype, device offset, host tensor, bytes).
-    _sources: list[tuple[torch.dtype, int, torch.Tensor, int]] | None = None
+    _spans: list[tuple[Any, int, int, int, bool]] | None = None
 
-    def sources(self) -> list[tuple[torch.dtype, int, torch.Tensor, int]]:
-        """Spans of one prefetch: each consolidated buffer whole, other weights one by one."""
-        if self._sources is None:
-            out = [(dtype, 0, buf, buf.numel()) for dtype, buf in self.consolidated.items()]
-            out += [(w.dtype, w.offset, w.host, w.nbytes) for w in self.weights if w.store != CONSOLIDATED]
-            self._sources = out
-        return self._sources
-
-    def invalidate_sources(self) -> None:
-        self._sources = None
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
 
     def bytes_in(self, store: str) -> int:
         return sum(w.nbytes for w in self.weights if w.store == store)
+
+    def spans(self) -> list[tuple[Any, int, int, int, bool]]:
+        """``(dtype, device offset, host address, nbytes, pinned source)`` of one prefetch.
+
+        Built once (host addresses are stable until ``update_cpu_weights``
+        replaces a tensor, which calls :meth:`invalidate`); spans that continue
+        each other on both sides are merged.
+        """
+        if self._spans is None:
+            out: list[list] = []
+            for w in sorted(self.weights, key=lambda w: (str(w.dtype), w.dev_offset)):
+                src = w.host.data_ptr()
+                pinned = w.store == CONSOLIDATED and self.pinned
+                last = out[-1] if out else None
+                if (
+                    last is not None and last[0] == w.dtype and last[4] == pinned
+                    and last[1] + last[3] == w.dev_offset and last[2] + last[3] == src
+                ):
+                    last[3] += w.nbytes
+                else:
+                    out.append([w.dtype, w.dev_offset, src, w.nbytes, pinned])
+            self._spans = [tuple(s) for s in out]
+        return self._spans
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What a prefetch reads (held by the copier until the copy is done)."""
+        return [w.host for w in self.weights]
+
+    def invalidate(self) -> None:
+        self._spans = None
+
+
+def describe(t: torch.Tensor) -> tuple[int, bool]:
+    """(byte extent, contiguous) of a tensor, by the package's one definition of its extent."""
+    return tensor_extent(t)[1], t.is_contiguous()
+
+
+def layout(layer: LayerStore) -> None:
+    """Offsets: consolidated weights first (same offsets on host and device), then the rest."""
+    cursor: dict = {}
+    for w in layer.weights:
+        if w.store == CONSOLIDATED:
+            w.host_offset = w.dev_offset = align_up(cursor.get(w.dtype, 0))
+            cursor[w.dtype] = w.dev_offset + w.nbytes
+    host_end = dict(cursor)
+    for w in layer.weights:
+        if w.store != CONSOLIDATED:
+            w.dev_offset = align_up(cursor.get(w.dtype, 0))
+            cursor[w.dtype] = w.dev_offset + w.nbytes
+    layer.dev_bytes = {d: align_up(n) for d, n in cursor.items() if n}
+    layer._host_end = host_end  # type: ignore[attr-defined]
+    layer.invalidate()
 
 
 def _pin_exact(nbytes: int) -> torch.Tensor:
@@ -110,21 +152,21 @@ def _pin_exact(nbytes: int) -> torch.Tensor:
 
 
 def build_consolidated(layer: LayerStore, pin: bool) -> None:
-    """Copy the layer's consolidated weights into one buffer per dtype."""
+    """Copy the layer's consolidated weights into one exact-size buffer per dtype."""
     import torch
 
-    for dtype in layer.dtype_bytes:
+    for dtype, end in layer._host_end.items():  # type: ignore[attr-defined]
         members = [w for w in layer.weights if w.store == CONSOLIDATED and w.dtype == dtype]
         if not members:
             continue
-        end = max(w.offset + w.nbytes for w in members)
         buf = _pin_exact(end) if pin else torch.empty(end, dtype=torch.uint8)
         for w in members:
-            view = buf[w.offset : w.offset + w.nbytes].view(dtype).view(w.shape)
+            view = buf[w.host_offset : w.host_offset + w.nbytes].view(dtype).view(w.shape)
             view.copy_(w.param.data)
             w.host = view
         layer.consolidated[dtype] = buf
     layer.pinned = pin and bool(layer.consolidated)
+    layer.invalidate()
 
 
 def build_strided(w: Weight) -> None:
@@ -137,18 +179,15 @@ def build_strided(w: Weight) -> None:
     w.host = host
 
 
-def layout(layer: LayerStore) -> None:
-    """Assign each weight its aligned offset in the per-dtype buffers."""
-    cursor: dict = {}
-    for w in layer.weights:
-        w.offset = align_up(cursor.get(w.dtype, 0))
-        cursor[w.dtype] = w.offset + w.nbytes
-    layer.dtype_bytes = {d: align_up(n) for d, n in cursor.items()}
+def device_view(w: Weight, buf: torch.Tensor) -> torch.Tensor:
+    """The weight as a view of its layer's device buffer of its dtype."""
+    flat = buf[w.dev_offset : w.dev_offset + w.nbytes].view(w.dtype)
+    if w.contiguous:
+        return flat.view(w.shape)
+    return flat.as_strided(w.shape, w.stride)
 
 
 def log_plan(layers: list[LayerStore], device: object) -> None:
-    from ._log import format_bytes
-
     totals = {MAPPED: 0, "pinned": 0, "pageable": 0, STRIDED: 0}
     for layer in layers:
         totals[MAPPED] += layer.bytes_in(MAPPED)

@@ -6,6 +6,13 @@ Each layer's weights are held on the host in the store the budget allows
 copier on a copy stream, and released after the layer ran. With
 ``device="cpu"`` the "device buffers" are separate CPU buffers: the whole
 machinery runs without a GPU.
+
+Lifetime: while managed, a layer's parameter slots hold the real parameters
+(their data on the device) when the layer is loaded, and shape-correct
+placeholders that raise when computed with otherwise (``_placeholder.py``).
+``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
+their host data: the model is whole and usable again, ``state_dict()``
+included. The manager is a context manager.
 """
 
 from __future__ import annotations
@@ -14,50 +21,30 @@ import hashlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _plan
+from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
-from ._stores import extent_elements, layout, log_plan
-from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from ._placeholder import OffloadedWeight
+from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle
-from .regions import MappedRegions
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["LayerwiseOffloadManager"]
 
-HOST_STORES = ("auto", "mapped", "pinned", "pageable")
-
-
-def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]:
-    import torch
-
-    if isinstance(layers, str):
-        obj: Any = model
-        walked = []
-        for part in layers.split("."):
-            if not hasattr(obj, part):
-                where = ".".join(walked) or type(model).__name__
-                raise AttributeError(f"layer path {layers!r}: {where} has no attribute {part!r}")
-            obj = getattr(obj, part)
-            walked.append(part)
-        layers = obj
-    if not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential, list, tuple)):
-        raise TypeError(f"layers must be an nn.ModuleList or its attribute path, not {type(layers).__name__}")
-    out = list(layers)
-    if not all(isinstance(m, torch.nn.Module) for m in out):
-        raise TypeError("every layer must be an nn.Module")
-    return out
+HOST_STORES = _plan.HOST_STORES
 
 
 class _Loaded:
     """Device side of one layer: buffers per dtype, the copy in flight."""
 
-    def __init__(self, buffers: dict, handle: CopyHandle | None, event: Any = None) -> None:
+    __slots__ = ("buffers", "handle", "ready")
+
+    def __init__(self, buffers: dict, handle: CopyHandle | None) -> None:
         self.buffers = buffers
         self.handle = handle
         self.ready = handle is None
-        self.event = event
 
 
 class LayerwiseOffloadManager:
@@ -67,6 +54,8 @@ class LayerwiseOffloadManager:
     ----------
     model
         The model; parameters outside ``layers`` and all buffers are left alone.
+        Weights of the layers that are shared with modules outside them (a
+        tied embedding, say) are left alone too (see ``unmanaged``).
     layers
         An ``nn.ModuleList`` or its attribute path (``"blocks"``, ``"encoder.layer"``).
     device
@@ -108,95 +97,31 @@ class LayerwiseOffloadManager:
         if prefetch_layers < 0 or resident_layers < 0:
             raise ValueError("prefetch_layers and resident_layers must be >= 0")
         self.model = model
-        self.layers = _resolve_layers(model, layers)
+        self.layers = _plan.resolve_layers(model, layers)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch_layers = prefetch_layers
         self.resident_layers = resident_layers
         self.host_store = host_store
+        self._cuda = self.device.type == "cuda"
+        self._stores, self.unmanaged = _plan.collect(model, self.layers)
+        self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
+        _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device)
         self._owns_copier = copier is None
         self.copier = copier or Copier(self.device)
         if self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
-        self._cuda = self.device.type == "cuda"
         self._copy_stream = None
         if self._cuda and not copy_on_compute_stream:
             self._copy_stream = torch.cuda.Stream(self.device)
-        self._stores = self._collect()
-        self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
-        self._plan(available_bytes)
+        self._pool = DevicePool(self.device, self._copy_stream)
         self._loaded: dict[int, _Loaded] = {}
-        self._pool: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self._placeholders: dict = {}
-        self._device_bytes = 0
-        self.peak_device_bytes = 0
+        self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
-        self._layer_index = {id(m): i for i, m in enumerate(self.layers)}
-        for i in range(len(self.layers)):
-            self._bind_placeholders(i)
-
-    # -- construction ----------------------------------------------------------------
-    def _collect(self) -> list[LayerStore]:
-        prefix = {id(m): n for n, m in self.model.named_modules()}
-        owner: dict[int, int] = {}
-        stores = []
-        for i, layer in enumerate(self.layers):
-            store = LayerStore(i)
-            by_id: dict[int, Weight] = {}
-            base = prefix.get(id(layer), f"layers.{i}")
-            for name, p in layer.named_parameters(remove_duplicate=False):
-                full = f"{base}.{name}" if base else name
-                if id(p) in by_id:
-                    by_id[id(p)].names.append(full)
-                    continue
-                if id(p) in owner and owner[id(p)] != i:
-                    raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
-                if p.device.type == "meta":
-                    raise ValueError(f"parameter {full} is on the meta device: load the checkpoint first")
-                owner[id(p)] = i
-                data = p.data
-                nbytes = (extent_elements(data) if not data.is_contiguous() else data.numel()) * data.element_size()
-                w = Weight([full], p, data.dtype, tuple(data.shape), tuple(data.stride()), nbytes=nbytes)
-                by_id[id(p)] = w
-                store.weights.append(w)
-            stores.append(store)
-        return stores
-
-    def _plan(self, available_bytes: int | None) -> None:
-        weights = [w for s in self._stores for w in s.weights]
-        on_mapping = MappedRegions().classify([w.param.data for w in weights])
-        mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
-        candidate_bytes = sum(w.nbytes for w in weights if id(w) in mapped_candidates)
-        if available_bytes is None:
-            available_bytes = host_memory_available_bytes()
-        if self.host_store == "mapped":
-            keep_mapped = True
-        elif self.host_store == "auto":
-            keep_mapped = host_copies_would_not_fit(candidate_bytes, available_bytes=available_bytes)
-        else:
-            keep_mapped = False
-        for w in weights:
-            if keep_mapped and id(w) in mapped_candidates:
-                w.store = MAPPED
-                w.host = w.param.data
-            elif not w.contiguous:
-                w.store = STRIDED
-        budget = available_bytes - HOST_COPY_RESERVE_BYTES
-        pin_allowed = self._cuda and self.host_store in ("auto", "pinned")
-        if self.host_store == "pinned" and not self._cuda:
-            logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", self.device)
-        for store in self._stores:
-            layout(store)
-            consolidated = store.bytes_in(CONSOLIDATED)
-            pin = pin_allowed and (self.host_store == "pinned" or consolidated <= budget)
-            if pin:
-                budget -= consolidated
-            build_consolidated(store, pin)
-            for w in store.weights:
-                if w.store == STRIDED:
-                    build_strided(w)
-        log_plan(self._stores, self.device)
+        self._engaged = False
+        self._closed = False
+        self._engage()
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -219,52 +144,51 @@ class LayerwiseOffloadManager:
     @property
     def device_bytes(self) -> int:
         """Bytes of device buffers held now (in use or pooled for reuse)."""
-        return self._device_bytes
+        return self._pool.bytes
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self._pool.peak_bytes
 
     def layer_bytes(self, i: int) -> int:
         """Bytes one prefetch of layer ``i`` moves."""
-        return sum(w.nbytes for w in self._stores[self._check_index(i)].weights)
+        return self._stores[self._check_index(i)].nbytes
 
     def store_of(self, name: str) -> str:
         """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
         return self._weight(name)[1].store
 
-    # -- device buffers --------------------------------------------------------------------
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        import torch
+    # -- parameter slots -------------------------------------------------------------------
+    def _bind(self, w: Weight, data: torch.Tensor | None) -> None:
+        """Slots hold the real parameter with ``data``, or (None) the placeholder."""
+        if data is None:
+            w.param.data = w.host  # never left pointing into a recycled device buffer
+            target = w.placeholder
+        else:
+            w.param.data = data
+            target = w.param
+        for module, attr in w.slots:
+            module._parameters[attr] = target
 
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.zeros(1, dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
+    def _engage(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LayerwiseOffloadManager is closed")
+        if self._engaged:
+            return
+        for s in self._stores:
+            for w in s.weights:
+                self._bind(w, None)
+        self._engaged = True
 
-    def _bind_placeholders(self, i: int) -> None:
-        for w in self._stores[i].weights:
-            w.param.data = self._placeholder(w.dtype)
-
-    def _take_buffer(self, nbytes: int):
-        import torch
-
-        pool = self._pool.get(nbytes)
-        if pool:
-            return pool.pop()
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if self._copy_stream is not None:
-            # Written on the copy stream: the caching allocator must not hand
-            # this memory to another stream before that work is done.
-            buf.record_stream(self._copy_stream)
-        self._device_bytes += nbytes
-        self.peak_device_bytes = max(self.peak_device_bytes, self._device_bytes)
-        return buf, None
-
-    def _give_buffer(self, buf: torch.Tensor) -> None:
-        import torch
-
-        event = None
-        if self._cuda:
-            # The compute stream may still read it: a later copy waits for this.
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._pool.setdefault(buf.numel(), []).append((buf, event))
+    def _disengage(self) -> None:
+        """Release everything and give the model its real parameters back (host data)."""
+        self.release_all()
+        for s in self._stores:
+            for w in s.weights:
+                w.param.data = w.host
+                for module, attr in w.slots:
+                    module._parameters[attr] = w.param
+        self._engaged = False
 
     # -- loading ---------------------------------------------------------------------------
     def _check_index(self, i: int) -> int:
@@ -272,80 +196,96 @@ class LayerwiseOffloadManager:
             raise IndexError(f"layer {i} out of range (model has {len(self.layers)} managed layers)")
         return i % len(self.layers)
 
+    def _compute_stream(self):
+        import torch
+
+        return torch.cuda.current_stream(self.device) if self._cuda else None
+
     def prefetch_layer(self, i: int, non_blocking: bool = True) -> None:
         """Start copying layer ``i`` to the device (no-op when loaded or in flight).
 
         With ``non_blocking=False`` it also waits until the layer is usable.
         """
-        import torch
-
         i = self._check_index(i)
+        self._engage()
         if i not in self._loaded:
             store = self._stores[i]
-            stream = self._copy_stream or (torch.cuda.current_stream(self.device) if self._cuda else None)
-            bases = {}
-            buffers = {}
-            for dtype, nbytes in store.dtype_bytes.items():
-                buf, event = self._take_buffer(nbytes)
-                if event is not None:
-                    stream.wait_event(event)
-                buffers[dtype] = buf
-                bases[dtype] = buf.data_ptr()
-            sources = store.sources()
-            dst = [bases[dtype] + offset for dtype, offset, _, _ in sources]
-            src = [host.data_ptr() for _, _, host, _ in sources]
-            sizes = [n for _, _, _, n in sources]
-            handle = self.copier.copy_spans(dst, src, sizes, stream=stream, keepalive=(sources, buffers))
+            buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
+            spans = store.spans()
+            compute = self._compute_stream()
+            try:
+                handle = self.copier.copy_spans(
+                    [buffers[d].data_ptr() + off for d, off, _, _, _ in spans],
+                    [src for _, _, src, _, _ in spans],
+                    [n for _, _, _, n, _ in spans],
+                    stream=self._copy_stream or compute,
+                    keepalive=(store.host_tensors(), buffers),
+                    direct=[pinned for *_, pinned in spans] if self._cuda else None,
+                    # New or recycled buffers: the compute stream may still read them.
+                    wait_for=compute if self._copy_stream is not None else None,
+                )
+            except BaseException:
+                for buf in buffers.values():
+                    self._pool.give(buf)
+                raise
             self._loaded[i] = _Loaded(buffers, handle)
         if not non_blocking:
             self._ensure(i)
 
     def _ensure(self, i: int) -> None:
-        import torch
-
         if i not in self._loaded:
             self.prefetch_layer(i)
         loaded = self._loaded[i]
         if loaded.ready:
             return
-        loaded.handle.wait()
-        if self._cuda and self._copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(event)
-        for w in self._stores[i].weights:
-            buf = loaded.buffers[w.dtype]
-            if w.store == STRIDED:
-                elems = w.nbytes // w.param.element_size()
-                flat = buf[w.offset : w.offset + w.nbytes].view(w.dtype)[:elems]
-                w.param.data = flat.as_strided(w.shape, w.stride)
+        try:
+            if self._cuda:
+                # Stream-ordered: compute waits for this layer's copies only.
+                loaded.handle.wait_stream(self._compute_stream())
             else:
-                w.param.data = buf[w.offset : w.offset + w.nbytes].view(w.dtype).view(w.shape)
+                loaded.handle.wait()
+        except BaseException:
+            # The layer is released (its buffers back once the failed copy
+            # stopped): the next attempt starts afresh, e.g. after the file
+            # behind a mapping is whole again.
+            self.release_layer(i)
+            raise
+        for w in self._stores[i].weights:
+            self._bind(w, device_view(w, loaded.buffers[w.dtype]))
         loaded.ready = True
         loaded.handle = None
 
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s device copy (its parameters become placeholders)."""
         i = self._check_index(i)
+        self._kept.discard(i)
         loaded = self._loaded.pop(i, None)
         if loaded is None:
             return
         if loaded.handle is not None:
-            loaded.handle.wait()  # never recycle a buffer a copy may still write
-        self._bind_placeholders(i)
+            # Never recycle a buffer a copy may still write; a failure is
+            # the copy's own business (reported by whoever waits for it).
+            try:
+                loaded.handle.wait()
+            except Exception:
+                logger.debug("released layer %d after a failed copy", i, exc_info=True)
+        if self._engaged:
+            for w in self._stores[i].weights:
+                self._bind(w, None)
         for buf in loaded.buffers.values():
-            self._give_buffer(buf)
+            self._pool.give(buf)
 
     def release_all(self) -> None:
         for i in list(self._loaded):
             self.release_layer(i)
 
     def load_all_layers(self) -> None:
-        """Load every layer onto the device (and keep it there until released)."""
+        """Load every layer and keep it on the device until released explicitly."""
         for i in range(len(self.layers)):
             self.prefetch_layer(i)
         for i in range(len(self.layers)):
             self._ensure(i)
+        self._kept.update(range(len(self.layers)))
 
     def is_loaded(self, i: int) -> bool:
         i = self._check_index(i)
@@ -354,6 +294,7 @@ class LayerwiseOffloadManager:
     # -- hooks ------------------------------------------------------------------------------
     def register_forward_hooks(self) -> None:
         """Load each layer before it runs, prefetch the next ones, release it after."""
+        self._engage()
         if self._hooks:
             return
         for i, layer in enumerate(self.layers):
@@ -361,9 +302,15 @@ class LayerwiseOffloadManager:
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(i)))
 
     def remove_forward_hooks(self) -> None:
+        """Remove the hooks and give the model back whole: real parameters, host data."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._engaged:
+            self._disengage()
+
+    def _releasable(self, j: int) -> bool:
+        return j >= self.resident_layers and j not in self._kept
 
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
@@ -374,19 +321,19 @@ class LayerwiseOffloadManager:
                     "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
                     "torch.inference_mode() (gradients through offloaded weights are not supported)"
                 )
-            self._ensure(i)
-            keep = set(range(i, min(len(self.layers), i + 1 + self.prefetch_layers)))
+            window = range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
             for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
-                if j not in keep and j >= self.resident_layers:
+                if j != i and j not in window and self._releasable(j):
                     self.release_layer(j)
-            for j in sorted(keep - {i}):
+            self._ensure(i)
+            for j in window:
                 self.prefetch_layer(j)
 
         return pre_hook
 
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
-            if i >= self.resident_layers:
+            if self._releasable(i):
                 self.release_layer(i)
 
         return post_hook
@@ -426,10 +373,10 @@ class LayerwiseOffloadManager:
         if i not in self._loaded:
             return  # nothing on the device to write back
         self._ensure(i)
+        loaded = self._loaded[i]
         for w in self._stores[i].weights:
-            if w.store == MAPPED:
-                continue
-            w.host.copy_(w.param.data)
+            if w.store != MAPPED:
+                w.host.copy_(device_view(w, loaded.buffers[w.dtype]))
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor.
@@ -446,29 +393,44 @@ class LayerwiseOffloadManager:
                 raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
             value = value.detach().to(device="cpu", dtype=w.dtype)
             if w.store == MAPPED:
-                # An owned tensor of its own (the strided store's kind): the
-                # mapping is left as it is.
-                w.host = value.clone(memory_format=torch.contiguous_format)
+                # An owned tensor of its own (the strided store's kind), same
+                # layout and extent: the mapping is left as it is.
+                w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
+                w.host.copy_(value)
                 w.store = STRIDED
-                store.invalidate_sources()
+                store.invalidate()
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):
-                w.param.data.copy_(value.to(self.device))
+                device_view(w, self._loaded[store.index].buffers[w.dtype]).copy_(value)
+            elif not self._engaged:
+                w.param.data = w.host
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove hooks, release device buffers, stop an owned copier."""
+        """Remove hooks, give the model back whole, free device buffers, stop an owned copier.
+
+        Idempotent; never raises for a copy that failed earlier.
+        """
         import torch
 
+        if self._closed:
+            return
         self.remove_forward_hooks()
-        self.release_all()
+        if self._engaged:
+            self._disengage()
         if self._cuda:
-            torch.cuda.synchronize(self.device)  # copies into pooled buffers may still run
+            torch.cuda.synchronize(self.device)
         self._pool.clear()
-        self._device_bytes = 0
         if self._owns_copier:
             self.copier.close()
+        self._closed = True
+
+    def __enter__(self) -> LayerwiseOffloadManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (

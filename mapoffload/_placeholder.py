@@ -1,0 +1,128 @@
+"""Placeholders for released weights: shape-correct, and loud when computed with.
+
+While a :class:`~mapoffload.LayerwiseOffloadManager` manages a layer, each of
+its parameter slots holds either the real parameter (its data on the device,
+while the layer is loaded) or an :class:`OffloadedWeight`: a parameter on the
+meta device, with the weight's shape, dtype and strides and no memory. Reading
+its metadata works (``shape``, ``dtype``, ``numel()``…, so code that inspects a
+model keeps working); moving it between devices leaves it as it is (the
+manager places it); anything that would read its values raises a
+``RuntimeError`` naming the weight and its layer and saying how to load it —
+never a silent result computed from zeros or garbage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Properties whose value would be computed from the data.
+_DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Methods that read metadata only.
+_METADATA_METHODS = frozenset(
+    {
+        "size", "dim", "ndimension", "stride", "numel", "nelement", "element_size", "is_floating_point",
+        "is_complex", "is_contiguous", "storage_offset", "is_pinned", "is_shared", "get_device",
+        "_has_compatible_shallow_copy_type", "__hash__", "__format__", "requires_grad_",
+    }
+)
+# Conversions a whole-model .to()/.cuda()/.cpu()/.half() applies: the manager
+# owns where managed weights live, so a device move leaves the placeholder as
+# it is; a dtype change cannot be honoured and is refused.
+_MOVES = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "type"})
+_DTYPE_OF = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class OffloadedWeight(torch.nn.Parameter):
+    """A released weight: metadata only (see the module docstring)."""
+
+    _mo_name: str
+    _mo_layer: int
+
+    def __new__(cls, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, name: str, layer: int,
+                requires_grad: bool = False) -> OffloadedWeight:
+        data = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self._mo_name = name
+        self._mo_layer = layer
+        return self
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return (
+            f"OffloadedWeight({self._mo_name}, layer {self._mo_layer}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype})"
+        )
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise RuntimeError(_message(self, "pickled"))
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise RuntimeError(_message(self, "copied"))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        what = getattr(func, "__qualname__", name)
+        if name in ("__get__", "__set__") and owner is not None:
+            prop = getattr(owner, "__name__", "")
+            what = f"read as .{prop}" if name == "__get__" else f"assigned .{prop}"
+            if name == "__get__":
+                if prop == "data":
+                    return args[0]
+                if prop not in _DATA_PROPERTIES:
+                    return _plain(func, args, kwargs)
+            elif prop == "data" and len(args) == 2 and args[1] is args[0]:
+                return None  # Module._apply's `param.data = param` after a move
+            elif prop == "requires_grad":
+                return _plain(func, args, kwargs)
+        elif name in _METADATA_METHODS:
+            return _plain(func, args, kwargs)
+        elif name in _MOVES and args and isinstance(args[0], OffloadedWeight):
+            return _move(args[0], name, args[1:], kwargs)
+        else:
+            what = f"used by {what}"
+        raise RuntimeError(_message(_first(args, kwargs), what))
+
+
+def _plain(func: Any, args: tuple, kwargs: dict) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _move(self: OffloadedWeight, name: str, args: tuple, kwargs: dict) -> OffloadedWeight:
+    dtype = _DTYPE_OF.get(name) or kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, torch.Tensor):
+            dtype = a.dtype
+    if name == "type" and not args and "dtype" not in kwargs:
+        raise RuntimeError(_message(self, "asked for its type string"))
+    if dtype is not None and dtype != self.dtype:
+        raise RuntimeError(_message(self, f"converted to {dtype}"))
+    return self
+
+
+def _first(args: tuple, kwargs: dict) -> OffloadedWeight | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, OffloadedWeight):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, OffloadedWeight):
+                    return b
+    return None
+
+
+def _message(w: OffloadedWeight | None, what: str) -> str:
+    if w is None:
+        return f"an offloaded weight was {what}: its layer is not loaded"
+    return (
+        f"{w._mo_name} is offloaded by a LayerwiseOffloadManager and was {what} while layer {w._mo_layer} "
+        f"is not loaded. Run the model with the manager's hooks (register_forward_hooks()), load the layer "
+        f"first (prefetch_layer({w._mo_layer}, non_blocking=False)), or close the manager to get the real "
+        f"weights back."
+    )

@@ -1,0 +1,153 @@
+"""Planning for the layerwise offload manager: which parameters it manages
+and which host store each one gets, against the host budget."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._log import logger
+from ._placeholder import OffloadedWeight
+from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
+from ._stores import describe, layout, log_plan
+from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from .regions import MappedRegions
+
+if TYPE_CHECKING:
+    import torch
+
+HOST_STORES = ("auto", "mapped", "pinned", "pageable")
+
+
+def resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]:
+    """The layer modules, from an ``nn.ModuleList``/sequence or its attribute path."""
+    import torch
+
+    if isinstance(layers, str):
+        obj: Any = model
+        walked = []
+        for part in layers.split("."):
+            if not hasattr(obj, part):
+                where = ".".join(walked) or type(model).__name__
+                raise AttributeError(f"layer path {layers!r}: {where} has no attribute {part!r}")
+            obj = getattr(obj, part)
+            walked.append(part)
+        layers = obj
+    if not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential, list, tuple)):
+        raise TypeError(f"layers must be an nn.ModuleList or its attribute path, not {type(layers).__name__}")
+    out = list(layers)
+    if not all(isinstance(m, torch.nn.Module) for m in out):
+        raise TypeError("every layer must be an nn.Module")
+    return out
+
+
+def _outside_parameters(model: torch.nn.Module, layers: list[torch.nn.Module]) -> set[int]:
+    """ids of parameters that some module outside the layers also holds (ties)."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    out: set[int] = set()
+    for m in model.modules():
+        if id(m) not in inside:
+            out.update(id(p) for p in m._parameters.values() if p is not None)
+    return out
+
+
+def collect(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list[LayerStore], list[str]]:
+    """One :class:`LayerStore` per layer, and the names of weights left unmanaged.
+
+    A weight a module outside the layers also holds (an embedding tied to a
+    head inside the last block, say) is left where the model keeps it:
+    offloading it would take it from the outside module too.
+
+    Raises
+    ------
+    ValueError
+        A parameter is shared by two layers, or still on the meta device.
+    """
+    prefix = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    outside = _outside_parameters(model, layers)
+    owner: dict[int, int] = {}
+    unmanaged: list[str] = []
+    stores = []
+    for i, layer in enumerate(layers):
+        base = prefix.get(id(layer), f"layers.{i}")
+        store = LayerStore(i, base)
+        by_id: dict[int, Weight] = {}
+        for mod_name, module in layer.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                full = ".".join(x for x in (base, mod_name, attr) if x)
+                if id(p) in outside:
+                    unmanaged.append(full)
+                    continue
+                if id(p) in by_id:
+                    w = by_id[id(p)]
+                    if full not in w.names:
+                        w.names.append(full)
+                    if (module, attr) not in w.slots:
+                        w.slots.append((module, attr))
+                    continue
+                if id(p) in owner and owner[id(p)] != i:
+                    raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
+                if isinstance(p, OffloadedWeight) or p.device.type == "meta":
+                    raise ValueError(
+                        f"parameter {full} is on the meta device (or managed by another manager): "
+                        "load the checkpoint first"
+                    )
+                owner[id(p)] = i
+                data = p.data
+                nbytes, contiguous = describe(data)
+                w = Weight([full], p, [(module, attr)], data.dtype, tuple(data.shape), tuple(data.stride()),
+                           nbytes=nbytes, contiguous=contiguous)
+                w.placeholder = OffloadedWeight(w.shape, w.stride, w.dtype, full, i, requires_grad=p.requires_grad)
+                by_id[id(p)] = w
+                store.weights.append(w)
+        stores.append(store)
+    if unmanaged:
+        logger.info(
+            "%d weight(s) of the managed layers are shared with modules outside them (%s%s): left where the "
+            "model keeps them, not offloaded",
+            len(unmanaged), ", ".join(unmanaged[:3]), ", …" if len(unmanaged) > 3 else "",
+        )
+    return stores, unmanaged
+
+
+def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,
+         device: object) -> None:
+    """Choose each weight's store, lay out each layer and build its host buffers."""
+    weights = [w for s in stores for w in s.weights]
+    on_mapping = MappedRegions().classify([w.param.data for w in weights])
+    mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
+    candidate_bytes = sum(w.nbytes for w in weights if id(w) in mapped_candidates)
+    if available_bytes is None:
+        available_bytes = host_memory_available_bytes()
+    if host_store == "mapped":
+        keep_mapped = True
+    elif host_store == "auto":
+        keep_mapped = host_copies_would_not_fit(candidate_bytes, available_bytes=available_bytes)
+    else:
+        keep_mapped = False
+    for w in weights:
+        if keep_mapped and id(w) in mapped_candidates:
+            w.store = MAPPED
+            w.host = w.param.data
+        elif not w.contiguous:
+            w.store = STRIDED
+        else:
+            w.store = CONSOLIDATED
+    # Pinned stores are copied by DMA straight from pinned memory (no
+    # staging), so each pinned byte buys overlap; pin while the budget lasts.
+    budget = available_bytes - HOST_COPY_RESERVE_BYTES
+    pin_allowed = cuda and host_store in ("auto", "pinned")
+    if host_store == "pinned" and not cuda:
+        logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", device)
+    for store in stores:
+        layout(store)
+        consolidated = store.bytes_in(CONSOLIDATED)
+        pin = pin_allowed and (host_store == "pinned" or consolidated <= budget)
+        if pin:
+            budget -= consolidated
+        build_consolidated(store, pin)
+        for w in store.weights:
+            if w.store == STRIDED:
+                build_strided(w)
+    log_plan(stores, device)
