@@ -227,6 +227,26 @@ def maps_text(draw):
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def _line_error(parse, text):
+    try:
+        parse(text)
+    except ValueError as exc:
+        return str(exc).split(":")[0]
+    return None
+
+
+@settings(max_examples=100, deadline=None)
+@given(maps_text(), st.data())
+def test_parser_and_reference_reject_the_same_reordered_text(text, data):
+    lines = text.splitlines()
+    if len(lines) >= 2:
+        i = data.draw(st.integers(0, len(lines) - 2))
+        j = data.draw(st.integers(i + 1, len(lines) - 1))
+        lines[i], lines[j] = lines[j], lines[i]
+    shuffled = "\n".join(lines) + "\n"
+    assert _line_error(_core.parse_maps, shuffled) == _line_error(ref.parse, shuffled)
+
+
 @settings(max_examples=200, deadline=None)
 @given(maps_text(), st.data())
 def test_parser_and_classifier_match_reference(text, data):
