@@ -3,6 +3,7 @@ residency and the copy-on-write report; extraction that survives hostile items."
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapoffload import MappedRegions, cow_report, resident_bytes
+from mapoffload import MappedRegions, _core, cow_report, resident_bytes
 from mapoffload.regions import tensor_extent, tensor_spans
 
 import extent_reference as ref
@@ -154,16 +155,15 @@ def test_classify_survives_items_that_mutate_the_list():
     # Before: the borrowed items of PySequence_Fast were freed under the loop (SIGSEGV).
     proc = run_python(
         """
-        import gc, torch
+        import torch
         from mapoffload import MappedRegions, resident_bytes, tensor_spans
 
         victims = []
 
         class Evil(torch.Tensor):
             def data_ptr(self):
-                victims.clear()
-                victims.extend(torch.zeros(3) for _ in range(1000))  # reallocates the array
-                gc.collect()
+                victims.clear()  # frees the other items
+                victims.extend([None] * 100)  # reallocates the item array
                 return super().data_ptr()
 
         for fn in (MappedRegions().classify, tensor_spans, resident_bytes):
@@ -212,3 +212,22 @@ def test_residency_of_a_span_across_terabytes_of_unmapped_space():
     assert proc.returncode == 0 and proc.stdout.startswith(("ok", "skip")), (proc.returncode, proc.stderr[-2000:])
     if proc.stdout.startswith("skip"):
         pytest.skip(proc.stdout.strip())
+
+
+def test_residency_with_a_stale_or_missing_maps_snapshot(tmp_path):
+    base = mmap_raw(3 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        ctypes.memset(base, 1, 3 * PAGE)
+        munmap(base + PAGE, PAGE)  # a hole in the middle
+        spans = _core.SpanArray([base, base + 2 * PAGE], [3 * PAGE, PAGE])
+        assert _core.resident_bytes(spans) == [2 * PAGE, PAGE]
+        # A snapshot that still shows the hole as mapped: re-read a bounded
+        # number of times, then the chunk counts as not resident; it ends.
+        stale = tmp_path / "maps"
+        stale.write_text(f"{base:x}-{base + 3 * PAGE:x} rw-p 00000000 00:00 0\n")
+        assert _core.resident_bytes(spans, maps_path=str(stale)) == [0, PAGE]
+        # No snapshot at all: only what lies before the chunk with the hole.
+        assert _core.resident_bytes(spans, maps_path=str(tmp_path / "none")) == [0, PAGE]
+    finally:
+        munmap(base, PAGE)
+        munmap(base + 2 * PAGE, PAGE)
