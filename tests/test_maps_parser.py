@@ -264,3 +264,15 @@ def test_parser_and_classifier_match_reference(text, data):
     spans = _core.SpanArray(addrs, sizes)
     assert native.holds_spans(spans) == [ref.holds_span(vmas, a, n) for a, n in zip(addrs, sizes)]
     assert native.span_classes(spans) == [ref.span_class(vmas, a, n) for a, n in zip(addrs, sizes)]
+
+
+def test_smaps_value_beyond_64_bits_of_bytes_is_rejected():
+    text = "1000-2000 r--p 00000000 00:00 0\nRss: 18014398509481984 kB\n"  # 2**54 kB = 2**64 bytes
+    with pytest.raises(ValueError, match="line 2: .*64 bits"):
+        _core.parse_smaps(text)
+    assert _core.parse_smaps(text.replace("18014398509481984", "18014398509481983")).rss == [2**64 - 1024]
+
+
+def test_span_total_bytes_does_not_wrap():
+    assert _core.SpanArray([1, 2], [2**64 - 1, 2]).total_bytes == 2**64 + 1
+    assert _core.SpanArray([1, 2], [3, 4]).total_bytes == 7
