@@ -110,10 +110,14 @@ PYBIND11_MODULE(_core, m) {
       .def("__len__", &SpanArray::size)
       .def_property_readonly("addrs", [](const SpanArray& s) { return int_list(s.addr); })
       .def_property_readonly("sizes", [](const SpanArray& s) { return int_list(s.nbytes); })
-      .def_property_readonly("total_bytes", [](const SpanArray& s) {
+      .def_property_readonly("total_bytes", [](const SpanArray& s) -> py::object {
         uint64_t t = 0;
-        for (uint64_t n : s.nbytes) t += n;
-        return t;
+        bool wrapped = false;
+        for (uint64_t n : s.nbytes) wrapped |= __builtin_add_overflow(t, n, &t);
+        if (!wrapped) return py::int_(t);
+        py::object total = py::int_(0);  // beyond 64 bits: Python ints
+        for (uint64_t n : s.nbytes) total = total + py::int_(n);
+        return total;
       });
 
   m.def("extract_spans", &extract, py::arg("tensors"), py::arg("tensor_type"),

@@ -242,6 +242,7 @@ MapsTable parse_smaps(std::string_view text) {
     Cursor c{line, colon + 1, lineno};
     c.skip_spaces();
     uint64_t kb = c.dec("bad field value");
+    if (kb > UINT64_MAX / 1024) bad_line(lineno, "value of " + std::string(key) + " does not fit 64 bits in bytes");
     dst->back() = kb * 1024;
   });
   classify_vmas(t, FsTypes{});

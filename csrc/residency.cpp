@@ -111,7 +111,7 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
 }
 
 void advise_willneed(uint64_t addr, uint64_t nbytes) {
-  if (addr == 0 || nbytes == 0) return;
+  if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return;
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
@@ -147,6 +147,7 @@ bool populate_read(uint64_t addr, uint64_t nbytes) {
 #define MADV_POPULATE_READ 22
 #endif
   if (addr == 0 || nbytes == 0) return true;
+  if (addr + nbytes < addr) return false;  // wraps the address space
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
