@@ -215,7 +215,7 @@ def test_non_utf8_mapped_path_comes_back_fsdecoded(tmp_path):
     with open(name, "wb") as f:
         f.write(b"\3" * PAGE)
     with open(name, "rb") as f:
-        m = mmap.mmap(f.fileno(), PAGE, prot=mmap.PROT_READ)
+        m = mmap.mmap(f.fileno(), PAGE, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, writable
     try:
         t = torch.frombuffer(m, dtype=torch.uint8)
         expected = os.fsdecode(name)
