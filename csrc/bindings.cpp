@@ -26,6 +26,44 @@ SpanArray make_spans(const py::object& addrs, const py::object& sizes) {
   return s;
 }
 
+// A path or other OS string as str, the way os.fsdecode decodes it
+// (surrogateescape): never raises for bytes that are not UTF-8.
+py::object fs_str(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+// A filesystem path from str, bytes or os.PathLike (os.fsencode semantics).
+std::string fs_path(const py::object& path) {
+  PyObject* bytes = nullptr;
+  if (!PyUnicode_FSConverter(path.ptr(), &bytes)) throw py::error_already_set();
+  py::bytes owned = py::reinterpret_steal<py::bytes>(bytes);
+  return std::string(owned);
+}
+
+// /proc text from bytes, or from str (os.fsencode: surrogate escapes round-trip).
+std::string proc_text(const py::object& text) {
+  if (PyBytes_Check(text.ptr())) return std::string(py::reinterpret_borrow<py::bytes>(text));
+  if (!PyUnicode_Check(text.ptr())) throw py::type_error("text must be str or bytes");
+  py::bytes b = py::reinterpret_steal<py::bytes>(PyUnicode_EncodeFSDefault(text.ptr()));
+  if (!b) throw py::error_already_set();
+  return std::string(b);
+}
+
+// Paths of the distinct path ids, decoded once (os.fsdecode: never raises).
+py::list decoded_paths(const MapsTable& t) {
+  std::vector<py::object> distinct(t.paths.size());
+  for (size_t k = 0; k < t.paths.size(); ++k) distinct[k] = fs_str(t.paths[k]);
+  py::list out(t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    PyObject* p = distinct[t.path_id[i]].ptr();
+    Py_INCREF(p);
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), p);
+  }
+  return out;
+}
+
 SpanArray extract(const py::object& seq, const py::object& tensor_type, bool check_device) {
   SpanArray s;
   if (!extract_tensor_spans(seq.ptr(), tensor_type.ptr(), check_device, s)) throw py::error_already_set();
@@ -59,7 +97,7 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const OsError& e) {
       py::object err = py::module_::import("builtins").attr("OSError")(
-          e.err, std::string(std::strerror(e.err)), e.path);
+          e.err, std::string(std::strerror(e.err)), fs_str(e.path));
       PyErr_SetObject(PyExc_OSError, err.ptr());
     }
   });
@@ -72,15 +110,27 @@ PYBIND11_MODULE(_core, m) {
       .def("__len__", &SpanArray::size)
       .def_property_readonly("addrs", [](const SpanArray& s) { return int_list(s.addr); })
       .def_property_readonly("sizes", [](const SpanArray& s) { return int_list(s.nbytes); })
-      .def_property_readonly("total_bytes", [](const SpanArray& s) {
+      .def_property_readonly("total_bytes", [](const SpanArray& s) -> py::object {
         uint64_t t = 0;
-        for (uint64_t n : s.nbytes) t += n;
-        return t;
+        bool wrapped = false;
+        for (uint64_t n : s.nbytes) wrapped |= __builtin_add_overflow(t, n, &t);
+        if (!wrapped) return py::int_(t);
+        py::object total = py::int_(0);  // beyond 64 bits: Python ints
+        for (uint64_t n : s.nbytes) total = total + py::int_(n);
+        return total;
       });
 
   m.def("extract_spans", &extract, py::arg("tensors"), py::arg("tensor_type"),
         py::arg("check_device") = true,
-        "(data_ptr, nbytes) of every tensor in one call; non-CPU/meta/empty -> (0, 0).");
+        "(data_ptr, extent) of every tensor in one call: the bytes its strides can reach; "
+        "non-CPU/meta/empty -> (0, 0).");
+  m.def("tensor_extent", [](const py::object& tensor, const py::object& tensor_type, bool check_device) {
+    uint64_t addr = 0, nbytes = 0;
+    if (!extract_tensor_extent(tensor.ptr(), tensor_type.ptr(), check_device, addr, nbytes))
+      throw py::error_already_set();
+    return py::make_tuple(addr, nbytes);
+  }, py::arg("tensor"), py::arg("tensor_type"), py::arg("check_device") = true,
+     "(data_ptr, extent) of one tensor, as extract_spans computes it.");
 
   py::class_<MapsTable>(m, "MapsTable", "Sorted interval arrays of one maps/smaps snapshot.")
       .def("__len__", &MapsTable::size)
@@ -107,18 +157,15 @@ PYBIND11_MODULE(_core, m) {
         }
         return out;
       })
-      .def_property_readonly("paths", [](const MapsTable& t) {
-        py::list out;
-        for (size_t i = 0; i < t.size(); ++i) out.append(py::str(t.path(i)));
-        return out;
-      })
+      .def_property_readonly("paths", &decoded_paths,
+                             "Path of each VMA, decoded as os.fsdecode does (surrogate escapes).")
       .def_property_readonly("classes", [](const MapsTable& t) {
         py::list out;
         for (uint8_t c : t.cls) out.append(py::str(vma_class_name(static_cast<VmaClass>(c))));
         return out;
       })
-      .def("apply_mountinfo", [](MapsTable& t, const std::string& text) {
-        classify_vmas(t, parse_mountinfo(text));
+      .def("apply_mountinfo", [](MapsTable& t, const py::object& text) {
+        classify_vmas(t, parse_mountinfo(proc_text(text)));
       }, py::arg("text"), "Re-classify every VMA with this mount table (tmpfs vs disk).")
       .def("find", &MapsTable::find, py::arg("addr"), "Index of the VMA holding addr, or -1.")
       .def("holds_pointer", [](const MapsTable& t, uint64_t p) { return t.holds_span(p, 1); },
@@ -156,38 +203,46 @@ PYBIND11_MODULE(_core, m) {
         return int_list(idx);
       }, py::arg("spans"), "Sorted indices of the VMAs that overlap any span.");
 
-  m.def("parse_maps", [](const std::string& text) { return parse_maps(text); }, py::arg("text"),
-        "Parse /proc/<pid>/maps text (path rules only; see MapsTable.apply_mountinfo).");
-  m.def("parse_smaps", [](const std::string& text) { return parse_smaps(text); }, py::arg("text"));
-  m.def("parse_mountinfo", [](const std::string& text) {
+  m.def("parse_maps", [](const py::object& text) { return parse_maps(proc_text(text)); }, py::arg("text"),
+        "Parse /proc/<pid>/maps text, str or bytes (path rules only; see MapsTable.apply_mountinfo).");
+  m.def("parse_smaps", [](const py::object& text) { return parse_smaps(proc_text(text)); }, py::arg("text"));
+  m.def("parse_mountinfo", [](const py::object& text) {
     py::dict out;
-    for (auto& kv : parse_mountinfo(text))
+    for (auto& kv : parse_mountinfo(proc_text(text)))
       out[py::make_tuple(kv.first >> 32, kv.first & 0xffffffffu)] = kv.second;
     return out;
   }, py::arg("text"), "(major, minor) -> filesystem type.");
 
-  m.def("snapshot", [](const std::string& maps_path, const std::string& mountinfo_path) {
+  m.def("snapshot", [](const py::object& maps_path, const py::object& mountinfo_path) {
+    std::string maps = fs_path(maps_path), mounts = fs_path(mountinfo_path);
     py::gil_scoped_release nogil;
-    return with_mounts(parse_maps(read_text_file(maps_path)), mountinfo_path);
+    return with_mounts(parse_maps(read_text_file(maps)), mounts);
   }, py::arg("maps_path") = "/proc/self/maps", py::arg("mountinfo_path") = "/proc/self/mountinfo",
      "Read and index one maps snapshot. Raises OSError when maps_path is unreadable.");
-  m.def("read_smaps", [](const std::string& smaps_path, const std::string& mountinfo_path) {
+  m.def("read_smaps", [](const py::object& smaps_path, const py::object& mountinfo_path) {
+    std::string smaps = fs_path(smaps_path), mounts = fs_path(mountinfo_path);
     py::gil_scoped_release nogil;
-    return with_mounts(parse_smaps(read_text_file(smaps_path)), mountinfo_path);
+    return with_mounts(parse_smaps(read_text_file(smaps)), mounts);
   }, py::arg("smaps_path") = "/proc/self/smaps", py::arg("mountinfo_path") = "/proc/self/mountinfo");
 
-  m.def("resident_bytes", [](const SpanArray& s) {
+  m.def("resident_bytes", [](const SpanArray& s, const py::object& maps_path) {
     std::vector<uint64_t> out(s.size());
+    std::string maps = fs_path(maps_path);
     {
       py::gil_scoped_release nogil;
-      for (size_t i = 0; i < s.size(); ++i) out[i] = resident_bytes(s.addr[i], s.nbytes[i]);
+      ResidencyScanner scanner(maps);
+      for (size_t i = 0; i < s.size(); ++i) out[i] = scanner.resident_bytes(s.addr[i], s.nbytes[i]);
     }
     return int_list(out);
-  }, py::arg("spans"), "Bytes of each span on pages resident in RAM now (mincore).");
-  m.def("file_resident_bytes", [](const std::string& path) {
+  }, py::arg("spans"), py::arg("maps_path") = "/proc/self/maps",
+     "Bytes of each span on pages resident in RAM now (mincore). Unmapped holes are skipped "
+     "through a maps snapshot read from maps_path on first need.");
+  m.def("file_resident_bytes", [](const py::object& path) {
+    std::string p = fs_path(path);
     py::gil_scoped_release nogil;
-    return file_resident_bytes(path);
-  }, py::arg("path"), "(resident bytes, size) of a file in the page cache; reads nothing.");
+    return file_resident_bytes(p);
+  }, py::arg("path"), "(resident bytes, size) of a file in the page cache; reads nothing. "
+     "A FIFO or other non-regular file gives (0, st_size) without blocking.");
   m.def("advise_willneed", [](const SpanArray& s) {
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i]);

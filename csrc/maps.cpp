@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <numeric>
 #include <stdexcept>
 
 namespace mapoffload {
@@ -32,8 +31,22 @@ const char* span_class_name(SpanClass c) {
 
 namespace {
 
-[[noreturn]] void bad_line(size_t lineno, const char* what) {
+[[noreturn]] void bad_line(size_t lineno, const std::string& what) {
   throw std::invalid_argument("line " + std::to_string(lineno) + ": " + what);
+}
+
+std::string hex_str(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Device numbers: dev_t holds 32 bits of major and 32 of minor (the kernel's
+// own are 12 and 20), and DevId packs them the same way.
+uint64_t check_dev_part(uint64_t v, const char* which, size_t lineno) {
+  if (v > 0xffffffffu)
+    bad_line(lineno, std::string("device ") + which + " " + hex_str(v) + " does not fit 32 bits");
+  return v;
 }
 
 // A cursor over one line.
@@ -122,7 +135,16 @@ void parse_vma_line(std::string_view line, size_t lineno, MapsTable& t, PathInte
   uint64_t start = c.hex("bad start address");
   c.expect('-', "expected '-' after the start address");
   uint64_t end = c.hex("bad end address");
-  if (end < start) bad_line(lineno, "end address below start address");
+  if (end <= start)
+    bad_line(lineno, "end address must be above the start address (" + hex_str(start) + "-" + hex_str(end) + ")");
+  if (!t.start.empty()) {
+    // The kernel prints VMAs in address order, each after the previous one ends.
+    if (start < t.start.back())
+      bad_line(lineno, "not sorted: start " + hex_str(start) + " is below the previous mapping's start " +
+                           hex_str(t.start.back()));
+    if (start < t.end.back())
+      bad_line(lineno, "overlaps the previous mapping, which ends at " + hex_str(t.end.back()));
+  }
   c.expect_space("expected permissions");
   std::string_view perm = c.token();
   if (perm.size() != 4) bad_line(lineno, "permissions must be 4 characters");
@@ -134,9 +156,9 @@ void parse_vma_line(std::string_view line, size_t lineno, MapsTable& t, PathInte
   c.expect_space("expected offset");
   uint64_t offset = c.hex("bad offset");
   c.expect_space("expected device");
-  uint64_t major = c.hex("bad device major");
+  uint64_t major = check_dev_part(c.hex("bad device major"), "major", lineno);
   c.expect(':', "expected ':' in device");
-  uint64_t minor = c.hex("bad device minor");
+  uint64_t minor = check_dev_part(c.hex("bad device minor"), "minor", lineno);
   c.expect_space("expected inode");
   uint64_t inode = c.dec("bad inode");
   std::string_view path;
@@ -159,27 +181,6 @@ void parse_vma_line(std::string_view line, size_t lineno, MapsTable& t, PathInte
 
 bool starts_with(std::string_view s, std::string_view p) {
   return s.size() >= p.size() && s.compare(0, p.size(), p) == 0;
-}
-
-// Sort the table by start address (the kernel already does; fixtures may not).
-void sort_table(MapsTable& t) {
-  const size_t n = t.size();
-  bool sorted = true;
-  for (size_t i = 1; i < n && sorted; ++i) sorted = t.start[i - 1] <= t.start[i];
-  if (sorted) return;
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return t.start[a] < t.start[b]; });
-  auto permute = [&](auto& v) {
-    if (v.empty()) return;
-    std::remove_reference_t<decltype(v)> out(n);
-    for (size_t i = 0; i < n; ++i) out[i] = v[order[i]];
-    v.swap(out);
-  };
-  permute(t.start); permute(t.end); permute(t.offset); permute(t.inode);
-  permute(t.dev); permute(t.perms); permute(t.path_id); permute(t.cls);
-  permute(t.rss); permute(t.anonymous); permute(t.private_dirty); permute(t.swap);
 }
 
 template <typename F>
@@ -209,7 +210,6 @@ MapsTable parse_maps(std::string_view text) {
   for_each_line(text, [&](std::string_view line, size_t lineno) {
     parse_vma_line(line, lineno, t, intern);
   });
-  sort_table(t);
   classify_vmas(t, FsTypes{});
   return t;
 }
@@ -242,9 +242,9 @@ MapsTable parse_smaps(std::string_view text) {
     Cursor c{line, colon + 1, lineno};
     c.skip_spaces();
     uint64_t kb = c.dec("bad field value");
+    if (kb > UINT64_MAX / 1024) bad_line(lineno, "value of " + std::string(key) + " does not fit 64 bits in bytes");
     dst->back() = kb * 1024;
   });
-  sort_table(t);
   classify_vmas(t, FsTypes{});
   return t;
 }
@@ -259,9 +259,9 @@ FsTypes parse_mountinfo(std::string_view text) {
     c.expect_space("expected parent id");
     c.dec("bad parent id");
     c.expect_space("expected major:minor");
-    uint64_t major = c.dec("bad device major");
+    uint64_t major = check_dev_part(c.dec("bad device major"), "major", lineno);
     c.expect(':', "expected ':' in device");
-    uint64_t minor = c.dec("bad device minor");
+    uint64_t minor = check_dev_part(c.dec("bad device minor"), "minor", lineno);
     size_t sep = line.find(" - ", c.pos);
     if (sep == std::string_view::npos) bad_line(lineno, "missing ' - ' separator");
     Cursor f{line, sep + 3, lineno};

@@ -81,15 +81,18 @@ struct MapsTable {
   void touching(uint64_t addr, uint64_t nbytes, std::vector<uint32_t>& out) const;
 };
 
-// Parse /proc/<pid>/maps text. Throws std::invalid_argument("line N: ...").
-// The result is sorted by start address; classes are path rules only until
-// classify_vmas() is called with the mount table.
+// Parse /proc/<pid>/maps text. Throws std::invalid_argument("line N: ...") on
+// a malformed line, and on text the kernel never prints: an empty or inverted
+// VMA, a start below the previous start (unsorted) or below the previous end
+// (overlapping), a device major or minor beyond 32 bits. Classes are path
+// rules only until classify_vmas() is called with the mount table.
 MapsTable parse_maps(std::string_view text);
 
 // Parse /proc/<pid>/smaps: VMA header lines as in maps, then "Key: N kB" lines.
 MapsTable parse_smaps(std::string_view text);
 
-// Parse /proc/<pid>/mountinfo: the "major:minor" (decimal) and fstype fields.
+// Parse /proc/<pid>/mountinfo: the "major:minor" (decimal, 32 bits each) and
+// fstype fields.
 FsTypes parse_mountinfo(std::string_view text);
 
 // Class of one VMA from its path, inode and the filesystem its device is on.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <stdexcept>
 #include <vector>
 
 #include "maps.hpp"
@@ -18,9 +19,7 @@ size_t page_size() {
   return ps;
 }
 
-// mincore() fails with ENOMEM when any page of the range is unmapped; callers
-// fall back to asking page by page so that a span crossing a hole still
-// reports the mapped part.
+// One page (used by the copier to decide whether to populate a span).
 bool page_resident(uint64_t addr) {
   unsigned char v = 0;
   void* page = reinterpret_cast<void*>(page_align_down(addr, page_size()));
@@ -28,35 +27,91 @@ bool page_resident(uint64_t addr) {
   return v & 1;
 }
 
-uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
-  if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return 0;
+ResidencyScanner::ResidencyScanner(std::string maps_path) : maps_path_(std::move(maps_path)) {}
+
+ResidencyScanner::~ResidencyScanner() = default;
+
+bool ResidencyScanner::read_maps() {
+  if (reads_ > kMaxRereads) return false;
+  ++reads_;
+  try {
+    MapsTable fresh = parse_maps(read_text_file(maps_path_));
+    maps_ = std::make_unique<MapsTable>(std::move(fresh));
+    return true;
+  } catch (const OsError&) {
+  } catch (const std::invalid_argument&) {
+  }
+  return false;
+}
+
+bool ResidencyScanner::count(uint64_t lo, uint64_t hi, uint64_t addr, uint64_t stop, uint64_t& total,
+                             uint64_t& failed_at) {
   const uint64_t ps = page_size();
-  const uint64_t first = page_align_down(addr, ps);
-  const uint64_t stop = addr + nbytes;
-  const uint64_t npages = bytes_to_pages(stop - first, ps);
-  // Chunks bound the vector: 64k pages = 256 MiB of address space per call.
-  constexpr uint64_t kChunk = 1 << 16;
-  thread_local std::vector<unsigned char> vec;
-  uint64_t total = 0;
-  for (uint64_t p0 = 0; p0 < npages; p0 += kChunk) {
-    const uint64_t n = std::min(kChunk, npages - p0);
-    const uint64_t base = first + p0 * ps;
-    vec.resize(n);
-    bool ok = mincore(reinterpret_cast<void*>(base), n * ps, vec.data()) == 0;
+  for (uint64_t base = lo; base < hi;) {
+    const uint64_t n = std::min(kChunkPages, (hi - base) / ps);
+    vec_.resize(n);
+    if (mincore(reinterpret_cast<void*>(base), n * ps, vec_.data()) != 0) {
+      failed_at = base;
+      return false;
+    }
     for (uint64_t k = 0; k < n; ++k) {
+      if (!(vec_[k] & 1)) continue;
       const uint64_t page = base + k * ps;
-      bool res = ok ? (vec[k] & 1) : page_resident(page);
-      if (!res) continue;
-      const uint64_t lo = std::max(page, addr);
-      const uint64_t hi = std::min(page + ps, stop);
-      total += hi - lo;
+      total += std::min(page + ps, stop) - std::max(page, addr);
+    }
+    base += n * ps;
+  }
+  return true;
+}
+
+uint64_t ResidencyScanner::resident_bytes(uint64_t addr, uint64_t nbytes) {
+  if (addr == 0 || nbytes == 0) return 0;
+  const uint64_t ps = page_size();
+  // A span running past the top of the address space stops at its last page.
+  const uint64_t top = page_align_down(UINT64_MAX, ps);
+  if (addr >= top) return 0;
+  const uint64_t stop = nbytes > top - addr ? top : addr + nbytes;
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(stop, ps);
+  uint64_t total = 0, cursor = lo;
+  if (count(lo, hi, addr, stop, total, cursor)) return total;
+  // From `cursor` on, the span crosses a hole: ask only the mapped VMAs.
+  if (!maps_ && !read_maps()) return total;
+  while (cursor < hi) {
+    touching_.clear();
+    maps_->touching(cursor, hi - cursor, touching_);
+    uint64_t failed_at = hi;
+    bool stale = false;
+    for (uint32_t i : touching_) {
+      const uint64_t plo = std::max(maps_->start[i], cursor);
+      const uint64_t phi = std::min(maps_->end[i], hi);
+      // [vsyscall] lies above the task's address space: mincore refuses it.
+      if (plo >= phi || maps_->path(i) == "[vsyscall]") continue;
+      if (!count(plo, phi, addr, stop, total, failed_at)) {
+        stale = true;
+        break;
+      }
+    }
+    if (!stale) break;
+    // The snapshot no longer matches the address space: re-read it and resume
+    // at the chunk that failed, or, out of re-reads, count that chunk as not
+    // resident. Either way the cursor moves on or a re-read is spent.
+    if (read_maps()) {
+      cursor = failed_at;
+    } else {
+      cursor = failed_at + std::min(hi - failed_at, kChunkPages * ps);
     }
   }
   return total;
 }
 
+uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
+  ResidencyScanner scanner;
+  return scanner.resident_bytes(addr, nbytes);
+}
+
 void advise_willneed(uint64_t addr, uint64_t nbytes) {
-  if (addr == 0 || nbytes == 0) return;
+  if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return;
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
@@ -64,7 +119,8 @@ void advise_willneed(uint64_t addr, uint64_t nbytes) {
 }
 
 std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO without a writer would otherwise wait forever.
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw OsError{errno, path};
   struct stat st;
   if (fstat(fd, &st) != 0) {
@@ -91,6 +147,7 @@ bool populate_read(uint64_t addr, uint64_t nbytes) {
 #define MADV_POPULATE_READ 22
 #endif
   if (addr == 0 || nbytes == 0) return true;
+  if (addr + nbytes < addr) return false;  // wraps the address space
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);

@@ -3,8 +3,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace mapoffload {
 
@@ -13,9 +15,51 @@ inline uint64_t page_align_down(uint64_t a, uint64_t ps) { return a & ~(ps - 1);
 inline uint64_t page_align_up(uint64_t a, uint64_t ps) { return (a + ps - 1) & ~(ps - 1); }
 inline uint64_t bytes_to_pages(uint64_t n, uint64_t ps) { return (n + ps - 1) / ps; }
 
-// Bytes of [addr, addr+nbytes) that lie on pages resident in RAM now.
+struct MapsTable;
+
+// Bytes of spans that lie on pages resident in RAM now (mincore(2)).
+//
 // Unmapped pages count as not resident. Partial first/last pages count only
-// the bytes of the span they hold.
+// the bytes of the span they hold. mincore fails (ENOMEM) on a range with any
+// unmapped page, so a span is asked chunk by chunk while every page is
+// mapped; from the first chunk that crosses a hole on, only the mapped VMAs of
+// a maps snapshot (read once per scanner, on first need) are asked: a span
+// across terabytes of unmapped address space costs one /proc read, not one
+// system call per page. A snapshot that no longer matches the address space
+// (a mapping changed during the call) is re-read at most kMaxRereads times;
+// after that a chunk that still fails counts as not resident. Without a
+// readable maps file a span counts only the chunks before the first one that
+// crosses a hole.
+class ResidencyScanner {
+ public:
+  static constexpr int kMaxRereads = 2;
+  // Pages per mincore call: bounds the vector (64k pages = 256 MiB of address space).
+  static constexpr uint64_t kChunkPages = uint64_t{1} << 16;
+  explicit ResidencyScanner(std::string maps_path = "/proc/self/maps");
+  ~ResidencyScanner();
+  ResidencyScanner(const ResidencyScanner&) = delete;
+  ResidencyScanner& operator=(const ResidencyScanner&) = delete;
+
+  uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
+  // How often the maps file was read (tests).
+  int maps_reads() const { return reads_; }
+
+ private:
+  // mincore over the page-aligned [lo, hi), adding the bytes of resident pages
+  // that fall in [addr, stop) to total. On a chunk with an unmapped page,
+  // returns false with that chunk's base in failed_at.
+  bool count(uint64_t lo, uint64_t hi, uint64_t addr, uint64_t stop, uint64_t& total, uint64_t& failed_at);
+  // (Re-)reads the maps snapshot; false when unreadable or out of re-reads.
+  bool read_maps();
+
+  std::string maps_path_;
+  std::unique_ptr<MapsTable> maps_;
+  int reads_ = 0;
+  std::vector<unsigned char> vec_;
+  std::vector<uint32_t> touching_;
+};
+
+// One span, with a scanner of its own.
 uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
 
 // madvise(MADV_WILLNEED) over the pages of a span: starts kernel readahead
@@ -25,7 +69,9 @@ void advise_willneed(uint64_t addr, uint64_t nbytes);
 
 // (resident bytes, file size) of a file's pages in the page cache, by mincore
 // over a fresh read-only shared mapping (the vmtouch view): nothing is read.
-// Throws OsError (maps.hpp) when the file cannot be opened or mapped.
+// The file is opened non-blocking, so a FIFO or device answers at once; what
+// is not a regular file gives (0, st_size). Throws OsError (maps.hpp) when the
+// file cannot be opened or mapped.
 std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path);
 
 // True when the page holding addr is resident (one mincore call).

@@ -87,10 +87,32 @@ def _devices_in_use() -> bool:
     return False
 
 
-def tensor_spans(tensors: Sequence[torch.Tensor]) -> _core.SpanArray:
-    """``(data_ptr, nbytes)`` of every tensor, extracted in one native call.
+def tensor_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(address, nbytes)`` of the bytes a tensor's strides can reach.
 
-    Non-CPU, meta and empty tensors give ``(0, 0)``.
+    This is mapoffload's one definition of a tensor's bytes (native:
+    ``extract_tensor_spans`` in ``csrc/spans.cpp``), used by classification,
+    residency and the copy-on-write report: the address is ``data_ptr()`` and
+    ``nbytes = (1 + sum((size - 1) * stride)) * itemsize``. A column view spans
+    its rows; a stride-0 (expanded) dimension spans one element, so
+    ``torch.zeros(1).expand(2**40)`` is 4 bytes. Empty, meta and non-CPU
+    tensors, and tensors without storage, give ``(0, 0)``.
+
+    Raises
+    ------
+    TypeError
+        If ``tensor`` is not a ``torch.Tensor``.
+    OverflowError
+        If the extent does not fit in 64 bits.
+    """
+    return _core.tensor_extent(tensor, _tensor_type())
+
+
+def tensor_spans(tensors: Sequence[torch.Tensor]) -> _core.SpanArray:
+    """:func:`tensor_extent` of every tensor, extracted in one native call.
+
+    The sequence is read once, up front: items whose methods change it do
+    not change what is extracted.
 
     Raises
     ------
@@ -154,10 +176,12 @@ class MappedRegions:
         return self._table.holds_pointer(ptr)
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """True when every byte of the tensor's data lies in ``file`` mappings.
+        """True when every byte of the tensor's extent lies in ``file`` mappings.
 
-        Adjacent VMAs of the same file count as one. Non-CPU, meta and empty
-        tensors answer False.
+        The extent is :func:`tensor_extent`: a column view must have all of its
+        rows mapped, an expanded view only its one element per stride-0
+        dimension. Adjacent VMAs of the same file count as one. Non-CPU, meta
+        and empty tensors answer False.
         """
         return self.classify([tensor])[0]
 
@@ -177,7 +201,7 @@ class MappedRegions:
         return self._table.holds_spans(spans)
 
     def span_classes(self, tensors: Sequence[torch.Tensor]) -> list[str]:
-        """Class of each tensor's bytes: ``file``, ``shmem``, ``anonymous``,
+        """Class of each tensor's extent: ``file``, ``shmem``, ``anonymous``,
         ``special``, ``mixed`` (several classes, or partly unmapped) or
         ``unmapped`` (also for empty, meta and non-CPU tensors)."""
         spans = tensor_spans(tensors)
@@ -186,7 +210,8 @@ class MappedRegions:
         return self._table.span_classes(spans)
 
     def mapped_bytes(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Total ``nbytes`` of the tensors held by file mappings (no dedup)."""
+        """Total extent bytes (:func:`tensor_extent`) of the tensors held by
+        file mappings (no dedup)."""
         spans = tensor_spans(tensors)
         held = self.classify_spans(spans)
         return sum(n for n, h in zip(spans.sizes, held) if h)
@@ -203,10 +228,11 @@ class MappedRegions:
 
 
 def resident_bytes(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Bytes of each tensor on pages resident in RAM now (``mincore``).
+    """Bytes of each tensor's extent on pages resident in RAM now (``mincore``).
 
     File-backed and anonymous memory alike; non-CPU, meta and empty tensors
-    give 0.
+    give 0. The extent is :func:`tensor_extent` (an expanded view counts its
+    one element, not ``numel`` copies of it).
     """
     return _core.resident_bytes(tensor_spans(tensors))
 
@@ -289,8 +315,13 @@ def cow_report(
     Parameters
     ----------
     tensors
-        When given, only the file mappings that hold some byte of one of them;
-        otherwise every file mapping of the process.
+        When given, only the file mappings that hold some byte of one of
+        their extents (:func:`tensor_extent`); otherwise every file mapping of
+        the process.
+
+    Paths are ``str`` decoded as :func:`os.fsdecode` does: a file name that
+    is not UTF-8 comes back with surrogate escapes (``os.fsencode`` gives the
+    bytes back).
     """
     try:
         table = _core.read_smaps(smaps_path, mountinfo_path)

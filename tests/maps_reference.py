@@ -20,8 +20,8 @@ class Vma:
 
 
 def parse(text: str) -> list[Vma]:
-    out = []
-    for line in text.split("\n"):
+    out: list[Vma] = []
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line:
             continue
         addr, perms, offset, dev, rest = line.split(" ", 4)
@@ -29,8 +29,11 @@ def parse(text: str) -> list[Vma]:
         inode, _, path = rest.partition(" ")
         start, end = (int(x, 16) for x in addr.split("-"))
         major, minor = (int(x, 16) for x in dev.split(":"))
+        if end <= start or major >= 1 << 32 or minor >= 1 << 32:
+            raise ValueError(f"line {lineno}: not a VMA the kernel prints")
+        if out and (start < out[-1].start or start < out[-1].end):
+            raise ValueError(f"line {lineno}: unsorted or overlapping")
         out.append(Vma(start, end, perms, int(offset, 16), (major, minor), int(inode), path.strip(" ")))
-    out.sort(key=lambda v: v.start)
     for v in out:
         v.cls = classify(v.path, v.inode, v.dev, {})
     return out

@@ -3,6 +3,8 @@ the Python reference (property tests)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,13 +86,16 @@ def test_deleted_file_is_file_and_memfd_is_not():
     assert not t.holds_pointer(0)
 
 
-def test_empty_input_and_unsorted_input():
+def test_empty_input():
     assert len(_core.parse_maps("")) == 0
     assert not _core.parse_maps("").holds_pointer(4096)
+
+
+def test_unsorted_input_is_rejected():
+    # The kernel prints VMAs in address order; anything else is not /proc text.
     lines = FIXTURE.splitlines()
-    t = _core.parse_maps("\n".join(reversed(lines)) + "\n")
-    assert t.starts == sorted(t.starts)
-    assert t.classes[1] == "file"
+    with pytest.raises(ValueError, match=r"line 2: .*not sorted"):
+        _core.parse_maps("\n".join(reversed(lines)) + "\n")
 
 
 @pytest.mark.parametrize(
@@ -105,12 +110,63 @@ def test_empty_input_and_unsorted_input():
         ("1000-2000 r--p 00000000 00:00", 1),
         ("1000-2000 r--p", 1),
         ("10000000000000000-10000000000000001 r--p 00000000 00:00 0", 1),
+        ("5000-5000 r--p 00000000 00:00 0", 1),  # empty VMA
+        ("100000000:0 r--p 00000000 00:00 0", 1),
+        ("5000-6000 r--p 00000000 100000000:00 7 /f", 1),  # 33-bit major
+        ("5000-6000 r--p 00000000 00:1ffffffff 7 /f", 1),  # 33-bit minor
+        ("3800-5000 r--p 00000000 00:00 0", 1),  # overlaps 3000-4000
+        ("0800-0900 r--p 00000000 00:00 0", 1),  # below the previous start
     ],
 )
 def test_malformed_line_names_its_number(line, lineno):
     good = "1000-2000 r--p 00000000 00:00 0\n"
     with pytest.raises(ValueError, match=rf"line {lineno + 2}\b"):
         _core.parse_maps(good + good.replace("1000-2000", "3000-4000") + line + "\n")
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("5000-5000 r--p 00000000 00:00 0", "end address must be above the start"),
+        ("5000-4800 r--p 00000000 00:00 0", "end address must be above the start"),
+        ("5000-6000 r--p 00000000 100000000:00 7 /f", "device major.*32 bits"),
+        ("5000-6000 r--p 00000000 00:100000000 7 /f", "device minor.*32 bits"),
+        ("3fff-5000 r--p 00000000 00:00 0", "overlaps the previous mapping"),
+        ("2000-2800 r--p 00000000 00:00 0", "not sorted"),
+    ],
+)
+def test_malformed_vmas_say_what_is_wrong(line, message):
+    good = "1000-2000 r--p 00000000 00:00 0\n3000-4000 r--p 00000000 00:00 0\n"
+    with pytest.raises(ValueError, match=rf"^line 3: {message}"):
+        _core.parse_maps(good + line + "\n")
+    smaps = good.replace("\n", "\nRss: 4 kB\n") + line + "\n"
+    with pytest.raises(ValueError, match=rf"^line 5: {message}"):
+        _core.parse_smaps(smaps)
+
+
+def test_widest_device_numbers_are_kept_apart():
+    t = _core.parse_maps("1000-2000 r--p 00000000 ffffffff:ffffffff 7 /a\n2000-3000 r--p 00000000 1:0 7 /a\n")
+    assert t.devs == [(0xFFFFFFFF, 0xFFFFFFFF), (1, 0)]
+    assert t.run_ends == [0x2000, 0x3000]  # different devices: not one run
+
+
+def test_mountinfo_device_numbers_must_fit_32_bits():
+    with pytest.raises(ValueError, match="line 1: device major.*32 bits"):
+        _core.parse_mountinfo("22 1 4294967296:1 / / rw - ext4 /dev/vda1 rw\n")
+    with pytest.raises(ValueError, match="line 1: device minor.*32 bits"):
+        _core.parse_mountinfo("22 1 1:4294967296 / / rw - ext4 /dev/vda1 rw\n")
+    assert _core.parse_mountinfo("22 1 4294967295:4294967295 / / rw - ext4 /dev/vda1 rw\n") == {
+        (0xFFFFFFFF, 0xFFFFFFFF): "ext4"
+    }
+
+
+def test_non_utf8_paths_are_fsdecoded():
+    raw = b"1000-2000 r--p 00000000 fd:01 5   /m/w\xff.safetensors\n2000-3000 r--p 00000000 fd:01 6 /ok\n"
+    t = _core.parse_maps(raw)
+    assert t.paths == ["/m/w\udcff.safetensors", "/ok"]
+    assert os.fsencode(t.paths[0]) == b"/m/w\xff.safetensors"
+    s = _core.parse_smaps(raw.replace(b"\n2000", b"\nAnonymous: 4 kB\n2000"))
+    assert s.paths[0] == "/m/w\udcff.safetensors" and s.anonymous == [4096, 0]
 
 
 def test_malformed_mountinfo_names_its_line():
@@ -171,6 +227,26 @@ def maps_text(draw):
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def _line_error(parse, text):
+    try:
+        parse(text)
+    except ValueError as exc:
+        return str(exc).split(":")[0]
+    return None
+
+
+@settings(max_examples=100, deadline=None)
+@given(maps_text(), st.data())
+def test_parser_and_reference_reject_the_same_reordered_text(text, data):
+    lines = text.splitlines()
+    if len(lines) >= 2:
+        i = data.draw(st.integers(0, len(lines) - 2))
+        j = data.draw(st.integers(i + 1, len(lines) - 1))
+        lines[i], lines[j] = lines[j], lines[i]
+    shuffled = "\n".join(lines) + "\n"
+    assert _line_error(_core.parse_maps, shuffled) == _line_error(ref.parse, shuffled)
+
+
 @settings(max_examples=200, deadline=None)
 @given(maps_text(), st.data())
 def test_parser_and_classifier_match_reference(text, data):
@@ -188,3 +264,15 @@ def test_parser_and_classifier_match_reference(text, data):
     spans = _core.SpanArray(addrs, sizes)
     assert native.holds_spans(spans) == [ref.holds_span(vmas, a, n) for a, n in zip(addrs, sizes)]
     assert native.span_classes(spans) == [ref.span_class(vmas, a, n) for a, n in zip(addrs, sizes)]
+
+
+def test_smaps_value_beyond_64_bits_of_bytes_is_rejected():
+    text = "1000-2000 r--p 00000000 00:00 0\nRss: 18014398509481984 kB\n"  # 2**54 kB = 2**64 bytes
+    with pytest.raises(ValueError, match="line 2: .*64 bits"):
+        _core.parse_smaps(text)
+    assert _core.parse_smaps(text.replace("18014398509481984", "18014398509481983")).rss == [2**64 - 1024]
+
+
+def test_span_total_bytes_does_not_wrap():
+    assert _core.SpanArray([1, 2], [2**64 - 1, 2]).total_bytes == 2**64 + 1
+    assert _core.SpanArray([1, 2], [3, 4]).total_bytes == 7

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,3 +206,48 @@ def test_device_check_path_and_tensors_without_storage(checkpoint):
     assert table.classify_tensors(items, torch.Tensor, True) == expected
     assert table.classify_tensors(items, torch.Tensor, False) == expected
     assert mapoffload.tensor_spans(items).sizes == [loaded["a"].nbytes, 3 * 4, 0, 0]
+
+
+def test_non_utf8_mapped_path_comes_back_fsdecoded(tmp_path):
+    # Before: UnicodeDecodeError from cow_report() and MapsTable.paths for any
+    # mapped file whose name is not UTF-8, anywhere in the process.
+    name = os.path.join(os.fsencode(tmp_path), b"w\xff.safetensors")
+    with open(name, "wb") as f:
+        f.write(b"\3" * PAGE)
+    with open(name, "rb") as f:
+        m = mmap.mmap(f.fileno(), PAGE, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, writable
+    try:
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        expected = os.fsdecode(name)
+        regions = MappedRegions()
+        assert expected in regions.table.paths
+        assert regions.holds(t)
+        report = cow_report()
+        assert expected in report.by_path()
+        assert [mp.path for mp in cow_report([t]).mappings] == [expected]
+        assert os.fsencode(cow_report([t]).mappings[0].path) == name
+        del t
+    finally:
+        m.close()
+
+
+def test_file_resident_bytes_takes_any_path(tmp_path):
+    name = os.path.join(os.fsencode(tmp_path), b"f\xfe.bin")
+    with open(name, "wb") as f:
+        f.write(b"\0" * 3 * PAGE)
+    assert mapoffload._core.file_resident_bytes(os.fsdecode(name))[1] == 3 * PAGE
+    assert mapoffload._core.file_resident_bytes(name)[1] == 3 * PAGE
+    missing = os.path.join(os.fsencode(tmp_path), b"gone\xff.bin")
+    with pytest.raises(FileNotFoundError) as info:
+        mapoffload._core.file_resident_bytes(missing)
+    assert info.value.filename == os.fsdecode(missing)
+
+
+def test_file_resident_bytes_never_blocks_on_a_fifo(tmp_path):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    # Before: open(O_RDONLY) on a FIFO with no writer blocked forever.
+    code = f"from mapoffload import _core; print(_core.file_resident_bytes({str(fifo)!r}))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "(0, 0)", proc.stderr[-2000:]

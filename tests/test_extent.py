@@ -1,0 +1,233 @@
+"""One native definition of a tensor's byte extent, used by classification,
+residency and the copy-on-write report; extraction that survives hostile items."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mapoffload import MappedRegions, _core, cow_report, resident_bytes
+from mapoffload.regions import tensor_extent, tensor_spans
+
+import extent_reference as ref
+from native_mem import MAP_FIXED, PAGE, mmap_raw, munmap, tensor_at
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter: a crash or a hang fails the test, not pytest."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_extent_of_contiguous_column_expanded_and_empty_tensors():
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tensor_extent(a) == (a.data_ptr(), 48)
+    col = a[:, 1]
+    assert tensor_extent(col) == (col.data_ptr(), (1 + 2 * 4) * 4)  # spans its rows
+    assert tensor_extent(a.t()) == (a.data_ptr(), 48)  # dense, not contiguous
+    huge = torch.zeros(1).expand(2**40)
+    assert tensor_extent(huge) == (huge.data_ptr(), 4)  # one element per stride-0 dim
+    both = torch.zeros(3, 1, dtype=torch.float64).expand(3, 1000)
+    assert tensor_extent(both) == (both.data_ptr(), 3 * 8)
+    assert tensor_extent(torch.empty(0)) == (0, 0)
+    assert tensor_extent(a[:, 1:1]) == (0, 0)
+    assert tensor_extent(torch.empty(3, device="meta")) == (0, 0)
+    scalar = torch.tensor(7, dtype=torch.int16)
+    assert tensor_extent(scalar) == (scalar.data_ptr(), 2)
+    spans = tensor_spans([a, col, huge, torch.empty(0)])
+    assert spans.sizes == [48, 36, 4, 0]
+    assert spans.addrs == [a.data_ptr(), col.data_ptr(), huge.data_ptr(), 0]
+
+
+def test_extent_rejects_non_tensors_with_the_index():
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        tensor_extent([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="item 1 is int"):
+        tensor_spans([torch.zeros(1), 3])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_extent_matches_the_reference_on_random_strided_views(data):
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.float32, torch.float64]))
+    base = torch.zeros(4096, dtype=dtype)
+    ndim = data.draw(st.integers(0, 4))
+    shape = data.draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim))
+    stride = data.draw(st.lists(st.integers(0, 40), min_size=ndim, max_size=ndim))
+    offset = data.draw(st.integers(0, 64))
+    view = base.as_strided(shape, stride, offset)
+    assert tensor_extent(view) == ref.extent(view)
+    assert tensor_spans([view]).sizes == [ref.extent(view)[1]]
+    # Every element the view can read lies inside its extent.
+    if view.numel():
+        addr, nbytes = tensor_extent(view)
+        offsets = [sum(i * s for i, s in zip(idx, stride)) for idx in _indices(shape)]
+        item = view.element_size()
+        assert base.data_ptr() + (offset + max(offsets)) * item + item <= addr + nbytes
+        assert addr == base.data_ptr() + offset * item
+
+
+def _indices(shape):
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+def test_column_view_crossing_from_a_file_page_into_anonymous_memory(tmp_path):
+    path = tmp_path / "page.bin"
+    path.write_bytes(b"\7" * PAGE)
+    base = mmap_raw(2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base)
+        finally:
+            os.close(fd)
+        rows = tensor_at(base, 2 * PAGE).view(2, PAGE)
+        col = rows[:, 0]  # two bytes, one in each page: its extent crosses the boundary
+        regions = MappedRegions()
+        assert regions.holds(rows[0]) and regions.classify([rows[0, :8]]) == [True]
+        assert not regions.holds(col)
+        assert regions.classify([col]) == [False]
+        assert regions.span_classes([col]) == ["mixed"]
+        assert regions.mapped_bytes([col, rows[0]]) == PAGE
+    finally:
+        munmap(base, 2 * PAGE)
+
+
+def test_cow_report_sees_every_mapping_a_column_view_reaches(tmp_path):
+    paths = [tmp_path / "one.bin", tmp_path / "two.bin"]
+    for p in paths:
+        p.write_bytes(b"\1" * PAGE)
+    base = mmap_raw(2 * PAGE, 0,  # PROT_NONE
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        for k, p in enumerate(paths):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base + k * PAGE)
+            finally:
+                os.close(fd)
+        col = tensor_at(base, 2 * PAGE).view(2, PAGE)[:, 0]
+        report = cow_report([col])
+        assert sorted(m.path for m in report.mappings) == sorted(str(p) for p in paths)
+    finally:
+        munmap(base, 2 * PAGE)
+
+
+def test_resident_bytes_counts_the_extent():
+    rows = torch.ones(1000, 1024)  # written: every page resident
+    col = rows[:, 0]
+    assert resident_bytes([col]) == [(1 + 999 * 1024) * 4]
+    assert resident_bytes([rows[0]]) == [1024 * 4]
+
+
+def test_resident_bytes_of_a_stride0_view_is_one_element():
+    # Before: numel * itemsize = 4 TiB walked page by page with the GIL released.
+    proc = run_python(
+        """
+        import torch
+        from mapoffload import resident_bytes, MappedRegions
+        huge = torch.zeros(1).expand(2**40)
+        assert resident_bytes([huge]) == [4], resident_bytes([huge])
+        assert MappedRegions().span_classes([huge]) == ["anonymous"]
+        print("ok")
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_classify_survives_items_that_mutate_the_list():
+    # Before: the borrowed items of PySequence_Fast were freed under the loop (SIGSEGV).
+    proc = run_python(
+        """
+        import torch
+        from mapoffload import MappedRegions, resident_bytes, tensor_spans
+
+        victims = []
+
+        class Evil(torch.Tensor):
+            def data_ptr(self):
+                victims.clear()  # frees the other items
+                victims.extend([None] * 100)  # reallocates the item array
+                return super().data_ptr()
+
+        for fn in (MappedRegions().classify, tensor_spans, resident_bytes):
+            for _ in range(3):
+                victims[:] = [torch.zeros(64).as_subclass(Evil) for _ in range(50)]
+                out = fn(victims)
+                assert len(out) == 50, (fn, len(out))
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_residency_of_a_span_across_terabytes_of_unmapped_space():
+    # Before: mincore failed (ENOMEM) on every chunk and the fallback asked page
+    # by page: 2**28 system calls for this span, with the GIL released.
+    proc = run_python(
+        """
+        import ctypes, mmap, time
+        from mapoffload import _core
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        PAGE = mmap.PAGESIZE
+        MAP_FIXED_NOREPLACE = 0x100000
+        base = 0x200000000000  # 32 TiB: far below where the kernel places new mappings
+        mid = base + 2**39
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+        p = libc.mmap(mid, 4 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if p != mid:
+            print("skip: cannot place a mapping at", hex(mid), ctypes.get_errno())
+            raise SystemExit(0)
+        ctypes.memset(mid, 1, 2 * PAGE)  # two of the four pages resident
+        spans = _core.SpanArray([base, mid - 2**38, mid + PAGE + 10, mid + 4 * PAGE],
+                                [2**40, 2**38 + PAGE + 100, 2**40, 2**40])
+        t0 = time.monotonic()
+        got = _core.resident_bytes(spans)
+        took = time.monotonic() - t0
+        assert got == [2 * PAGE, PAGE + 100, PAGE - 10, 0], got
+        assert took < 10, took
+        print("ok", took)
+        """,
+        timeout=30,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith(("ok", "skip")), (proc.returncode, proc.stderr[-2000:])
+    if proc.stdout.startswith("skip"):
+        pytest.skip(proc.stdout.strip())
+
+
+def test_residency_with_a_stale_or_missing_maps_snapshot(tmp_path):
+    base = mmap_raw(3 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        ctypes.memset(base, 1, 3 * PAGE)
+        munmap(base + PAGE, PAGE)  # a hole in the middle
+        spans = _core.SpanArray([base, base + 2 * PAGE], [3 * PAGE, PAGE])
+        assert _core.resident_bytes(spans) == [2 * PAGE, PAGE]
+        # A snapshot that still shows the hole as mapped: re-read a bounded
+        # number of times, then the chunk counts as not resident; it ends.
+        stale = tmp_path / "maps"
+        stale.write_text(f"{base:x}-{base + 3 * PAGE:x} rw-p 00000000 00:00 0\n")
+        assert _core.resident_bytes(spans, maps_path=str(stale)) == [0, PAGE]
+        # No snapshot at all: only what lies before the chunk with the hole.
+        assert _core.resident_bytes(spans, maps_path=str(tmp_path / "none")) == [0, PAGE]
+    finally:
+        munmap(base, PAGE)
+        munmap(base + 2 * PAGE, PAGE)
