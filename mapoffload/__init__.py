@@ -30,6 +30,7 @@ from .checkpoint import (
     match_checkpoint_dtypes,
 )
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
+from ._placeholder import OffloadedWeight
 from .offload import LayerwiseOffloadManager
 from .regions import (
     CowMapping,
@@ -39,6 +40,7 @@ from .regions import (
     cow_report,
     drop_page_cache,
     resident_bytes,
+    tensor_extent,
     tensor_spans,
 )
 
@@ -59,6 +61,7 @@ __all__ = [
     "LoadReport",
     "MappedRegions",
     "MappingFaultError",
+    "OffloadedWeight",
     "cgroup_memory_limit_bytes",
     "checkpoint_bytes",
     "checkpoint_files",
@@ -76,5 +79,6 @@ __all__ = [
     "match_checkpoint_dtypes",
     "resident_bytes",
     "rss_anon_bytes",
+    "tensor_extent",
     "tensor_spans",
 ]

@@ -122,14 +122,6 @@ def tensor_spans(tensors: Sequence[torch.Tensor]) -> _core.SpanArray:
     return _core.extract_spans(tensors, _tensor_type())
 
 
-def tensor_extent(t: torch.Tensor) -> tuple[int, int]:
-    """(address, nbytes) of the byte range a tensor's strides reach from ``data_ptr()``."""
-    if t.numel() == 0 or t.device.type != "cpu":
-        return (0, 0)
-    n = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return (t.data_ptr(), n * t.element_size())
-
-
 class MappedRegions:
     """One snapshot of ``/proc/self/maps``, parsed natively into sorted intervals.
 
