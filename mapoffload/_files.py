@@ -125,16 +125,17 @@ def _hub_blobs(real_folder: str) -> str | None:
 def _index_shards(index_path: str) -> list[str]:
     """The shards an index names, in first-named order, each checked to lie in
     the index's folder (see the module docstring)."""
+    with open_regular(index_path) as (f, _):
+        try:
+            text = f.read()
+        except OSError as exc:
+            raise CheckpointError(index_path, f"cannot be read ({exc})") from None
     try:
-        with open_regular(index_path) as (f, _):
-            doc = json.loads(f.read())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError, RecursionError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CheckpointError(index_path, f"not a safetensors index: not JSON ({reason})") from None
+        doc = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(index_path, "not a safetensors index: not JSON (nested too deeply)") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise CheckpointError(index_path, f"not a safetensors index: not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise CheckpointError(index_path, f"not a safetensors index: a JSON {type(doc).__name__}, not an object")
     weight_map = doc.get("weight_map")
@@ -159,7 +160,8 @@ def _index_shards(index_path: str) -> list[str]:
                 index_path,
                 f"weight_map[{key!r}] = {name!r} resolves to {real}, outside the checkpoint folder (a symlink)",
             )
-        shards[path] = None
+        # Named as the caller named the index (relative stays relative).
+        shards[os.path.normpath(os.path.join(os.path.dirname(index_path), name))] = None
     return list(shards)
 
 

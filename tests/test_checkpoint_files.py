@@ -199,6 +199,16 @@ def test_index_escaping_through_symlinks(tmp_path, state):
             load_checkpoint(TinyModel(), folder)
 
 
+def test_relative_paths_stay_relative(tmp_path, state, monkeypatch):
+    write_sharded(tmp_path / "hf", state)
+    monkeypatch.chdir(tmp_path / "hf")
+    expected = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert checkpoint_files(INDEX) == expected
+    assert checkpoint_files(".") == expected  # normalised: no "./"
+    assert checkpoint_files(f"../hf/{INDEX}") == [f"../hf/{e}" for e in expected]
+    assert checkpoint_bytes(INDEX) == sizes(expected)
+
+
 def test_hub_cache_layout_with_blob_links_loads(tmp_path, state):
     """The Hugging Face cache stores every file as a link into ``blobs/``."""
     repo = tmp_path / "hub" / "models--org--tiny"
