@@ -1,10 +1,19 @@
 """Host memory budget: how many bytes this process may still fill with copies.
 
 Inside containers ``psutil.virtual_memory().available`` reports the machine,
-not the cgroup, so the budget also reads the process's own memory cgroup (v2
-``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/
-``memory.usage_in_bytes``) and takes the tightest cap on the path from the
-leaf up to the mount.
+not the cgroup, so the budget also reads the process's own memory cgroup and
+takes the tightest headroom on the path from the leaf up to the mount.
+
+A cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``) counts
+the page cache its processes filled, mapped checkpoint pages included; the
+kernel reclaims the inactive part of that cache before it reclaims anything
+else or kills. Counting it as used made the answer depend on how warm the
+cache was, and in a capped cgroup made a mapped checkpoint's own pages eat
+the budget that keeping it mapped was meant to save. So usage here leaves out
+inactive file cache (v2 ``inactive_file``, v1 ``total_inactive_file`` from
+``memory.stat``, hierarchical like the usage it is taken from), and the cap is
+the tighter of v2 ``memory.max`` and ``memory.high`` (above ``high`` the
+kernel throttles and reclaims hard), v1 ``memory.limit_in_bytes``.
 """
 
 from __future__ import annotations
@@ -95,37 +104,72 @@ def _candidate_dirs(mount: str, path: str) -> list[str]:
     return dirs
 
 
-def _tightest(dirs: list[str], cap_file: str, usage_file: str, unlimited: int | None) -> tuple[int, int] | None:
+def _stat_field(path: str, name: str) -> int | None:
+    """One ``name value`` line of a ``memory.stat`` file; None when absent or garbage."""
+    for line in (_read(path) or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == name:
+            return int(parts[1]) if parts[1].isdigit() else None
+    return None
+
+
+@dataclass(frozen=True)
+class _Version:
+    """Where one cgroup version keeps what the budget reads."""
+
+    mount: str  # relative to root
+    caps: tuple[str, ...]  # the tightest of these applies; "max"/garbage = none
+    usage: str
+    cache: str  # the reclaimable file-cache field of memory.stat
+    unlimited: int | None  # caps at or above this mean none (v1's sentinel)
+
+
+_V2 = _Version("sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None)
+_V1 = _Version(
+    "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED
+)
+
+
+def _headroom(d: str, v: _Version) -> tuple[int, int] | None:
+    """(cap, usage without reclaimable cache) of one cgroup directory; None if uncapped."""
+    caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
+    caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
+    if not caps:
+        return None
+    usage = _read_int(os.path.join(d, v.usage)) or 0
+    cache = _stat_field(os.path.join(d, "memory.stat"), v.cache) or 0
+    # usage and memory.stat are read at different moments: never below 0.
+    return min(caps), max(0, usage - cache)
+
+
+def _tightest(dirs: list[str], v: _Version) -> tuple[int, int] | None:
     best: tuple[int, int] | None = None
     for d in dirs:
-        cap = _read_int(os.path.join(d, cap_file))
-        if cap is None or (unlimited is not None and cap >= unlimited):
-            continue
-        usage = _read_int(os.path.join(d, usage_file)) or 0
-        if best is None or cap - usage < best[0] - best[1]:
-            best = (cap, usage)
+        found = _headroom(d, v)
+        if found is not None and (best is None or found[0] - found[1] < best[0] - best[1]):
+            best = found
     return best
 
 
 def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     """(cap, usage) of the tightest memory cap that applies to this process.
 
+    ``cap`` is the tighter of ``memory.max`` and ``memory.high`` (v2) or
+    ``memory.limit_in_bytes`` (v1). ``usage`` is the cgroup's usage *less its
+    inactive file cache* (v2 ``inactive_file``, v1 ``total_inactive_file``),
+    which the kernel reclaims first: ``cap - usage`` is the headroom, and it
+    does not change with cache warmth. "Tightest" is the smallest headroom on
+    the path from the leaf to the mount.
+
     Tries cgroup v2 before v1; "max", missing files, garbage and the v1
     sentinel (>= 2**62) mean uncapped. ``root`` prefixes every ``/proc`` and
     ``/sys`` path read, so tests build fake trees. None when nothing caps.
-    "Tightest" is the smallest headroom (cap - usage) on the path.
     """
     v2, v1 = _own_cgroup_paths(root)
-    if v2 is not None:
-        mount = os.path.join(root, "sys/fs/cgroup")
-        found = _tightest(_candidate_dirs(mount, v2), "memory.max", "memory.current", None)
-        if found:
-            return found
-    if v1 is not None:
-        mount = os.path.join(root, "sys/fs/cgroup/memory")
-        found = _tightest(
-            _candidate_dirs(mount, v1), "memory.limit_in_bytes", "memory.usage_in_bytes", _V1_UNLIMITED
-        )
+    for path, version in ((v2, _V2), (v1, _V1)):
+        if path is None:
+            continue
+        found = _tightest(_candidate_dirs(os.path.join(root, version.mount), path), version)
         if found:
             return found
     return None
@@ -149,7 +193,11 @@ def _env_host_gib() -> float | None:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """What the budget sees, for logs, the CLI and JSON."""
+    """What the budget sees, for logs, the CLI and JSON.
+
+    ``cgroup_usage`` is the usage less reclaimable file cache, as
+    :func:`cgroup_memory_limit_bytes` returns it.
+    """
 
     available: int
     machine_available: int
@@ -165,7 +213,8 @@ class HostMemory:
         parts.append(f"machine {format_bytes(self.machine_available)} available")
         if self.cgroup_cap is not None:
             parts.append(
-                f"cgroup cap {format_bytes(self.cgroup_cap)}, usage {format_bytes(self.cgroup_usage or 0)}"
+                f"cgroup cap {format_bytes(self.cgroup_cap)}, "
+                f"usage {format_bytes(self.cgroup_usage or 0)} (less reclaimable file cache)"
             )
         else:
             parts.append("no cgroup cap")
@@ -199,6 +248,10 @@ def host_memory(*, root: str = "/") -> HostMemory:
 
 def host_memory_available_bytes(*, root: str = "/") -> int:
     """min(psutil available, cgroup cap - usage), in bytes.
+
+    The cgroup's usage leaves out reclaimable file cache and its cap honours
+    ``memory.high`` (see :func:`cgroup_memory_limit_bytes`), so the answer
+    does not flip with cache warmth.
 
     With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X`` the process behaves like a host of
     X GiB: ``max(0, X GiB - RssAnon)``.

@@ -11,14 +11,14 @@ assignment half way; the module is then partly loaded and must be rebuilt.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
+from ._header import read_safetensors_header
 from ._log import format_bytes, logger
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 
@@ -36,50 +36,7 @@ __all__ = [
     "match_checkpoint_dtypes",
 ]
 
-_INDEX_SUFFIX = ".safetensors.index.json"
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read as one (``.path`` names it)."""
-
-    def __init__(self, path: str | os.PathLike, message: str) -> None:
-        super().__init__(f"{os.fspath(path)}: {message}")
-        self.path = os.fspath(path)
-
-
-# --- sizes and gates ------------------------------------------------------------
-
-
-def _index_shards(index_path: str) -> list[str]:
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(index_path, f"not a safetensors index ({exc})") from None
-    folder = os.path.dirname(index_path)
-    return [os.path.join(folder, s) for s in dict.fromkeys(weight_map.values())]
-
-
-def checkpoint_bytes(path: str | os.PathLike) -> int:
-    """On-disk bytes of a checkpoint, read from sizes only.
-
-    Every ``.safetensors`` under a directory (recursive), one file's size, or
-    the shards a ``*.safetensors.index.json`` names. 0 for a path that does not
-    exist (a hub id, say).
-    """
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        total = 0
-        for folder, _, files in os.walk(p):
-            total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if f.endswith(".safetensors"))
-        return total
-    if p.endswith(_INDEX_SUFFIX) and os.path.isfile(p):
-        return sum(os.path.getsize(s) for s in _index_shards(p) if os.path.isfile(s))
-    if os.path.isfile(p):
-        return os.path.getsize(p)
-    return 0
+# --- the gate ---------------------------------------------------------------------
 
 
 def keep_checkpoint_mapped(*, weight_bytes: int, component: str) -> bool:
@@ -150,51 +107,12 @@ def empty_weights() -> Iterator[None]:
 # --- reading files -------------------------------------------------------------
 
 
-def _looks_remote(p: str) -> bool:
-    return "://" in p or bool(_HUB_ID.match(p))
-
-
-def checkpoint_files(path: str | os.PathLike) -> list[str]:
-    """The files a checkpoint path stands for, in load order.
-
-    Raises
-    ------
-    FileNotFoundError
-        For a missing path, or a shard an index names that is missing.
-    ValueError
-        For a hub id or URL (only local paths are loaded), or a folder with no
-        checkpoint in it.
-    """
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        if _looks_remote(p):
-            raise ValueError(f"{p!r} looks like a hub id or URL: mapoffload loads local paths only")
-        raise FileNotFoundError(f"checkpoint not found: {p}")
-    if os.path.isdir(p):
-        entries = sorted(os.listdir(p))
-        index = [e for e in entries if e.endswith(_INDEX_SUFFIX)]
-        if index:
-            return checkpoint_files(os.path.join(p, index[0]))
-        found = [os.path.join(p, e) for e in entries if e.endswith(".safetensors")]
-        if not found:
-            found = [os.path.join(p, e) for e in entries if e.endswith(_TORCH_SUFFIXES)]
-        if not found:
-            raise ValueError(f"{p}: no .safetensors, .pt or .bin checkpoint in this folder")
-        return found
-    if p.endswith(_INDEX_SUFFIX):
-        shards = _index_shards(p)
-        for s in shards:
-            if not os.path.isfile(s):
-                raise FileNotFoundError(f"shard {s} named by {p} is missing")
-        return shards
-    return [p]
-
-
 def _read_file(path: str) -> dict[str, torch.Tensor]:
-    """Mapped CPU views of every tensor in one file."""
+    """Mapped CPU views of every tensor in one file (a regular file, as
+    :func:`checkpoint_files` checked)."""
     import torch
 
-    if path.endswith(_TORCH_SUFFIXES):
+    if path.endswith(TORCH_SUFFIXES):
         try:
             obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:
@@ -206,6 +124,9 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
         return dict(obj)
     from safetensors import SafetensorError, safe_open
 
+    # safetensors' own parser takes a repeated key last-wins; ours refuses it,
+    # and names the key at fault for every other defect too.
+    read_safetensors_header(path)
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
@@ -213,6 +134,19 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(path, f"not a valid safetensors file ({exc})") from None
     except OSError as exc:
         raise CheckpointError(path, f"cannot be read ({exc})") from None
+
+
+def _read_files(files: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of every file; a key in two files is an error, not last-wins."""
+    loaded: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for f in files:
+        for key, tensor in _read_file(f).items():
+            if key in origin:
+                raise CheckpointError(f, f"key {key!r} is in both {origin[key]} and {f}")
+            origin[key] = f
+            loaded[key] = tensor
+    return loaded
 
 
 # --- the report ------------------------------------------------------------------
@@ -330,12 +264,11 @@ def load_checkpoint(
     files = checkpoint_files(path)
     component = type(module).__name__
     if keep_mapping is None:
+        # checkpoint_bytes counts exactly the files listed above.
         keep_mapping = keep_checkpoint_mapped(weight_bytes=checkpoint_bytes(path), component=component)
     target_device = torch.device(device)
 
-    loaded: dict[str, torch.Tensor] = {}
-    for f in files:
-        loaded.update(_read_file(f))
+    loaded = _read_files(files)
     slots, groups = _slots(module)
 
     # Validate everything before assigning anything.

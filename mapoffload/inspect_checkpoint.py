@@ -7,43 +7,15 @@ the gate say whether a load would keep the checkpoint mapped.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import asdict, dataclass, field
 
+from ._files import checkpoint_components, checkpoint_files
+from ._header import read_safetensors_header
 from ._native import _core
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
-from .checkpoint import CheckpointError, checkpoint_files
 
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
-
-_MAX_HEADER = 100 << 20  # safetensors caps headers at 100 MB
-
-
-def read_safetensors_header(path: str) -> dict:
-    """The JSON header of a safetensors file (reads only the header bytes).
-
-    Raises
-    ------
-    CheckpointError
-        When the file is not a safetensors file.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(path, "too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(path, f"header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointError(path, f"header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, "header is not a JSON object")
-    return header
 
 
 @dataclass
@@ -75,7 +47,8 @@ class CheckpointInfo:
 
 
 def _file_info(path: str) -> FileInfo:
-    resident, size = _core.file_resident_bytes(path)
+    """One file's row. The header is read and validated before anything else
+    touches the file (``checkpoint_files`` already refused non-regular ones)."""
     if path.endswith(".safetensors"):
         header = read_safetensors_header(path)
         dtypes: dict[str, int] = {}
@@ -84,37 +57,19 @@ def _file_info(path: str) -> FileInfo:
             if key == "__metadata__":
                 continue
             count += 1
-            dt = entry.get("dtype", "?") if isinstance(entry, dict) else "?"
-            dtypes[dt] = dtypes.get(dt, 0) + 1
+            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
+        resident, size = _core.file_resident_bytes(path)
         return FileInfo(path, size, count, dtypes, resident)
+    resident, size = _core.file_resident_bytes(path)
     return FileInfo(path, size, None, {}, resident)
-
-
-def _components(path: str) -> list[tuple[str, str]]:
-    """(component name, checkpoint path) rows: diffusers-style sub-folders each
-    get a row; a plain checkpoint gets one."""
-    if not os.path.isdir(path):
-        return [(os.path.basename(path), path)]
-    rows = []
-    has_own = any(e.endswith((".safetensors", ".pt", ".bin", ".safetensors.index.json")) for e in os.listdir(path))
-    if has_own:
-        rows.append((os.path.basename(os.path.normpath(path)), path))
-    for entry in sorted(os.listdir(path)):
-        sub = os.path.join(path, entry)
-        if os.path.isdir(sub) and any(
-            f.endswith((".safetensors", ".pt", ".bin", ".safetensors.index.json")) for f in os.listdir(sub)
-        ):
-            rows.append((entry, sub))
-    if not rows:
-        raise ValueError(f"{path}: no .safetensors, .pt or .bin checkpoint in this folder or its sub-folders")
-    return rows
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
     """Everything `mapoffload inspect` prints, as plain data (JSON-ready)."""
     p = os.fspath(path)
     components = []
-    for name, sub in _components(p):
+    # One file-set rule for the loader, the gate and this report.
+    for name, sub in checkpoint_components(p):
         info = CheckpointInfo(sub, name, [_file_info(f) for f in checkpoint_files(sub)])
         components.append(info)
     host = host_memory()

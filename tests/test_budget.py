@@ -134,3 +134,105 @@ def test_this_machine_answers_something():
     assert host_memory_available_bytes() > 0
     result = cgroup_memory_limit_bytes()
     assert result is None or (result[0] > 0 and result[1] >= 0)
+
+
+# --- page cache is not usage; memory.high is a cap -------------------------------------
+
+
+def v2_stat(root, rel, inactive_file, active_file=0):
+    write(root, f"sys/fs/cgroup/{rel}/memory.stat".replace("//", "/"),
+          f"anon 123\nfile {inactive_file + active_file}\nactive_file {active_file}\n"
+          f"inactive_file {inactive_file}\nslab 7\n")
+
+
+def v1_stat(root, rel, total_inactive_file, local_inactive_file=0):
+    write(root, f"sys/fs/cgroup/memory/{rel}/memory.stat".replace("//", "/"),
+          f"cache 5\ninactive_file {local_inactive_file}\ntotal_cache 9\n"
+          f"total_inactive_file {total_inactive_file}\ntotal_active_file 0\n")
+
+
+def test_v2_same_answer_with_a_warm_or_a_cold_cache(tmp_path):
+    leaf = "user.slice/app.scope"
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    v2_tree(cold, caps={leaf: (str(8 * GIB), 2 * GIB)})
+    v2_stat(cold, leaf, inactive_file=0)
+    # The same process after reading 5 GiB of checkpoint: the kernel counts the
+    # cache in memory.current, but it can drop it.
+    v2_tree(warm, caps={leaf: (str(8 * GIB), 7 * GIB)})
+    v2_stat(warm, leaf, inactive_file=5 * GIB)
+    assert cgroup_memory_limit_bytes(root=str(cold)) == (8 * GIB, 2 * GIB)
+    assert cgroup_memory_limit_bytes(root=str(warm)) == (8 * GIB, 2 * GIB)
+    assert host_copies_would_not_fit(GIB, available_bytes=_available(warm)) == host_copies_would_not_fit(
+        GIB, available_bytes=_available(cold))
+    assert _available(warm) == _available(cold) == 6 * GIB
+
+
+def _available(root):
+    cap, usage = cgroup_memory_limit_bytes(root=str(root))
+    return cap - usage
+
+
+def test_v1_same_answer_with_a_warm_or_a_cold_cache(tmp_path):
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    v1_tree(cold, caps={"process_api/abc": (str(12 * GIB), GIB)})
+    v1_stat(cold, "process_api/abc", total_inactive_file=0)
+    v1_tree(warm, caps={"process_api/abc": (str(12 * GIB), 4 * GIB)})
+    # The local count is a decoy: usage_in_bytes is hierarchical, so is total_*.
+    v1_stat(warm, "process_api/abc", total_inactive_file=3 * GIB, local_inactive_file=GIB)
+    assert cgroup_memory_limit_bytes(root=str(cold)) == (12 * GIB, GIB)
+    assert cgroup_memory_limit_bytes(root=str(warm)) == (12 * GIB, GIB)
+
+
+def test_cache_is_left_out_at_every_level_of_the_walk(tmp_path):
+    # The parent looks tightest by raw usage, but most of it is cache.
+    # Headroom: parent 10 - (9 - 8) = 9 GiB, leaf 16 - 8 = 8 GiB: the leaf decides.
+    v2_tree(tmp_path, caps={"user.slice/app.scope": (str(16 * GIB), 8 * GIB), "user.slice": (str(10 * GIB), 9 * GIB)})
+    v2_stat(tmp_path, "user.slice", inactive_file=8 * GIB)
+    v2_stat(tmp_path, "user.slice/app.scope", inactive_file=0)
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (16 * GIB, 8 * GIB)
+
+
+def test_cache_larger_than_usage_clamps_to_zero(tmp_path):
+    v2_tree(tmp_path, caps={"user.slice/app.scope": (str(4 * GIB), GIB)})
+    v2_stat(tmp_path, "user.slice/app.scope", inactive_file=2 * GIB)  # read at another moment
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (4 * GIB, 0)
+
+
+def test_garbage_memory_stat_leaves_usage_as_read(tmp_path):
+    v2_tree(tmp_path, caps={"user.slice/app.scope": (str(4 * GIB), GIB)})
+    write(tmp_path, "sys/fs/cgroup/user.slice/app.scope/memory.stat", "inactive_file lots\nnonsense\n")
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (4 * GIB, GIB)
+
+
+def test_v2_memory_high_tighter_than_max(tmp_path):
+    leaf = "user.slice/app.scope"
+    v2_tree(tmp_path, caps={leaf: (str(8 * GIB), GIB)})
+    write(tmp_path, f"sys/fs/cgroup/{leaf}/memory.high", f"{5 * GIB}\n")
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (5 * GIB, GIB)
+    write(tmp_path, f"sys/fs/cgroup/{leaf}/memory.high", "max\n")
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (8 * GIB, GIB)
+
+
+def test_v2_memory_high_alone_caps(tmp_path):
+    leaf = "user.slice/app.scope"
+    v2_tree(tmp_path, caps={leaf: ("max", GIB)})
+    write(tmp_path, f"sys/fs/cgroup/{leaf}/memory.high", str(3 * GIB))
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (3 * GIB, GIB)
+    # memory.max looser than memory.high: high still decides.
+    write(tmp_path, f"sys/fs/cgroup/{leaf}/memory.max", str(9 * GIB))
+    assert cgroup_memory_limit_bytes(root=str(tmp_path)) == (3 * GIB, GIB)
+
+
+def test_host_memory_reports_the_adjusted_usage(tmp_path, monkeypatch):
+    import psutil
+
+    class VM:
+        available = 64 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    leaf = "user.slice/app.scope"
+    v2_tree(tmp_path, caps={leaf: (str(8 * GIB), 7 * GIB)})
+    v2_stat(tmp_path, leaf, inactive_file=5 * GIB)
+    assert host_memory_available_bytes(root=str(tmp_path)) == 6 * GIB
+    assert "usage 2.00 GiB" in describe_host(root=str(tmp_path))

@@ -83,3 +83,61 @@ def test_gate_keeps_a_too_big_checkpoint_mapped_under_a_real_cap(big_checkpoint)
         assert copied.returncode in (-9, 137) or "MemoryError" in copied.stderr, (copied.returncode, copied.stderr[-2000:])
     finally:
         cm.__exit__(None, None, None)
+
+
+CACHE_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    from mapoffload.budget import cgroup_memory_limit_bytes
+
+    def raw_usage():
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            try:
+                return int(open(os.path.join(sys.argv[1], name)).read())
+            except OSError:
+                pass
+
+    cold = (cgroup_memory_limit_bytes(), raw_usage())
+    with open(sys.argv[2], "rb") as f:
+        while f.read(1 << 24):
+            pass
+    warm = (cgroup_memory_limit_bytes(), raw_usage())
+    print(json.dumps({"cold": cold, "warm": warm}))
+    """
+)
+
+
+def test_headroom_does_not_shrink_when_the_cache_warms_under_a_real_cap(tmp_path):
+    """Reading a file fills page cache charged to the cgroup: the raw usage
+    grows by the file, the budget's usage does not."""
+    import json
+
+    data = tmp_path / "cache.bin"
+    with open(data, "wb") as f:
+        chunk = os.urandom(MIB)
+        for _ in range(256):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    drop_fd = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(drop_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(drop_fd)
+    try:
+        cm = memory_cgroup(512 * MIB)
+        cgroup = cm.__enter__()
+    except OSError as exc:
+        pytest.skip(str(exc))
+    try:
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" -c "$1" "$2" "$3"'
+        r = subprocess.run(["sh", "-c", script, sys.executable, CACHE_CHILD, cgroup, str(data)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        cm.__exit__(None, None, None)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    (cold_cap, cold_usage), cold_raw = out["cold"]
+    (warm_cap, warm_usage), warm_raw = out["warm"]
+    if warm_raw - cold_raw < 128 * MIB:
+        pytest.skip(f"the file's cache was not charged to the test cgroup ({cold_raw} -> {warm_raw} bytes)")
+    assert cold_cap == warm_cap == 512 * MIB
+    assert warm_usage - cold_usage < 64 * MIB, out

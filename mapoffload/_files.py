@@ -1,0 +1,278 @@
+"""A checkpoint's file set: the one definition that the loader, the gate's byte
+count (``checkpoint_bytes``) and ``mapoffload inspect`` share.
+
+The rule (DESIGN.md): a ``*.safetensors.index.json`` file stands for the shards
+it names; a folder stands for its index's shards when it has an index, else for
+its top-level weight files (``.safetensors``, else ``.pt``/``.pth``/``.bin``),
+else — a pipeline root — for the same rule applied to each component folder;
+any other path stands for itself. Sub-folders of a folder that has its own
+checkpoint are never read (``original/consolidated.safetensors`` beside the
+shards, say).
+
+Every file in the set is a regular file, checked with ``stat`` before anything
+opens it: opening a FIFO blocks until a writer comes, which may be never.
+Shards an index names stay inside the index's folder, symlinks resolved; the
+one exception is the Hugging Face hub cache, whose ``snapshots/<rev>/`` files
+are links into the repository's own ``blobs/`` folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import stat
+from collections.abc import Iterator
+from typing import BinaryIO
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "CheckpointError",
+    "checkpoint_bytes",
+    "checkpoint_components",
+    "checkpoint_files",
+    "open_regular",
+]
+
+INDEX_SUFFIX = ".safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as one (``.path`` names it)."""
+
+    def __init__(self, path: str | os.PathLike, message: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {message}")
+        self.path = os.fspath(path)
+
+
+# --- regular files only ------------------------------------------------------------
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _regular(path: str) -> os.stat_result:
+    """``stat`` of ``path`` (symlinks followed), which must be a regular file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise CheckpointError(path, f"cannot be read ({exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(path, f"is {_kind(st.st_mode)}, not a regular file")
+    return st
+
+
+@contextlib.contextmanager
+def open_regular(path: str) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """Open ``path`` for reading, refusing anything but a regular file.
+
+    ``O_NONBLOCK`` makes the open itself return at once even if the path is
+    swapped for a FIFO after a ``stat`` check; ``fstat`` on the open file then
+    decides. Yields the binary file and its ``stat``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(path, f"cannot be read ({exc})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(path, f"is {_kind(st.st_mode)}, not a regular file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f, st
+
+
+# --- indexes ----------------------------------------------------------------------
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _hub_blobs(real_folder: str) -> str | None:
+    """``<repo>/blobs`` when ``real_folder`` is in a hub cache snapshot
+    (``.../models--org--name/snapshots/<rev>[/component]``)."""
+    parts = real_folder.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith(_HUB_REPO_PREFIXES):
+            return os.sep.join(parts[:i] + ["blobs"])
+    return None
+
+
+def _index_shards(index_path: str) -> list[str]:
+    """The shards an index names, in first-named order, each checked to lie in
+    the index's folder (see the module docstring)."""
+    with open_regular(index_path) as (f, _):
+        try:
+            text = f.read()
+        except OSError as exc:
+            raise CheckpointError(index_path, f"cannot be read ({exc})") from None
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(index_path, "not a safetensors index: not JSON (nested too deeply)") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise CheckpointError(index_path, f"not a safetensors index: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(index_path, f"not a safetensors index: a JSON {type(doc).__name__}, not an object")
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict):
+        what = "no" if weight_map is None else f"a {type(weight_map).__name__} as its"
+        raise CheckpointError(index_path, f"not a safetensors index: {what} \"weight_map\" (an object is needed)")
+    if not weight_map:
+        raise CheckpointError(index_path, "the weight_map names no shard")
+    folder = os.path.dirname(os.path.abspath(index_path))
+    real_folder = os.path.realpath(folder)
+    blobs = _hub_blobs(real_folder)
+    shards: dict[str, None] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or "\0" in name:
+            raise CheckpointError(index_path, f"weight_map[{key!r}] = {name!r} is not a shard file name")
+        path = os.path.normpath(os.path.join(folder, name))
+        if os.path.isabs(name) or not _inside(path, folder):
+            raise CheckpointError(index_path, f"weight_map[{key!r}] = {name!r} is outside the checkpoint folder")
+        real = os.path.realpath(path)
+        if not _inside(real, real_folder) and not (blobs is not None and _inside(real, blobs)):
+            raise CheckpointError(
+                index_path,
+                f"weight_map[{key!r}] = {name!r} resolves to {real}, outside the checkpoint folder (a symlink)",
+            )
+        # Named as the caller named the index (relative stays relative).
+        shards[os.path.normpath(os.path.join(os.path.dirname(index_path), name))] = None
+    return list(shards)
+
+
+# --- the rule -----------------------------------------------------------------------
+
+
+def _looks_remote(p: str) -> bool:
+    return "://" in p or bool(_HUB_ID.match(p))
+
+
+def _own_files(folder: str) -> list[str] | None:
+    """A folder's own checkpoint by the rule (index, else top-level weight
+    files), unchecked; None when it has none."""
+    entries = sorted(os.listdir(folder))
+    index = [e for e in entries if e.endswith(INDEX_SUFFIX)]
+    if len(index) > 1:
+        raise CheckpointError(
+            folder, f"holds {len(index)} safetensors indexes ({', '.join(index)}): name the one to load"
+        )
+    if index:
+        return _index_shards(os.path.join(folder, index[0]))
+    for suffixes in (SAFETENSORS_SUFFIX, TORCH_SUFFIXES):
+        found = [os.path.join(folder, e) for e in entries if e.endswith(suffixes)]
+        if found:
+            return found
+    return None
+
+
+def _components(p: str) -> list[tuple[str, str, list[str]]]:
+    """(name, path, files) for each component ``p`` stands for (files unchecked)."""
+    if not os.path.isdir(p):
+        if not os.path.exists(p):
+            if _looks_remote(p):
+                raise ValueError(f"{p!r} looks like a hub id or URL: mapoffload loads local paths only")
+            raise FileNotFoundError(f"checkpoint not found: {p}")
+        files = _index_shards(p) if p.endswith(INDEX_SUFFIX) else [p]
+        return [(os.path.basename(p), p, files)]
+    own = _own_files(p)
+    if own is not None:
+        return [(os.path.basename(os.path.normpath(p)), p, own)]
+    rows = []
+    for entry in sorted(os.listdir(p)):
+        sub = os.path.join(p, entry)
+        if os.path.isdir(sub):
+            files = _own_files(sub)
+            if files is not None:
+                rows.append((entry, sub, files))
+    if not rows:
+        raise CheckpointError(p, "no .safetensors, .pt or .bin checkpoint in this folder or its component folders")
+    return rows
+
+
+def checkpoint_components(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(component name, path) pairs a checkpoint path stands for.
+
+    One pair for a file or a folder with its own checkpoint; one per component
+    folder (``vae``, ``transformer``, ...) for a pipeline root.
+
+    Raises
+    ------
+    FileNotFoundError
+        For a missing path.
+    ValueError
+        For a hub id or URL (only local paths are loaded).
+    CheckpointError
+        For a folder with no checkpoint in it or in its component folders, or
+        a malformed index.
+    """
+    return [(name, sub) for name, sub, _ in _components(os.fspath(path))]
+
+
+def _file_set(p: str) -> list[tuple[str, os.stat_result]]:
+    """The files ``p`` stands for, each with its ``stat`` (regular files only)."""
+    out = []
+    for _, _, files in _components(p):
+        for f in files:
+            try:
+                out.append((f, _regular(f)))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{f} is missing (named by the checkpoint {p})") from None
+    return out
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The files a checkpoint path stands for, in load order (the rule in the
+    module docstring); ``load_checkpoint`` reads exactly these.
+
+    Raises
+    ------
+    FileNotFoundError
+        For a missing path, or a shard an index names that is missing.
+    ValueError
+        For a hub id or URL (only local paths are loaded).
+    CheckpointError
+        For a folder with no checkpoint in it, a malformed index, an index
+        naming files outside its folder, or a file that is not a regular file
+        (a FIFO, a device, a directory).
+    """
+    return [f for f, _ in _file_set(os.fspath(path))]
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> int:
+    """On-disk bytes of exactly :func:`checkpoint_files` (sizes only, no data
+    read); 0 for a path that does not exist (a hub id, say).
+
+    Raises
+    ------
+    CheckpointError, FileNotFoundError
+        As :func:`checkpoint_files`, for a path that exists.
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        return 0
+    return sum(st.st_size for _, st in _file_set(p))
