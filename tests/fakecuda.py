@@ -27,11 +27,10 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
-
-import pytest
 
 ENV = "MAPOFFLOAD_CUDART"
 SOURCE = pathlib.Path(__file__).resolve().with_name("fakecuda") / "fakecudart.c"
@@ -178,6 +177,8 @@ class FakeCuda:
             "fakecuda_fail_async": (None, [i, i]),
             "fakecuda_enqueue_fill": (i, [vp, vp, i, sz, u]),
             "fakecuda_enqueue_host_op": (i, [vp, vp, vp]),
+            "fakecuda_hold": (i, [vp, ctypes.c_ulonglong]),
+            "fakecuda_release": (None, [i]),
             "fakecuda_set_strict": (None, [i]),
             "fakecuda_set_fork_check": (None, [i]),
             "fakecuda_set_device_count": (None, [i]),
@@ -373,6 +374,30 @@ class FakeCuda:
         return buf.raw
 
 
+class Gate:
+    """A hold on a stream (see :func:`hold_stream`); ``set()`` releases it."""
+
+    def __init__(self, fake: FakeCuda, gate_id: int) -> None:
+        self._fake, self.id = fake, gate_id
+
+    def set(self) -> None:
+        self._fake.raw.fakecuda_release(self.id)
+
+
+def hold_stream(fake: FakeCuda, stream: int, timeout: float = 5) -> Gate:
+    """Hold ``stream``: work queued on it after this waits until ``set()`` on the result.
+
+    The hold is native (no Python runs on the engine thread, so it cannot
+    deadlock with a caller that synchronizes while holding the GIL) and lapses
+    after ``timeout`` seconds, so a test that fails before releasing it ends
+    promptly; a reset releases it too.
+    """
+    gate_id = fake.raw.fakecuda_hold(stream, int(timeout * 1e6))
+    if gate_id < 0:
+        raise CudaCallError("fakecuda_hold", cudaErrorInvalidValue, "invalid stream or too many holds")
+    return Gate(fake, gate_id)
+
+
 @contextlib.contextmanager
 def device_buffer(fake: FakeCuda, nbytes: int) -> Iterator[int]:
     """``cudaMalloc(nbytes)`` for the block, ``cudaFree`` after it; yields the address."""
@@ -388,31 +413,34 @@ def read_device(fake: FakeCuda, ptr: int, nbytes: int) -> bytes:
     return fake.read_device(ptr, nbytes)
 
 
-@pytest.fixture(scope="session")
-def fakecuda_path() -> pathlib.Path:
-    try:
-        return build_library()
-    except FakeCudaUnavailable as exc:
-        pytest.skip(f"stand-in CUDA runtime unavailable: {exc}")
+# Fixtures only under pytest: the scenario children of test_copier_cuda.py import
+# this module without paying for pytest's import.
+if "pytest" in sys.modules:
+    import pytest
 
+    @pytest.fixture(scope="session")
+    def fakecuda_path() -> pathlib.Path:
+        try:
+            return build_library()
+        except FakeCudaUnavailable as exc:
+            pytest.skip(f"stand-in CUDA runtime unavailable: {exc}")
 
-@pytest.fixture
-def fakecuda(fakecuda_path) -> Iterator[FakeCuda]:
-    fake = FakeCuda(fakecuda_path)
-    fake.reset()
-    try:
-        yield fake
-    finally:
+    @pytest.fixture
+    def fakecuda(fakecuda_path) -> Iterator[FakeCuda]:
+        fake = FakeCuda(fakecuda_path)
         fake.reset()
+        try:
+            yield fake
+        finally:
+            fake.reset()
 
+    @pytest.fixture
+    def fakecuda_runtime(fakecuda) -> FakeCuda:
+        """The stand-in, checked to be the runtime the native copier opened."""
+        if os.environ.get(ENV) != str(fakecuda.path):
+            pytest.skip(f"{ENV} does not name the stand-in (a GPU is present or it was set by hand)")
+        from mapoffload import _core
 
-@pytest.fixture
-def fakecuda_runtime(fakecuda) -> FakeCuda:
-    """The stand-in, checked to be the runtime the native copier opened."""
-    if os.environ.get(ENV) != str(fakecuda.path):
-        pytest.skip(f"{ENV} does not name the stand-in (a GPU is present or it was set by hand)")
-    from mapoffload import _core
-
-    if _core.cuda_runtime_library() != str(fakecuda.path):
-        pytest.skip(f"the copier opened {_core.cuda_runtime_library()}, not the stand-in")
-    return fakecuda
+        if _core.cuda_runtime_library() != str(fakecuda.path):
+            pytest.skip(f"the copier opened {_core.cuda_runtime_library()}, not the stand-in")
+        return fakecuda

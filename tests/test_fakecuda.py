@@ -29,6 +29,7 @@ from fakecuda import (
     cudaErrorNoDevice,
     cudaErrorNotReady,
     device_buffer,
+    hold_stream,
     read_device,
 )
 
@@ -52,22 +53,42 @@ def test_one_library_state_for_every_loader(fakecuda):
     assert other.stat("cudaGetDeviceCount") == 1
 
 
-def test_async_copy_lands_after_the_delay_and_reads_a_pinned_source_late(fakecuda):
-    fakecuda.set_delay_us(60_000)
+def test_async_copy_runs_later_and_reads_a_pinned_source_late(fakecuda):
     s = fakecuda.stream_create()
     src = pinned(fakecuda, b"A" * N)
     with device_buffer(fakecuda, N) as dev:
         ctypes.memset(dev, 0, N)
-        t0 = time.monotonic()
-        fakecuda.memcpy_async(dev, src, N, H2D, s)
-        assert time.monotonic() - t0 < 0.03  # returned at once
+        opened = hold_stream(fakecuda, s)
+        fakecuda.memcpy_async(dev, src, N, H2D, s)  # returns although the stream is held
         ctypes.memset(src, ord("B"), N)  # refilled before the copy ran: the copy sees it
         assert peek(dev, N) == bytes(N)
+        opened.set()
         fakecuda.stream_synchronize(s)
-        assert time.monotonic() - t0 >= 0.05
         assert read_device(fakecuda, dev, N) == b"B" * N
     fakecuda.free_host(src)
     fakecuda.stream_destroy(s)
+
+
+def test_a_hold_lapses_after_its_timeout(fakecuda):
+    s = fakecuda.stream_create()
+    t0 = time.monotonic()
+    hold_stream(fakecuda, s, timeout=0.05)
+    assert fakecuda.stream_query(s) == cudaErrorNotReady
+    fakecuda.stream_synchronize(s)
+    assert time.monotonic() - t0 >= 0.045
+    fakecuda.stream_destroy(s)
+
+
+def test_copies_wait_for_the_delay(fakecuda):
+    fakecuda.set_delay_us(30_000)
+    src = pinned(fakecuda, b"A" * N)
+    with device_buffer(fakecuda, N) as dev:
+        t0 = time.monotonic()
+        fakecuda.memcpy_async(dev, src, N, H2D, 0)
+        fakecuda.memcpy_async(dev, src, N, H2D, 0)
+        fakecuda.stream_synchronize(0)
+        assert time.monotonic() - t0 >= 0.058
+    fakecuda.free_host(src)
 
 
 def test_pageable_source_is_staged_when_the_call_returns(fakecuda):
@@ -85,15 +106,16 @@ def test_events_complete_when_their_stream_reaches_them(fakecuda):
     ev = fakecuda.event_create()
     assert fakecuda.event_query(ev) == 0  # never recorded: complete
     fakecuda.event_synchronize(ev)
-    fakecuda.set_delay_us(50_000)
     s = fakecuda.stream_create()
     src = pinned(fakecuda, b"x" * N)
     with device_buffer(fakecuda, N) as dev:
+        opened = hold_stream(fakecuda, s)
         fakecuda.memcpy_async(dev, src, N, H2D, s)
         fakecuda.event_record(ev, s)
         assert fakecuda.event_query(ev) == cudaErrorNotReady
         assert fakecuda.stream_query(s) == cudaErrorNotReady
-        fakecuda.event_synchronize(ev)
+        threading.Timer(0.02, opened.set).start()
+        fakecuda.event_synchronize(ev)  # blocks until the stream passes the record
         assert fakecuda.event_query(ev) == 0
         assert peek(dev, N) == b"x" * N
     fakecuda.event_destroy(ev)
@@ -107,11 +129,17 @@ def test_stream_wait_event_orders_work_across_streams(fakecuda, wait):
     ev = fakecuda.event_create()
     src = pinned(fakecuda, b"\x22" * N)
     with device_buffer(fakecuda, N) as dev:
-        fakecuda.enqueue_fill(compute, dev, 0x11, N, delay_us=40_000)
+        opened = hold_stream(fakecuda, compute)
+        fakecuda.enqueue_fill(compute, dev, 0x11, N)
         fakecuda.event_record(ev, compute)
         if wait:
             fakecuda.stream_wait_event(copy, ev)
         fakecuda.memcpy_async(dev, src, N, H2D, copy)
+        if not wait:
+            fakecuda.stream_synchronize(copy)  # not held by the compute stream
+        else:
+            assert fakecuda.stream_query(copy) == cudaErrorNotReady
+        opened.set()
         fakecuda.device_synchronize()
         # With the wait the copy lands after the fill; without it, before.
         assert peek(dev, N) == (b"\x22" if wait else b"\x11") * N
@@ -143,8 +171,14 @@ def test_legacy_default_stream_waits_for_blocking_streams_only(fakecuda, nonbloc
     s = fakecuda.stream_create(nonblocking=nonblocking)
     src = pinned(fakecuda, b"\x66" * N)
     with device_buffer(fakecuda, N) as dev:
-        fakecuda.enqueue_fill(s, dev, 0x55, N, delay_us=40_000)
+        opened = hold_stream(fakecuda, s)
+        fakecuda.enqueue_fill(s, dev, 0x55, N)
         fakecuda.memcpy_async(dev, src, N, H2D, 0)
+        if nonblocking:
+            fakecuda.stream_synchronize(0)  # stream 0 does not wait for a non-blocking stream
+        else:
+            assert fakecuda.stream_query(0) == cudaErrorNotReady
+        opened.set()
         fakecuda.device_synchronize()
         assert peek(dev, N) == (b"\x55" if nonblocking else b"\x66") * N
     fakecuda.free_host(src)
@@ -303,7 +337,6 @@ def test_sticky_async_failure(fakecuda):
 
 def test_counters_track_calls_bytes_pending_and_live_resources(fakecuda):
     before = fakecuda.live()
-    fakecuda.set_delay_us(5_000)
     s = fakecuda.stream_create()
     ev = fakecuda.event_create()
     src = pinned(fakecuda, b"c" * N)
@@ -312,11 +345,13 @@ def test_counters_track_calls_bytes_pending_and_live_resources(fakecuda):
     assert {k: during[k] - before[k] for k in during} == {
         "live_pinned": 1, "live_registered": 0, "live_device": 1, "live_events": 1, "live_streams": 1,
     }
+    opened = hold_stream(fakecuda, s)
     for _ in range(5):
         fakecuda.memcpy_async(dev, src, N, H2D, s)
-    assert fakecuda.stat("pending_ops") >= 4
+    assert fakecuda.stat("pending_ops") == 5
+    opened.set()
     fakecuda.stream_synchronize(s)
-    assert fakecuda.stat("max_pending_ops") >= 5
+    assert fakecuda.stat("max_pending_ops") == 5
     assert fakecuda.stat("pending_ops") == 0
     assert fakecuda.stat("bytes_copied") == 5 * N and fakecuda.stat("copies") == 5
     assert fakecuda.stat("cudaMemcpyAsync") == 5

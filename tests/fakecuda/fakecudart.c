@@ -95,7 +95,7 @@ static int fn_index(const char* name) {
 typedef struct fc_event fc_event;
 typedef struct fc_stream fc_stream;
 
-enum { OP_COPY, OP_FILL, OP_HOST, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_STREAM };
+enum { OP_COPY, OP_FILL, OP_HOST, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_STREAM, OP_GATE };
 
 typedef struct op {
   struct op* next;
@@ -113,6 +113,8 @@ typedef struct op {
   uint64_t wseq;
   void (*fn)(void*);
   void* arg;
+  int gate;
+  uint64_t deadline_ns;
 } op;
 
 struct fc_stream {
@@ -170,6 +172,10 @@ static int g_async_pending; /* a non-sticky asynchronous error, reported once by
 static int g_async_arm, g_async_arm_sticky;
 static unsigned g_epoch; /* bumps at reset: clears every thread's last error */
 static int g_hurry;      /* draining for reset: skip delays */
+
+#define MAX_GATES 1024
+static unsigned char g_gate_open[MAX_GATES];
+static int g_ngates;
 
 /* counters */
 static long long g_calls[F_COUNT];
@@ -444,6 +450,12 @@ static void execute_locked(op* o) {
       pthread_mutex_lock(&g_mu);
       g_fills++;
       break;
+    case OP_GATE: {
+      struct timespec dl = {(time_t)(o->deadline_ns / 1000000000ull), (long)(o->deadline_ns % 1000000000ull)};
+      while (!g_gate_open[o->gate] && !g_hurry && !g_sticky)
+        if (pthread_cond_timedwait(&g_cv, &g_mu, &dl) == ETIMEDOUT) break;
+      break;
+    }
     case OP_HOST:
       if (g_sticky) break;
       pthread_mutex_unlock(&g_mu);
@@ -1092,6 +1104,8 @@ EXPORT void fakecuda_reset(void) {
   memset(g_calls, 0, sizeof g_calls);
   g_bytes = g_copies = g_fills = g_host_ops = g_snapshots = g_async_errors = g_injected = 0;
   g_max_pending = g_pending;
+  memset(g_gate_open, 0, sizeof g_gate_open);
+  g_ngates = 0;
   g_epoch++;
   pthread_mutex_unlock(&g_mu);
   t_last = 0;
@@ -1132,8 +1146,10 @@ EXPORT int fakecuda_fail(const char* func, int after_n, int error, int sticky) {
 
 /* The next copy the engine executes does not land and fails with error: it
  * surfaces at the next synchronizing call (EventSynchronize/Query,
- * StreamSynchronize/Query, DeviceSynchronize, Memcpy), once; sticky: at every
- * later call, and the engine runs nothing more. */
+ * StreamSynchronize/Query, DeviceSynchronize, Memcpy, a pageable
+ * D2H MemcpyAsync) of any thread, on any event or stream, once; sticky: at
+ * every later call of every function, and the engine runs nothing more (real
+ * asynchronous faults are sticky; the non-sticky form is for error-path tests). */
 EXPORT void fakecuda_fail_async(int error, int sticky) {
   pthread_mutex_lock(&g_mu);
   g_async_arm = error;
@@ -1180,6 +1196,36 @@ EXPORT int fakecuda_enqueue_host_op(void* stream, void (*fn)(void*), void* arg) 
   o->fn = fn;
   o->arg = arg;
   return enqueue_ctl(stream, o);
+}
+
+/* Holds the stream: work queued after this waits until fakecuda_release(id),
+ * a reset, a sticky error, or timeout_us (0: 10 s). Returns the gate's id, or
+ * -1 (invalid stream, too many gates since the last reset). No host code runs
+ * on the engine thread, so a caller holding a lock (a Python GIL) while it
+ * synchronizes cannot deadlock with the gate. */
+EXPORT int fakecuda_hold(void* stream, unsigned long long timeout_us) {
+  op* o = calloc(1, sizeof *o);
+  if (!o) return -1;
+  o->type = OP_GATE;
+  o->deadline_ns = now_ns() + (timeout_us ? timeout_us : 10000000ull) * 1000ull;
+  pthread_mutex_lock(&g_mu);
+  int err, id = -1;
+  fc_stream* s = resolve_stream(stream, &err);
+  if (s && g_ngates < MAX_GATES) {
+    o->gate = id = g_ngates++;
+    g_gate_open[id] = 0;
+    if (!enqueue(s, o)) id = -1;
+  }
+  pthread_mutex_unlock(&g_mu);
+  if (id < 0) free(o);
+  return id;
+}
+
+EXPORT void fakecuda_release(int id) {
+  pthread_mutex_lock(&g_mu);
+  if (id >= 0 && id < g_ngates) g_gate_open[id] = 1;
+  pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
 }
 
 EXPORT void fakecuda_set_strict(int on) {
