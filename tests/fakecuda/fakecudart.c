@@ -190,10 +190,14 @@ static __thread int t_device;
 
 /* --- helpers ----------------------------------------------------------------- */
 
+/* Settings read without the lock (fork check, device count, epoch) go through these. */
+#define LOAD(v) __atomic_load_n(&(v), __ATOMIC_RELAXED)
+#define STORE(v, x) __atomic_store_n(&(v), (x), __ATOMIC_RELAXED)
+
 static void set_last(int err) {
   if (err == cudaSuccess) return;
   t_last = err;
-  t_epoch = g_epoch;
+  t_epoch = LOAD(g_epoch);
 }
 
 static void fork_child(void);
@@ -210,7 +214,7 @@ __attribute__((constructor)) static void fc_init(void) {
   pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
-static int in_forked_child(void) { return g_fork_check && getpid() != g_pid; }
+static int in_forked_child(void) { return LOAD(g_fork_check) && getpid() != g_pid; }
 
 /* Every API call starts here: fork check, sticky error, injected failures. */
 static int enter(int f) {
@@ -552,14 +556,15 @@ EXPORT cudaError_t cudaGetDeviceCount(int* count) {
   int err = enter(F_cudaGetDeviceCount);
   if (err) return err;
   if (!count) return ret(cudaErrorInvalidValue);
-  *count = g_device_count;
-  return ret(g_device_count > 0 ? cudaSuccess : cudaErrorNoDevice);
+  int n = LOAD(g_device_count);
+  *count = n;
+  return ret(n > 0 ? cudaSuccess : cudaErrorNoDevice);
 }
 
 EXPORT cudaError_t cudaSetDevice(int device) {
   int err = enter(F_cudaSetDevice);
   if (err) return err;
-  if (device < 0 || device >= g_device_count) return ret(cudaErrorInvalidDevice);
+  if (device < 0 || device >= LOAD(g_device_count)) return ret(cudaErrorInvalidDevice);
   t_device = device;
   return cudaSuccess;
 }
@@ -1036,7 +1041,7 @@ EXPORT cudaError_t cudaEventSynchronize(void* event) {
 EXPORT cudaError_t cudaGetLastError(void) {
   int err = enter(F_cudaGetLastError);
   if (err) return err; /* sticky (or injected): returned, never cleared */
-  int e = t_epoch == g_epoch ? t_last : 0;
+  int e = t_epoch == LOAD(g_epoch) ? t_last : 0;
   t_last = 0;
   return e;
 }
@@ -1044,7 +1049,7 @@ EXPORT cudaError_t cudaGetLastError(void) {
 EXPORT cudaError_t cudaPeekAtLastError(void) {
   int err = enter(F_cudaPeekAtLastError);
   if (err) return err;
-  return t_epoch == g_epoch ? t_last : 0;
+  return t_epoch == LOAD(g_epoch) ? t_last : 0;
 }
 
 static const struct {
@@ -1100,13 +1105,15 @@ EXPORT void fakecuda_reset(void) {
   g_sticky = g_async_pending = g_async_arm = g_async_arm_sticky = 0;
   g_delay_us = 0;
   g_bandwidth = 0;
-  g_strict = g_fork_check = g_device_count = g_pageable_sync = 1;
+  g_strict = g_pageable_sync = 1;
+  STORE(g_fork_check, 1);
+  STORE(g_device_count, 1);
   memset(g_calls, 0, sizeof g_calls);
   g_bytes = g_copies = g_fills = g_host_ops = g_snapshots = g_async_errors = g_injected = 0;
   g_max_pending = g_pending;
   memset(g_gate_open, 0, sizeof g_gate_open);
   g_ngates = 0;
-  g_epoch++;
+  STORE(g_epoch, g_epoch + 1);
   pthread_mutex_unlock(&g_mu);
   t_last = 0;
 }
@@ -1236,13 +1243,13 @@ EXPORT void fakecuda_set_strict(int on) {
 
 EXPORT void fakecuda_set_fork_check(int on) {
   pthread_mutex_lock(&g_mu);
-  g_fork_check = on != 0;
+  STORE(g_fork_check, on != 0);
   pthread_mutex_unlock(&g_mu);
 }
 
 EXPORT void fakecuda_set_device_count(int n) {
   pthread_mutex_lock(&g_mu);
-  g_device_count = n < 0 ? 0 : n;
+  STORE(g_device_count, n < 0 ? 0 : n);
   pthread_mutex_unlock(&g_mu);
 }
 
