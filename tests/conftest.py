@@ -7,8 +7,14 @@ import pathlib
 
 import pytest
 
-import mapoffload
-from mapoffload import drop_page_cache  # noqa: F401  (tests import it from here)
+# Without a GPU, the copier's CUDA path runs on the stand-in runtime
+# (tests/fakecuda): set MAPOFFLOAD_CUDART before anything loads a runtime.
+from fakecuda import fakecuda, fakecuda_path, fakecuda_runtime, use_fake_runtime_if_no_gpu  # noqa: F401
+
+use_fake_runtime_if_no_gpu()
+
+import mapoffload  # noqa: E402
+from mapoffload import drop_page_cache  # noqa: F401,E402  (tests import it from here)
 
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
