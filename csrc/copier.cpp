@@ -529,10 +529,10 @@ void Copier::enqueue_from_slot(const Unit& u, Slot& slot) {
       }
     }
     if (rec != kCudaSuccess) {
-      // The slot's copies cannot be tracked: only a finished stream frees it.
+      // The slot's copies cannot be tracked by its event: only a finished
+      // stream frees it. If even that cannot be known, nothing can.
       slot.pending = false;
-      if (!health_->broken()) api.EventSynchronize(slot.event);  // best effort
-      health_->set_broken(err);
+      if (api.StreamSynchronize(stream) != kCudaSuccess) health_->set_broken(err);
     }
   }
   if (err) {

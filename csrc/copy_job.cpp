@@ -99,30 +99,48 @@ void CopyJob::finish_unit(std::exception_ptr err) {
     }
     recorded_ = recorded;
     enqueued_ = true;
-    finished_ = !recorded;
+    if (!recorded) finish_locked();
   }
   sync_->cv.notify_all();
 }
 
 void CopyJob::sync_device() {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (finished_) return;
+    ev = event_;
+    ++users_;  // keeps the event alive while this thread waits on it unlocked
+  }
   std::exception_ptr err;
   if (device_ >= 0 && getpid() != pid_) {
     err = std::make_exception_ptr(std::runtime_error(
         "the process forked while this copy was in flight: in the child it never completes (wait in the parent)"));
-  } else if (device_ok()) {
+  } else if (device_ok() && ev) {
     try {
-      MAPOFFLOAD_CUDA_CHECK(cuda_api().EventSynchronize(event_));
+      MAPOFFLOAD_CUDA_CHECK(cuda_api().EventSynchronize(ev));
     } catch (...) {
       err = std::current_exception();
       note_cuda_failure(*health_, err);
     }
   }
   std::lock_guard<std::mutex> lock(sync_->mu);
+  --users_;
   if (err && !error_) {
     error_ = err;
     failed_.store(true, std::memory_order_relaxed);
   }
+  finish_locked();
+}
+
+void CopyJob::finish_locked() {
+  // A finished job needs its event no more: give it back now (once no
+  // thread is waiting on it) rather than when the last handle goes.
   finished_ = true;
+  if (users_ == 0 && event_) {
+    if (device_ok()) cuda_api().EventDestroy(event_);
+    event_ = nullptr;
+  }
 }
 
 void CopyJob::wait() {
@@ -158,31 +176,47 @@ bool CopyJob::done() {
     if (finished_) return true;
   }
   if (device_ok()) {
-    const cudaError_t st = cuda_api().EventQuery(event_);
+    cudaError_t st;
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      if (finished_) return true;
+      st = cuda_api().EventQuery(event_);
+    }
     if (st == kCudaErrorNotReady) return false;
     if (st != kCudaSuccess) {
-      // Report it from wait(); the event will never complete otherwise.
-      sync_device();
+      // An asynchronous failure of the copies: the job is over, and wait()
+      // reports it.
+      std::exception_ptr err;
+      try {
+        check_cuda(st, "cudaEventQuery(job)", __FILE__, __LINE__);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      note_cuda_failure(*health_, err);
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      if (!error_) {
+        error_ = err;
+        failed_.store(true, std::memory_order_relaxed);
+      }
+      if (!finished_ && users_ == 0) finish_locked();
       return true;
     }
   }
   std::lock_guard<std::mutex> lock(sync_->mu);
-  finished_ = true;
+  if (!finished_) finish_locked();
   return true;
 }
 
 void CopyJob::wait_stream(uint64_t stream) {
-  bool recorded;
-  {
-    std::unique_lock<std::mutex> lock(sync_->mu);
-    sync_->cv.wait(lock, [&] { return enqueued_; });
-    if (error_) std::rethrow_exception(error_);
-    recorded = recorded_ && !finished_;
-  }
-  if (!recorded || !device_ok()) return;
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  sync_->cv.wait(lock, [&] { return enqueued_; });
+  if (error_) std::rethrow_exception(error_);
+  if (!recorded_ || finished_ || !event_ || !device_ok()) return;
   try {
+    // Under the lock: the event cannot be given back meanwhile (a quick call).
     MAPOFFLOAD_CUDA_CHECK(cuda_api().StreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0));
   } catch (...) {
+    lock.unlock();
     note_cuda_failure(*health_, std::current_exception());
     throw;
   }

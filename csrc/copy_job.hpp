@@ -95,6 +95,8 @@ class CopyJob {
   };
   // Device-side completion of an enqueued job (no lock held).
   void sync_device();
+  // finished_ = true and the event given back (lock held).
+  void finish_locked();
   bool device_ok() const;
 
   std::unique_ptr<Sync> sync_;
@@ -102,6 +104,7 @@ class CopyJob {
   bool enqueued_ = false;
   bool finished_ = false;
   bool recorded_ = false;  // event_ was recorded after the last copy
+  int users_ = 0;          // threads waiting on event_ without the lock
   std::exception_ptr error_;
   std::atomic<bool> failed_{false};
   const int device_;

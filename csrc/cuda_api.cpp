@@ -71,6 +71,7 @@ CudaApi load() {
   get_symbol(lib, api.EventQuery, "cudaEventQuery");
   get_symbol(lib, api.EventDestroy, "cudaEventDestroy");
   get_symbol(lib, api.StreamWaitEvent, "cudaStreamWaitEvent");
+  get_symbol(lib, api.StreamSynchronize, "cudaStreamSynchronize");
   get_symbol(lib, api.GetLastError, "cudaGetLastError");
   get_symbol(lib, api.GetErrorString, "cudaGetErrorString");
   return api;

@@ -45,6 +45,7 @@ struct CudaApi {
   cudaError_t (*EventQuery)(cudaEvent_t);
   cudaError_t (*EventDestroy)(cudaEvent_t);
   cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned);
+  cudaError_t (*StreamSynchronize)(cudaStream_t);
   cudaError_t (*GetLastError)();
   const char* (*GetErrorString)(cudaError_t);
   std::string library;  // the soname or path that was opened

@@ -30,7 +30,6 @@ from .checkpoint import (
     match_checkpoint_dtypes,
 )
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
-from ._placeholder import OffloadedWeight
 from .offload import LayerwiseOffloadManager
 from .regions import (
     CowMapping,
@@ -45,6 +44,16 @@ from .regions import (
 )
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # OffloadedWeight subclasses torch.nn.Parameter: importing it imports
+    # torch, which `import mapoffload` itself never does.
+    if name == "OffloadedWeight":
+        from ._placeholder import OffloadedWeight
+
+        return OffloadedWeight
+    raise AttributeError(f"module 'mapoffload' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError",

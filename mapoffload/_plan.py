@@ -15,7 +15,6 @@ from .regions import MappedRegions
 if TYPE_CHECKING:
     import torch
 
-HOST_STORES = ("auto", "mapped", "pinned", "pageable")
 
 
 def resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]:

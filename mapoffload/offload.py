@@ -21,10 +21,8 @@ import hashlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _plan
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._placeholder import OffloadedWeight
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle
 
@@ -33,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LayerwiseOffloadManager"]
 
-HOST_STORES = _plan.HOST_STORES
+HOST_STORES = ("auto", "mapped", "pinned", "pageable")
 
 
 class _Loaded:
@@ -91,6 +89,8 @@ class LayerwiseOffloadManager:
         available_bytes: int | None = None,
     ) -> None:
         import torch
+
+        from . import _plan  # imports torch (the placeholders subclass nn.Parameter)
 
         if host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")

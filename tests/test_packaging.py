@@ -18,3 +18,10 @@ def test_build_folder_is_not_in_the_source_tree():
     with open(SOURCE_ROOT / "pyproject.toml", "rb") as f:
         skbuild = tomllib.load(f)["tool"]["scikit-build"]
     assert "build-dir" not in skbuild, skbuild.get("build-dir")
+
+
+def test_import_mapoffload_does_not_import_torch():
+    from child import run_python
+
+    proc = run_python("import sys, mapoffload; print('torch' in sys.modules)")
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
