@@ -461,7 +461,11 @@ size_t Copier::acquire_slot() {
   {
     std::unique_lock<std::mutex> lock(sync_->slot_mu);
     sync_->slot_cv.wait(lock, [&] { return !free_.empty() || health_->broken(); });
-    health_->rethrow_if_broken();
+    if (health_->broken()) {
+      // Whoever broke it may not have woken every waiter: pass it on.
+      sync_->slot_cv.notify_all();
+      health_->rethrow_if_broken();
+    }
     i = free_.back();
     free_.pop_back();
   }
@@ -532,7 +536,11 @@ void Copier::enqueue_from_slot(const Unit& u, Slot& slot) {
       // The slot's copies cannot be tracked by its event: only a finished
       // stream frees it. If even that cannot be known, nothing can.
       slot.pending = false;
-      if (api.StreamSynchronize(stream) != kCudaSuccess) health_->set_broken(err);
+      if (api.StreamSynchronize(stream) != kCudaSuccess) {
+        health_->set_broken(err);
+        { std::lock_guard<std::mutex> lock(sync_->slot_mu); }
+        sync_->slot_cv.notify_all();
+      }
     }
   }
   if (err) {
