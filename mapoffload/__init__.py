@@ -30,7 +30,9 @@ from .checkpoint import (
     match_checkpoint_dtypes,
 )
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
+from ._shard import shard_tensor
 from .offload import LayerwiseOffloadManager
+from .ranks import LocalWorld, local_world
 from .regions import (
     CowMapping,
     CowReport,
@@ -68,6 +70,7 @@ __all__ = [
     "HostMemory",
     "LayerwiseOffloadManager",
     "LoadReport",
+    "LocalWorld",
     "MappedRegions",
     "MappingFaultError",
     "OffloadedWeight",
@@ -85,9 +88,11 @@ __all__ = [
     "host_memory_available_bytes",
     "keep_checkpoint_mapped",
     "load_checkpoint",
+    "local_world",
     "match_checkpoint_dtypes",
     "resident_bytes",
     "rss_anon_bytes",
+    "shard_tensor",
     "tensor_extent",
     "tensor_spans",
 ]

@@ -111,8 +111,13 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list
 
 
 def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,
-         device: object) -> None:
-    """Choose each weight's store, lay out each layer and build its host buffers."""
+         device: object, local_ranks: int = 1) -> None:
+    """Choose each weight's store, lay out each layer and build its host buffers.
+
+    ``available_bytes`` is the host's headroom, shared by ``local_ranks``
+    ranks that each make this plan: copies and pinned buffers are weighed
+    against this rank's share of it.
+    """
     weights = [w for s in stores for w in s.weights]
     on_mapping = MappedRegions().classify([w.param.data for w in weights])
     mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
@@ -122,7 +127,9 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
     if host_store == "mapped":
         keep_mapped = True
     elif host_store == "auto":
-        keep_mapped = host_copies_would_not_fit(candidate_bytes, available_bytes=available_bytes)
+        keep_mapped = host_copies_would_not_fit(
+            candidate_bytes, available_bytes=available_bytes, local_ranks=local_ranks
+        )
     else:
         keep_mapped = False
     for w in weights:
@@ -135,7 +142,7 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
             w.store = CONSOLIDATED
     # Pinned stores are copied by DMA straight from pinned memory (no
     # staging), so each pinned byte buys overlap; pin while the budget lasts.
-    budget = available_bytes - HOST_COPY_RESERVE_BYTES
+    budget = available_bytes // local_ranks - HOST_COPY_RESERVE_BYTES
     pin_allowed = cuda and host_store in ("auto", "pinned")
     if host_store == "pinned" and not cuda:
         logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", device)

@@ -269,14 +269,34 @@ def describe_host(*, root: str = "/") -> str:
     return str(host_memory(root=root))
 
 
-def host_copies_would_not_fit(weight_bytes: int, *, available_bytes: int | None = None) -> bool:
-    """Whether copying ``weight_bytes`` into host memory would fill the host.
+def host_copies_would_not_fit(
+    weight_bytes: int, *, available_bytes: int | None = None, local_ranks: int | None = None
+) -> bool:
+    """Whether copying ``weight_bytes`` into host memory, on every local rank, would fill the host.
 
-    ``weight_bytes > 0 and weight_bytes >= available - HOST_COPY_RESERVE_BYTES``:
-    the reserve is never spendable, and 0 bytes always fit.
+    ``weight_bytes > 0 and n * weight_bytes >= available - n * HOST_COPY_RESERVE_BYTES``
+    with ``n`` the ranks sharing this host: each rank would hold its own copy
+    and needs its own reserve, while ``available`` (the machine's and the
+    cgroup's headroom) is shared by all of them - it is counted once. With one
+    rank this is ``weight_bytes >= available - HOST_COPY_RESERVE_BYTES``: the
+    reserve is never spendable, and 0 bytes always fit.
+
+    Parameters
+    ----------
+    weight_bytes
+        What one rank would copy.
+    available_bytes
+        The host's headroom (default :func:`host_memory_available_bytes`).
+    local_ranks
+        Ranks on this host; None detects (``LOCAL_WORLD_SIZE``, else an
+        initialised ``torch.distributed``'s world size, else 1; see
+        :mod:`mapoffload.ranks`).
     """
+    from .ranks import local_world
+
     if weight_bytes <= 0:
         return False
+    n = local_world(local_ranks).size
     if available_bytes is None:
         available_bytes = host_memory_available_bytes()
-    return weight_bytes >= available_bytes - HOST_COPY_RESERVE_BYTES
+    return n * weight_bytes >= available_bytes - n * HOST_COPY_RESERVE_BYTES

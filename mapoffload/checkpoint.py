@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
 from ._header import read_safetensors_header
 from ._log import format_bytes, logger
+from ._shard import ShardPlan, narrow_shard, plan_dim, resolve_rank
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from .ranks import local_world
 
 if TYPE_CHECKING:
     import torch
@@ -39,17 +41,25 @@ __all__ = [
 # --- the gate ---------------------------------------------------------------------
 
 
-def keep_checkpoint_mapped(*, weight_bytes: int, component: str) -> bool:
+def keep_checkpoint_mapped(*, weight_bytes: int, component: str, local_ranks: int | None = None) -> bool:
     """True exactly when host copies of ``weight_bytes`` would not fit.
 
-    Logs one line saying why, with the deployment's GiB against the host's.
+    With several ranks on the host (``local_ranks``; None detects, see
+    :mod:`mapoffload.ranks`) copies cost ``local ranks x weight_bytes`` of
+    anonymous memory, a mapping the shared page cache once. Logs one line
+    saying why, with both numbers against the host's available memory.
     """
+    world = local_world(local_ranks)
     available = host_memory_available_bytes()
-    keep = host_copies_would_not_fit(weight_bytes, available_bytes=available)
+    keep = host_copies_would_not_fit(weight_bytes, available_bytes=available, local_ranks=world.size)
     gib = 1 << 30
     logger.info(
-        "%s: %.2f GiB of weights, host has %.2f GiB available (%.0f GiB reserve): %s",
+        "%s: %.2f GiB of weights, %s: copies would take %.2f GiB of anonymous memory, a mapping %.2f GiB "
+        "of shared page cache; host has %.2f GiB available (%.0f GiB reserve per rank): %s",
         component,
+        weight_bytes / gib,
+        world,
+        world.size * weight_bytes / gib,
         weight_bytes / gib,
         available / gib,
         HOST_COPY_RESERVE_BYTES / gib,
@@ -157,7 +167,13 @@ class LoadReport:
     """What :func:`load_checkpoint` did.
 
     ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``device``,
-    ``not mapped``) to the bytes copied for it.
+    ``column slice``, ``not mapped``) to the bytes copied for it.
+
+    With a shard plan, ``shard`` is ``(rank, world_size)``;
+    ``bytes_sliced_mapped`` counts this rank's slices left as views of the
+    mapping (slices contiguous in the file: row splits) and
+    ``bytes_sliced_copied`` the slices that had to be copied because they are
+    strided in the file (column splits), whatever else was done to them.
     """
 
     files: list[str] = field(default_factory=list)
@@ -169,6 +185,9 @@ class LoadReport:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    shard: tuple[int, int] | None = None
+    bytes_sliced_mapped: int = 0
+    bytes_sliced_copied: int = 0
 
     def __str__(self) -> str:
         why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
@@ -177,11 +196,17 @@ class LoadReport:
             keys += f" Missing keys: {', '.join(self.missing_keys)}."
         if self.unexpected_keys:
             keys += f" Unexpected keys: {', '.join(self.unexpected_keys)}."
+        shard = ""
+        if self.shard is not None:
+            shard = (
+                f" Rank {self.shard[0]} of {self.shard[1]}: slices {format_bytes(self.bytes_sliced_mapped)} "
+                f"as views of the mapping, {format_bytes(self.bytes_sliced_copied)} copied (strided in the file)."
+            )
         return (
             f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "
             f"({'kept on the mapping' if self.keep_mapping else 'copied into host memory'}): "
             f"{format_bytes(self.bytes_mapped)} left on the file mapping, "
-            f"{format_bytes(self.bytes_copied)} copied ({why}).{keys}"
+            f"{format_bytes(self.bytes_copied)} copied ({why}).{shard}{keys}"
         )
 
 
@@ -225,6 +250,10 @@ def load_checkpoint(
     keep_mapping: bool | None = None,
     strict: bool = True,
     device: str | torch.device = "cpu",
+    shard_plan: ShardPlan | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_ranks: int | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``module``, leaving weights on the file mapping
     when asked to (or when the gate says copies would not fit).
@@ -238,7 +267,8 @@ def load_checkpoint(
         of safetensors files, or a PyTorch zip checkpoint (``.pt``/``.bin``,
         read with ``torch.load(mmap=True, weights_only=True)``).
     keep_mapping
-        None asks :func:`keep_checkpoint_mapped` with the checkpoint's bytes;
+        None asks :func:`keep_checkpoint_mapped` with the checkpoint's bytes
+        (with a shard plan: the bytes of this rank's slices);
         True assigns the mapped views (after :func:`match_checkpoint_dtypes`,
         so only mismatched dtypes are copied); False copies into owned memory.
     strict
@@ -246,6 +276,20 @@ def load_checkpoint(
         loading raise whatever ``strict`` says.
     device
         Where the weights go; anything but ``cpu`` copies.
+    shard_plan
+        Tensor parallelism: ``{name: dim}`` (a name absent or mapped to None
+        is replicated) or a callable ``name -> dim | None``. Each split tensor
+        loads as ``rank``'s even slice along ``dim`` (:func:`shard_tensor`): a
+        view of the mapping where the slice is contiguous in the file (row
+        splits), a copy where it is not (column splits, reported as
+        ``copied["column slice"]`` and ``bytes_sliced_copied``). The module's
+        parameters have the slices' shapes.
+    rank, world_size
+        This rank's place in the tensor-parallel group; default: the
+        initialised ``torch.distributed`` group's.
+    local_ranks
+        Ranks sharing this host, for the gate; None detects
+        (:mod:`mapoffload.ranks`).
 
     Returns
     -------
@@ -254,7 +298,9 @@ def load_checkpoint(
     Raises
     ------
     FileNotFoundError, ValueError, CheckpointError
-        See the module docstring for the state the module is left in.
+        See the module docstring for the state the module is left in. A
+        shard plan naming a key the checkpoint lacks, or a size that does not
+        split evenly, is a ``ValueError`` naming the key.
     """
     import torch
 
@@ -263,30 +309,45 @@ def load_checkpoint(
     t0 = time.perf_counter()
     files = checkpoint_files(path)
     component = type(module).__name__
-    if keep_mapping is None:
+    shard = resolve_rank(rank, world_size) if shard_plan is not None else None
+    if keep_mapping is None and shard is None:
         # checkpoint_bytes counts exactly the files listed above.
-        keep_mapping = keep_checkpoint_mapped(weight_bytes=checkpoint_bytes(path), component=component)
+        keep_mapping = keep_checkpoint_mapped(
+            weight_bytes=checkpoint_bytes(path), component=component, local_ranks=local_ranks
+        )
     target_device = torch.device(device)
 
     loaded = _read_files(files)
     slots, groups = _slots(module)
+    if shard_plan is not None and isinstance(shard_plan, Mapping):
+        stray = sorted(k for k in shard_plan if k not in loaded)
+        if stray:
+            raise ValueError(f"shard plan names keys {os.fspath(path)} does not have: {', '.join(stray)}")
 
     # Validate everything before assigning anything.
     unexpected = sorted(k for k in loaded if k not in slots)
     missing: list[str] = []
-    plan: list[tuple[list[str], torch.Tensor]] = []
+    plan: list[tuple[list[str], torch.Tensor, bool, bool]] = []  # names, source, sliced, strided slice
     for names in groups:
         source_key = next((n for n in names if n in loaded), None)
         if source_key is None:
             missing.extend(names)
             continue
         src = loaded[source_key]
+        sliced = strided = False
+        what = f"checkpoint shape {tuple(src.shape)}"
+        if shard is not None:
+            dim = next((d for d in (plan_dim(shard_plan, n) for n in names) if d is not None), None)
+            if dim is not None:
+                whole = src
+                src = narrow_shard(whole, shard[0], shard[1], dim, what=source_key)
+                sliced = True
+                strided = whole.is_contiguous() and not src.is_contiguous()
+                what = f"rank {shard[0]}'s slice {tuple(src.shape)} of checkpoint shape {tuple(whole.shape)} (dim {dim})"
         target = slots[source_key].current
         if tuple(src.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{source_key}: checkpoint shape {tuple(src.shape)} does not match the module's {tuple(target.shape)}"
-            )
-        plan.append((names, src))
+            raise ValueError(f"{source_key}: {what} does not match the module's {tuple(target.shape)}")
+        plan.append((names, src, sliced, strided))
     missing.sort()
     if strict and (missing or unexpected):
         parts = []
@@ -298,24 +359,41 @@ def load_checkpoint(
     left_on_meta = [n for n in missing if slots[n].is_param and slots[n].current.device.type == "meta"]
     if left_on_meta:
         raise ValueError(f"parameters would stay on the meta device (not in the checkpoint): {', '.join(left_on_meta)}")
+    if keep_mapping is None:
+        # Sharded: what this rank would copy is its slices, not the checkpoint.
+        keep_mapping = keep_checkpoint_mapped(
+            weight_bytes=sum(src.numel() * src.element_size() for _, src, _, _ in plan),
+            component=f"{component} (rank {shard[0]} of {shard[1]})" if shard else component,
+            local_ranks=local_ranks,
+        )
 
-    report = LoadReport(files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected)
+    report = LoadReport(
+        files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard
+    )
     assigned: list[torch.Tensor] = []
-    for names, src in plan:
+    sliced_flags: list[bool] = []
+    for names, src, sliced, strided in plan:
         target = slots[names[0]].current
         tensor = src
         reason = None
         if tensor.dtype != target.dtype:
-            tensor = tensor.to(target.dtype)
+            tensor = tensor.to(target.dtype, memory_format=torch.contiguous_format)
             reason = "dtype"
         if target_device.type != "cpu":
-            tensor = tensor.to(target_device)
+            tensor = tensor.to(target_device, memory_format=torch.contiguous_format)
             reason = reason or "device"
+        elif strided and reason is None:
+            # Strided in the file: no view of the mapping can be this rank's
+            # contiguous slice.
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+            reason = "column slice"
         elif not keep_mapping and reason is None:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
             reason = "keep_mapping=False"
         if reason:
             report.copied[reason] = report.copied.get(reason, 0) + tensor.nbytes
+        if strided:
+            report.bytes_sliced_copied += tensor.nbytes
         value: torch.Tensor
         if slots[names[0]].is_param:
             value = torch.nn.Parameter(tensor, requires_grad=target.requires_grad and tensor.is_floating_point())
@@ -325,12 +403,15 @@ def load_checkpoint(
             s = slots[n]
             (s.owner._parameters if s.is_param else s.owner._buffers)[s.attr] = value
         assigned.append(value)
+        sliced_flags.append(sliced and not strided)
         report.tensors += 1
 
     held = MappedRegions().classify(assigned)
-    for t, h in zip(assigned, held):
+    for t, h, row_slice in zip(assigned, held, sliced_flags):
         if h:
             report.bytes_mapped += t.nbytes
+            if row_slice:
+                report.bytes_sliced_mapped += t.nbytes
         else:
             report.bytes_copied += t.nbytes
     not_mapped = report.bytes_copied - sum(report.copied.values())

@@ -61,6 +61,22 @@ def _setting(value: int | None, env: str, default: int, scale: int = 1, *, name:
     return int(value)
 
 
+def resolve_settings(
+    threads: int | None = None, staging_bytes: int | None = None, slots: int | None = None
+) -> tuple[int, int, int]:
+    """``(threads, slot bytes, slots)`` a copier made with these arguments gets.
+
+    Each: the argument, else its environment variable, else the default.
+    """
+    n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1), name="threads", limit=MAX_THREADS)
+    slot_bytes = _setting(
+        staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20, name="staging_bytes",
+        limit=MAX_SLOT_BYTES,
+    )
+    n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads), name="slots", limit=MAX_SLOTS)
+    return n_threads, slot_bytes, n_slots
+
+
 # Every live copier, closed at interpreter exit: workers never outlive the
 # objects they copy, and no exit waits on a copy that can no longer finish.
 _LIVE: weakref.WeakSet[Copier] = weakref.WeakSet()
@@ -187,12 +203,7 @@ class Copier:
             self.device = dev
         else:
             raise ValueError(f"device must be cuda or cpu, not {dev}")
-        n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1), name="threads", limit=MAX_THREADS)
-        slot_bytes = _setting(
-            staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20, name="staging_bytes",
-            limit=MAX_SLOT_BYTES,
-        )
-        n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads), name="slots", limit=MAX_SLOTS)
+        n_threads, slot_bytes, n_slots = resolve_settings(threads, staging_bytes, slots)
         self._native = _core.Copier(index, mode, n_threads, slot_bytes, n_slots)
         _LIVE.add(self)
         logger.debug(

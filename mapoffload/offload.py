@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ._device import DevicePool
 from ._log import format_bytes, logger
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
-from .copier import Copier, CopyHandle
+from .copier import Copier, CopyHandle, resolve_settings
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 __all__ = ["LayerwiseOffloadManager"]
 
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
+
+
+def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -> Copier:
+    """A copier with the default settings, its ring shrunk when the local ranks' rings would not fit."""
+    if local_ranks <= 1:
+        return Copier(device)
+    from .ranks import staging_ring_settings
+
+    threads, slot_bytes, slots = resolve_settings()
+    threads, slot_bytes, slots = staging_ring_settings(
+        threads=threads, slot_bytes=slot_bytes, slots=slots, local_ranks=local_ranks, available_bytes=available_bytes
+    )
+    return Copier(device, threads=threads, staging_bytes=slot_bytes, slots=slots)
 
 
 class _Loaded:
@@ -73,6 +86,14 @@ class LayerwiseOffloadManager:
         seed runtime's path; for comparison).
     available_bytes
         Host budget to plan against (default: :func:`host_memory_available_bytes`).
+        It is the host's, shared by every local rank.
+    local_ranks
+        Ranks sharing this host, each with its own manager (None detects:
+        ``LOCAL_WORLD_SIZE``, else ``torch.distributed``'s world size, else
+        1). Host copies and pinned buffers are planned against this rank's
+        share of the budget, and a copier the manager makes has its staging
+        ring shrunk when ``local_ranks`` rings would take more than 1/8 of
+        the budget (:func:`mapoffload.ranks.staging_ring_settings`).
     """
 
     def __init__(
@@ -87,8 +108,12 @@ class LayerwiseOffloadManager:
         copier: Copier | None = None,
         copy_on_compute_stream: bool = False,
         available_bytes: int | None = None,
+        local_ranks: int | None = None,
     ) -> None:
         import torch
+
+        from .budget import host_memory_available_bytes
+        from .ranks import local_world
 
         from . import _plan  # imports torch (the placeholders subclass nn.Parameter)
 
@@ -107,9 +132,13 @@ class LayerwiseOffloadManager:
         self._cuda = self.device.type == "cuda"
         self._stores, self.unmanaged = _plan.collect(model, self.layers)
         self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
-        _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device)
+        self.local_ranks = local_world(local_ranks).size
+        if available_bytes is None:
+            available_bytes = host_memory_available_bytes()
+        _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
+                   local_ranks=self.local_ranks)
         self._owns_copier = copier is None
-        self.copier = copier or Copier(self.device)
+        self.copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
         if self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
         self._copy_stream = None
