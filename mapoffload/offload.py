@@ -18,6 +18,8 @@ included. The manager is a context manager.
 from __future__ import annotations
 
 import hashlib
+import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,19 @@ if TYPE_CHECKING:
 __all__ = ["LayerwiseOffloadManager"]
 
 HOST_STORES = _plan.HOST_STORES
+
+# Live managers, for fork(): copies a parent had in flight never complete in
+# the child (its copier's workers stayed in the parent), so the child forgets
+# them and loads those layers afresh instead of failing a forward per layer.
+_MANAGERS: weakref.WeakSet[LayerwiseOffloadManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mgr in list(_MANAGERS):
+        mgr._forget_copies_in_flight()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Loaded:
@@ -105,9 +120,12 @@ class LayerwiseOffloadManager:
         self.resident_layers = resident_layers
         self.host_store = host_store
         self._cuda = self.device.type == "cuda"
-        self._stores, self.unmanaged = _plan.collect(model, self.layers)
-        self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
-        _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device)
+        # Host stores are normal tensors even when made under inference_mode:
+        # an inference tensor cannot be written outside it (update_cpu_weights).
+        with torch.inference_mode(False):
+            self._stores, self.unmanaged = _plan.collect(model, self.layers)
+            self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
+            _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device)
         self._owns_copier = copier is None
         self.copier = copier or Copier(self.device)
         if self.copier.device != self.device:
@@ -122,6 +140,7 @@ class LayerwiseOffloadManager:
         self._engaged = False
         self._closed = False
         self._engage()
+        _MANAGERS.add(self)
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -275,6 +294,19 @@ class LayerwiseOffloadManager:
         for buf in loaded.buffers.values():
             self._pool.give(buf)
 
+    def _forget_copies_in_flight(self) -> None:
+        """In a forked child: drop layers whose copy was in flight at the fork.
+
+        Nothing writes their buffers here (the copies ran in the parent), so
+        they go back to the pool; their slots hold placeholders already.
+        """
+        for i, loaded in list(self._loaded.items()):
+            if not loaded.ready:
+                del self._loaded[i]
+                self._kept.discard(i)
+                for buf in loaded.buffers.values():
+                    self._pool.give(buf)
+
     def release_all(self) -> None:
         for i in list(self._loaded):
             self.release_layer(i)
@@ -392,10 +424,21 @@ class LayerwiseOffloadManager:
             if tuple(value.shape) != w.shape:
                 raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
             value = value.detach().to(device="cpu", dtype=w.dtype)
+            loaded = self._loaded.get(store.index)
+            if loaded is not None and not loaded.ready:
+                # A prefetch in flight reads the host store: let it finish (and
+                # bind), so that the write below is not torn into it and the
+                # device copy is updated too. A failed one is released: the
+                # next load reads the new weights.
+                try:
+                    self._ensure(store.index)
+                except Exception:
+                    logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
             if w.store == MAPPED:
                 # An owned tensor of its own (the strided store's kind), same
                 # layout and extent: the mapping is left as it is.
-                w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
+                with torch.inference_mode(False):
+                    w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
                 w.host.copy_(value)
                 w.store = STRIDED
                 store.invalidate()
