@@ -414,15 +414,34 @@ class LayerwiseOffloadManager:
         """Replace host weights; a mapped entry becomes an owned tensor.
 
         The checkpoint file is never written. A loaded layer's device copy is
-        updated as well.
+        updated as well. A value of another dtype is converted when that loses
+        no kind of information (``torch.can_cast``: float64 into float32 is
+        fine, complex into real or float into int is not).
+
+        Raises
+        ------
+        KeyError
+            The name is not a managed weight.
+        ValueError
+            The shape differs, or the value is on the meta device (no data).
+        TypeError
+            The value is not a tensor, or its dtype cannot be cast to the weight's.
         """
         import torch
 
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         for name, value in items:
             store, w = self._weight(name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name}: the new value is a {type(value).__name__}, not a tensor")
             if tuple(value.shape) != w.shape:
                 raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
+            if value.device.type == "meta":
+                raise ValueError(f"{name}: the new value is on the meta device (it has no data)")
+            if not torch.can_cast(value.dtype, w.dtype):
+                raise TypeError(
+                    f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
+                )
             value = value.detach().to(device="cpu", dtype=w.dtype)
             loaded = self._loaded.get(store.index)
             if loaded is not None and not loaded.ready:

@@ -187,3 +187,20 @@ def test_forwards_from_several_threads_are_right_or_refused_clearly(reference):
         t.join()
     mgr.close()
     assert all(o in ("ok", "refused") for o in outcomes), sorted(set(outcomes))[:3]
+
+
+def test_update_refuses_values_it_could_only_store_by_losing_data(reference):
+    model = copy_of(reference)
+    name = "blocks.1.fc1.weight"
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        before = dict(mgr.iter_cpu_weights())[name].clone()
+        with pytest.raises(TypeError, match=rf"{name}: a torch.complex64 value cannot be stored"):
+            mgr.update_cpu_weights({name: torch.randn(64, 32, dtype=torch.complex64)})
+        with pytest.raises(ValueError, match=rf"{name}: the new value is on the meta device"):
+            mgr.update_cpu_weights({name: torch.empty(64, 32, device="meta")})
+        with pytest.raises(TypeError, match=rf"{name}: the new value is a list"):
+            mgr.update_cpu_weights({name: [[0.0] * 32] * 64})
+        assert torch.equal(dict(mgr.iter_cpu_weights())[name], before)
+        # A conversion that keeps the kind of value is fine.
+        mgr.update_cpu_weights({name: before.double() * 2})
+        assert torch.equal(dict(mgr.iter_cpu_weights())[name], before * 2)
