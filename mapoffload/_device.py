@@ -32,7 +32,10 @@ class DevicePool:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # A normal tensor even when the first forward runs under inference_mode:
+        # an inference tensor could not be written (update_cpu_weights) outside it.
+        with torch.inference_mode(False):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._copy_stream is not None:
             # Written on the copy stream: the caching allocator must not hand
             # this memory to another stream before that work is done.

@@ -128,7 +128,9 @@ def layout(layer: LayerStore) -> None:
         if w.store != CONSOLIDATED:
             w.dev_offset = align_up(cursor.get(w.dtype, 0))
             cursor[w.dtype] = w.dev_offset + w.nbytes
-    layer.dev_bytes = {d: align_up(n) for d, n in cursor.items() if n}
+    # Every dtype gets a buffer, an empty one for zero-size weights only:
+    # their device views are views of it.
+    layer.dev_bytes = {d: align_up(n) for d, n in cursor.items()}
     layer._host_end = host_end  # type: ignore[attr-defined]
     layer.invalidate()
 

@@ -115,14 +115,22 @@ class CopyHandle:
     them on the device.
 
     The copier, not this handle, keeps the source and destination tensors
-    alive until the copy is done: dropping the handle (or every other
-    reference to the tensors) early is safe.
+    (and their storages) alive until the copy is done: dropping the handle,
+    every other reference to the tensors, or re-pointing them
+    (``param.data = other``, ``t.set_()``) early is safe. Resizing a tensor
+    in place (``resize_``) while its copy runs is not: that frees its memory
+    under the copy, as it would under any other reader.
+
+    The handle keeps its copier alive: ``Copier(...).copy(...).wait()`` with
+    a temporary copier completes instead of being cancelled by the copier's
+    destruction.
     """
 
-    __slots__ = ("_job",)
+    __slots__ = ("_job", "_copier")
 
-    def __init__(self, job: _core.CopyJob) -> None:
+    def __init__(self, job: _core.CopyJob, copier: Copier | None = None) -> None:
         self._job = job
+        self._copier = copier
 
     def wait(self) -> None:
         """Block until every byte is at its destination (CUDA: copies completed).
@@ -257,6 +265,12 @@ class Copier:
         already queued must finish before these copies start (a destination
         recycled from it).
 
+        The addresses are trusted, as by ``ctypes.memmove``: only null and
+        wrapping ranges are refused. A range that is not mapped (or a
+        destination that is read-only) is a SIGSEGV on a worker thread, which
+        the SIGBUS guard does not catch by design; :meth:`copy` derives the
+        spans from tensors and cannot produce one.
+
         Raises
         ------
         ValueError
@@ -267,7 +281,7 @@ class Copier:
             dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=direct,
             wait_for=self._stream_handle(wait_for) if wait_for is not None else 0,
         )
-        return CopyHandle(job)
+        return CopyHandle(job, self)
 
     def copy(
         self, dst_tensors: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor], stream: object | None = None
@@ -303,7 +317,12 @@ class Copier:
         if self.device.type == "cuda":
             # Pinned sources need no staging: the DMA engine reads them directly.
             direct = [bool(s.is_pinned()) for s in src_list]
-        return self.copy_spans(dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list), direct=direct)
+        # The storages too: a tensor re-pointed while the copy runs
+        # (``param.data = other``) must not free the memory being copied.
+        storages = [t.untyped_storage() for t in dst_list + src_list]
+        return self.copy_spans(
+            dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list, storages), direct=direct
+        )
 
     def advise(self, tensors: Sequence[torch.Tensor]) -> None:
         """Readahead hint (``MADV_WILLNEED``) for tensors to be copied next."""

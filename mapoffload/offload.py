@@ -18,6 +18,8 @@ included. The manager is a context manager.
 from __future__ import annotations
 
 import hashlib
+import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,19 @@ def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -
         threads=threads, slot_bytes=slot_bytes, slots=slots, local_ranks=local_ranks, available_bytes=available_bytes
     )
     return Copier(device, threads=threads, staging_bytes=slot_bytes, slots=slots)
+
+# Live managers, for fork(): copies a parent had in flight never complete in
+# the child (its copier's workers stayed in the parent), so the child forgets
+# them and loads those layers afresh instead of failing a forward per layer.
+_MANAGERS: weakref.WeakSet[LayerwiseOffloadManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mgr in list(_MANAGERS):
+        mgr._forget_copies_in_flight()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Loaded:
@@ -130,13 +145,16 @@ class LayerwiseOffloadManager:
         self.resident_layers = resident_layers
         self.host_store = host_store
         self._cuda = self.device.type == "cuda"
-        self._stores, self.unmanaged = _plan.collect(model, self.layers)
-        self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
         self.local_ranks = local_world(local_ranks).size
         if available_bytes is None:
             available_bytes = host_memory_available_bytes()
-        _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
-                   local_ranks=self.local_ranks)
+        # Host stores are normal tensors even when made under inference_mode:
+        # an inference tensor cannot be written outside it (update_cpu_weights).
+        with torch.inference_mode(False):
+            self._stores, self.unmanaged = _plan.collect(model, self.layers)
+            self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
+            _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
+                       local_ranks=self.local_ranks)
         self._owns_copier = copier is None
         self.copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
         if self.copier.device != self.device:
@@ -151,6 +169,7 @@ class LayerwiseOffloadManager:
         self._engaged = False
         self._closed = False
         self._engage()
+        _MANAGERS.add(self)
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -304,6 +323,19 @@ class LayerwiseOffloadManager:
         for buf in loaded.buffers.values():
             self._pool.give(buf)
 
+    def _forget_copies_in_flight(self) -> None:
+        """In a forked child: drop layers whose copy was in flight at the fork.
+
+        Nothing writes their buffers here (the copies ran in the parent), so
+        they go back to the pool; their slots hold placeholders already.
+        """
+        for i, loaded in list(self._loaded.items()):
+            if not loaded.ready:
+                del self._loaded[i]
+                self._kept.discard(i)
+                for buf in loaded.buffers.values():
+                    self._pool.give(buf)
+
     def release_all(self) -> None:
         for i in list(self._loaded):
             self.release_layer(i)
@@ -411,20 +443,50 @@ class LayerwiseOffloadManager:
         """Replace host weights; a mapped entry becomes an owned tensor.
 
         The checkpoint file is never written. A loaded layer's device copy is
-        updated as well.
+        updated as well. A value of another dtype is converted when that loses
+        no kind of information (``torch.can_cast``: float64 into float32 is
+        fine, complex into real or float into int is not).
+
+        Raises
+        ------
+        KeyError
+            The name is not a managed weight.
+        ValueError
+            The shape differs, or the value is on the meta device (no data).
+        TypeError
+            The value is not a tensor, or its dtype cannot be cast to the weight's.
         """
         import torch
 
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         for name, value in items:
             store, w = self._weight(name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name}: the new value is a {type(value).__name__}, not a tensor")
             if tuple(value.shape) != w.shape:
                 raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
+            if value.device.type == "meta":
+                raise ValueError(f"{name}: the new value is on the meta device (it has no data)")
+            if not torch.can_cast(value.dtype, w.dtype):
+                raise TypeError(
+                    f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
+                )
             value = value.detach().to(device="cpu", dtype=w.dtype)
+            loaded = self._loaded.get(store.index)
+            if loaded is not None and not loaded.ready:
+                # A prefetch in flight reads the host store: let it finish (and
+                # bind), so that the write below is not torn into it and the
+                # device copy is updated too. A failed one is released: the
+                # next load reads the new weights.
+                try:
+                    self._ensure(store.index)
+                except Exception:
+                    logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
             if w.store == MAPPED:
                 # An owned tensor of its own (the strided store's kind), same
                 # layout and extent: the mapping is left as it is.
-                w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
+                with torch.inference_mode(False):
+                    w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
                 w.host.copy_(value)
                 w.store = STRIDED
                 store.invalidate()
