@@ -196,3 +196,14 @@ def test_offload_layers_by_path(folders):
         assert list(handle.managers) == ["bert.encoder.layer"]
         assert torch.equal(expected, _forward(model, "bert"))
 
+
+
+def test_t5_fp16_keeps_wo_in_float32_as_transformers_does(tmp_path):
+    cls = save("t5", torch.float16, tmp_path, shard=None)
+    ref = cls.from_pretrained(tmp_path).eval()
+    with pytest.warns(UserWarning, match="converted from float16 to float32"):
+        model = mapoffload.from_pretrained(cls, tmp_path, device="cpu", keep_mapping=True)
+    model.mapoffload_handle.close()
+    assert model.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in ref.named_parameters()}
+    assert torch.equal(_forward(ref, "t5"), _forward(model, "t5"))

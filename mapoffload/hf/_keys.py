@@ -129,8 +129,14 @@ def describe_keys(kind: str, keys: list[str]) -> str:
     return f"{len(keys)} {kind} key{'s' if len(keys) != 1 else ''}{where}: {shown}"
 
 
-def describe_conversion(nbytes: int, src: str, dst: str, folder: str | os.PathLike) -> str:
+def describe_conversion(nbytes: int, pairs: list[tuple[str, str]], kept_fp32: bool,
+                        folder: str | os.PathLike) -> str:
+    """The warning for a load that converted dtypes: bytes, directions, the fix."""
+    how = ", ".join(f"from {a} to {b}" for a, b in pairs) or "to the model's dtypes"
+    fix = "Load with dtype='auto' to build the model in the stored dtype and keep them mapped"
+    if kept_fp32:
+        fix += " (modules the model keeps in float32, _keep_in_fp32_modules, are always converted)"
     return (
-        f"{os.fspath(folder)}: {format_bytes(nbytes)} of weights were converted from {src} to {dst} "
-        f"(anonymous copies, not on the file mapping). Load with dtype='auto' (or dtype='{src}') to keep them mapped."
+        f"{os.fspath(folder)}: {format_bytes(nbytes)} of weights were converted {how} "
+        f"(anonymous copies, not on the file mapping). {fix}."
     )

@@ -63,6 +63,31 @@ def _build(cls: Any, config: Any, dtype: torch.dtype, kwargs: dict) -> torch.nn.
         return cls._from_config(config, dtype=dtype, **kwargs)
 
 
+def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Parameters the model keeps in float32 under ``dtype`` (``_keep_in_fp32_modules``
+    for fp16, ``_keep_in_fp32_modules_strict`` for fp16/bf16), rebuilt on meta
+    in float32 as transformers does. Returns how many."""
+    import re
+
+    import torch
+
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return 0
+    pattern = re.compile("|".join(rf"(^|\.){re.escape(str(k))}(\.|$)" for k in plan))
+    done: dict[int, torch.nn.Parameter] = {}
+    for name, module in model.named_modules():
+        for attr, p in list(module._parameters.items()):
+            full = f"{name}.{attr}" if name else attr
+            if p is None or not p.is_floating_point() or not pattern.search(full):
+                continue
+            if id(p) not in done:
+                done[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="meta"),
+                                                 requires_grad=p.requires_grad)
+            module._parameters[attr] = done[id(p)]
+    return len(done)
+
+
 def _tie_groups(module: torch.nn.Module) -> dict[str, list[str]]:
     """Parameter name -> every name of that parameter object (ties)."""
     by_id: dict[int, list[str]] = {}
@@ -125,6 +150,10 @@ def load_pretrained(
     keys = _keys.read_keys(files)
     torch_dtype = _resolve_dtype(dtype, keys, config)
     model = _build(cls, config, torch_dtype, model_kwargs)
+    kept_fp32 = _keep_in_fp32(model, torch_dtype)
+    if kept_fp32:
+        logger.info("%s keeps some modules in float32 under %s, as transformers does", type(model).__name__,
+                    torch_dtype)
 
     import torch
 
@@ -176,13 +205,9 @@ def load_pretrained(
         del target._modules[prefix]
     converted = report.copied.get("dtype", 0)
     if converted:
-        src = sorted({keys.dtypes[k] for k in ckpt_keys if keys.dtypes.get(k) != str(torch_dtype).removeprefix(
-            "torch.") and keys.dtypes.get(k) in _keys._ST_DTYPES.values()})
-        warnings.warn(
-            _keys.describe_conversion(converted, "/".join(src) or "?", str(torch_dtype).removeprefix("torch."),
-                                      folder),
-            stacklevel=3,
-        )
+        now = {k: str(v.dtype).removeprefix("torch.") for k, v in target.state_dict().items()}
+        pairs = sorted({(keys.dtypes[k], now[k]) for k in ckpt_keys if k in now and keys.dtypes[k] != now[k]})
+        warnings.warn(_keys.describe_conversion(converted, pairs, kept_fp32 > 0, folder), stacklevel=3)
     model.tie_weights()
     model.eval()
     return model, report
