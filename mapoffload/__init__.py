@@ -48,6 +48,14 @@ from .regions import (
 __version__ = "0.1.0"
 
 
+# `mapoffload.offload` is the Hugging Face entry point (a function, lazily
+# imported below), not the submodule of the same name that the import above
+# bound here; the submodule stays importable as `mapoffload.offload`.
+del offload  # type: ignore[name-defined]  # noqa: F821
+
+_HF_NAMES = ("from_pretrained", "offload")
+
+
 def __getattr__(name: str):
     # OffloadedWeight subclasses torch.nn.Parameter: importing it imports
     # torch, which `import mapoffload` itself never does.
@@ -55,6 +63,12 @@ def __getattr__(name: str):
         from ._placeholder import OffloadedWeight
 
         return OffloadedWeight
+    # The Hugging Face integration imports torch (and transformers/diffusers
+    # when called): loaded on first use only.
+    if name in _HF_NAMES:
+        from . import hf
+
+        return getattr(hf, name)
     raise AttributeError(f"module 'mapoffload' has no attribute {name!r}")
 
 __all__ = [
@@ -83,6 +97,7 @@ __all__ = [
     "describe_host",
     "drop_page_cache",
     "empty_weights",
+    "from_pretrained",
     "host_copies_would_not_fit",
     "host_memory",
     "host_memory_available_bytes",
@@ -90,6 +105,7 @@ __all__ = [
     "load_checkpoint",
     "local_world",
     "match_checkpoint_dtypes",
+    "offload",
     "resident_bytes",
     "rss_anon_bytes",
     "shard_tensor",

@@ -1,0 +1,26 @@
+"""Hugging Face integration: transformers models (and diffusers pipelines)
+loaded on the file mapping and offloaded in one call.
+
+``import mapoffload`` does not import this package; ``mapoffload.from_pretrained``
+and ``mapoffload.offload`` do, lazily. transformers and diffusers are imported
+only when a function that needs them is called (``pip install "mapoffload[hf]"``).
+"""
+
+from __future__ import annotations
+
+from ._extras import INSTALL_HINT, MissingExtraError
+from .blocks import find_block_lists
+from .offload import OffloadHandle, OffloadRow, offload
+from .transformers import KeyMismatchError, from_pretrained, load_pretrained
+
+__all__ = [
+    "INSTALL_HINT",
+    "KeyMismatchError",
+    "MissingExtraError",
+    "OffloadHandle",
+    "OffloadRow",
+    "find_block_lists",
+    "from_pretrained",
+    "load_pretrained",
+    "offload",
+]

@@ -1,0 +1,307 @@
+"""``mapoffload.offload``: stream an already built model's block lists and
+place the rest, in one call.
+
+The stacks (``find_block_lists``) are streamed by one
+:class:`~mapoffload.LayerwiseOffloadManager` each. Everything else (embeddings,
+final norm, head, the buffers inside the blocks such as rotary tables) is
+placed on the device when it fits, or — its parameters — streamed as one more
+unit when it does not. ``close()`` gives the model back whole: the managers
+put the layers' real weights back, and placed tensors get their host data back
+(the same objects as before, mapped views stay mapped views).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._log import format_bytes, logger
+from ..budget import HOST_COPY_RESERVE_BYTES, host_memory
+from .blocks import find_block_lists
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..offload import LayerwiseOffloadManager
+
+__all__ = ["OffloadHandle", "OffloadRow", "offload"]
+
+RESTS = ("auto", "device", "stream")
+
+
+@dataclass
+class OffloadRow:
+    """One line of :meth:`OffloadHandle.summary`."""
+
+    unit: str  # the stack's path, or "rest"
+    layers: int
+    store: str  # mapped / pinned / pageable / strided bytes, or "placed"
+    nbytes: int
+    where: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.unit} ({self.layers} layers, {format_bytes(self.nbytes)}): {self.store}; {self.where}; {self.why}"
+
+
+def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]]:
+    import torch
+
+    if isinstance(layers, str) and layers == "auto":
+        found = find_block_lists(model)
+        if not found:
+            raise ValueError(
+                f"{type(model).__name__}: found no repeated block list holding most of the parameters; "
+                "pass layers='path.to.blocks' (or a list of paths)"
+            )
+        return found
+    if isinstance(layers, (str, torch.nn.ModuleList, torch.nn.Sequential)):
+        layers = [layers]
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for item in layers:
+        if isinstance(item, str):
+            out.append((item, item))
+        else:
+            out.append((names.get(id(item), "layers"), item))
+    return out
+
+
+def _store_words(m: LayerwiseOffloadManager) -> str:
+    parts = [(m.mapped_bytes, "mapped"), (m.pinned_bytes, "pinned"), (m.pageable_bytes, "pageable")]
+    return " + ".join(f"{format_bytes(n)} {what}" for n, what in parts if n) or "empty"
+
+
+def _budget_words(m: LayerwiseOffloadManager, host_store: str, available: int, chosen: bool) -> str:
+    total = m.mapped_bytes + m.pinned_bytes + m.pageable_bytes
+    if host_store != "auto":
+        if not chosen:
+            return f"host_store={host_store!r} (the default on the CPU: a host copy would buy nothing there)"
+        return f"host_store={host_store!r} asked"
+    room = available - HOST_COPY_RESERVE_BYTES
+    verdict = "host copies would not fit: kept on the file mapping" if m.mapped_bytes else (
+        "host copies fit" + (": pinned for overlapped copies" if m.pinned_bytes else "")
+    )
+    return (
+        f"{format_bytes(total)} of layer weights against {format_bytes(available)} available "
+        f"less the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(max(room, 0))}): {verdict}"
+    )
+
+
+class OffloadHandle:
+    """What :func:`offload` set up: its managers and the placed tensors.
+
+    ``summary()`` describes it, ``close()`` undoes it (idempotent); it is a
+    context manager.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.managers: dict[str, LayerwiseOffloadManager] = {}
+        self.rows: list[OffloadRow] = []
+        self._saved: list[tuple[Any, str, bool, Any]] = []  # (module or param, attr, is_param, host tensor)
+        self._closed = False
+
+    def summary(self) -> str:
+        """One row per stack/unit: store, bytes, where it lives, why."""
+        return "\n".join(str(r) for r in self.rows)
+
+    def close(self) -> None:
+        """Give the model back whole: layers' real weights, placed tensors' host data."""
+        if self._closed:
+            return
+        for m in self.managers.values():
+            m.close()
+        for owner, attr, is_param, host in reversed(self._saved):
+            if is_param:
+                owner.data = host
+            else:
+                owner._buffers[attr] = host
+        self._saved.clear()
+        self._closed = True
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"OffloadHandle({type(self.model).__name__} on {self.device}:\n{self.summary()})"
+
+
+def _rest_tensors(model: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, str, Any]]]:
+    """Parameters not held by a manager (placeholders skipped, each object
+    once) and every buffer, as (module, name, tensor)."""
+    from .._placeholder import OffloadedWeight
+
+    params, seen = [], set()
+    buffers = []
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is None or isinstance(p, OffloadedWeight) or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append(p)
+        for name, b in module._buffers.items():
+            if b is not None:
+                buffers.append((module, name, b))
+    return params, buffers
+
+
+def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Module]:
+    """Modules that directly hold rest parameters no other module holds."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    ids = {id(p) for p in params}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) in ids:
+                holders.setdefault(id(p), []).append(module)
+    shared = {id(m) for ms in holders.values() if len(ms) > 1 for m in ms}
+    owners: dict[int, torch.nn.Module] = {}
+    for ms in holders.values():
+        if len(ms) == 1 and id(ms[0]) not in shared:
+            owners[id(ms[0])] = ms[0]
+    return list(owners.values())
+
+
+def offload(
+    model: torch.nn.Module,
+    *,
+    device: str | torch.device,
+    layers: Any = "auto",
+    rest: str = "auto",
+    prefetch_layers: int = 1,
+    host_store: str | None = None,
+    available_bytes: int | None = None,
+    device_free_bytes: int | None = None,
+) -> OffloadHandle:
+    """Stream a model's block lists to ``device`` and place the rest there.
+
+    Parameters
+    ----------
+    model
+        A built model with real weights (mapped views or copies).
+    device
+        ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the whole machinery runs; the
+        rest stays where it is).
+    layers
+        ``"auto"`` (the repeated block lists, see :func:`find_block_lists`),
+        an attribute path, a ``ModuleList``, or a list of those (one manager each).
+    rest
+        ``"auto"``: the parameters and buffers outside the stacks go to the
+        device when they fit in its free memory (less what streaming needs),
+        else their parameters are streamed as one more unit; ``"device"`` or
+        ``"stream"`` force one way.
+    prefetch_layers
+        Layers copied ahead of the one running.
+    host_store
+        Passed to each manager; default ``"mapped"`` on ``cpu`` (a copy would
+        buy nothing there) and ``"auto"`` on CUDA (pinned while the budget
+        allows, mapped when copies would not fit).
+    available_bytes, device_free_bytes
+        Host budget and free device bytes to plan against (default: measured).
+
+    Returns
+    -------
+    OffloadHandle
+    """
+    import torch
+
+    from ..offload import LayerwiseOffloadManager
+
+    if rest not in RESTS:
+        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    if model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in train mode: dropout changes its outputs. Call model.eval() first.",
+            stacklevel=2,
+        )
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    chosen = host_store is not None
+    if host_store is None:
+        host_store = "mapped" if dev.type == "cpu" else "auto"
+    host = host_memory()
+    available = host.available if available_bytes is None else available_bytes
+    handle = OffloadHandle(model, dev)
+    try:
+        for path, stack in _resolve_layers(model, layers):
+            m = LayerwiseOffloadManager(
+                model, stack, device=dev, prefetch_layers=prefetch_layers, host_store=host_store,
+                available_bytes=available,
+            )
+            m.register_forward_hooks()
+            handle.managers[path] = m
+            handle.rows.append(OffloadRow(
+                path, len(m.layers), _store_words(m), m.mapped_bytes + m.pinned_bytes + m.pageable_bytes,
+                f"host, streamed to {dev} one layer at a time (prefetch {prefetch_layers})",
+                _budget_words(m, host_store, available, chosen),
+            ))
+        _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes)
+    except BaseException:
+        handle.close()
+        raise
+    logger.info("offload of %s:\n%s", type(model).__name__, handle.summary())
+    return handle
+
+
+def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str, available: int,
+                device_free_bytes: int | None) -> None:
+    import torch
+
+    from ..offload import LayerwiseOffloadManager
+
+    model, dev = handle.model, handle.device
+    params, buffers = _rest_tensors(model)
+    rest_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers)
+    streaming = max((m.layer_bytes(i) for m in handle.managers.values() for i in range(len(m.layers))), default=0)
+    streaming *= prefetch + 1
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0] if device_free_bytes is None else device_free_bytes
+    else:
+        free = None
+    need = rest_bytes + buffer_bytes + streaming
+    fits = free is None or need <= free
+    mode = rest if rest != "auto" else ("device" if fits else "stream")
+    room = (
+        "device is the CPU" if free is None
+        else f"{format_bytes(need)} needed (with {format_bytes(streaming)} for streamed layers), "
+             f"{format_bytes(free)} free on {dev}"
+    )
+    if mode == "stream":
+        owners = _leaf_owners(model, params)
+        if owners:
+            m = LayerwiseOffloadManager(model, owners, device=dev, prefetch_layers=prefetch,
+                                        host_store=host_store, available_bytes=available)
+            m.register_forward_hooks()
+            handle.managers["rest"] = m
+            handle.rows.append(OffloadRow(
+                "rest", len(owners), _store_words(m), m.mapped_bytes + m.pinned_bytes + m.pageable_bytes,
+                f"host, streamed to {dev} module by module",
+                f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}",
+            ))
+        params, buffers = _rest_tensors(model)  # what is left: shared weights, buffers
+        rest_bytes = sum(p.numel() * p.element_size() for p in params)
+    moved = 0
+    for p in params:
+        if p.device != dev:
+            handle._saved.append((p, "", True, p.data))
+            p.data = p.data.to(dev)
+            moved += p.numel() * p.element_size()
+    for module, name, b in buffers:
+        if b.device != dev:
+            handle._saved.append((module, name, False, b))
+            module._buffers[name] = b.to(dev)
+    where = f"on {dev}" if dev.type != "cpu" else "left where it is (the device is the CPU)"
+    why = room if mode == "device" else "shared weights and buffers are placed, never streamed"
+    if mode == "device" and rest == "device":
+        why = f"rest='device': {room}"
+    handle.rows.append(OffloadRow(
+        "placed" if mode == "stream" else "rest", 0, "placed (parameters and buffers outside the stacks)",
+        rest_bytes + buffer_bytes, where, why,
+    ))
