@@ -124,7 +124,7 @@ def test_the_gate_is_asked_with_the_bytes_the_load_reads(tmp_path, state, monkey
     save_file(state, folder / "consolidated.safetensors")
     asked = []
 
-    def gate(*, weight_bytes, component):
+    def gate(*, weight_bytes, component, **_):
         asked.append(weight_bytes)
         return True
 
