@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -29,7 +30,9 @@ def run_scenario(name: str, *args, timeout: float = 30) -> str:
         f"t.scenario_{name}(*json.loads({json.dumps(args)!r}))"
     )
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        # From a neutral folder: the source folder on sys.path would shadow the installed package.
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"scenario {name}{args} hung (> {timeout} s)\n{exc.stdout}\n{exc.stderr}")
     for line in proc.stdout.splitlines():

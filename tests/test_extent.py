@@ -7,6 +7,7 @@ import ctypes
 import mmap
 import os
 import subprocess
+import tempfile
 import sys
 import textwrap
 
@@ -26,7 +27,7 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter: a crash or a hang fails the test, not pytest."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=tempfile.gettempdir())
 
 
 def test_extent_of_contiguous_column_expanded_and_empty_tensors():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import tempfile
 import sys
 import textwrap
 import threading
@@ -485,7 +486,8 @@ FORK_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("check", [1, 0])
 def test_fork_child(fakecuda_path, check):
     script = FORK_SCRIPT.format(tests=os.path.dirname(__file__), path=str(fakecuda_path), check=check)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr
     e = cudaErrorInitializationError
     assert proc.stdout.strip() == (f"[{e}, {e}, {e}]" if check else "[0, 0, 0, True]")

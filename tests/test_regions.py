@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -249,5 +250,6 @@ def test_file_resident_bytes_never_blocks_on_a_fifo(tmp_path):
     # Before: open(O_RDONLY) on a FIFO with no writer blocked forever.
     code = f"from mapoffload import _core; print(_core.file_resident_bytes({str(fifo)!r}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, env=env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, env=env,
+                          cwd=tempfile.gettempdir())
     assert proc.returncode == 0 and proc.stdout.strip() == "(0, 0)", proc.stderr[-2000:]
