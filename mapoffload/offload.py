@@ -18,6 +18,7 @@ included. The manager is a context manager.
 from __future__ import annotations
 
 import hashlib
+import threading
 import os
 import weakref
 from collections.abc import Iterator, Mapping
@@ -166,6 +167,9 @@ class LayerwiseOffloadManager:
         self._loaded: dict[int, _Loaded] = {}
         self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
+        self._turn = threading.Condition()
+        self._owner: threading.Thread | None = None
+        self._depth = 0
         self._engaged = False
         self._closed = False
         self._engage()
@@ -360,7 +364,7 @@ class LayerwiseOffloadManager:
             return
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
-            self._hooks.append(layer.register_forward_hook(self._make_post_hook(i)))
+            self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data."""
@@ -373,10 +377,34 @@ class LayerwiseOffloadManager:
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
 
+    # One layer runs at a time: from its pre-hook to its post-hook (an
+    # always-call hook, run when the forward raises too) the layer owns the
+    # manager's loaded layers and device pool. Without that, one thread's
+    # hooks would release and recycle buffers another thread's layer is
+    # computing with. Another thread's layer waits; the owning thread may
+    # nest (a model run re-entrantly); a dead owner does not block anyone.
+    def _enter_layer(self) -> None:
+        me = threading.current_thread()
+        with self._turn:
+            while self._owner is not None and self._owner is not me and self._owner.is_alive():
+                self._turn.wait()
+            if self._owner is not me:
+                self._owner, self._depth = me, 0
+            self._depth += 1
+
+    def _leave_layer(self) -> None:
+        with self._turn:
+            if self._owner is threading.current_thread():
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._owner = None
+                    self._turn.notify_all()
+
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
             import torch
 
+            self._enter_layer()  # left by the post-hook, which runs whatever happens here
             if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
                 raise RuntimeError(
                     "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
@@ -394,8 +422,11 @@ class LayerwiseOffloadManager:
 
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
-            if self._releasable(i):
-                self.release_layer(i)
+            try:
+                if self._releasable(i):
+                    self.release_layer(i)
+            finally:
+                self._leave_layer()
 
         return post_hook
 

@@ -157,13 +157,6 @@ print("child", os.waitstatus_to_exitcode(status))
     assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="design: forwards from several threads share the manager's loaded layers and device pool; one "
-    "thread's hooks release (and recycle) buffers another thread's layer is computing with. Needs a "
-    "decision: serialise layer forwards (a lock held from pre- to post-hook, always_call post-hooks) "
-    "or refuse concurrent use with a clear error.",
-)
 def test_forwards_from_several_threads_are_right_or_refused_clearly(reference):
     torch.manual_seed(3)
     ref = TinyModel(width=128, layers=4)
