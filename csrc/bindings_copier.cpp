@@ -73,6 +73,20 @@ class PyCopier {
   std::vector<std::pair<std::shared_ptr<CopyJob>, py::object>> held_;
 };
 
+// Waits for the job's host side in slices, giving Python's signal handlers
+// (Ctrl-C) a chance between them: a long copy stays interruptible.
+void wait_interruptibly(CopyJob& j) {
+  for (;;) {
+    bool ready;
+    {
+      py::gil_scoped_release nogil;
+      ready = j.wait_enqueued_for(std::chrono::milliseconds(50));
+    }
+    if (ready) return;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 std::vector<CopySpan> make_copy_spans(const py::object& dst, const py::object& src, const py::object& sizes,
                                       const py::object& direct) {
   std::vector<uint64_t> d = to_u64_vector(dst, "dst"), s = to_u64_vector(src, "src"), n = to_u64_vector(sizes, "sizes");
@@ -114,13 +128,23 @@ void bind_copier(py::module_& m) {
         "The libcudart that was opened (raises CudaError when none can be).");
 
   py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob")
-      .def("wait", &CopyJob::wait, py::call_guard<py::gil_scoped_release>(),
+      .def("wait", [](CopyJob& j) {
+             wait_interruptibly(j);
+             py::gil_scoped_release nogil;
+             j.wait();
+           },
            "Block until finished: every byte at its destination (CUDA: the device copies completed). "
-           "Re-raises a worker's error.")
+           "Re-raises a worker's error. Ctrl-C interrupts the wait (the copy goes on; the copier keeps "
+           "its tensors alive).")
       .def("done", &CopyJob::done, py::call_guard<py::gil_scoped_release>(),
            "Finished (non-blocking; never raises).")
       .def("enqueued", &CopyJob::enqueued, "Every copy has been handed to the stream (CPU: done).")
-      .def("wait_stream", &CopyJob::wait_stream, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      .def("wait_stream", [](CopyJob& j, uint64_t stream) {
+             wait_interruptibly(j);
+             py::gil_scoped_release nogil;
+             j.wait_stream(stream);
+           },
+           py::arg("stream"),
            "Block until enqueued, re-raise the job's error, then make `stream` wait for the copies on the device.");
 
   py::class_<CopyStats>(m, "CopyStats")

@@ -164,6 +164,11 @@ void CopyJob::wait_quietly() noexcept {
   }
 }
 
+bool CopyJob::wait_enqueued_for(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  return sync_->cv.wait_for(lock, timeout, [&] { return enqueued_; });
+}
+
 bool CopyJob::enqueued() {
   std::lock_guard<std::mutex> lock(sync_->mu);
   return enqueued_;

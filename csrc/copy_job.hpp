@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -72,6 +73,9 @@ class CopyJob {
   bool done();
   // Every copy is on the stream (or done, on CPU), or the job failed.
   bool enqueued();
+  // Waits up to `timeout` for enqueued(); true when it is (callers poll, to
+  // stay interruptible).
+  bool wait_enqueued_for(std::chrono::milliseconds timeout);
   // Blocks until enqueued, rethrows the job's error, then makes `stream` wait
   // on the device for the job's copies (cudaStreamWaitEvent). CPU: no-op.
   void wait_stream(uint64_t stream);

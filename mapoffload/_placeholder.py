@@ -4,8 +4,9 @@ While a :class:`~mapoffload.LayerwiseOffloadManager` manages a layer, each of
 its parameter slots holds either the real parameter (its data on the device,
 while the layer is loaded) or an :class:`OffloadedWeight`: a parameter on the
 meta device, with the weight's shape, dtype and strides and no memory. Reading
-its metadata works (``shape``, ``dtype``, ``numel()``…, so code that inspects a
-model keeps working); moving it between devices leaves it as it is (the
+its metadata works (``shape``, ``dtype``, ``numel()``…, and ``device``, which
+answers the device the weight computes on, so code that inspects a model —
+``model.device`` — keeps working); moving it between devices leaves it as it is (the
 manager places it); anything that would read its values raises a
 ``RuntimeError`` naming the weight and its layer and saying how to load it —
 never a silent result computed from zeros or garbage.
@@ -19,6 +20,13 @@ import torch
 
 # Properties whose value would be computed from the data.
 _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Device properties answer for the device the weight computes on.
+_DEVICE_PROPERTIES = {
+    "device": lambda d: d,
+    "is_cuda": lambda d: d.type == "cuda",
+    "is_cpu": lambda d: d.type == "cpu",
+    "is_meta": lambda d: False,
+}
 # Methods that read metadata only.
 _METADATA_METHODS = frozenset(
     {
@@ -39,13 +47,15 @@ class OffloadedWeight(torch.nn.Parameter):
 
     _mo_name: str
     _mo_layer: int
+    _mo_device: torch.device
 
     def __new__(cls, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, name: str, layer: int,
-                requires_grad: bool = False) -> OffloadedWeight:
+                requires_grad: bool = False, device: torch.device | str = "cpu") -> OffloadedWeight:
         data = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self._mo_name = name
         self._mo_layer = layer
+        self._mo_device = torch.device(device)
         return self
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
@@ -72,12 +82,18 @@ class OffloadedWeight(torch.nn.Parameter):
             if name == "__get__":
                 if prop == "data":
                     return args[0]
+                if prop in _DEVICE_PROPERTIES:
+                    # Where the weight computes when loaded: `model.device`
+                    # (the device of its first parameter) stays right.
+                    return _DEVICE_PROPERTIES[prop](args[0]._mo_device)
                 if prop not in _DATA_PROPERTIES:
                     return _plain(func, args, kwargs)
             elif prop == "data" and len(args) == 2 and args[1] is args[0]:
                 return None  # Module._apply's `param.data = param` after a move
             elif prop == "requires_grad":
                 return _plain(func, args, kwargs)
+        elif name == "get_device" and args and isinstance(args[0], OffloadedWeight):
+            return args[0]._mo_device.index if args[0]._mo_device.type != "cpu" else -1
         elif name in _METADATA_METHODS:
             return _plain(func, args, kwargs)
         elif name in _MOVES and args and isinstance(args[0], OffloadedWeight):

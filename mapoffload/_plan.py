@@ -49,7 +49,8 @@ def _outside_parameters(model: torch.nn.Module, layers: list[torch.nn.Module]) -
     return out
 
 
-def collect(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list[LayerStore], list[str]]:
+def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: object = "cpu"
+            ) -> tuple[list[LayerStore], list[str]]:
     """One :class:`LayerStore` per layer, and the names of weights left unmanaged.
 
     A weight a module outside the layers also holds (an embedding tied to a
@@ -87,6 +88,11 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list
                     continue
                 if id(p) in owner and owner[id(p)] != i:
                     raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
+                other = getattr(p, "_mapoffload_manager", None)
+                if other is not None and other() is not None:
+                    raise ValueError(
+                        f"parameter {full} is managed by another LayerwiseOffloadManager: close that one first"
+                    )
                 if isinstance(p, OffloadedWeight) or p.device.type == "meta":
                     raise ValueError(
                         f"parameter {full} is on the meta device (or managed by another manager): "
@@ -97,7 +103,8 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list
                 nbytes, contiguous = describe(data)
                 w = Weight([full], p, [(module, attr)], data.dtype, tuple(data.shape), tuple(data.stride()),
                            nbytes=nbytes, contiguous=contiguous)
-                w.placeholder = OffloadedWeight(w.shape, w.stride, w.dtype, full, i, requires_grad=p.requires_grad)
+                w.placeholder = OffloadedWeight(w.shape, w.stride, w.dtype, full, i, requires_grad=p.requires_grad,
+                                                device=device)
                 by_id[id(p)] = w
                 store.weights.append(w)
         stores.append(store)

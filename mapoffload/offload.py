@@ -152,7 +152,7 @@ class LayerwiseOffloadManager:
         # Host stores are normal tensors even when made under inference_mode:
         # an inference tensor cannot be written outside it (update_cpu_weights).
         with torch.inference_mode(False):
-            self._stores, self.unmanaged = _plan.collect(model, self.layers)
+            self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
             _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
                        local_ranks=self.local_ranks)
@@ -174,6 +174,10 @@ class LayerwiseOffloadManager:
         self._closed = False
         self._engage()
         _MANAGERS.add(self)
+        me = weakref.ref(self)
+        for s in self._stores:
+            for w in s.weights:
+                w.param._mapoffload_manager = me  # a second manager on these weights is refused
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -546,6 +550,9 @@ class LayerwiseOffloadManager:
         self._pool.clear()
         if self._owns_copier:
             self.copier.close()
+        for s in self._stores:
+            for w in s.weights:
+                w.param.__dict__.pop("_mapoffload_manager", None)
         self._closed = True
 
     def __enter__(self) -> LayerwiseOffloadManager:

@@ -238,3 +238,24 @@ def test_close_is_idempotent_and_copy_after_close_fails_clearly():
     c.close(cancel=True)
     with pytest.raises(RuntimeError, match="closed"):
         c.copy([torch.empty(10)], [torch.zeros(10)])
+
+
+def test_ctrl_c_interrupts_a_long_wait_and_the_copy_still_lands():
+    proc = run_python(PRELUDE + f"""
+c = Copier("cpu", "staged", threads=1, staging_bytes=1 << 20, slots=1)
+src = torch.randint(0, 255, ({BIG} * 8,), dtype=torch.uint8)
+dst = torch.empty_like(src)
+h = c.copy([dst], [src])
+threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    h.wait()
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted after", round(time.monotonic() - t0, 2), "done:", h.done())
+h.wait()
+assert torch.equal(src, dst)
+print("landed")
+""")
+    check(proc, "landed")
+    assert "interrupted after" in proc.stdout and "done: False" in proc.stdout, describe(proc)

@@ -180,3 +180,19 @@ def test_fault_while_streaming_releases_the_layer_and_recovers(tmp_path, referen
         assert torch.equal(run(model), want)
     mgr.close()
     assert torch.equal(run(model), want)
+
+
+def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused(reference):
+    model = TinyModel(width=32, layers=4)
+    model.load_state_dict(reference.state_dict())
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        w = model.blocks[0].fc1.weight
+        assert isinstance(w, OffloadedWeight)
+        assert w.device == torch.device("cpu") and not w.is_meta and w.get_device() == -1
+        assert {p.device for p in model.parameters()} == {torch.device("cpu")}  # model.device stays right
+        mgr.load_all_layers()  # loaded: real parameters in the slots
+        with pytest.raises(ValueError, match="managed by another LayerwiseOffloadManager"):
+            LayerwiseOffloadManager(model, "blocks", device="cpu")
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as again:  # closed: free to take
+        again.register_forward_hooks()
+        assert torch.equal(run(model), expected(reference))
