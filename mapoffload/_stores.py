@@ -166,6 +166,9 @@ def build_consolidated(layer: LayerStore, pin: bool) -> None:
             view = buf[w.host_offset : w.host_offset + w.nbytes].view(dtype).view(w.shape)
             view.copy_(w.param.data)
             w.host = view
+            # The parameter lets go of its old tensor now, layer by layer, so
+            # building the stores never holds two copies of the whole model.
+            w.param.data = view
         layer.consolidated[dtype] = buf
     layer.pinned = pin and bool(layer.consolidated)
     layer.invalidate()
@@ -179,6 +182,7 @@ def build_strided(w: Weight) -> None:
     host = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
     host.copy_(src)
     w.host = host
+    w.param.data = host
 
 
 def device_view(w: Weight, buf: torch.Tensor) -> torch.Tensor:
