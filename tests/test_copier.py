@@ -233,6 +233,41 @@ def test_cuda_direct_and_staged_agree():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], src)
 
 
+@pytest.mark.cuda
+def test_cuda_wait_stream_orders_a_kernel_after_the_copies_without_a_host_wait():
+    src = torch.randn(8 << 20)
+    pinned = torch.randn(1 << 20).pin_memory()
+    copy_stream, compute = torch.cuda.Stream(), torch.cuda.current_stream()
+    with Copier("cuda", "staged", staging_bytes=1 << 20, slots=2) as c:
+        d1, d2 = torch.empty_like(src, device="cuda"), torch.empty_like(pinned, device="cuda")
+        h = c.copy([d1, d2], [src, pinned], stream=copy_stream)  # the pinned source goes by DMA directly
+        h.wait_stream(compute)  # the host waits only for the enqueue
+        total = d1.double().sum() + d2.double().sum()  # queued on compute, after the copies
+        assert float(total) == pytest.approx(float(src.double().sum() + pinned.double().sum()))
+        assert c.stats().direct_bytes == pinned.nbytes
+        assert h.done() or (h.wait() is None and h.done())
+
+
+@pytest.mark.cuda
+def test_cuda_placeholders_report_cuda_and_the_model_comes_back_whole():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model(x)
+    from mapoffload import LayerwiseOffloadManager
+
+    with LayerwiseOffloadManager(model, model, device="cuda", prefetch_layers=2) as mgr:
+        assert {p.device.type for p in model.parameters()} == {"cuda"}
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.allclose(model(x.cuda()).cpu(), want)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
 def test_cuda_requested_without_a_device_is_a_clear_error():
     from mapoffload import cuda_available
 
