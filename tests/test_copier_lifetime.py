@@ -243,9 +243,10 @@ def test_close_is_idempotent_and_copy_after_close_fails_clearly():
 def test_ctrl_c_interrupts_a_long_wait_and_the_copy_still_lands():
     proc = run_python(PRELUDE + f"""
 c = Copier("cpu", "staged", threads=1, staging_bytes=1 << 20, slots=1)
-src = torch.randint(0, 255, ({BIG} * 8,), dtype=torch.uint8)
+src = torch.randint(0, 255, ({BIG} * 4,), dtype=torch.uint8)
 dst = torch.empty_like(src)
-h = c.copy([dst], [src])
+# 40 copies of 256 MiB queued on one worker: seconds of work, whatever the machine.
+h = [c.copy([dst], [src]) for _ in range(40)][-1]
 threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 t0 = time.monotonic()
 try:
