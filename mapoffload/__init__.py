@@ -53,7 +53,7 @@ __version__ = "0.1.0"
 # bound here; the submodule stays importable as `mapoffload.offload`.
 del offload  # type: ignore[name-defined]  # noqa: F821
 
-_HF_NAMES = ("from_pretrained", "offload")
+_HF_NAMES = ("from_pretrained", "offload", "offload_pipeline", "pipeline_from_pretrained")
 
 
 def __getattr__(name: str):
@@ -106,6 +106,8 @@ __all__ = [
     "local_world",
     "match_checkpoint_dtypes",
     "offload",
+    "offload_pipeline",
+    "pipeline_from_pretrained",
     "resident_bytes",
     "rss_anon_bytes",
     "shard_tensor",

@@ -146,17 +146,42 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(path, f"cannot be read ({exc})") from None
 
 
-def _read_files(files: list[str]) -> dict[str, torch.Tensor]:
+def _progress_bar(files: list[str], enabled: bool | None) -> Any:
+    """A tqdm bar over ``files`` (None: no bar): when tqdm is installed and
+    ``enabled`` is not False; shown at once for several files, after a second
+    for one."""
+    if enabled is False or not files:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=len(files), unit="file", desc="Loading checkpoint", delay=0 if len(files) > 1 else 1.0,
+                leave=False)
+
+
+def _read_files(files: list[str], progress: bool | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of every file; a key in two files is an error, not last-wins."""
     loaded: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
-    for f in files:
-        for key, tensor in _read_file(f).items():
-            if key in origin:
-                raise CheckpointError(f, f"key {key!r} is in both {origin[key]} and {f}")
-            origin[key] = f
-            loaded[key] = tensor
+    bar = _progress_bar(files, progress)
+    try:
+        for f in files:
+            _read_one(f, loaded, origin)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     return loaded
+
+
+def _read_one(f: str, loaded: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+    for key, tensor in _read_file(f).items():
+        if key in origin:
+            raise CheckpointError(f, f"key {key!r} is in both {origin[key]} and {f}")
+        origin[key] = f
+        loaded[key] = tensor
 
 
 # --- the report ------------------------------------------------------------------
@@ -254,6 +279,7 @@ def load_checkpoint(
     rank: int | None = None,
     world_size: int | None = None,
     local_ranks: int | None = None,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``module``, leaving weights on the file mapping
     when asked to (or when the gate says copies would not fit).
@@ -290,6 +316,9 @@ def load_checkpoint(
     local_ranks
         Ranks sharing this host, for the gate; None detects
         (:mod:`mapoffload.ranks`).
+    progress
+        A tqdm progress bar over the files (when tqdm is installed): shown
+        for several files, or after a second for one; False: never.
 
     Returns
     -------
@@ -317,7 +346,7 @@ def load_checkpoint(
         )
     target_device = torch.device(device)
 
-    loaded = _read_files(files)
+    loaded = _read_files(files, progress)
     slots, groups = _slots(module)
     if shard_plan is not None and isinstance(shard_plan, Mapping):
         stray = sorted(k for k in shard_plan if k not in loaded)

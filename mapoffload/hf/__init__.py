@@ -1,8 +1,9 @@
 """Hugging Face integration: transformers models (and diffusers pipelines)
 loaded on the file mapping and offloaded in one call.
 
-``import mapoffload`` does not import this package; ``mapoffload.from_pretrained``
-and ``mapoffload.offload`` do, lazily. transformers and diffusers are imported
+``import mapoffload`` does not import this package; ``mapoffload.from_pretrained``,
+``mapoffload.offload``, ``mapoffload.pipeline_from_pretrained`` and
+``mapoffload.offload_pipeline`` do, lazily. transformers and diffusers are imported
 only when a function that needs them is called (``pip install "mapoffload[hf]"``).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from ._extras import INSTALL_HINT, MissingExtraError
 from .blocks import find_block_lists
+from .diffusers import PipelineOffloadHandle, load_pipeline, offload_pipeline, pipeline_from_pretrained
 from .offload import OffloadHandle, OffloadRow, offload
 from .transformers import KeyMismatchError, from_pretrained, load_pretrained
 
@@ -19,8 +21,12 @@ __all__ = [
     "MissingExtraError",
     "OffloadHandle",
     "OffloadRow",
+    "PipelineOffloadHandle",
     "find_block_lists",
     "from_pretrained",
+    "load_pipeline",
     "load_pretrained",
     "offload",
+    "offload_pipeline",
+    "pipeline_from_pretrained",
 ]

@@ -10,6 +10,7 @@ import importlib
 from types import ModuleType
 
 INSTALL_HINT = 'pip install "mapoffload[hf]"'
+DIFFUSERS_HINT = 'pip install "mapoffload[diffusers]"'
 
 
 class MissingExtraError(ImportError):
@@ -30,5 +31,6 @@ def require(name: str, what: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as exc:
         raise MissingExtraError(
-            f"{what} needs {name}, which is not installed ({exc}). Install the extra: {INSTALL_HINT}"
+            f"{what} needs {name}, which is not installed ({exc}). "
+            f"Install the extra: {DIFFUSERS_HINT if name == 'diffusers' else INSTALL_HINT}"
         ) from exc
