@@ -146,17 +146,20 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(path, f"cannot be read ({exc})") from None
 
 
+MANY_SHARDS = 8  # a load of this many files shows its bar at once
+
+
 def _progress_bar(files: list[str], enabled: bool | None) -> Any:
-    """A tqdm bar over ``files`` (None: no bar): when tqdm is installed and
-    ``enabled`` is not False; shown at once for several files, after a second
-    for one."""
+    """A tqdm bar over ``files`` (None: no bar) when tqdm is installed and
+    ``enabled`` is not False: shown at once for many shards (or when asked
+    for with True), otherwise only once the load has taken a second."""
     if enabled is False or not files:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=len(files), unit="file", desc="Loading checkpoint", delay=0 if len(files) > 1 else 1.0,
+    return tqdm(total=len(files), unit="file", desc="Loading checkpoint", delay=0 if enabled or len(files) >= MANY_SHARDS else 1.0,
                 leave=False)
 
 
@@ -317,8 +320,9 @@ def load_checkpoint(
         Ranks sharing this host, for the gate; None detects
         (:mod:`mapoffload.ranks`).
     progress
-        A tqdm progress bar over the files (when tqdm is installed): shown
-        for several files, or after a second for one; False: never.
+        A tqdm progress bar over the files (when tqdm is installed): None
+        shows it at once for 8 files or more, otherwise once the load has
+        taken a second; True: at once; False: never.
 
     Returns
     -------

@@ -13,18 +13,26 @@ from safetensors.torch import save_file  # noqa: E402
 from mapoffload import load_checkpoint  # noqa: E402
 
 
-def _three_shards(folder):
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
-    for i in range(3):
+def _shards(folder, n):
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(n)))
+    for i in range(n):
         save_file({f"{i}.weight": model[i].weight.detach().clone(), f"{i}.bias": model[i].bias.detach().clone()},
                   str(folder / f"part-{i}.safetensors"))
     return model
 
 
 def test_bar_over_shards_and_off_switch(tmp_path, capsys):
-    model = _three_shards(tmp_path)
+    model = _shards(tmp_path, 8)
     load_checkpoint(model, tmp_path, keep_mapping=True)
     err = capsys.readouterr().err
-    assert "Loading checkpoint" in err and "/3 " in err  # a bar over the three files
+    assert "Loading checkpoint" in err and "/8 " in err  # many shards: a bar at once
     load_checkpoint(model, tmp_path, keep_mapping=True, progress=False)
     assert "Loading checkpoint" not in capsys.readouterr().err
+
+
+def test_a_quick_load_of_few_shards_stays_quiet(tmp_path, capsys):
+    model = _shards(tmp_path, 3)
+    load_checkpoint(model, tmp_path, keep_mapping=True)
+    assert "Loading checkpoint" not in capsys.readouterr().err
+    load_checkpoint(model, tmp_path, keep_mapping=True, progress=True)
+    assert "/3 " in capsys.readouterr().err
