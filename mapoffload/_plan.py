@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._log import logger
+from ._progress import byte_bar
 from ._placeholder import OffloadedWeight
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
 from ._stores import describe, layout, log_plan
@@ -153,7 +154,9 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
     pin_allowed = cuda and host_store in ("auto", "pinned")
     if host_store == "pinned" and not cuda:
         logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", device)
+    bar = byte_bar(sum(s.bytes_in(CONSOLIDATED) + s.bytes_in(STRIDED) for s in stores), "Building host stores")
     for store in stores:
+        bar.update(store.bytes_in(CONSOLIDATED) + store.bytes_in(STRIDED))
         layout(store)
         consolidated = store.bytes_in(CONSOLIDATED)
         pin = pin_allowed and (host_store == "pinned" or consolidated <= budget)
@@ -163,4 +166,5 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
         for w in store.weights:
             if w.store == STRIDED:
                 build_strided(w)
+    bar.close()
     log_plan(stores, device)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
 from ._header import read_safetensors_header
 from ._log import format_bytes, logger
+from ._progress import byte_bar
 from ._shard import ShardPlan, narrow_shard, plan_dim, resolve_rank
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 from .ranks import local_world
@@ -405,7 +406,9 @@ def load_checkpoint(
     )
     assigned: list[torch.Tensor] = []
     sliced_flags: list[bool] = []
+    bar = byte_bar(sum(src.nbytes for _, src, _, _ in plan), "Assigning weights", enabled=progress)
     for names, src, sliced, strided in plan:
+        bar.update(src.nbytes)  # shown only once the work (host copies, cold pages) has taken a second
         target = slots[names[0]].current
         tensor = src
         reason = None
@@ -439,6 +442,7 @@ def load_checkpoint(
         sliced_flags.append(sliced and not strided)
         report.tensors += 1
 
+    bar.close()
     held = MappedRegions().classify(assigned)
     for t, h, row_slice in zip(assigned, held, sliced_flags):
         if h:

@@ -36,3 +36,19 @@ def test_a_quick_load_of_few_shards_stays_quiet(tmp_path, capsys):
     assert "Loading checkpoint" not in capsys.readouterr().err
     load_checkpoint(model, tmp_path, keep_mapping=True, progress=True)
     assert "/3 " in capsys.readouterr().err
+
+
+def test_a_host_copy_longer_than_a_second_shows_a_bar(tmp_path, capsys, monkeypatch):
+    import mapoffload._progress as progress
+
+    model = _shards(tmp_path, 2)
+    # A one-second delay is what the library uses; 0 makes "long" instant for the test.
+    real = progress.byte_bar
+    monkeypatch.setattr(progress, "byte_bar", lambda *a, **k: real(*a, **{**k, "delay": 0}))
+    import mapoffload.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "byte_bar", progress.byte_bar)
+    load_checkpoint(model, tmp_path, keep_mapping=False)
+    assert "Assigning weights" in capsys.readouterr().err
+    load_checkpoint(model, tmp_path, keep_mapping=False, progress=False)
+    assert "Assigning weights" not in capsys.readouterr().err
