@@ -105,6 +105,17 @@ def test_gate_keeps_the_mapping_when_copies_would_not_fit(folders, monkeypatch):
     assert mapoffload.cow_report(weights).anonymous_bytes == 0
 
 
+def test_offloaded_load_stays_mapped_even_when_copies_would_fit(folders, monkeypatch):
+    cls, folder = folders["llama", "bfloat16"]
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "1000")  # copies would fit: still no copy
+    model = mapoffload.from_pretrained(cls, folder, device="cpu")
+    assert model.mapoffload_report.bytes_copied == 0 and model.mapoffload_report.bytes_mapped > 0
+    model.mapoffload_handle.close()
+    # Without a device the gate decides: copies fit, so it copies.
+    plain = mapoffload.from_pretrained(cls, folder, device=None)
+    assert not plain.mapoffload_report.keep_mapping and plain.mapoffload_report.bytes_mapped == 0
+
+
 def test_dtype_conversion_warns_with_bytes_and_fix(folders):
     cls, folder = folders["llama", "bfloat16"]
     with pytest.warns(UserWarning, match=r"converted from bfloat16 to float32.*dtype='auto'") as rec:

@@ -246,8 +246,12 @@ def from_pretrained(
         headers; ``config.dtype`` for other files) — nothing is converted.
         Another dtype converts (a warning says how many bytes).
     keep_mapping
-        None: the gate decides (:func:`~mapoffload.keep_checkpoint_mapped`);
-        True keeps every matching tensor on the file mapping; False copies.
+        None: with ``device`` the weights stay on the file mapping (the
+        offload then chooses each stack's host store against the budget —
+        pinned copies where they pay, on CUDA — so a copy at load time would
+        only be made twice); without ``device`` the gate decides
+        (:func:`~mapoffload.keep_checkpoint_mapped`). True keeps every
+        matching tensor on the file mapping; False copies.
     strict
         Missing or unexpected keys (beyond the model's ignore lists) raise
         :class:`KeyMismatchError` instead of a warning.
@@ -265,6 +269,8 @@ def from_pretrained(
     """
     from .offload import offload
 
+    if keep_mapping is None and device is not None:
+        keep_mapping = True
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
                                     config=config, **model_kwargs)
     handle: OffloadHandle | None = None
