@@ -335,8 +335,12 @@ class LayerwiseOffloadManager:
         """In a forked child: drop layers whose copy was in flight at the fork.
 
         Nothing writes their buffers here (the copies ran in the parent), so
-        they go back to the pool; their slots hold placeholders already.
+        they go back to the pool; their slots hold placeholders already. The
+        layer turn may have been held by a parent thread that does not exist
+        here: it starts free, with a fresh lock.
         """
+        self._turn = threading.Condition()
+        self._owner, self._depth = None, 0
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
                 del self._loaded[i]

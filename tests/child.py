@@ -29,3 +29,20 @@ def run_python(code: str, *, timeout: float = 60, env: dict | None = None) -> su
 
 def describe(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def reap(pid: int, timeout: float) -> int:
+    """Wait for a forked child; its exit code. A child still running after
+    ``timeout`` is killed and raises ``SystemExit("child hung")``."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise SystemExit("child hung")

@@ -14,7 +14,6 @@ import ctypes
 import gc
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -331,17 +330,10 @@ def scenario_fork() -> None:
         except (_core.CudaError, RuntimeError) as exc:
             print(f"child: {type(exc).__name__}: {exc}", flush=True)
         sys.exit(code)  # a plain exit: the copier's destructor runs in the child
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the forked child hung")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0, f"the child exited with {status}"
+    from child import reap
+
+    status = reap(pid, 20)
+    assert status == 0, f"the child exited with {status}"
     inflight.wait()
     c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep).wait()  # the parent is unaffected
     assert x.landed() == x.expected()

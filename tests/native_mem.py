@@ -3,9 +3,11 @@ placement and mprotect splits. Tests unmap what they map."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -41,3 +43,21 @@ def mprotect(addr: int, length: int, prot: int) -> None:
 def tensor_at(addr: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor viewing raw memory (no copy)."""
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def file_page_then_anonymous_page(folder) -> Iterator[int]:
+    """Two adjacent pages: a file page (bytes 7) then an anonymous one; yields the base address."""
+    path = os.path.join(folder, "page.bin")
+    with open(path, "wb") as f:
+        f.write(b"\7" * PAGE)
+    base = mmap_raw(2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base)
+        finally:
+            os.close(fd)
+        yield base
+    finally:
+        munmap(base, 2 * PAGE)

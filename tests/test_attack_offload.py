@@ -140,19 +140,12 @@ if pid == 0:
         print("child:", type(e).__name__, e, flush=True)
         code = 4
     os._exit(code)
-deadline = time.time() + 60
-while time.time() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.05)
-else:
-    os.kill(pid, signal.SIGKILL)
-    raise SystemExit("child hung")
+from child import reap
+code = reap(pid, 60)
 with torch.no_grad():
     assert torch.equal(model(ids), want)
 mgr.close()
-print("child", os.waitstatus_to_exitcode(status))
+print("child", code)
 """, timeout=120, env={"OMP_NUM_THREADS": "1"})  # torch's OpenMP pool hangs in a forked child otherwise
     assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)
 
@@ -197,3 +190,45 @@ def test_update_refuses_values_it_could_only_store_by_losing_data(reference):
         # A conversion that keeps the kind of value is fine.
         mgr.update_cpu_weights({name: before.double() * 2})
         assert torch.equal(dict(mgr.iter_cpu_weights())[name], before * 2)
+
+
+def test_fork_while_another_thread_is_inside_a_layer():
+    # A server thread is computing a layer (it holds the manager's layer turn)
+    # when the main thread forks: the child must run the model, not wait for
+    # a thread that does not exist there.
+    proc = run_python("""
+import os, threading
+import torch
+from mapoffload import LayerwiseOffloadManager
+from models import TinyModel
+from child import reap
+torch.manual_seed(0)
+model = TinyModel(width=32, layers=3)
+ids = torch.arange(16).reshape(2, 8)
+with torch.no_grad():
+    want = model(ids)
+inside, leave = threading.Event(), threading.Event()
+def hold(module, args):
+    inside.set()
+    leave.wait()
+mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+mgr.register_forward_hooks()
+handle = model.blocks[1].fc1.register_forward_pre_hook(hold)
+def serve():
+    with torch.no_grad():
+        model(ids)
+t = threading.Thread(target=serve)
+t.start()
+assert inside.wait(20), "the server thread never reached the layer"
+pid = os.fork()
+if pid == 0:
+    handle.remove()
+    with torch.no_grad():
+        ok = torch.equal(model(ids), want)
+    os._exit(0 if ok else 3)
+code = reap(pid, 30)
+leave.set()
+t.join()
+print("child", code)
+""", env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)

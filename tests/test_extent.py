@@ -6,10 +6,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import subprocess
-import tempfile
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,14 +16,8 @@ from mapoffload import MappedRegions, _core, cow_report, resident_bytes
 from mapoffload.regions import tensor_extent, tensor_spans
 
 import extent_reference as ref
-from native_mem import MAP_FIXED, PAGE, mmap_raw, munmap, tensor_at
-
-
-def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run code in a fresh interpreter: a crash or a hang fails the test, not pytest."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tempfile.gettempdir())
+from child import run_python
+from native_mem import MAP_FIXED, PAGE, file_page_then_anonymous_page, mmap_raw, munmap, tensor_at
 
 
 def test_extent_of_contiguous_column_expanded_and_empty_tensors():
@@ -88,15 +78,7 @@ def _indices(shape):
 
 
 def test_column_view_crossing_from_a_file_page_into_anonymous_memory(tmp_path):
-    path = tmp_path / "page.bin"
-    path.write_bytes(b"\7" * PAGE)
-    base = mmap_raw(2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base)
-        finally:
-            os.close(fd)
+    with file_page_then_anonymous_page(tmp_path) as base:
         rows = tensor_at(base, 2 * PAGE).view(2, PAGE)
         col = rows[:, 0]  # two bytes, one in each page: its extent crosses the boundary
         regions = MappedRegions()
@@ -105,8 +87,6 @@ def test_column_view_crossing_from_a_file_page_into_anonymous_memory(tmp_path):
         assert regions.classify([col]) == [False]
         assert regions.span_classes([col]) == ["mixed"]
         assert regions.mapped_bytes([col, rows[0]]) == PAGE
-    finally:
-        munmap(base, 2 * PAGE)
 
 
 def test_cow_report_sees_every_mapping_a_column_view_reaches(tmp_path):

@@ -17,7 +17,7 @@ import mapoffload
 from mapoffload import MappedRegions, component_residency_bytes, cow_report, resident_bytes
 
 from conftest import drop_page_cache
-from native_mem import MAP_FIXED, PAGE, mmap_raw, mprotect, munmap, tensor_at
+from native_mem import PAGE, file_page_then_anonymous_page, mmap_raw, mprotect, munmap, tensor_at
 
 
 @pytest.fixture
@@ -88,23 +88,13 @@ def test_dev_shm_storage_is_shmem_not_file():
 
 
 def test_span_crossing_file_page_into_anonymous_page(tmp_path):
-    path = tmp_path / "page.bin"
-    path.write_bytes(b"\7" * PAGE)
-    base = mmap_raw(2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            mmap_raw(PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0, addr=base)
-        finally:
-            os.close(fd)
+    with file_page_then_anonymous_page(tmp_path) as base:
         regions = MappedRegions()
         assert regions.holds(tensor_at(base, PAGE))
         crossing = tensor_at(base + PAGE - 8, 16)
         assert not regions.holds(crossing)
         assert regions.span_classes([crossing]) == ["mixed"]
         assert not regions.holds(tensor_at(base + PAGE, 8))
-    finally:
-        munmap(base, 2 * PAGE)
 
 
 def test_file_mapping_split_by_mprotect_counts_as_one(tmp_path):
