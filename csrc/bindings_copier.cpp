@@ -123,6 +123,11 @@ void bind_copier(py::module_& m) {
     }
   });
 
+  // The copier's limits, one definition (copier.hpp) for C++ and Python.
+  m.attr("COPIER_MAX_THREADS") = kMaxThreads;
+  m.attr("COPIER_MAX_SLOTS") = kMaxSlots;
+  m.attr("COPIER_MAX_SLOT_BYTES") = kMaxSlotBytes;
+
   m.def("cuda_available", &cuda_available, "True when libcudart loads and reports a device.");
   m.def("cuda_runtime_library", [] { return cuda_api().library; },
         "The libcudart that was opened (raises CudaError when none can be).");
