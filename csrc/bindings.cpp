@@ -247,4 +247,39 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i]);
   }, py::arg("spans"), "madvise(MADV_WILLNEED) over each span: start readahead.");
+  m.def("populate_read", [](const SpanArray& s) {
+    std::pair<int, uint64_t> first{0, 0};
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < s.size() && first.first == 0; ++i) {
+        first = {populate_read(s.addr[i], s.nbytes[i]), s.addr[i]};
+      }
+    }
+    return first.first ? first : std::pair<int, uint64_t>{0, 0};
+  }, py::arg("spans"),
+     "madvise(MADV_POPULATE_READ) over each span: read its pages in and map them, one call per span "
+     "(Linux 5.14+). Returns (0, 0), or (errno, start of the span) of the first that failed: EINVAL where "
+     "the kernel lacks it, EFAULT where a page cannot be read (a truncated file). Stops at the first failure.");
+  m.def("advise_random", [](const SpanArray& s, bool on) {
+    py::gil_scoped_release nogil;
+    int first = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      int err = advise_random(s.addr[i], s.nbytes[i], on);
+      if (first == 0) first = err;
+    }
+    return first;
+  }, py::arg("spans"), py::arg("on") = true,
+     "madvise(MADV_RANDOM) (on) or MADV_NORMAL (off) over each span: faults read their own page only, "
+     "no read-around. Returns 0 or the errno of the first refusal.");
+  m.def("advise_pageout", [](const SpanArray& s) {
+    py::gil_scoped_release nogil;
+    int first = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      int err = advise_pageout(s.addr[i], s.nbytes[i]);
+      if (first == 0) first = err;
+    }
+    return first;
+  }, py::arg("spans"),
+     "madvise(MADV_COLD, then MADV_PAGEOUT) over each span: reclaim its pages now. Returns 0 or the "
+     "errno of the first refusal.");
 }

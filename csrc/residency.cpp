@@ -142,16 +142,44 @@ std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {
   return {res, size};
 }
 
-bool populate_read(uint64_t addr, uint64_t nbytes) {
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
+int advise_pageout(uint64_t addr, uint64_t nbytes) {
+#ifndef MADV_COLD
+#define MADV_COLD 20
 #endif
-  if (addr == 0 || nbytes == 0) return true;
-  if (addr + nbytes < addr) return false;  // wraps the address space
+#ifndef MADV_PAGEOUT
+#define MADV_PAGEOUT 21
+#endif
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return EINVAL;  // wraps the address space
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
-  return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_READ) == 0;
+  void* p = reinterpret_cast<void*>(lo);
+  int err = 0;
+  if (madvise(p, hi - lo, MADV_COLD) != 0) err = errno;
+  if (madvise(p, hi - lo, MADV_PAGEOUT) != 0 && err == 0) err = errno;
+  return err;
+}
+
+int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return EINVAL;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  return madvise(reinterpret_cast<void*>(lo), hi - lo, on ? MADV_RANDOM : MADV_NORMAL) == 0 ? 0 : errno;
+}
+
+int populate_read(uint64_t addr, uint64_t nbytes) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return EINVAL;  // wraps the address space
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_READ) == 0 ? 0 : errno;
 }
 
 }  // namespace mapoffload

@@ -67,6 +67,29 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
 // a hint, and spans that are not mapped have nothing to read ahead.
 void advise_willneed(uint64_t addr, uint64_t nbytes);
 
+// Let go of a span's pages now that they were used (Linux 5.4+):
+// madvise(MADV_COLD) moves them to the inactive list, so that reclaim takes
+// them before anything else, then madvise(MADV_PAGEOUT) reclaims them at once.
+// Clean file pages mapped by this process only leave the page cache (the next
+// read goes to the disk); pages other processes map too (other ranks) stay;
+// and the kernel skips PAGEOUT for file pages of a file the caller could not
+// open for writing (mm/madvise.c can_do_file_pageout) - those are only cold.
+// Anonymous pages (a private mapping's written pages) are never discarded:
+// without swap they stay. Nothing is read or written. Returns 0, or the errno
+// of the first call the kernel refused (EINVAL on kernels without them).
+int advise_pageout(uint64_t addr, uint64_t nbytes);
+
+// madvise(MADV_RANDOM) (on) or MADV_NORMAL (off) over a span: with
+// MADV_RANDOM a page fault reads only its own page. Without it, a fault on a
+// file mapping reads around the faulting address (read_ahead_kb, half of it
+// *before* the address: mm/filemap.c do_sync_mmap_readahead), so the first
+// fault of a layer brings the end of the layer before it back into the page
+// cache, unmapped, where MADV_PAGEOUT (which walks this process's page
+// tables) cannot let it go. Spans whose reading the caller drives itself
+// (MADV_WILLNEED, then MADV_POPULATE_READ) want it. Returns 0 or the errno.
+// The kernel splits the mapping's VMA at the span's page boundaries.
+int advise_random(uint64_t addr, uint64_t nbytes, bool on);
+
 // (resident bytes, file size) of a file's pages in the page cache, by mincore
 // over a fresh read-only shared mapping (the vmtouch view): nothing is read.
 // The file is opened non-blocking, so a FIFO or device answers at once; what
@@ -79,8 +102,9 @@ bool page_resident(uint64_t addr);
 
 // madvise(MADV_POPULATE_READ): fault a span's pages in with one call instead
 // of one fault per page (Linux 5.14+). Pages are mapped readable only, so a
-// private mapping's copy-on-write is not broken. Returns false where the
-// kernel lacks it or a page cannot be read (the caller's read then reports it).
-bool populate_read(uint64_t addr, uint64_t nbytes);
+// private mapping's copy-on-write is not broken. Returns 0, or the errno:
+// EINVAL where the kernel lacks it, EFAULT where a page cannot be read (a
+// file truncated under its mapping: the read that would have been a SIGBUS).
+int populate_read(uint64_t addr, uint64_t nbytes);
 
 }  // namespace mapoffload

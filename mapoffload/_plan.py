@@ -118,16 +118,54 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
     return stores, unmanaged
 
 
+def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> int:
+    """Mapped bytes of the parameters outside the layers that every forward reads whole.
+
+    A head, norms, a tied embedding used as the head: their pages are in use
+    each forward and share the page cache with the layers. An embedding
+    table held only by ``nn.Embedding`` modules is left out: a lookup reads
+    a few rows of it, not the table.
+    """
+    import torch
+
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    holders: dict[int, list] = {}
+    params: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        for p in m._parameters.values():
+            if p is not None and p.device.type == "cpu":
+                holders.setdefault(id(p), []).append(m)
+                params[id(p)] = p
+    read_whole = [p for k, p in params.items() if not all(isinstance(m, torch.nn.Embedding) for m in holders[k])]
+    if not read_whole:
+        return 0
+    on_mapping = MappedRegions().classify([p.data for p in read_whole])
+    return sum(describe(p.data)[0] for p, m in zip(read_whole, on_mapping) if m)
+
+
 def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,
-         device: object, local_ranks: int = 1) -> None:
+         device: object, local_ranks: int = 1, direct: bool = False) -> None:
     """Choose each weight's store, lay out each layer and build its host buffers.
 
     ``available_bytes`` is the host's headroom, shared by ``local_ranks``
     ranks that each make this plan: copies and pinned buffers are weighed
     against this rank's share of it.
+
+    ``direct`` (the CPU, computing from the host stores): with ``auto`` or
+    ``mapped`` every weight stays as it is - on its mapping, or in the tensor
+    the model already owns - and nothing is copied; ``pageable``/``pinned``
+    copy into consolidated buffers as asked.
     """
     weights = [w for s in stores for w in s.weights]
     on_mapping = MappedRegions().classify([w.param.data for w in weights])
+    if direct and host_store in ("auto", "mapped"):
+        for w, m in zip(weights, on_mapping):
+            w.store = MAPPED if m else STRIDED
+            w.host = w.param.data
+        log_plan(stores, device)
+        return
     mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
     candidate_bytes = sum(w.nbytes for w in weights if id(w) in mapped_candidates)
     if available_bytes is None:

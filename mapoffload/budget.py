@@ -29,11 +29,13 @@ __all__ = [
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
+    "PageCacheBudget",
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
     "host_memory",
     "host_memory_available_bytes",
+    "page_cache_budget",
     "rss_anon_bytes",
 ]
 
@@ -122,11 +124,16 @@ class _Version:
     usage: str
     cache: str  # the reclaimable file-cache field of memory.stat
     unlimited: int | None  # caps at or above this mean none (v1's sentinel)
+    files: tuple[str, str]  # the file-cache fields of memory.stat (active, inactive)
 
 
-_V2 = _Version("sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None)
+_V2 = _Version(
+    "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None,
+    ("active_file", "inactive_file"),
+)
 _V1 = _Version(
-    "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED
+    "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED,
+    ("total_active_file", "total_inactive_file"),
 )
 
 
@@ -300,3 +307,110 @@ def host_copies_would_not_fit(
     if available_bytes is None:
         available_bytes = host_memory_available_bytes()
     return n * weight_bytes >= available_bytes - n * HOST_COPY_RESERVE_BYTES
+
+
+# --- page cache for a mapped checkpoint ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PageCacheBudget:
+    """How many bytes of a mapped checkpoint's pages can stay in the page cache.
+
+    ``usable = limit - other_bytes - margin``, where ``other_bytes`` is what
+    else holds memory under that limit: anonymous and kernel memory, and
+    the page cache of every *other* file (torch's libraries alone keep
+    hundreds of MiB of their code cached, and a plan that forgot them
+    thrashed). The checkpoint's own cached pages (``weights_cached``,
+    measured by mincore) are not in ``other_bytes``: they are what the budget
+    is for, so the answer does not shrink as the cache warms.
+    """
+
+    usable: int
+    limit: int  # the cap the budget is taken against (cgroup cap, override host, or machine)
+    other_bytes: int
+    weights_cached: int
+    margin: int
+    source: str  # "cgroup", "machine" or the override's variable name
+
+    def __str__(self) -> str:
+        return (
+            f"page cache for the weights: {format_bytes(self.usable)} usable of a {format_bytes(self.limit)} "
+            f"{self.source} limit (other memory {format_bytes(self.other_bytes)}, weights cached now "
+            f"{format_bytes(self.weights_cached)}, margin {format_bytes(self.margin)})"
+        )
+
+
+def _margin(limit: int) -> int:
+    """Headroom kept out of the plan: activations, allocator slack, code paged in mid-forward."""
+    return 64 * (1 << 20) + limit // 32
+
+
+def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None:
+    v2, v1 = _own_cgroup_paths(root)
+    best: PageCacheBudget | None = None
+    for path, v in ((v2, _V2), (v1, _V1)):
+        if path is None:
+            continue
+        for d in _candidate_dirs(os.path.join(root, v.mount), path):
+            caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
+            caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
+            if not caps:
+                continue
+            cap = min(caps)
+            usage = _read_int(os.path.join(d, v.usage)) or 0
+            stat = os.path.join(d, "memory.stat")
+            files = sum(_stat_field(stat, f) or 0 for f in v.files)
+            files = min(files, usage)
+            # The weights' cached pages may be charged here (then they are part
+            # of ``files``) or to the cgroup that first read them (then they
+            # cost this one nothing): either way they are not "other".
+            other = (usage - files) + max(0, files - weights_cached)
+            margin = _margin(cap)
+            found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup")
+            if best is None or found.usable < best.usable:
+                best = found
+        if best is not None:
+            return best
+    return None
+
+
+def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheBudget:
+    """The page cache a mapped checkpoint's weights may fill without thrashing.
+
+    The tightest of: every memory cgroup cap on the path from this process's
+    cgroup to the mount (v2 ``memory.max``/``memory.high``, v1
+    ``memory.limit_in_bytes``), less that cgroup's anonymous and kernel
+    memory and its other files' cache (``memory.stat``); the machine's
+    available memory (psutil; it counts cached file pages as available); or
+    with ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, X GiB less ``RssAnon``. Each
+    keeps a margin of 64 MiB plus 1/32 of its limit.
+
+    Parameters
+    ----------
+    weights_cached
+        Bytes of the weights' pages resident now (``resident_bytes`` over
+        their spans): left out of "other memory".
+    root
+        Prefix of every ``/proc`` and ``/sys`` path read (tests).
+    """
+    import psutil
+
+    override = _env_host_gib()
+    if override is not None:
+        limit = int(override * GIB_BYTES)
+        other = rss_anon_bytes(root=root)
+        margin = _margin(limit)
+        return PageCacheBudget(
+            max(0, limit - other - margin), limit, other, weights_cached, margin, ENV_HOST_AVAILABLE_GIB
+        )
+    vm = psutil.virtual_memory()
+    margin = _margin(int(vm.total))
+    # ``available`` already counts reclaimable cache, the weights' own pages included.
+    machine = PageCacheBudget(
+        max(0, int(vm.available) - margin), int(vm.total), max(0, int(vm.total) - int(vm.available)),
+        weights_cached, margin, "machine",
+    )
+    cg = _cgroup_page_cache(weights_cached, root)
+    if cg is not None and cg.usable < machine.usable:
+        return cg
+    return machine

@@ -3,9 +3,19 @@
 Each layer's weights are held on the host in the store the budget allows
 (``mapped`` / ``consolidated`` pinned or pageable / ``strided``, see
 ``_stores.py``), copied into per-layer device buffers through the native
-copier on a copy stream, and released after the layer ran. With
-``device="cpu"`` the "device buffers" are separate CPU buffers: the whole
-machinery runs without a GPU.
+copier on a copy stream, and released after the layer ran.
+
+With ``device="cpu"`` a layer computes from its host store directly: there
+is nothing to copy it to, and a second copy in anonymous memory would only
+cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
+CPU buffers (the whole machinery runs and is tested without a GPU).
+
+Residency (``_residency.py``): on every device, the layers' mapped pages
+are planned against the page cache the host leaves
+(:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
+memory across forwards; the streamed set is read once per forward (on the
+CPU, by a page worker ahead of the compute when two layers fit) and let go
+right after use, so it never evicts the cached set.
 
 Lifetime: while managed, a layer's parameter slots hold the real parameters
 (their data on the device) when the layer is loaded, and shape-correct
@@ -26,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
+from ._pages import PageWorker, check_extents, file_extents, layer_spans
+from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
 
@@ -63,15 +75,27 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _PagesRead:
+    """A layer's pages being read in by the page worker (direct CPU mode)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
 class _Loaded:
-    """Device side of one layer: buffers per dtype, the copy in flight."""
+    """Device side of one layer: buffers per dtype, the copy (or page read) in flight."""
 
     __slots__ = ("buffers", "handle", "ready")
 
     def __init__(self, buffers: dict, handle: CopyHandle | None) -> None:
         self.buffers = buffers
         self.handle = handle
-        self.ready = handle is None
+        self.ready = False  # bound: its parameters hold the real weights
 
 
 class LayerwiseOffloadManager:
@@ -86,7 +110,8 @@ class LayerwiseOffloadManager:
     layers
         An ``nn.ModuleList`` or its attribute path (``"blocks"``, ``"encoder.layer"``).
     device
-        ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (layers compute from their host
+        stores; see ``cpu_twin``).
     prefetch_layers
         How many following layers each pre-hook starts copying.
     resident_layers
@@ -110,6 +135,17 @@ class LayerwiseOffloadManager:
         share of the budget, and a copier the manager makes has its staging
         ring shrunk when ``local_ranks`` rings would take more than 1/8 of
         the budget (:func:`mapoffload.ranks.staging_ring_settings`).
+    cpu_twin
+        With ``device="cpu"``: run the device pipeline's CPU twin (layers
+        copied through the copier into separate CPU buffers), to exercise
+        the pipeline without a GPU. Off by default: on the CPU, layers
+        compute from their host stores and nothing is copied.
+    page_cache_bytes
+        Page cache these layers' mapped weights may fill. Default: measured
+        (:func:`mapoffload.budget.page_cache_budget`), less the mapped
+        weights outside the layers that every forward reads (a head). Decides
+        the residency plan (``residency``): which layers stay cached across
+        forwards and which are read once per forward and let go after use.
     """
 
     def __init__(
@@ -125,6 +161,8 @@ class LayerwiseOffloadManager:
         copy_on_compute_stream: bool = False,
         available_bytes: int | None = None,
         local_ranks: int | None = None,
+        cpu_twin: bool = False,
+        page_cache_bytes: int | None = None,
     ) -> None:
         import torch
 
@@ -146,6 +184,15 @@ class LayerwiseOffloadManager:
         self.resident_layers = resident_layers
         self.host_store = host_store
         self._cuda = self.device.type == "cuda"
+        if cpu_twin and self.device.type != "cpu":
+            raise ValueError(f"cpu_twin is for device='cpu', not {self.device}")
+        # On the CPU a layer computes from its host store: no copy, no copier.
+        self._direct = self.device.type == "cpu" and not cpu_twin
+        if self._direct and copier is not None:
+            raise ValueError(
+                "device='cpu' computes from the host stores and copies nothing: a copier is for the device "
+                "pipeline (cpu_twin=True runs it on the CPU)"
+            )
         self.local_ranks = local_world(local_ranks).size
         if available_bytes is None:
             available_bytes = host_memory_available_bytes()
@@ -155,11 +202,18 @@ class LayerwiseOffloadManager:
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
             _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
-                       local_ranks=self.local_ranks)
-        self._owns_copier = copier is None
-        self.copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
-        if self.copier.device != self.device:
+                       local_ranks=self.local_ranks, direct=self._direct)
+        self._owns_copier = copier is None and not self._direct
+        self.copier = None if self._direct else copier or _rank_copier(self.device, self.local_ranks, available_bytes)
+        if self.copier is not None and self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
+        self._pages = PageWorker()
+        self._page_spans: dict[int, Any] = {}
+        self._warm: set[int] = set()  # cached layers read in once
+        self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
+        self._extents: dict[int, list] = {}  # layer -> (file, first, end) its mapped weights read
+        self._always_bytes = _plan.always_read_bytes(model, self.layers)
+        self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
         if self._cuda and not copy_on_compute_stream:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -214,6 +268,57 @@ class LayerwiseOffloadManager:
         """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
         return self._weight(name)[1].store
 
+    # -- residency -------------------------------------------------------------------------
+    def _spans(self, i: int):
+        """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it)."""
+        spans = self._page_spans.get(i)
+        if spans is None:
+            from ._native import _core
+
+            spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
+            # The manager reads these pages itself (readahead, populate): a
+            # fault's read-around would bring a neighbouring layer back in,
+            # unmapped, where letting it go cannot reach it.
+            _core.advise_random(spans, True)
+            self._advised.append(spans)
+            self._page_spans[i] = spans
+            self._extents[i] = file_extents(spans) if self._direct else []
+        return spans
+
+    def _read_ahead(self, i: int) -> bool:
+        """Whether layer ``i``'s pages are to be read in before it runs (and note the cached ones)."""
+        if not self._stores[i].bytes_in(MAPPED) or i in self._warm:
+            return False
+        if not self.residency.is_streamed(i):
+            self._warm.add(i)
+        return True
+
+    def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan:
+        """Plan again which layers stay cached and which stream, from ``page_cache_bytes`` or a fresh measure.
+
+        Returns the plan, also kept as ``residency``.
+        """
+        from ._native import _core
+        from .budget import page_cache_budget
+
+        sizes = [self._stores[i].bytes_in(MAPPED) for i in range(len(self._stores))]
+        if page_cache_bytes is None:
+            cached_now = sum(sum(_core.resident_bytes(self._spans(i))) for i in range(len(self._stores)))
+            budget = page_cache_budget(cached_now)
+            page_cache_bytes, why = budget.usable, str(budget)
+            always = self._always_bytes
+        else:
+            # Given: it is these layers' own share (several stacks split one budget).
+            why = f"page cache for these layers: {format_bytes(page_cache_bytes)} (given)"
+            always = 0
+        if page_cache_bytes < 0:
+            raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
+        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always)
+        self.residency = plan
+        self._warm.intersection_update(plan.cached)
+        logger.info("residency: %s; %s", plan.describe(), why)
+        return plan
+
     # -- parameter slots -------------------------------------------------------------------
     def _bind(self, w: Weight, data: torch.Tensor | None) -> None:
         """Slots hold the real parameter with ``data``, or (None) the placeholder."""
@@ -264,7 +369,15 @@ class LayerwiseOffloadManager:
         """
         i = self._check_index(i)
         self._engage()
-        if i not in self._loaded:
+        if i not in self._loaded and self._direct:
+            what = f"layer {i} ({self._stores[i].name})"
+            read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
+            self._loaded[i] = _Loaded({}, read)
+        elif i not in self._loaded:
+            from ._native import _core
+
+            if self._read_ahead(i):
+                _core.advise_willneed(self._spans(i))  # large reads, started now; the copier maps them
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
@@ -295,11 +408,19 @@ class LayerwiseOffloadManager:
         if loaded.ready:
             return
         try:
-            if self._cuda:
+            if self._direct:
+                self._spans(i)
+                check_extents(self._extents[i], f"layer {i} ({self._stores[i].name})")
+            if loaded.handle is None:
+                pass  # nothing in flight (direct mode, pages already in)
+            elif self._cuda:
                 # Stream-ordered: compute waits for this layer's copies only.
                 loaded.handle.wait_stream(self._compute_stream())
             else:
                 loaded.handle.wait()
+            if not self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
+                # Its mapped pages were read into the device buffers: let them go.
+                self._pages.let_go(self._spans(i))
         except BaseException:
             # The layer is released (its buffers back once the failed copy
             # stopped): the next attempt starts afresh, e.g. after the file
@@ -307,7 +428,7 @@ class LayerwiseOffloadManager:
             self.release_layer(i)
             raise
         for w in self._stores[i].weights:
-            self._bind(w, device_view(w, loaded.buffers[w.dtype]))
+            self._bind(w, w.host if self._direct else device_view(w, loaded.buffers[w.dtype]))
         loaded.ready = True
         loaded.handle = None
 
@@ -330,6 +451,9 @@ class LayerwiseOffloadManager:
                 self._bind(w, None)
         for buf in loaded.buffers.values():
             self._pool.give(buf)
+        if self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
+            # Computed from its mapping: let its pages go before they push a cached layer out.
+            self._pages.let_go(self._spans(i))
 
     def _forget_copies_in_flight(self) -> None:
         """In a forked child: drop layers whose copy was in flight at the fork.
@@ -341,6 +465,7 @@ class LayerwiseOffloadManager:
         """
         self._turn = threading.Condition()
         self._owner, self._depth = None, 0
+        self._pages.after_fork_in_child()
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
                 del self._loaded[i]
@@ -419,6 +544,9 @@ class LayerwiseOffloadManager:
                     "torch.inference_mode() (gradients through offloaded weights are not supported)"
                 )
             window = range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
+            if self._direct and not self.residency.readahead:
+                # Reading a streamed layer ahead would evict the one in use.
+                window = [j for j in window if not self.residency.is_streamed(j)]
             for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
                 if j != i and j not in window and self._releasable(j):
                     self.release_layer(j)
@@ -470,8 +598,8 @@ class LayerwiseOffloadManager:
         anonymous); consolidated and strided stores are updated.
         """
         i = self._check_index(i)
-        if i not in self._loaded:
-            return  # nothing on the device to write back
+        if i not in self._loaded or self._direct:
+            return  # nothing on the device to write back (direct: the host store is what computes)
         self._ensure(i)
         loaded = self._loaded[i]
         for w in self._stores[i].weights:
@@ -529,10 +657,15 @@ class LayerwiseOffloadManager:
                 w.host.copy_(value)
                 w.store = STRIDED
                 store.invalidate()
+                self._page_spans.pop(store.index, None)
+                self._extents.pop(store.index, None)
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):
-                device_view(w, self._loaded[store.index].buffers[w.dtype]).copy_(value)
+                if self._direct:
+                    self._bind(w, w.host)
+                else:
+                    device_view(w, self._loaded[store.index].buffers[w.dtype]).copy_(value)
             elif not self._engaged:
                 w.param.data = w.host
 
@@ -552,6 +685,12 @@ class LayerwiseOffloadManager:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._pool.clear()
+        self._pages.close()
+        from ._native import _core
+
+        for spans in self._advised:
+            _core.advise_random(spans, False)
+        self._advised.clear()
         if self._owns_copier:
             self.copier.close()
         for s in self._stores:

@@ -77,7 +77,7 @@ def test_update_while_the_layers_prefetch_is_in_flight_reaches_the_device():
     big = TinyModel(width=512, layers=2)
     model = copy_of(big, width=512, layers=2)
     copier = Copier("cpu", threads=1, staging_bytes=1 << 16, slots=1)
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="pageable", copier=copier)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="pageable", copier=copier, cpu_twin=True)
     name = "blocks.0.fc1.weight"
     for trial in range(3):
         new = torch.full((1024, 512), float(trial + 1))
@@ -124,7 +124,7 @@ ids = torch.arange(24).reshape(3, 8) % 64
 with torch.no_grad():
     want = model(ids)
 copier = Copier("cpu", threads=1, staging_bytes=1 << 16, slots=1)
-mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", copier=copier, prefetch_layers=2)
+mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", copier=copier, prefetch_layers=2, cpu_twin=True)
 mgr.register_forward_hooks()
 mgr.prefetch_layer(0)
 mgr.prefetch_layer(1)  # both still copying at the fork

@@ -111,7 +111,7 @@ def test_mapped_stores_are_views_and_anonymous_bytes_do_not_grow(ckpt, reference
 def test_sync_skips_mapped_and_update_never_writes_the_file(ckpt, reference):
     digest = file_digest(ckpt)
     model = mapped_model(ckpt)
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", cpu_twin=True)
     mgr.prefetch_layer(0, non_blocking=False)
     model.blocks[0].fc1.weight.data.add_(1.0)  # device copy changes
     mgr.sync_layer_to_cpu(0)
@@ -214,22 +214,31 @@ def test_gradients_raise_a_clear_error(reference):
 def test_host_store_choice_follows_the_budget(ckpt, reference, monkeypatch):
     weights = sum(p.nbytes for p in reference.blocks.parameters())
     # Plenty of memory: copies fit, so mapped weights are consolidated (pageable on CPU).
-    rich = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", available_bytes=64 * GIB)
+    rich = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", cpu_twin=True, available_bytes=64 * GIB)
     assert rich.mapped_bytes == 0 and rich.pageable_bytes == weights
     # Copies would not fit: weights stay on the mapping.
-    poor = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", available_bytes=GIB)
+    poor = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", cpu_twin=True, available_bytes=GIB)
     assert poor.mapped_bytes == weights and poor.pageable_bytes == 0
     # The environment override drives the default budget.
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")
-    env = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu")
+    env = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", cpu_twin=True)
     assert env.mapped_bytes == weights
     # Forced choices.
-    forced = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", host_store="pageable")
+    forced = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", cpu_twin=True, host_store="pageable")
     assert forced.mapped_bytes == 0
     anon = TinyModel(width=32, layers=5)
     anon.load_state_dict(reference.state_dict())
-    m = LayerwiseOffloadManager(anon, "blocks", device="cpu", host_store="mapped")
+    m = LayerwiseOffloadManager(anon, "blocks", device="cpu", cpu_twin=True, host_store="mapped")
     assert m.mapped_bytes == 0 and m.pageable_bytes == weights  # nothing on a mapping to keep
+    # On the CPU itself a copy buys nothing: weights stay where they are, however rich the host.
+    direct = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", available_bytes=64 * GIB)
+    assert direct.mapped_bytes == weights and direct.pageable_bytes == 0 and direct.copier is None
+    anon2 = TinyModel(width=32, layers=5)
+    anon2.load_state_dict(reference.state_dict())
+    ptrs = {p.data_ptr() for p in anon2.blocks.parameters()}
+    owned = LayerwiseOffloadManager(anon2, "blocks", device="cpu")
+    assert owned.pageable_bytes == weights  # the model's own tensors, not copies of them
+    assert {t.data_ptr() for _, t in owned.iter_cpu_weights()} == ptrs
 
 
 def test_device_buffers_are_reused_and_accounted(ckpt):

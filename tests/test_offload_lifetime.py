@@ -56,7 +56,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
     model = mixed_model(tmp_path, reference)
     want = expected(reference)
     copier = Copier("cpu", threads=3, staging_bytes=4096, slots=2)
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", copier=copier)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", copier=copier, cpu_twin=True)
     stores = {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")}
     assert stores == {"mapped", "consolidated", "strided"}
     mgr.register_forward_hooks()

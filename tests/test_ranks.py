@@ -280,7 +280,7 @@ def test_manager_streams_only_this_ranks_slice_with_a_ring_that_fits(tmp_path, m
     load_checkpoint(model, path, keep_mapping=True, shard_plan=plan, rank=1, world_size=2)
     whole_layer = sum(p.nbytes for p in full.blocks[0].parameters())
     with LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", local_ranks=4,
-                                 available_bytes=512 * MIB) as manager:
+                                 available_bytes=512 * MIB, cpu_twin=True) as manager:
         assert manager.local_ranks == 4
         assert manager.layer_bytes(0) * 2 == whole_layer  # each rank streams its half
         # 4 rings of 8 x 8 MiB > 512 MiB / 8: slots divided by the local ranks.
@@ -292,7 +292,7 @@ def test_manager_streams_only_this_ranks_slice_with_a_ring_that_fits(tmp_path, m
             y = model(x)
     assert y.shape == (2, 16)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", local_ranks=4,
-                                 available_bytes=64 * GIB) as roomy:
+                                 available_bytes=64 * GIB, cpu_twin=True) as roomy:
         assert (roomy.copier.slots, roomy.copier.staging_bytes) == (8, 8 * MIB)
 
 

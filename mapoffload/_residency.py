@@ -1,0 +1,116 @@
+"""Residency plan of the layerwise offload manager: which layers' mapped
+pages stay in the page cache across forwards, and which are read from the
+file each forward and let go right after use.
+
+Why: a forward reads every layer in order. When the layers' mapped pages do
+not all fit in the memory a process may fill, LRU evicts exactly the page
+needed next (a cyclic scan larger than the cache is its worst case), and
+every forward re-reads the whole checkpoint. Keeping a fixed set cached and
+streaming only the rest reads ``checkpoint - budget`` bytes per forward, the
+physical floor. Streamed layers are let go with ``MADV_PAGEOUT`` after use,
+so they never push the cached set out.
+
+The plan is a pure function of the layers' mapped bytes and a budget
+(:func:`mapoffload.budget.page_cache_budget`), so it is tested against fake
+budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._log import format_bytes
+
+__all__ = ["ResidencyPlan", "plan_residency"]
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """Which layers stay cached, which stream, and whether the next one is read ahead.
+
+    Attributes
+    ----------
+    cached
+        Layers whose mapped pages stay in the page cache across forwards.
+    streamed
+        Layers read from the file each forward and let go after use.
+    readahead
+        Whether the next layer is read while the current one computes (only
+        when two streamed layers fit beside the cached set: reading ahead
+        under a tighter budget would evict the layer in use).
+    layer_bytes
+        Mapped bytes of each layer (weights not on a file mapping are not
+        page cache and need no plan).
+    budget
+        Page cache bytes the layers may fill (usable budget less
+        ``always_bytes``).
+    always_bytes
+        Mapped bytes outside the layers that every forward reads (a head,
+        norms): kept out of the layers' budget.
+    """
+
+    cached: tuple[int, ...]
+    streamed: tuple[int, ...]
+    readahead: bool
+    layer_bytes: tuple[int, ...]
+    budget: int
+    always_bytes: int = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self.layer_bytes[i] for i in self.cached)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What one forward reads from the file once the cached set is warm."""
+        return sum(self.layer_bytes[i] for i in self.streamed)
+
+    def is_streamed(self, i: int) -> bool:
+        return i in self._streamed_set
+
+    @property
+    def _streamed_set(self) -> frozenset[int]:
+        s = self.__dict__.get("_s")
+        if s is None:
+            s = frozenset(self.streamed)
+            object.__setattr__(self, "_s", s)
+        return s
+
+    def describe(self) -> str:
+        n = len(self.layer_bytes)
+        if not self.streamed:
+            return f"all {n} layers stay cached ({format_bytes(self.cached_bytes)} mapped)"
+        return (
+            f"{len(self.cached)} of {n} layers stay cached ({format_bytes(self.cached_bytes)}), "
+            f"{len(self.streamed)} streamed ({format_bytes(self.streamed_bytes)} read per forward, "
+            f"{'with' if self.readahead else 'without'} readahead), page cache budget "
+            f"{format_bytes(self.budget)} beside {format_bytes(self.always_bytes)} read every forward"
+        )
+
+
+def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0) -> ResidencyPlan:
+    """The plan for layers of ``layer_bytes`` mapped bytes under ``budget`` bytes of page cache.
+
+    Everything fits: every layer stays cached. Otherwise the streamed layers
+    need room while they are read: two of the largest layer with readahead
+    (the one computing and the next), else one. The cached set is the
+    longest prefix of the layers that fits in what is left.
+    """
+    sizes = tuple(int(b) for b in layer_bytes)
+    if any(b < 0 for b in sizes):
+        raise ValueError("layer sizes must be >= 0")
+    room = max(0, int(budget) - int(always_bytes))
+    everything = tuple(range(len(sizes)))
+    if sum(sizes) <= room:
+        return ResidencyPlan(everything, (), True, sizes, room, always_bytes)
+    largest = max(sizes)
+    readahead = room >= 2 * largest
+    left = room - (2 if readahead else 1) * largest
+    cached: list[int] = []
+    for i, b in enumerate(sizes):
+        if b > left:
+            break
+        cached.append(i)
+        left -= b
+    streamed = tuple(i for i in everything if i not in set(cached))
+    return ResidencyPlan(tuple(cached), streamed, readahead, sizes, room, always_bytes)
