@@ -1,0 +1,521 @@
+"""Bigger than RAM, at the speed of the disk (issue 12): a real transformers
+model run under a memory cap below its size, transformers' ``from_pretrained``
+against ``mapoffload.from_pretrained``.
+
+Generates a Llama-style model from a ``transformers.LlamaConfig`` (default
+hidden 1024, intermediate 3584, 24 layers, vocab 32000, float32: about 1.6 GiB
+in 4 shards), random weights drawn with a fixed seed, saved with
+``save_pretrained(max_shard_size="500MB")`` into a temporary folder under
+``--dir`` (default /tmp; it must be a disk, not tmpfs; deleted afterwards
+unless ``--keep``). Then, for every cap and contender, each in a fresh process
+(this script with a hidden ``--child`` mode) started cold (``sync`` and
+``echo 1 > /proc/sys/vm/drop_caches`` before it: checkpoint and libraries
+alike come from the disk; where that is not permitted a warning, and only the
+checkpoint files are dropped with ``mapoffload.drop_page_cache``):
+
+  transformers  AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE), eval()
+  mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
+                (its layers streamed by the layerwise manager; the handle's
+                summary() is in the JSON, handle.close() at the end)
+
+Each child runs in a memory cgroup of its own (made by the parent under its own
+cgroup, without a limit; v1 memory.limit_in_bytes or v2 memory.max). The child
+joins it, does every import (torch, transformers, modeling_llama, mapoffload),
+reads the cgroup's usage as its baseline and sets the cap
+
+  none          no limit
+  base+50%      baseline + 50 % of the checkpoint's bytes
+  base+10%      baseline + 10 % of the checkpoint's bytes
+
+(swap capped too: v1 memory.memsw.limit_in_bytes where present, v2
+memory.swap.max = 0). The baseline is the cgroup's whole usage, so it holds
+the page cache of the libraries the imports read (~180 MiB of ~440 MiB here;
+``cgroup_baseline_file_cache`` in the JSON): under the cap that cache is
+reclaimable, and the model gets up to that much more than its budget.
+
+Then the child loads (timed) and runs --forwards forwards of a fixed batch
+(1 x --seq token ids, seed 0) under torch.inference_mode(). A child killed
+by the OOM killer (signal 9, or oom_kill in memory.oom_control /
+memory.events) is a result ("OOM-killed"), not a failure of the benchmark.
+
+Columns:
+
+  contender, cap      as above (the cap's MiB above the baseline in brackets)
+  survived            yes / OOM-killed / timeout / exit N
+  load s              wall seconds of the load call
+  read MB/fwd         bytes this process read from the disk during a forward
+                      (/proc/self/io read_bytes: counts mmap faults too), mean
+                      of forwards 2..N (1e6 bytes per MB)
+  read MB 1st fwd     the same for the first forward
+  bound MB            checkpoint - budget, budget = cap - baseline: what must
+                      come from the disk again in every forward when only the
+                      budget can stay in memory (0 without a cap)
+  read/bound          read MB/fwd over the bound
+  fwd s               mean wall seconds of forwards 2..N
+  fwd / tf            over transformers' under the same cap in the same run
+  disk s              read MB/fwd at the disk's sequential bandwidth (measured
+                      once: the checkpoint dropped from the page cache, then
+                      read with 8 MiB reads)
+  fwd / disk          fwd s over disk s (1.0: the forward runs at the speed of
+                      the disk)
+  peak RssAnon MiB    peak anonymous resident memory (/proc/self/status sampled
+                      every 10 ms), its growth over the baseline in brackets
+  logits ==           torch.equal of the last forward's logits with those of
+                      the uncapped transformers run (which always runs: it is
+                      the reference)
+
+The JSON holds every raw number: per forward wall and CPU seconds (all
+threads: a shared machine shows as wall >> CPU), read_bytes and major faults,
+the load average at each child's start, the cgroup's baseline (and its page
+cache), cap, peak (v1 memory.max_usage_in_bytes, v2 memory.peak) and OOM
+counts, the disk bandwidth, the machine, the versions.
+Skips (message, exit 0, JSON saying why) where memory cgroups cannot be made.
+
+Run (as root, on a machine with cgroups): python benchmarks/capped_forward.py
+     [--hidden 1024] [--intermediate 3584] [--layers 24] [--vocab 32000]
+     [--dtype float32|bfloat16] [--seq 128] [--forwards 4] [--caps none,50,10]
+     [--contenders transformers,mapoffload] [--threads N] [--timeout 900]
+     [--dir /a/disk/not/tmpfs] [--keep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
+
+CONTENDERS = ("transformers", "mapoffload")
+MIB = 1 << 20
+MB = 1e6
+NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
+
+
+# --- cgroup files (v1 and v2) ------------------------------------------------------------------
+
+
+def _cg_read_int(cgroup: str, *names: str) -> int | None:
+    """The first of ``names`` that exists in the cgroup, as an int ("max": None)."""
+    for name in names:
+        try:
+            with open(os.path.join(cgroup, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else None
+    return None
+
+
+def _cg_write(cgroup: str, name: str, value: str) -> bool:
+    try:
+        with open(os.path.join(cgroup, name), "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def _cg_is_v1(cgroup: str) -> bool:
+    return os.path.exists(os.path.join(cgroup, "memory.limit_in_bytes"))
+
+
+def _cg_usage(cgroup: str) -> int | None:
+    return _cg_read_int(cgroup, "memory.usage_in_bytes", "memory.current")
+
+
+def _cg_peak(cgroup: str) -> int | None:
+    return _cg_read_int(cgroup, "memory.max_usage_in_bytes", "memory.peak")
+
+
+def _cg_file_cache(cgroup: str) -> int | None:
+    """Page cache charged to the cgroup (memory.stat: v1 total_cache, v2 file): reclaimable under the cap."""
+    try:
+        with open(os.path.join(cgroup, "memory.stat")) as f:
+            stat = dict(line.split() for line in f)
+    except OSError:
+        return None
+    value = stat.get("total_cache", stat.get("file"))
+    return int(value) if value is not None else None
+
+
+def _cg_oom_kills(cgroup: str) -> int | None:
+    """oom_kill count of memory.oom_control (v1) or memory.events (v2)."""
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            with open(os.path.join(cgroup, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            continue
+    return None
+
+
+def _cg_set_cap(cgroup: str, cap: int) -> dict:
+    """Set the memory cap (and swap to nothing); says what was written."""
+    if _cg_is_v1(cgroup):
+        done = {"memory.limit_in_bytes": _cg_write(cgroup, "memory.limit_in_bytes", str(cap))}
+        if os.path.exists(os.path.join(cgroup, "memory.memsw.limit_in_bytes")):
+            done["memory.memsw.limit_in_bytes"] = _cg_write(cgroup, "memory.memsw.limit_in_bytes", str(cap))
+    else:
+        done = {"memory.max": _cg_write(cgroup, "memory.max", str(cap)),
+                "memory.swap.max": _cg_write(cgroup, "memory.swap.max", "0")}
+    if not done.get("memory.limit_in_bytes", done.get("memory.max")):
+        raise OSError(f"cannot set the cap {cap} in {cgroup}")
+    return done
+
+
+# --- inside a fresh process --------------------------------------------------------------------
+
+
+def _proc_io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def _major_faults() -> int:
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[9])  # field 12, majflt
+
+
+class _AnonSampler(threading.Thread):
+    """Peak RssAnon, sampled every ``interval`` seconds until stop()."""
+
+    def __init__(self, read, interval: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.read, self.interval, self.peak, self.samples = read, interval, read(), 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.peak = max(self.peak, self.read())
+            self.samples += 1
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, self.read())
+        return self.peak
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.cgroup:
+        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    import mapoffload
+    import mapoffload.hf.transformers  # noqa: F401  (imported before the baseline, as modeling_llama)
+    import transformers.models.llama.modeling_llama  # noqa: F401  (lazy in transformers: not the load's cost)
+    from mapoffload.budget import rss_anon_bytes
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    dtype = getattr(torch, args.dtype)
+    ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
+
+    row: dict = {"contender": args.contender, "cap": args.cap, "threads": torch.get_num_threads(),
+                 "loadavg_at_start": os.getloadavg()}  # the machine may be shared: noise shows here
+    if args.cgroup:
+        row["cgroup_baseline"] = baseline = _cg_usage(args.cgroup)
+        row["cgroup_baseline_file_cache"] = _cg_file_cache(args.cgroup)
+        if args.fraction is not None:
+            if baseline is None:
+                raise OSError(f"cannot read the usage of {args.cgroup}")
+            row["cgroup_cap"] = cap = baseline + int(args.fraction * args.checkpoint_bytes)
+            row["cgroup_cap_written"] = _cg_set_cap(args.cgroup, cap)
+    row["anon_baseline"] = rss_anon_bytes()
+    print("BASE " + json.dumps(row), flush=True)  # the parent keeps it if the child dies later
+    sampler = _AnonSampler(rss_anon_bytes)
+    sampler.start()
+
+    io0, t0 = _proc_io(), time.perf_counter()
+    if args.contender == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
+        model.eval()
+    else:
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
+    row["load_s"] = time.perf_counter() - t0
+    row["load_read_bytes"] = _proc_io()["read_bytes"] - io0["read_bytes"]
+    row["anon_after_load"] = rss_anon_bytes()
+    report = getattr(model, "mapoffload_report", None)
+    if report is not None:
+        row["report_bytes_mapped"] = report.bytes_mapped
+        row["report_bytes_copied"] = report.bytes_copied
+    handle = getattr(model, "mapoffload_handle", None)
+    if handle is not None:
+        row["summary"] = str(handle.summary()).splitlines()
+    print("LOAD " + json.dumps(row), flush=True)
+
+    for key in ("forward_s", "forward_cpu_s", "forward_read_bytes", "forward_major_faults"):
+        row[key] = []
+    with torch.inference_mode():
+        for _ in range(args.forwards):
+            io0, mf0, c0, t0 = _proc_io()["read_bytes"], _major_faults(), time.process_time(), time.perf_counter()
+            logits = model(input_ids=ids).logits
+            row["forward_s"].append(time.perf_counter() - t0)
+            row["forward_cpu_s"].append(time.process_time() - c0)  # all threads: tells waiting from computing
+            row["forward_read_bytes"].append(_proc_io()["read_bytes"] - io0)
+            row["forward_major_faults"].append(_major_faults() - mf0)
+    torch.save(logits.clone(), args.out)
+    if handle is not None:
+        handle.close()
+    row["anon_peak"] = sampler.stop()
+    row["anon_samples"] = sampler.samples
+    if args.cgroup:
+        row["cgroup_peak"] = _cg_peak(args.cgroup)
+    print("ROW " + json.dumps(row), flush=True)
+
+
+# --- the launcher ------------------------------------------------------------------------------
+
+
+def _drop_caches(folder: str) -> bool:
+    """sync + drop_caches; where not permitted, only the checkpoint files."""
+    from hf_load import _checkpoint_files
+
+    from mapoffload import drop_page_cache
+
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        for path in _checkpoint_files(folder):
+            drop_page_cache(path)
+        return False
+
+
+def disk_bandwidth(folder: str) -> dict:
+    """Sequential read of every checkpoint file, dropped from the page cache first."""
+    from hf_load import _checkpoint_files
+
+    from mapoffload import drop_page_cache
+
+    files = _checkpoint_files(folder)
+    for path in files:
+        drop_page_cache(path)
+    total, t0 = 0, time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(8 * MIB):
+                total += len(chunk)
+    seconds = time.perf_counter() - t0
+    return {"disk_bytes": total, "disk_s": seconds, "disk_gb_s": total / seconds / 1e9}
+
+
+def _parse_lines(stdout: str) -> dict:
+    row: dict = {}
+    for tag in ("BASE ", "LOAD ", "ROW "):
+        for line in stdout.splitlines():
+            if line.startswith(tag):
+                row.update(json.loads(line[len(tag):]))
+    return row
+
+
+def run(contender: str, cap: str, folder: str, out: str, sizes: dict, args: argparse.Namespace) -> dict:
+    from cgroups import memory_cgroup
+
+    cold = _drop_caches(folder)
+    if not cold and not args.warned_drop:
+        warnings.warn("cannot write /proc/sys/vm/drop_caches: only the checkpoint files are dropped", stacklevel=1)
+        args.warned_drop = True
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--contender", contender, "--cap", cap,
+           "--folder", folder, "--out", out, "--dtype", args.dtype, "--vocab", str(args.vocab),
+           "--seq", str(args.seq), "--forwards", str(args.forwards), "--threads", str(args.threads),
+           "--checkpoint-bytes", str(sizes["checkpoint_bytes"])]
+    if cap != "none":
+        cmd += ["--fraction", str(int(cap) / 100)]
+    with memory_cgroup(NO_LIMIT) as cgroup:
+        cmd += ["--cgroup", cgroup]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=tempfile.gettempdir())
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:  # run() has killed it
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            rc = None
+        wall = time.perf_counter() - t0
+        oom_kills = _cg_oom_kills(cgroup)
+        parent_peak = _cg_peak(cgroup)
+    if os.path.exists(cgroup):
+        warnings.warn(f"could not remove the cgroup {cgroup}", stacklevel=1)
+    row = _parse_lines(stdout)
+    row.update(contender=contender, cap=cap, returncode=rc, wall_s=wall, cold=cold, cgroup_oom_kills=oom_kills,
+               cgroup_peak_after=parent_peak, stderr_tail=stderr.strip().splitlines()[-3:])
+    if rc == 0 and "forward_s" in row:
+        row["outcome"] = "yes"
+    elif rc is None:
+        row["outcome"] = "timeout"
+    elif rc == -9 or (oom_kills or 0) > 0:
+        row["outcome"] = "OOM-killed"
+    else:
+        row["outcome"] = f"exit {rc}"
+        if not row.get("forward_s"):  # a crash, not a cap: the benchmark is broken
+            print(f"{contender} (cap {cap}): exit {rc}\n{stderr[-4000:]}", file=sys.stderr)
+    return row
+
+
+def _mean_rest(values: list[float]) -> float | None:
+    """Mean of all but the first (the first alone where there is one)."""
+    rest = values[1:] or values[:1]
+    return sum(rest) / len(rest) if rest else None
+
+
+def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> list[str]:
+    """One table row from a result."""
+    ckpt = sizes["checkpoint_bytes"]
+    budget = int(int(r["cap"]) / 100 * ckpt) if r["cap"] != "none" else None
+    cap = "none" if budget is None else f"base+{r['cap']}% ({budget / MIB:.0f} MiB)"
+    bound = ckpt - budget if budget is not None else 0
+    r["budget_bytes"], r["bound_bytes"] = budget, bound
+    na = "-"
+    if r["outcome"] != "yes":
+        return [r["contender"], cap, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
+                na, na, f"{bound / MB:.0f}", na, na, na, na, na,
+                f"{r['anon_peak'] / MIB:.0f}" if "anon_peak" in r else na, na]
+    read = _mean_rest(r["forward_read_bytes"])
+    fwd = _mean_rest(r["forward_s"])
+    disk_s = read / (disk_gb_s * 1e9)
+    r["read_bytes_per_forward"], r["forward_s_mean"], r["disk_s_per_forward"] = read, fwd, disk_s
+    return [
+        r["contender"], cap, "yes", f"{r['load_s']:.2f}", f"{read / MB:.0f}", f"{r['forward_read_bytes'][0] / MB:.0f}",
+        f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{fwd:.3f}",
+        f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
+        f"{r['anon_peak'] / MIB:.0f} (+{(r['anon_peak'] - r['anon_baseline']) / MIB:.0f})",
+        "yes" if r.get("logits_equal") else "NO",
+    ]
+
+
+def _skip(reason: str, args: argparse.Namespace) -> int:
+    from _common import emit_json
+
+    print(f"skipped: {reason}")
+    emit_json("capped_forward", {"skipped": reason}, args.json)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=3584)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 64)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = heads)")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--forwards", type=int, default=4)
+    ap.add_argument("--caps", default="none,50,10",
+                    help="comma list: none, or a percentage of the checkpoint's bytes above the baseline")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help="which to run (transformers without a cap always runs: its logits are the reference)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child")
+    ap.add_argument("--dir", default="/tmp", help="where to write the model (a disk, not tmpfs)")
+    ap.add_argument("--keep", action="store_true", help="keep the model folder and logits")
+    ap.add_argument("--json", default=None, help="also write the JSON here")
+    # inside a fresh process
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    ap.add_argument("--cap", help=argparse.SUPPRESS)
+    ap.add_argument("--fraction", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    args.heads = args.heads or max(1, args.hidden // 64)
+    args.kv_heads = args.kv_heads or args.heads
+    args.warned_drop = False
+    chosen = [c for c in args.contenders.split(",") if c]
+    if bad := [c for c in chosen if c not in CONTENDERS]:
+        ap.error(f"unknown contenders {bad}; choose from {CONTENDERS}")
+    caps = list(dict.fromkeys(c.strip() for c in args.caps.split(",") if c.strip()))
+    if bad := [c for c in caps if c != "none" and not (c.isdigit() and 0 < int(c) <= 1000)]:
+        ap.error(f"bad caps {bad}: none or a percentage")
+    plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
+    if ("transformers", "none") not in plan:
+        plan.insert(0, ("transformers", "none"))
+
+    from _common import emit_json, machine, print_table
+
+    try:
+        from cgroups import memory_cgroup
+
+        with memory_cgroup(NO_LIMIT):
+            pass
+    except OSError as exc:
+        return _skip(str(exc), args)
+
+    import torch
+
+    from hf_load import _version, generate
+
+    print(f"machine: {machine()}")
+    work = tempfile.mkdtemp(prefix="mapoffload-capped-", dir=args.dir)
+    try:
+        folder = os.path.join(work, "model")
+        sizes = generate(folder, args)
+        print(f"model: Llama-style, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+              f"vocab {args.vocab}, {args.dtype}: {sizes['params'] / 1e6:.1f} M parameters, "
+              f"{sizes['checkpoint_bytes'] / MIB:.1f} MiB in {sizes['shards']} shard(s), "
+              f"generated in {sizes['generate_s']:.1f} s")
+        disk = disk_bandwidth(folder)
+        print(f"disk: {disk['disk_gb_s']:.2f} GB/s sequential ({disk['disk_bytes'] / MIB:.0f} MiB, 8 MiB reads, cold)")
+        results, logits = [], {}
+        for contender, cap in plan:
+            out = os.path.join(work, f"logits-{contender}-{cap}.pt")
+            r = run(contender, cap, folder, out, sizes, args)
+            print(f"  {contender:12} cap {cap:5}: {r['outcome']} in {r['wall_s']:.1f} s", flush=True)
+            results.append(r)
+            if r["outcome"] == "yes":
+                logits[(contender, cap)] = torch.load(out)
+    finally:
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    ref = logits.get(("transformers", "none"))
+    for r in results:
+        got = logits.get((r["contender"], r["cap"]))
+        r["logits_equal"] = None if got is None or ref is None else torch.equal(got, ref)
+
+    tf_fwd = {r["cap"]: _mean_rest(r["forward_s"]) for r in results
+              if r["contender"] == "transformers" and r["outcome"] == "yes"}
+    rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"])) for r in results]
+    print()
+    print_table(["contender", "cap", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
+                 "read/bound", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
+    emit_json("capped_forward", {
+        "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+        "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "seq": args.seq,
+        "forwards": args.forwards, "caps": caps, "threads": args.threads or None, "timeout_s": args.timeout,
+        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": _version("transformers"),
+        "mapoffload": _version("mapoffload"), **sizes, **disk, "results": results,
+    }, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
