@@ -123,7 +123,9 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
 
             say(f"[4/5] layerwise offload on {device}")
             copier = Copier(device)
-            mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier)
+            # On the CPU the demo runs the device pipeline's twin: the copies are what it shows.
+            mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier,
+                                          cpu_twin=device.type == "cpu")
             per_layer = []
             for i in range(cfg.layers):
                 t0 = time.perf_counter()

@@ -67,13 +67,17 @@ def _align_like(ref, pipe):
     aligned), and the CPU matmul kernels' summation order depends on the
     alignment: the same bytes at another offset round differently in the
     last bit. diffusers copies into aligned memory; this takes that one
-    difference out of the comparison (the copied load is compared as is)."""
+    difference out of the comparison (the copied load is compared as is).
+    Streamed weights compute from their host stores on the CPU: their
+    mapped addresses count too."""
     for name in MODELS:
         ours = dict(getattr(pipe, name).named_parameters())
+        component = pipe.mapoffload_handle.components.get(name)
+        if component is not None:
+            for m in component.managers.values():
+                ours.update(m.iter_cpu_weights())
         for key, p in getattr(ref, name).named_parameters():
             like, size = ours[key], p.element_size()
-            if isinstance(like, mapoffload.OffloadedWeight):
-                continue  # streamed: it computes from an aligned device buffer
             buf = torch.empty(p.numel() + 128 // size, dtype=p.dtype)
             start = (-buf.data_ptr() % 64 + like.data_ptr() % 64) // size
             p.data = buf[start:start + p.numel()].view(p.shape).copy_(p.data)

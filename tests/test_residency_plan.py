@@ -1,0 +1,112 @@
+"""The residency plan against fake budgets, and the page-cache budget on fake cgroup trees."""
+
+from __future__ import annotations
+
+import pytest
+
+from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, PageCacheBudget, page_cache_budget
+from mapoffload._residency import plan_residency
+
+from test_budget import write
+
+MIB = 1 << 20
+
+
+def test_everything_fits_everything_stays():
+    plan = plan_residency([10, 10, 10], 30)
+    assert plan.cached == (0, 1, 2) and plan.streamed == () and plan.streamed_bytes == 0
+
+
+def test_two_streamed_layers_beside_the_cached_prefix_with_readahead():
+    # 10 layers of 10: 60 of budget = 2 x 10 for the window, 4 layers cached.
+    plan = plan_residency([10] * 10, 60)
+    assert plan.readahead
+    assert plan.cached == (0, 1, 2, 3) and plan.streamed == (4, 5, 6, 7, 8, 9)
+    assert plan.cached_bytes == 40 and plan.streamed_bytes == 60
+    assert plan.is_streamed(4) and not plan.is_streamed(3)
+
+
+def test_tight_budget_streams_without_readahead():
+    # Room for one layer and a half: reading ahead would evict the layer in use.
+    plan = plan_residency([10] * 4, 15)
+    assert not plan.readahead and plan.cached == () and plan.streamed == (0, 1, 2, 3)
+    assert not plan_residency([10] * 4, 0).readahead
+    # Room for two and a half: reading ahead (overlapped) wins over caching half a layer more.
+    plan = plan_residency([10] * 4, 25)
+    assert plan.readahead and plan.cached == ()
+    # Room for one streamed layer of the largest size and a small one cached, no readahead.
+    plan = plan_residency([10, 30, 10], 45)
+    assert not plan.readahead and plan.cached == (0,) and plan.streamed == (1, 2)
+
+
+def test_what_every_forward_reads_outside_the_layers_is_kept_out():
+    assert plan_residency([10] * 10, 60, always_bytes=20).cached == (0, 1)
+    assert plan_residency([10] * 10, 60, always_bytes=80).streamed == tuple(range(10))
+
+
+def test_uneven_layers_reserve_the_largest_and_keep_a_prefix():
+    plan = plan_residency([5, 5, 30, 5, 5, 30], 72)
+    # window 2 x 30 = 60, 12 left: layers 0 and 1 (5 + 5) fit, layer 2 does not: the prefix stops.
+    assert plan.readahead and plan.cached == (0, 1) and plan.streamed == (2, 3, 4, 5)
+    assert "2 of 6 layers stay cached" in plan.describe()
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError):
+        plan_residency([10, -1], 100)
+
+
+def _v1(root, cap, usage, active_file, inactive_file):
+    write(root, "proc/self/cgroup", "4:memory:/app\n0::/\n")
+    write(root, "sys/fs/cgroup/memory/app/memory.limit_in_bytes", str(cap))
+    write(root, "sys/fs/cgroup/memory/app/memory.usage_in_bytes", str(usage))
+    write(root, "sys/fs/cgroup/memory/app/memory.stat",
+          f"cache 1\ntotal_active_file {active_file}\ntotal_inactive_file {inactive_file}\n")
+
+
+def _v2(root, cap, usage, active_file, inactive_file, high="max"):
+    write(root, "proc/self/cgroup", "0::/app\n")
+    write(root, "sys/fs/cgroup/app/memory.max", str(cap))
+    write(root, "sys/fs/cgroup/app/memory.high", high)
+    write(root, "sys/fs/cgroup/app/memory.current", str(usage))
+    write(root, "sys/fs/cgroup/app/memory.stat", f"anon 5\nactive_file {active_file}\ninactive_file {inactive_file}\n")
+
+
+@pytest.mark.parametrize("tree", [_v1, _v2])
+def test_budget_counts_other_files_cache_but_not_the_weights_own(tmp_path, tree):
+    cap = 1024 * MIB
+    # 300 MiB anonymous, 400 MiB of file cache of which 250 MiB are the weights' pages.
+    tree(tmp_path, cap, 700 * MIB, 300 * MIB, 100 * MIB)
+    b = page_cache_budget(250 * MIB, root=str(tmp_path))
+    assert isinstance(b, PageCacheBudget) and b.source == "cgroup" and b.limit == cap
+    assert b.other_bytes == 300 * MIB + 150 * MIB  # anon + the other files' 150 MiB
+    assert b.usable == cap - b.other_bytes - b.margin
+    # The same cgroup with the weights' pages gone from the cache: the same answer.
+    tree(tmp_path, cap, 450 * MIB, 100 * MIB, 50 * MIB)
+    assert page_cache_budget(0, root=str(tmp_path)).usable == b.usable
+
+
+def test_budget_weights_charged_elsewhere_cost_nothing_here(tmp_path):
+    # The weights' 500 MiB sit in the cache, charged to the cgroup that first read them.
+    _v1(tmp_path, 1024 * MIB, 300 * MIB, 50 * MIB, 50 * MIB)
+    b = page_cache_budget(500 * MIB, root=str(tmp_path))
+    assert b.other_bytes == 200 * MIB  # anonymous only
+
+
+def test_budget_memory_high_is_the_limit(tmp_path):
+    _v2(tmp_path, 2048 * MIB, 100 * MIB, 0, 0, high=str(512 * MIB))
+    assert page_cache_budget(0, root=str(tmp_path)).limit == 512 * MIB
+
+
+def test_budget_override_and_uncapped(tmp_path, monkeypatch):
+    write(tmp_path, "proc/self/cgroup", "0::/app\n")
+    write(tmp_path, "proc/self/status", "RssAnon:\t  102400 kB\n")
+    uncapped = page_cache_budget(0, root=str(tmp_path))
+    assert uncapped.source == "machine" and uncapped.usable > 0
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")
+    b = page_cache_budget(0, root=str(tmp_path))
+    assert b.source == ENV_HOST_AVAILABLE_GIB and b.other_bytes == 100 * MIB
+    assert b.usable == 1024 * MIB - 100 * MIB - b.margin
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "0.01")
+    assert page_cache_budget(0, root=str(tmp_path)).usable == 0
+    assert "usable" in str(b)
