@@ -243,10 +243,12 @@ PYBIND11_MODULE(_core, m) {
     return file_resident_bytes(p);
   }, py::arg("path"), "(resident bytes, size) of a file in the page cache; reads nothing. "
      "A FIFO or other non-regular file gives (0, st_size) without blocking.");
-  m.def("advise_willneed", [](const SpanArray& s) {
+  m.def("advise_willneed", [](const SpanArray& s, uint64_t chunk) {
     py::gil_scoped_release nogil;
-    for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i]);
-  }, py::arg("spans"), "madvise(MADV_WILLNEED) over each span: start readahead.");
+    for (size_t i = 0; i < s.size(); ++i) advise_willneed(s.addr[i], s.nbytes[i], chunk);
+  }, py::arg("spans"), py::arg("chunk") = 0,
+     "madvise(MADV_WILLNEED) over each span: start readahead. The kernel reads at most its readahead "
+     "size per call: chunk > 0 asks that many bytes at a time, so that the whole span is read.");
   m.def("populate_read", [](const SpanArray& s) {
     std::pair<int, uint64_t> first{0, 0};
     {

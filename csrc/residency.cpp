@@ -110,12 +110,15 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes) {
   return scanner.resident_bytes(addr, nbytes);
 }
 
-void advise_willneed(uint64_t addr, uint64_t nbytes) {
+void advise_willneed(uint64_t addr, uint64_t nbytes, uint64_t chunk) {
   if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return;
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
-  (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
+  const uint64_t step = chunk ? std::max(ps, page_align_down(chunk, ps)) : hi - lo;
+  for (uint64_t a = lo; a < hi; a += std::min(step, hi - a)) {
+    (void)madvise(reinterpret_cast<void*>(a), std::min(step, hi - a), MADV_WILLNEED);
+  }
 }
 
 std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {

@@ -65,7 +65,10 @@ uint64_t resident_bytes(uint64_t addr, uint64_t nbytes);
 // madvise(MADV_WILLNEED) over the pages of a span: starts kernel readahead
 // for file mappings (a no-op for anonymous memory). Errors are ignored: it is
 // a hint, and spans that are not mapped have nothing to read ahead.
-void advise_willneed(uint64_t addr, uint64_t nbytes);
+// The kernel reads at most max(read_ahead_kb, the device's io_pages) per call
+// (mm/readahead.c force_page_cache_ra) and silently drops the rest: with
+// chunk > 0 the span is asked chunk bytes at a time, so that all of it is read.
+void advise_willneed(uint64_t addr, uint64_t nbytes, uint64_t chunk = 0);
 
 // Let go of a span's pages now that they were used (Linux 5.4+):
 // madvise(MADV_COLD) moves them to the inactive list, so that reclaim takes

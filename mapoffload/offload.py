@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._pages import PageWorker, check_extents, file_extents, layer_spans
+from ._pages import PageWorker, check_extents, file_extents, layer_spans, readahead_chunk
 from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
@@ -212,6 +212,7 @@ class LayerwiseOffloadManager:
         self._warm: set[int] = set()  # cached layers read in once
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._extents: dict[int, list] = {}  # layer -> (file, first, end) its mapped weights read
+        self._chunk: dict[int, int] = {}  # layer -> bytes per readahead call on its files' device
         self._always_bytes = _plan.always_read_bytes(model, self.layers)
         self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
@@ -282,7 +283,9 @@ class LayerwiseOffloadManager:
             _core.advise_random(spans, True)
             self._advised.append(spans)
             self._page_spans[i] = spans
-            self._extents[i] = file_extents(spans) if self._direct else []
+            self._extents[i] = file_extents(spans)
+            if self._extents[i] and i not in self._chunk:
+                self._chunk[i] = min(readahead_chunk(p) for p, _, _ in self._extents[i])
         return spans
 
     def _read_ahead(self, i: int) -> bool:
@@ -371,13 +374,17 @@ class LayerwiseOffloadManager:
         self._engage()
         if i not in self._loaded and self._direct:
             what = f"layer {i} ({self._stores[i].name})"
-            read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
+            if self._read_ahead(i):
+                read = _PagesRead(self._pages.read_in(self._spans(i), what, self._chunk.get(i, 0) or 1 << 17))
+            else:
+                read = None
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
             from ._native import _core
 
             if self._read_ahead(i):
-                _core.advise_willneed(self._spans(i))  # large reads, started now; the copier maps them
+                spans = self._spans(i)
+                _core.advise_willneed(spans, self._chunk.get(i, 1 << 17))  # large reads now; the copier maps them
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
