@@ -170,7 +170,10 @@ int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
-  return madvise(reinterpret_cast<void*>(lo), hi - lo, on ? MADV_RANDOM : MADV_NORMAL) == 0 ? 0 : errno;
+  void* p = reinterpret_cast<void*>(lo);
+  // A hint only: kernels without file THP refuse it, and the span still streams.
+  if (on) (void)madvise(p, hi - lo, MADV_HUGEPAGE);
+  return madvise(p, hi - lo, on ? MADV_RANDOM : MADV_NORMAL) == 0 ? 0 : errno;
 }
 
 int populate_read(uint64_t addr, uint64_t nbytes) {

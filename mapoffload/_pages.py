@@ -1,6 +1,6 @@
 """Page-cache work of the layerwise offload manager, off the compute thread:
-read a layer's mapped pages in before it runs, let a streamed layer's pages
-go after it ran.
+read a layer's mapped pages in before it runs (``MADV_POPULATE_READ``, in
+2 MiB folios), let a streamed layer's pages go after it ran (``MADV_PAGEOUT``).
 
 One worker thread per manager runs the native calls (``madvise``; the GIL
 is released while the kernel works) in the order they were asked for, so a
@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ._log import logger
 from ._native import _core
 
-__all__ = ["PageWorker", "check_extents", "file_extents", "layer_spans", "readahead_chunk"]
+__all__ = ["PageWorker", "check_extents", "file_extents", "layer_spans"]
 
 
 def layer_spans(addr_sizes: list[tuple[int, int]]) -> _core.SpanArray:
@@ -87,27 +87,12 @@ def check_extents(extents: list[tuple[str, int, int]], what: str) -> None:
             )
 
 
-_DEFAULT_READAHEAD = 128 * 1024  # the kernel's default read_ahead_kb
+def read_in(spans: _core.SpanArray, what: str = "weights") -> None:
+    """Read the span's pages in and map them (``MADV_POPULATE_READ``).
 
-
-def readahead_chunk(path: str) -> int:
-    """Bytes one ``MADV_WILLNEED`` call reads on the device holding ``path``.
-
-    The kernel caps each call at the device's readahead size
-    (``/sys/class/bdi/MAJ:MIN/read_ahead_kb``; 128 KiB by default, often MiBs
-    on virtual disks): larger calls are silently cut. Unknown → 128 KiB.
-    """
-    try:
-        dev = os.stat(path).st_dev
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
-            kb = int(f.read().strip())
-    except (OSError, ValueError):
-        return _DEFAULT_READAHEAD
-    return max(_DEFAULT_READAHEAD, kb * 1024)
-
-
-def read_in(spans: _core.SpanArray, what: str = "weights", chunk: int = _DEFAULT_READAHEAD) -> None:
-    """Start readahead over the whole span (large reads), then map every page in.
+    The spans are ``MADV_HUGEPAGE`` + ``MADV_RANDOM`` (the manager sets it):
+    each fault reads the aligned 2 MiB folio that holds it, no more, so this
+    reads in 2 MiB I/Os into large folios.
 
     Raises
     ------
@@ -115,7 +100,6 @@ def read_in(spans: _core.SpanArray, what: str = "weights", chunk: int = _DEFAULT
         A page cannot be read (the file was truncated under its mapping): the
         forward would die of SIGBUS on it, so it is refused before it runs.
     """
-    _core.advise_willneed(spans, chunk)
     err, addr = _core.populate_read(spans)
     if err == errno.EFAULT:
         raise _fault_error(addr, what)
@@ -143,8 +127,8 @@ class PageWorker:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-pages")
             return self._pool
 
-    def read_in(self, spans: _core.SpanArray, what: str = "weights", chunk: int = _DEFAULT_READAHEAD) -> Future:
-        return self._executor().submit(read_in, spans, what, chunk)
+    def read_in(self, spans: _core.SpanArray, what: str = "weights") -> Future:
+        return self._executor().submit(read_in, spans, what)
 
     def let_go(self, spans: _core.SpanArray) -> Future:
         return self._executor().submit(let_go, spans)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._pages import PageWorker, check_extents, file_extents, layer_spans, readahead_chunk
+from ._pages import PageWorker, check_extents, file_extents, layer_spans
 from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
@@ -212,7 +212,6 @@ class LayerwiseOffloadManager:
         self._warm: set[int] = set()  # cached layers read in once
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._extents: dict[int, list] = {}  # layer -> (file, first, end) its mapped weights read
-        self._chunk: dict[int, int] = {}  # layer -> bytes per readahead call on its files' device
         self._always_bytes = _plan.always_read_bytes(model, self.layers)
         self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
@@ -277,15 +276,13 @@ class LayerwiseOffloadManager:
             from ._native import _core
 
             spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
-            # The manager reads these pages itself (readahead, populate): a
+            # The manager reads these pages itself (populate, 2 MiB folios): a
             # fault's read-around would bring a neighbouring layer back in,
             # unmapped, where letting it go cannot reach it.
             _core.advise_random(spans, True)
             self._advised.append(spans)
             self._page_spans[i] = spans
             self._extents[i] = file_extents(spans)
-            if self._extents[i] and i not in self._chunk:
-                self._chunk[i] = min(readahead_chunk(p) for p, _, _ in self._extents[i])
         return spans
 
     def _read_ahead(self, i: int) -> bool:
@@ -374,17 +371,10 @@ class LayerwiseOffloadManager:
         self._engage()
         if i not in self._loaded and self._direct:
             what = f"layer {i} ({self._stores[i].name})"
-            if self._read_ahead(i):
-                read = _PagesRead(self._pages.read_in(self._spans(i), what, self._chunk.get(i, 0) or 1 << 17))
-            else:
-                read = None
+            read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
-            from ._native import _core
-
-            if self._read_ahead(i):
-                spans = self._spans(i)
-                _core.advise_willneed(spans, self._chunk.get(i, 1 << 17))  # large reads now; the copier maps them
+            self._read_ahead(i)  # the copier reads the pages (2 MiB folios: the spans are MADV_HUGEPAGE)
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
