@@ -124,7 +124,9 @@ def main(argv=None) -> int:
             load_checkpoint(model, path, keep_mapping=True)
             copier = Copier(device, copy_mode)
             mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=args.prefetch,
-                                          host_store=store, copier=copier, copy_on_compute_stream=on_compute)
+                                          host_store=store, copier=copier, copy_on_compute_stream=on_compute,
+                                          # On the CPU: the device pipeline's twin, the copies are what it measures.
+                                          cpu_twin=device.type == "cpu")
             mgr.register_forward_hooks()
             t, out = time_steps(model, x, args.steps, device)
             if not torch.allclose(out.float(), expected.float(), rtol=1e-3, atol=1e-3):
