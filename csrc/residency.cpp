@@ -145,47 +145,41 @@ std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {
   return {res, size};
 }
 
-int advise_pageout(uint64_t addr, uint64_t nbytes) {
 #ifndef MADV_COLD
 #define MADV_COLD 20
 #endif
 #ifndef MADV_PAGEOUT
 #define MADV_PAGEOUT 21
 #endif
-  if (addr == 0 || nbytes == 0) return 0;
-  if (addr + nbytes < addr) return EINVAL;  // wraps the address space
-  const uint64_t ps = page_size();
-  const uint64_t lo = page_align_down(addr, ps);
-  const uint64_t hi = page_align_up(addr + nbytes, ps);
-  void* p = reinterpret_cast<void*>(lo);
-  int err = 0;
-  if (madvise(p, hi - lo, MADV_COLD) != 0) err = errno;
-  if (madvise(p, hi - lo, MADV_PAGEOUT) != 0 && err == 0) err = errno;
-  return err;
-}
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 
-int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
+namespace {
+// madvise over the pages a span touches: 0, the errno, or EINVAL for a span
+// that wraps the address space. An empty span or a null address asks nothing.
+int advise_pages(uint64_t addr, uint64_t nbytes, int advice) {
   if (addr == 0 || nbytes == 0) return 0;
   if (addr + nbytes < addr) return EINVAL;
   const uint64_t ps = page_size();
   const uint64_t lo = page_align_down(addr, ps);
   const uint64_t hi = page_align_up(addr + nbytes, ps);
-  void* p = reinterpret_cast<void*>(lo);
-  // A hint only: kernels without file THP refuse it, and the span still streams.
-  if (on) (void)madvise(p, hi - lo, MADV_HUGEPAGE);
-  return madvise(p, hi - lo, on ? MADV_RANDOM : MADV_NORMAL) == 0 ? 0 : errno;
+  return madvise(reinterpret_cast<void*>(lo), hi - lo, advice) == 0 ? 0 : errno;
+}
+}  // namespace
+
+int advise_pageout(uint64_t addr, uint64_t nbytes) {
+  int err = advise_pages(addr, nbytes, MADV_COLD);
+  int out = advise_pages(addr, nbytes, MADV_PAGEOUT);
+  return err ? err : out;
 }
 
-int populate_read(uint64_t addr, uint64_t nbytes) {
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-  if (addr == 0 || nbytes == 0) return 0;
-  if (addr + nbytes < addr) return EINVAL;  // wraps the address space
-  const uint64_t ps = page_size();
-  const uint64_t lo = page_align_down(addr, ps);
-  const uint64_t hi = page_align_up(addr + nbytes, ps);
-  return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_READ) == 0 ? 0 : errno;
+int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
+  // A hint only: kernels without file THP refuse it, and the span still streams.
+  if (on) (void)advise_pages(addr, nbytes, MADV_HUGEPAGE);
+  return advise_pages(addr, nbytes, on ? MADV_RANDOM : MADV_NORMAL);
 }
+
+int populate_read(uint64_t addr, uint64_t nbytes) { return advise_pages(addr, nbytes, MADV_POPULATE_READ); }
 
 }  // namespace mapoffload

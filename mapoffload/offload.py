@@ -374,7 +374,7 @@ class LayerwiseOffloadManager:
             read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
-            self._read_ahead(i)  # the copier reads the pages (2 MiB folios: the spans are MADV_HUGEPAGE)
+            self._spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
