@@ -203,6 +203,11 @@ class LoadReport:
     mapping (slices contiguous in the file: row splits) and
     ``bytes_sliced_copied`` the slices that had to be copied because they are
     strided in the file (column splits), whatever else was done to them.
+
+    ``converted_tensors`` / ``bytes_converted``: tensors a loader made (fused
+    experts, casts, dequantized weights; :func:`mapoffload.from_pretrained`),
+    written once into mapped files in ``conversion_dir`` (counted in
+    ``bytes_mapped``); ``conversion_reused`` when an earlier load wrote them.
     """
 
     files: list[str] = field(default_factory=list)
@@ -217,6 +222,10 @@ class LoadReport:
     shard: tuple[int, int] | None = None
     bytes_sliced_mapped: int = 0
     bytes_sliced_copied: int = 0
+    converted_tensors: int = 0
+    bytes_converted: int = 0
+    conversion_dir: str | None = None
+    conversion_reused: bool = False
 
     def __str__(self) -> str:
         why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
@@ -230,6 +239,11 @@ class LoadReport:
             shard = (
                 f" Rank {self.shard[0]} of {self.shard[1]}: slices {format_bytes(self.bytes_sliced_mapped)} "
                 f"as views of the mapping, {format_bytes(self.bytes_sliced_copied)} copied (strided in the file)."
+            )
+        if self.converted_tensors:
+            shard += (
+                f" {self.converted_tensors} converted tensors ({format_bytes(self.bytes_converted)}) "
+                f"{'reused from' if self.conversion_reused else 'written to'} {self.conversion_dir}, mapped."
             )
         return (
             f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "

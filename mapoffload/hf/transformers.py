@@ -1,17 +1,30 @@
 """``mapoffload.from_pretrained``: a transformers model from a local folder,
-built on meta in the checkpoint's dtype, loaded on the file mapping with the
-Hugging Face key conventions, in eval mode, offloaded onto a device."""
+loaded by transformers' own ``from_pretrained`` with the weights left on the
+file mapping, offloaded onto a device.
+
+transformers decides everything it decides for the same folder — the key
+conversions of its conversion mapping (legacy names, fused experts, split or
+merged projections), ``dtype="auto"``, ``_keep_in_fp32_modules``, ties, ignore
+lists, the generation config, quantizers, which missing weights it
+initialises — so the model computes exactly what transformers' model
+computes. mapoffload only makes sure nothing of it is an anonymous copy:
+tensors transformers *makes* on the way are converted once into mapped files
+(:mod:`._converted`, :mod:`._drive`).
+"""
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._files import checkpoint_files
-from .._log import logger
-from ..checkpoint import LoadReport, empty_weights, load_checkpoint
+from .._files import CheckpointError, checkpoint_files
+from .._log import format_bytes, logger
+from ..checkpoint import LoadReport
 from . import _keys
+from ._converted import ConversionCache, default_root, fingerprint
+from ._drive import driving
 from ._extras import require
 
 if TYPE_CHECKING:
@@ -21,104 +34,126 @@ if TYPE_CHECKING:
 
 __all__ = ["KeyMismatchError", "from_pretrained", "load_pretrained"]
 
+# quantization_config methods whose checkpoints load (transformers' quantizer
+# runs; what it makes is converted into mapped files like any conversion).
+SUPPORTED_QUANT_METHODS = ("fp8",)
 
-class KeyMismatchError(ValueError):
-    """A checkpoint's keys do not match the model (with ``strict=True``)."""
-
-
-def _resolve_dtype(dtype: Any, keys: _keys.CheckpointKeys, config: Any) -> torch.dtype:
-    import torch
-
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        value = getattr(torch, str(dtype), None)
-        if not isinstance(value, torch.dtype):
-            raise ValueError(f"dtype must be 'auto', a torch.dtype or its name, not {dtype!r}")
-        return value
-    stored = _keys.checkpoint_float_dtype(keys)
-    if stored is not None:
-        configured = getattr(config, "dtype", None)
-        if configured is not None and str(configured).removeprefix("torch.") != stored:
-            logger.info("config says dtype %s, the checkpoint stores %s: building in %s (no conversion)",
-                        configured, stored, stored)
-        return getattr(torch, stored)
-    configured = getattr(config, "dtype", None)
-    if isinstance(configured, torch.dtype):
-        return configured
-    if isinstance(configured, str) and isinstance(getattr(torch, configured, None), torch.dtype):
-        return getattr(torch, configured)
-    return torch.get_default_dtype()
+# transformers' own arguments that mean something else here, with the answer.
+_TRANSFORMERS_HABITS = {
+    "device_map": "mapoffload places the model itself: pass device='cuda' (or 'cpu'); the block lists are "
+                  "streamed there and the rest placed, see mapoffload.offload",
+    "torch_dtype": "pass dtype= (transformers 5's name; 'auto' is the default)",
+    "low_cpu_mem_usage": "mapoffload always loads on the file mapping (nothing to pass)",
+    "offload_folder": "weights stay on the checkpoint's own file mapping (nothing to pass)",
+    "max_memory": "the host budget is measured (cgroups); see mapoffload.host_memory_available_bytes",
+}
 
 
-def _is_auto(cls: Any) -> bool:
-    return hasattr(cls, "_model_mapping")
+class KeyMismatchError(CheckpointError):
+    """A checkpoint's keys do not match the model (with ``strict=True``), or a
+    weight transformers would load could not be (``.keys`` names them)."""
+
+    def __init__(self, path: str | os.PathLike, message: str, keys: list[str] | None = None) -> None:
+        super().__init__(path, message)
+        self.keys = list(keys or [])
 
 
-def _build(cls: Any, config: Any, dtype: torch.dtype, kwargs: dict) -> torch.nn.Module:
-    """The model with parameters on meta (buffers real, from its own init), in ``dtype``."""
-    with empty_weights():
-        if _is_auto(cls):
-            return cls.from_config(config, dtype=dtype, **kwargs)
-        return cls._from_config(config, dtype=dtype, **kwargs)
+def check_transformers_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse transformers' placement arguments with the mapoffload equivalent."""
+    for name, answer in _TRANSFORMERS_HABITS.items():
+        if name in kwargs:
+            raise TypeError(f"mapoffload.from_pretrained does not take {name}=: {answer}")
 
 
-def _keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Parameters the model keeps in float32 under ``dtype`` (``_keep_in_fp32_modules``
-    for fp16, ``_keep_in_fp32_modules_strict`` for fp16/bf16), rebuilt on meta
-    in float32 as transformers does. Returns how many."""
-    import re
-
-    import torch
-
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    if not plan:
-        return 0
-    pattern = re.compile("|".join(rf"(^|\.){re.escape(str(k))}(\.|$)" for k in plan))
-    done: dict[int, torch.nn.Parameter] = {}
-    for name, module in model.named_modules():
-        for attr, p in list(module._parameters.items()):
-            full = f"{name}.{attr}" if name else attr
-            if p is None or not p.is_floating_point() or not pattern.search(full):
-                continue
-            if id(p) not in done:
-                done[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="meta"),
-                                                 requires_grad=p.requires_grad)
-            module._parameters[attr] = done[id(p)]
-    return len(done)
+def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
+    if config is not None:
+        return config
+    transformers = require("transformers", "mapoffload.from_pretrained")
+    config_cls = getattr(cls, "config_class", None)
+    if hasattr(cls, "_model_mapping") or config_cls is None:
+        config_cls = transformers.AutoConfig
+    trust = kwargs.get("trust_remote_code")
+    return config_cls.from_pretrained(folder, **({"trust_remote_code": trust} if trust is not None else {}))
 
 
-def _tie_groups(module: torch.nn.Module) -> dict[str, list[str]]:
-    """Parameter name -> every name of that parameter object (ties)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {n: names for names in by_id.values() for n in names}
-
-
-def _materialise_missing(model: torch.nn.Module, missing: list[str]) -> None:
-    """Give parameters the checkpoint lacks real memory, initialised by the
-    model's own ``_init_weights`` (as transformers does for missing keys)."""
-    import torch
-
-    done: dict[int, torch.nn.Parameter] = {}
-    owners = []
-    for name in missing:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        p = owner._parameters.get(attr)
-        if p is None or p.device.type != "meta":
-            continue
-        if id(p) not in done:
-            done[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        owner._parameters[attr] = done[id(p)]
-        owners.append(owner)
-    init = getattr(model, "_init_weights", None)
-    if init is None:
+def _check_quantization(config: Any, folder: str) -> None:
+    q = getattr(config, "quantization_config", None)
+    if q is None:
         return
-    with torch.no_grad():
-        for owner in {id(o): o for o in owners}.values():
-            init(owner)  # other parameters of the module are still on meta: untouched
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise CheckpointError(
+            os.path.join(folder, "config.json"),
+            f"quantization_config method {method!r} is not supported by mapoffload yet "
+            f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself",
+        )
+
+
+def _storages(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer, each storage once (first name wins)."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        if t is None or t.device.type != "cpu" or not t.numel():
+            continue
+        key = (t.untyped_storage().data_ptr(), t.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            out.append((name, t.detach()))
+    return out
+
+
+def _copy_mapped(model: torch.nn.Module, regions: Any) -> int:
+    """keep_mapping=False: every mapped parameter and buffer copied into host memory."""
+    copied = 0
+    done: dict[int, Any] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is None or t.device.type != "cpu" or not regions.holds(t):
+                    continue
+                if id(t) not in done:
+                    done[id(t)] = t.detach().clone()
+                    copied += t.numel() * t.element_size()
+                if table is module._parameters:
+                    t.data = done[id(t)]
+                else:
+                    table[attr] = done[id(t)]
+    return copied
+
+
+def _report(model: torch.nn.Module, files: list[str], info: dict, session: Any, keep_mapping: bool,
+            copied_by_request: int, seconds: float) -> LoadReport:
+    from ..regions import MappedRegions
+
+    tensors = _storages(model)
+    held = MappedRegions().classify([t for _, t in tensors])
+    missing = set(info.get("missing_keys") or ())
+    report = LoadReport(files=list(files), keep_mapping=keep_mapping, tensors=len(tensors),
+                        missing_keys=sorted(missing), unexpected_keys=sorted(info.get("unexpected_keys") or ()))
+    for (name, t), mapped in zip(tensors, held):
+        n = t.numel() * t.element_size()
+        if mapped:
+            report.bytes_mapped += n
+            continue
+        report.bytes_copied += n
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        reason = ("buffer (built by the model)" if attr in module._buffers and name not in missing
+                  else "initialised by transformers (not in the checkpoint)" if name in missing
+                  else "not mapped")
+        report.copied[reason] = report.copied.get(reason, 0) + n
+    if copied_by_request:
+        report.copied["keep_mapping=False"] = copied_by_request
+        report.copied.pop("not mapped", None)
+    cache = session.cache
+    report.converted_tensors = len(cache.tensors)
+    report.bytes_converted = cache.bytes
+    report.conversion_dir = cache.path if cache.tensors else None
+    report.conversion_reused = cache.reused
+    report.seconds = seconds
+    return report
 
 
 def load_pretrained(
@@ -129,88 +164,76 @@ def load_pretrained(
     keep_mapping: bool | None = None,
     strict: bool = False,
     config: Any = None,
+    cache_dir: str | os.PathLike | None = None,
     **model_kwargs: Any,
 ) -> tuple[torch.nn.Module, LoadReport]:
-    """Build and load a transformers model from ``folder`` (no offload).
+    """Load a transformers model from ``folder`` by transformers' own rules, on the mapping (no offload).
 
-    See :func:`from_pretrained`; returns the model (in eval mode) and the
-    :class:`~mapoffload.LoadReport`.
+    See :func:`from_pretrained`; returns the model (in eval mode, its
+    ``generation_config`` read from the folder as transformers reads it) and
+    the :class:`~mapoffload.LoadReport`.
     """
-    transformers = require("transformers", "mapoffload.from_pretrained")
+    require("transformers", "mapoffload.from_pretrained")
+    check_transformers_kwargs(model_kwargs)
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise FileNotFoundError(
             f"{folder!r} is not a local folder: mapoffload.from_pretrained loads local folders only "
             "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
         )
-    if config is None:
-        config_cls = transformers.AutoConfig if _is_auto(cls) else getattr(cls, "config_class", None)
-        config = (config_cls or transformers.AutoConfig).from_pretrained(folder)
+    start = time.perf_counter()
     files = checkpoint_files(folder)
-    keys = _keys.read_keys(files)
-    torch_dtype = _resolve_dtype(dtype, keys, config)
-    model = _build(cls, config, torch_dtype, model_kwargs)
-    kept_fp32 = _keep_in_fp32(model, torch_dtype)
-    if kept_fp32:
-        logger.info("%s keeps some modules in float32 under %s, as transformers does", type(model).__name__,
-                    torch_dtype)
-
-    import torch
-
-    ckpt_keys = set(keys.shapes)
-    rule, prefix = _keys.prefix_rule(model, ckpt_keys, set(model.state_dict().keys()))
-
-    if rule == "strip":  # a `bert.`-prefixed checkpoint into BertModel
-        target = torch.nn.Module()
-        target.add_module(prefix, model)
-    elif rule == "add":  # a base checkpoint into a model with a head
-        target = getattr(model, prefix)
-    else:
-        target = model
-    target_state = set(target.state_dict().keys())
-    ties = _tie_groups(target)
-    # Missing, in the target's names (a tied name is covered by any of its group).
-    missing = sorted(k for k in target_state - ckpt_keys if not any(n in ckpt_keys for n in ties.get(k, [k])))
-    unexpected = sorted(ckpt_keys - target_state)
-
-    def model_name(k: str) -> str:  # target name -> the model's own name
-        if rule == "strip":
-            return k[len(prefix) + 1:] if k.startswith(prefix + ".") else k
-        return f"{prefix}.{k}" if rule == "add" else k
-
-    missing = [model_name(k) for k in missing]
-    if rule == "add":  # the head outside the base model is missing too
-        base = {id(p) for p in target.parameters()}
-        missing += sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in base)
-    ignore_missing, ignore_unexpected = _keys.ignore_patterns(model)
-    unexpected_shown = [k for k in unexpected if not (ignore_unexpected and ignore_unexpected.search(model_name(k)))]
-    missing_shown = [k for k in missing if not (ignore_missing and ignore_missing.search(k))]
+    config = _config(cls, folder, config, model_kwargs)
+    _check_quantization(config, folder)
+    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
+    key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=dtype, config=config,
+                      extra=sorted((k, repr(v)) for k, v in model_kwargs.items()))
+    cache = ConversionCache.open(root, key)
+    if getattr(config, "quantization_config", None) is not None and cache.reused:
+        cache = ConversionCache(root, key)  # a quantizer's converters expect the stored layout: convert again
+    with driving(cache) as session:
+        model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
+                                          **model_kwargs)
+    if session.conversion_errors:
+        keys = sorted(session.conversion_errors)
+        raise KeyMismatchError(folder, f"transformers could not convert {_keys.describe_keys('', keys)}: "
+                               f"{next(iter(session.conversion_errors.values())).splitlines()[-1]}", keys)
     problems = []
-    if rule != "same":
-        logger.info("%s: checkpoint keys %s the %r prefix of %s", folder,
-                    "lose" if rule == "strip" else "gain", prefix, type(model).__name__)
-    if missing_shown:
-        problems.append(_keys.describe_keys("missing", missing_shown)
-                        + " (initialised as the model's _init_weights does)")
-    if unexpected_shown:
-        problems.append(_keys.describe_keys("unexpected", unexpected_shown) + " (not loaded)")
+    if info.get("missing_keys"):
+        problems.append(_keys.describe_keys("missing", sorted(info["missing_keys"]))
+                        + " (initialised by transformers, as its own from_pretrained does)")
+    if info.get("unexpected_keys"):
+        problems.append(_keys.describe_keys("unexpected", sorted(info["unexpected_keys"])) + " (not loaded)")
+    if info.get("mismatched_keys"):
+        problems.append(_keys.describe_keys("mismatched", sorted(k[0] for k in info["mismatched_keys"])))
     if problems:
         message = f"{folder} into {type(model).__name__}: " + "; ".join(problems)
         if strict:
-            raise KeyMismatchError(message)
+            raise KeyMismatchError(folder, message, sorted(info.get("missing_keys") or ()))
         warnings.warn(message, stacklevel=3)
-    _materialise_missing(model, missing)
-    report = load_checkpoint(target, folder, keep_mapping=keep_mapping, strict=False)
-    if rule == "strip":
-        del target._modules[prefix]
-    converted = report.copied.get("dtype", 0)
-    if converted:
-        now = {k: str(v.dtype).removeprefix("torch.") for k, v in target.state_dict().items()}
-        pairs = sorted({(keys.dtypes[k], now[k]) for k in ckpt_keys if k in now and keys.dtypes[k] != now[k]})
-        warnings.warn(_keys.describe_conversion(converted, pairs, kept_fp32 > 0, folder), stacklevel=3)
-    model.tie_weights()
+    copied = 0
+    if keep_mapping is False:
+        from ..regions import MappedRegions
+
+        copied = _copy_mapped(model, MappedRegions())
+    report = _report(model, files, info, session, keep_mapping is not False, copied, time.perf_counter() - start)
+    if report.converted_tensors:
+        logger.info("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
+                    report.converted_tensors, format_bytes(report.bytes_converted),
+                    "reused from" if report.conversion_reused else "written to", report.conversion_dir)
     model.eval()
     return model, report
+
+
+def _check_device(device: Any) -> None:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__}, "
+                           f"built with CUDA {torch.version.cuda}): pass device='cpu'")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
 
 
 def from_pretrained(
@@ -226,9 +249,17 @@ def from_pretrained(
     rest: str = "auto",
     prefetch_layers: int = 1,
     host_store: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
     **model_kwargs: Any,
 ) -> torch.nn.Module:
     """A transformers model from a local folder, on the file mapping, offloaded onto ``device``.
+
+    The model is what ``cls.from_pretrained(folder)`` builds — transformers'
+    key conversions, dtype resolution, ties, generation config and quantizer
+    run as they do there — with every weight on a file mapping: the
+    checkpoint's own, or for tensors transformers makes while loading (fused
+    experts, casts, dequantized fp8) a conversion folder written once and
+    reused (``report.conversion_dir``).
 
     Parameters
     ----------
@@ -236,29 +267,32 @@ def from_pretrained(
         A model class (``LlamaForCausalLM``) or an ``AutoModel*`` class.
     folder
         A local folder written by ``save_pretrained`` (``config.json`` and
-        safetensors files, sharded or not).
+        safetensors or PyTorch files, sharded or not).
     device
         Where the model runs (``"cuda"``, ``"cuda:N"``, ``"cpu"``); its block
         lists are streamed there by :func:`mapoffload.offload`. None: no
-        offload (the loaded model on the host).
+        offload (the loaded model on the host). Checked before any loading.
     dtype
-        ``"auto"``: the dtype the checkpoint stores (from the safetensors
-        headers; ``config.dtype`` for other files) — nothing is converted.
-        Another dtype converts (a warning says how many bytes).
+        As in transformers 5: ``"auto"`` (the config's dtype, else the
+        checkpoint's), a ``torch.dtype`` or its name. A dtype other than the
+        stored one converts, once, into the conversion folder.
     keep_mapping
-        None: with ``device`` the weights stay on the file mapping (the
-        offload then chooses each stack's host store against the budget —
-        pinned copies where they pay, on CUDA — so a copy at load time would
-        only be made twice); without ``device`` the gate decides
-        (:func:`~mapoffload.keep_checkpoint_mapped`). True keeps every
-        matching tensor on the file mapping; False copies.
+        None or True: every weight transformers maps stays on the mapping
+        (never more anonymous memory than transformers' own load). False:
+        copies into host memory.
     strict
-        Missing or unexpected keys (beyond the model's ignore lists) raise
-        :class:`KeyMismatchError` instead of a warning.
+        Missing, unexpected or mismatched keys raise :class:`KeyMismatchError`
+        instead of a warning (transformers itself initialises missing ones).
     layers, rest, prefetch_layers, host_store
         Passed to :func:`mapoffload.offload`.
+    cache_dir
+        Where converted tensors are written (default: beside the checkpoint
+        when writable, else ``~/.cache/mapoffload/converted``;
+        ``$MAPOFFLOAD_CONVERT_DIR`` overrides).
     **model_kwargs
-        Passed to the model's constructor (``attn_implementation=...``).
+        Passed to transformers' ``from_pretrained`` (``attn_implementation=``,
+        ``trust_remote_code=``…). ``device_map``/``torch_dtype`` are refused
+        with the mapoffload equivalent.
 
     Returns
     -------
@@ -269,10 +303,11 @@ def from_pretrained(
     """
     from .offload import offload
 
-    if keep_mapping is None and device is not None:
-        keep_mapping = True
+    check_transformers_kwargs(model_kwargs)
+    if device is not None:
+        _check_device(device)
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
-                                    config=config, **model_kwargs)
+                                    config=config, cache_dir=cache_dir, **model_kwargs)
     handle: OffloadHandle | None = None
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,

@@ -1,0 +1,215 @@
+"""The conversion cache: tensors transformers *makes* while it loads (experts
+stacked into one 3-D parameter, a cast to another dtype, fp8 weights
+dequantized where there is no GPU) written once, a bounded batch at a time,
+into safetensors files in the runtime layout, and mapped.
+
+A model converted this way holds no anonymous copy of its weights: at most
+:data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
+memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
+are reused by the next load of the same folder and invalidated by any change
+of the sources (file names, sizes, modification times), the model class, the
+requested dtype, the config or the transformers/torch versions: the
+fingerprint names the folder they live in.
+
+Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
+``manifest.json`` (written last, so a folder without it is an unfinished
+conversion). ``<root>`` is, in order: the ``cache_dir`` argument,
+``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
+when that folder is writable, ``$XDG_CACHE_HOME/mapoffload/converted``
+(``~/.cache/mapoffload/converted``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._log import format_bytes, logger
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = 1
+PART_BYTES = 256 << 20  # pending converted bytes written out as one part
+MANIFEST = "manifest.json"
+_ALIGN = 4096  # data start in each part: page-aligned, so every tensor maps page-aligned within its dtype order
+
+_ST_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+def default_root(folder: str) -> str:
+    """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
+    env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
+    if env:
+        return env
+    if os.access(folder, os.W_OK):
+        return os.path.join(folder, ".mapoffload-converted")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mapoffload", "converted")
+
+
+def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, extra: Any = None) -> str:
+    """A hex digest of everything a conversion's result depends on."""
+    import torch
+    import transformers
+
+    sources = []
+    for f in files:
+        st = os.stat(f)
+        sources.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
+    config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    blob = json.dumps({
+        "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
+        "class": model_class, "dtype": str(dtype), "sources": sources, "config": config_text,
+        "extra": repr(extra),
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (CPU) as one safetensors file without an in-memory copy
+    of the whole: the header (padded so the data starts page-aligned), then each
+    tensor's bytes straight from its storage, widest dtype first (every tensor
+    stays aligned to its element size)."""
+    import torch
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "mapoffload"}}
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        code = _ST_CODES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise TypeError(f"{k!r}: dtype {t.dtype} cannot be stored in a safetensors file")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    pad = (-(8 + len(text))) % _ALIGN
+    text += b" " * pad
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for k in order:
+            t = tensors[k].detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class ConversionCache:
+    """One conversion folder: parts written so far, what each target consumed."""
+
+    root: str
+    key: str
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # target -> {"file", "sources", "bytes"}
+    reused: bool = False
+    _work: str | None = None
+    _parts: int = 0
+
+    @property
+    def path(self) -> str:
+        """The folder the finished conversion lives in."""
+        return os.path.join(self.root, self.key)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of converted tensors."""
+        return sum(e["bytes"] for e in self.tensors.values())
+
+    @classmethod
+    def open(cls, root: str, key: str) -> ConversionCache:
+        """The cache for ``key`` under ``root``: reused when a finished manifest
+        matches, otherwise empty (written on :meth:`add`)."""
+        cache = cls(root, key)
+        manifest = os.path.join(cache.path, MANIFEST)
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return cache
+        except (OSError, ValueError) as exc:
+            logger.warning("conversion cache %s is unreadable (%s): converting again", manifest, exc)
+            return cache
+        if data.get("format") != FORMAT or data.get("key") != key or not isinstance(data.get("tensors"), dict):
+            logger.warning("conversion cache %s is from another version: converting again", manifest)
+            return cache
+        files = {e["file"] for e in data["tensors"].values()}
+        if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
+            logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
+            return cache
+        cache.tensors = data["tensors"]
+        cache.reused = True
+        return cache
+
+    def consumed_sources(self) -> set[str]:
+        """Checkpoint keys the cached targets were made from."""
+        return {s for e in self.tensors.values() for s in e["sources"]}
+
+    def mapped(self) -> dict[str, torch.Tensor]:
+        """Every cached target as a view of its mapped file."""
+        from ..checkpoint import _read_file
+
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for k, e in self.tensors.items():
+            by_file.setdefault(e["file"], []).append(k)
+        for name, keys in by_file.items():
+            views = _read_file(os.path.join(self.path, name))
+            out.update({k: views[k] for k in keys})
+        return out
+
+    def add(self, tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+        """Write ``tensors`` as one part; returns their mapped views."""
+        from ..checkpoint import _read_file
+
+        if self._work is None:
+            os.makedirs(self.root, exist_ok=True)
+            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+        name = f"part-{self._parts:05d}.safetensors"
+        self._parts += 1
+        path = os.path.join(self._work, name)
+        write_safetensors(path, tensors)
+        for k, t in tensors.items():
+            self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
+                               "bytes": t.numel() * t.element_size()}
+        views = _read_file(path)
+        return {k: views[k] for k in tensors}
+
+    def commit(self) -> None:
+        """Finish the conversion: the manifest, then the folder moved into place
+        (a concurrent load that finished first keeps its folder; ours goes)."""
+        if self._work is None:
+            return
+        with open(os.path.join(self._work, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
+        try:
+            os.rename(self._work, self.path)
+        except OSError:
+            if not os.path.isfile(os.path.join(self.path, MANIFEST)):
+                shutil.rmtree(self.path, ignore_errors=True)
+                os.rename(self._work, self.path)
+            else:  # another load finished the same conversion; our mapped files stay valid until unmapped
+                shutil.rmtree(self._work, ignore_errors=True)
+        self._work = None
+        logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
+
+    def abandon(self) -> None:
+        """Drop an unfinished conversion's files (mapped views stay valid)."""
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None

@@ -1,0 +1,216 @@
+"""Driving transformers' own ``from_pretrained`` with the mapping underneath.
+
+transformers 5 loads safetensors as views of the file mapping and applies its
+conversion mapping (renames, legacy names, experts fused into 3-D tensors,
+split or merged projections), its dtype plan and its quantizers on the way.
+mapoffload does not re-implement any of that: it lets transformers load, and
+watches the one place where each final tensor is set into the model
+(``core_model_loading.set_param_for_module``). A tensor set there that does
+not live on a file mapping was *made* by a conversion; the tensors of one
+conversion are written into the :class:`~._converted.ConversionCache` (a
+bounded batch at a time) and the model gets their mapped views instead, so
+anonymous memory never holds more than a batch.
+
+On a later load whose cache is complete, the checkpoint keys the cached
+tensors were made from are taken out of the state dict transformers reads and
+the cached tensors put in under their final names: nothing is converted again.
+
+The hooks are installed for the duration of one load, under a lock; another
+thread's plain transformers load in that window runs through them untouched
+(the state is thread-local).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .._log import logger
+from ._converted import PART_BYTES, ConversionCache
+
+if TYPE_CHECKING:
+    import torch
+
+_LOCK = threading.RLock()
+_STATE = threading.local()
+
+
+@dataclass
+class _Set:
+    """One tensor transformers set into the model."""
+
+    name: str
+    module: Any
+    attr: str
+
+
+@dataclass
+class Session:
+    """What one load saw: converted tensors, conversion errors, reuse."""
+
+    cache: ConversionCache
+    part_bytes: int = PART_BYTES
+    regions: Any = None
+    group: list[_Set] = field(default_factory=list)
+    group_sources: set[str] = field(default_factory=set)
+    pending: list[tuple[_Set, list[str]]] = field(default_factory=list)
+    pending_bytes: int = 0
+    conversion_errors: dict[str, str] = field(default_factory=dict)
+    reusable: bool = True
+    loads: int = 0
+
+    # -- per tensor ---------------------------------------------------------------
+
+    def start_group(self, sources: set[str]) -> None:
+        """A conversion is about to produce its outputs: close the previous one."""
+        self.close_group()
+        self.group_sources = set(sources)
+
+    def record(self, name: str, module: Any, attr: str) -> None:
+        self.group.append(_Set(name, module, attr))
+
+    def close_group(self) -> None:
+        """Spill the last conversion's outputs when any of them is not mapped
+        (all of them then: a cached output replaces its sources, which its
+        mapped siblings need too)."""
+        group, sources = self.group, self.group_sources
+        self.group, self.group_sources = [], set()
+        tensors = [(s, _current(s)) for s in group]
+        tensors = [(s, t) for s, t in tensors if t is not None and t.device.type == "cpu"]
+        if not tensors or all(self.regions.holds(t) for _, t in tensors if t.numel()):
+            return
+        if not sources:
+            self.reusable = False  # a conversion whose inputs we could not see: convert again next time
+        for s, t in tensors:
+            self.pending.append((s, sorted(sources)))
+            self.pending_bytes += t.numel() * t.element_size()
+        if self.pending_bytes >= self.part_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending converted tensors as one part and rebind their mapped views."""
+        import torch
+
+        if not self.pending:
+            return
+        tensors = {s.name: _current(s) for s, _ in self.pending}
+        sources = {s.name: src for s, src in self.pending}
+        views = self.cache.add(tensors, sources)
+        for s, _ in self.pending:
+            old = _current(s)
+            view = views[s.name]
+            if s.attr in s.module._buffers:
+                s.module._buffers[s.attr] = view
+            else:
+                p = torch.nn.Parameter(view, requires_grad=bool(old.requires_grad))
+                p._is_hf_initialized = True  # transformers must not initialise it again
+                s.module._parameters[s.attr] = p
+        del tensors, views
+        self.pending, self.pending_bytes = [], 0
+
+    def finish(self) -> None:
+        self.close_group()
+        self.flush()
+
+
+def _current(s: _Set) -> torch.Tensor | None:
+    t = s.module._buffers.get(s.attr) if s.attr in s.module._buffers else s.module._parameters.get(s.attr)
+    return None if t is None else t.detach()
+
+
+def _session() -> Session | None:
+    return getattr(_STATE, "session", None)
+
+
+# -- the hooks ---------------------------------------------------------------------
+
+
+def _wrap_convert(original):
+    def convert(self, *args, **kwargs):
+        s = _session()
+        if s is not None:
+            sources = {k for keys in getattr(self, "layer_targets", {}).values() for k in keys}
+            s.start_group(sources)
+        return original(self, *args, **kwargs)
+
+    convert.__wrapped__ = original
+    return convert
+
+
+def _wrap_set_param(original):
+    def set_param_for_module(model, target_name, param_value, loading_info, hf_quantizer):
+        original(model, target_name, param_value, loading_info, hf_quantizer)
+        s = _session()
+        if s is not None:
+            module_path, _, attr = target_name.rpartition(".")
+            module = model.get_submodule(module_path) if module_path else model
+            if attr in module._parameters or attr in module._buffers:
+                s.record(target_name, module, attr)
+
+    set_param_for_module.__wrapped__ = original
+    return set_param_for_module
+
+
+def _wrap_load(original):
+    def convert_and_load_state_dict_in_model(model, state_dict, load_config, *args, **kwargs):
+        s = _session()
+        if s is None:
+            return original(model, state_dict, load_config, *args, **kwargs)
+        from ..regions import MappedRegions
+
+        s.loads += 1
+        if s.cache.reused:
+            consumed = s.cache.consumed_sources()
+            state_dict = {k: v for k, v in state_dict.items() if k not in consumed}
+            state_dict.update(s.cache.mapped())
+        s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
+        result = original(model, state_dict, load_config, *args, **kwargs)
+        s.finish()
+        info = result[0] if isinstance(result, tuple) else result
+        s.conversion_errors.update(getattr(info, "conversion_errors", None) or {})
+        return result
+
+    convert_and_load_state_dict_in_model.__wrapped__ = original
+    return convert_and_load_state_dict_in_model
+
+
+@contextlib.contextmanager
+def driving(cache: ConversionCache, *, part_bytes: int = PART_BYTES) -> Iterator[Session]:
+    """Hooks installed for one load in this thread; yields its :class:`Session`.
+
+    On success the cache is committed (when its conversions can be reused);
+    on failure its unfinished files are dropped.
+    """
+    from transformers import core_model_loading as cml
+    from transformers import modeling_utils as mu
+
+    session = Session(cache, part_bytes=part_bytes)
+    patches = [
+        (cml, "set_param_for_module", _wrap_set_param),
+        (mu, "convert_and_load_state_dict_in_model", _wrap_load),
+        (cml.WeightConverter, "convert", _wrap_convert),
+        (cml.WeightRenaming, "convert", _wrap_convert),
+    ]
+    with _LOCK:
+        saved = []
+        for owner, name, wrap in patches:
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, original))
+            setattr(owner, name, wrap(original))
+        _STATE.session = session
+        ok = False
+        try:
+            yield session
+            ok = True
+        finally:
+            _STATE.session = None
+            for owner, name, original in reversed(saved):
+                setattr(owner, name, original)
+            if ok and session.reusable:
+                cache.commit()
+            else:
+                if ok:
+                    logger.info("a conversion's inputs were not visible: its files are not kept for reuse")
+                cache.abandon()
