@@ -48,8 +48,10 @@ def test_same_outputs_and_tokens_as_transformers(folders, kind, dtype):
     ref = cls.from_pretrained(folder).eval()
     model = mapoffload.from_pretrained(cls, folder, device="cpu", keep_mapping=True)
     report, handle = model.mapoffload_report, model.mapoffload_handle
-    # Built in the checkpoint's dtype: every byte stays on the mapping.
-    assert report.bytes_copied == 0 and report.copied == {}, report
+    # Built in the checkpoint's dtype: every byte transformers maps stays on the mapping (BERT's
+    # decoder bias is the one tensor transformers itself re-makes after loading).
+    allowed = {"made by transformers after loading"} if kind == "bert" else set()
+    assert set(report.copied) <= allowed and report.bytes_copied < 1024, report
     assert report.bytes_mapped > 0
     assert not model.training
     assert next(iter(handle.managers.values())).mapped_bytes > 0
@@ -111,17 +113,22 @@ def test_offloaded_load_stays_mapped_even_when_copies_would_fit(folders, monkeyp
     model = mapoffload.from_pretrained(cls, folder, device="cpu")
     assert model.mapoffload_report.bytes_copied == 0 and model.mapoffload_report.bytes_mapped > 0
     model.mapoffload_handle.close()
-    # Without a device the gate decides: copies fit, so it copies.
+    # Without a device too: transformers' own load maps it, so does ours (never more anonymous memory).
     plain = mapoffload.from_pretrained(cls, folder, device=None)
-    assert not plain.mapoffload_report.keep_mapping and plain.mapoffload_report.bytes_mapped == 0
+    assert plain.mapoffload_report.keep_mapping and plain.mapoffload_report.bytes_copied == 0
+    copied = mapoffload.from_pretrained(cls, folder, device=None, keep_mapping=False)
+    assert copied.mapoffload_report.bytes_mapped == 0
+    assert copied.mapoffload_report.copied == {"keep_mapping=False": copied.mapoffload_report.bytes_copied}
 
 
-def test_dtype_conversion_warns_with_bytes_and_fix(folders):
+def test_dtype_conversion_is_written_once_and_mapped(folders, caplog):
     cls, folder = folders["llama", "bfloat16"]
-    with pytest.warns(UserWarning, match=r"converted from bfloat16 to float32.*dtype='auto'") as rec:
+    with caplog.at_level("WARNING", logger="mapoffload"):
         model = mapoffload.from_pretrained(cls, folder, device=None, dtype=torch.float32, keep_mapping=True)
-    assert model.mapoffload_report.copied["dtype"] > 0
-    assert "KiB" in str(rec[0].message)
+    report = model.mapoffload_report
+    assert report.bytes_copied == 0 and report.converted_tensors > 0 and report.bytes_converted > 0
+    assert any("converted" in r.message and report.conversion_dir in r.message for r in caplog.records)
+    assert all(mapoffload.MappedRegions().classify(list(model.parameters())))
     ref = cls.from_pretrained(folder, dtype=torch.float32).eval()
     assert torch.equal(_forward(ref, "llama"), _forward(model, "llama"))
 
@@ -138,7 +145,10 @@ def test_prefixed_checkpoint_into_base_model_and_back(tmp_path):
     # The head's keys are unexpected: reported in one short line, not key by key.
     msgs = [str(w.message) for w in rec if "unexpected" in str(w.message)]
     assert len(msgs) == 1 and "common prefix 'cls.predictions.'" in msgs[0] and len(msgs[0]) < 600
-    assert base.mapoffload_report.bytes_copied == 0
+    # Only the pooler, which the checkpoint lacks, is made (by transformers, as its own load does).
+    report = base.mapoffload_report
+    assert report.missing_keys == ["pooler.dense.bias", "pooler.dense.weight"]
+    assert set(report.copied) == {"initialised by transformers (not in the checkpoint)"}
 
     base.mapoffload_handle.close()
     base.save_pretrained(tmp_path / "base")  # keys without the prefix
@@ -167,7 +177,7 @@ def test_ignore_lists_and_old_buffers(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = mapoffload.from_pretrained(transformers.BertForMaskedLM, tmp_path, device=None, keep_mapping=True)
-    assert model.mapoffload_report.unexpected_keys == ["bert.embeddings.position_ids"]
+    assert model.mapoffload_report.unexpected_keys == []  # transformers' ignore list, applied by transformers
 
 
 def test_gpt2_ignore_list_and_strict(tmp_path):
@@ -212,8 +222,8 @@ def test_offload_layers_by_path(folders):
 def test_t5_fp16_keeps_wo_in_float32_as_transformers_does(tmp_path):
     cls = save("t5", torch.float16, tmp_path, shard=None)
     ref = cls.from_pretrained(tmp_path).eval()
-    with pytest.warns(UserWarning, match="converted from float16 to float32"):
-        model = mapoffload.from_pretrained(cls, tmp_path, device="cpu", keep_mapping=True)
+    model = mapoffload.from_pretrained(cls, tmp_path, device="cpu", keep_mapping=True)
+    assert model.mapoffload_report.converted_tensors > 0  # the float32 copies of wo, in a mapped file
     model.mapoffload_handle.close()
     assert model.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
     assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in ref.named_parameters()}

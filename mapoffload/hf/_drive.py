@@ -177,7 +177,7 @@ def _wrap_load(original):
 
 
 @contextlib.contextmanager
-def driving(cache: ConversionCache, *, part_bytes: int = PART_BYTES) -> Iterator[Session]:
+def driving(cache: ConversionCache, *, part_bytes: int | None = None) -> Iterator[Session]:
     """Hooks installed for one load in this thread; yields its :class:`Session`.
 
     On success the cache is committed (when its conversions can be reused);
@@ -186,7 +186,7 @@ def driving(cache: ConversionCache, *, part_bytes: int = PART_BYTES) -> Iterator
     from transformers import core_model_loading as cml
     from transformers import modeling_utils as mu
 
-    session = Session(cache, part_bytes=part_bytes)
+    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes)
     patches = [
         (cml, "set_param_for_module", _wrap_set_param),
         (mu, "convert_and_load_state_dict_in_model", _wrap_load),

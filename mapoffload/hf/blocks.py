@@ -1,4 +1,4 @@
-"""Finding a model's repeated block lists (the stacks worth streaming)."""
+"""Finding a model's repeated block lists (the stacks worth streaming), by structure."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# A stack must hold at least this share of the model's parameter bytes (all
-# stacks together), and have at least this many blocks.
-MIN_SHARE = 0.5
 MIN_BLOCKS = 2
 
 
@@ -24,18 +21,29 @@ def _param_bytes(module: torch.nn.Module) -> int:
 
 
 def _no_split_names(model: torch.nn.Module) -> set[str]:
-    names = getattr(model, "_no_split_modules", None) or ()
-    return {str(n) for n in names}
+    names: set[str] = set()
+    for m in model.modules():  # composite models (CLIP, Llava) declare them per tower too
+        names.update(str(n) for n in (getattr(m, "_no_split_modules", None) or ()))
+    return names
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    """A block is a module built of modules (a decoder layer), not a leaf (a Linear, an activation)."""
+    return next(module.children(), None) is not None
 
 
 def find_block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
-    """The model's stacks: ``(path, ModuleList)`` of same-class blocks, in model order.
+    """The model's stacks: ``(path, ModuleList)`` of repeated blocks, in model order.
 
-    A stack is a ``ModuleList`` (or ``Sequential``) of at least two modules of
-    one class, not nested in another stack. When the model declares
-    ``_no_split_modules`` (transformers), lists of those classes are preferred;
-    otherwise every such list counts. The stacks must hold at least half of the
-    model's parameter bytes, or none is returned.
+    A stack is a ``ModuleList`` (or ``Sequential``) of at least two blocks —
+    modules built of modules — that holds parameters and is not nested in
+    another stack. Blocks may be of several classes (a hybrid's attention and
+    Mamba layers in one list). When the model declares ``_no_split_modules``
+    (transformers; composite models per tower), lists whose blocks are all of
+    those classes are preferred. Every stack found counts, whatever its share
+    of the bytes (embedding tables may be larger than all blocks together);
+    an empty answer means the model has no stack (it is then placed whole, or
+    streamed module by module, by :func:`mapoffload.offload`).
     """
     import torch
 
@@ -44,20 +52,13 @@ def find_block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleL
     for path, module in model.named_modules():
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < MIN_BLOCKS:
             continue
-        classes = {type(m) for m in module}
-        if len(classes) != 1:
-            continue
         if any(path.startswith(p + ".") for p, _ in candidates):
             continue  # nested inside a stack already found
-        if _param_bytes(module) == 0:
+        if not all(_is_block(m) for m in module) or _param_bytes(module) == 0:
             continue
         candidates.append((path, module))
     if no_split:
-        preferred = [(p, m) for p, m in candidates if type(m[0]).__name__ in no_split]
+        preferred = [(p, m) for p, m in candidates if all(type(b).__name__ in no_split for b in m)]
         if preferred:
             candidates = preferred
-    total = _param_bytes(model)
-    held = sum(_param_bytes(m) for _, m in candidates)
-    if not candidates or total == 0 or held < MIN_SHARE * total:
-        return []
     return candidates

@@ -51,10 +51,8 @@ def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]
     if isinstance(layers, str) and layers == "auto":
         found = find_block_lists(model)
         if not found:
-            raise ValueError(
-                f"{type(model).__name__}: found no repeated block list holding most of the parameters; "
-                "pass layers='path.to.blocks' (or a list of paths)"
-            )
+            logger.info("%s has no repeated block list: everything is the rest (placed, or streamed "
+                        "module by module when it does not fit)", type(model).__name__)
         return found
     if isinstance(layers, (str, torch.nn.ModuleList, torch.nn.Sequential)):
         layers = [layers]
@@ -154,7 +152,10 @@ def _rest_tensors(model: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, st
 
 
 def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Module]:
-    """Modules that directly hold rest parameters no other module holds."""
+    """Leaf modules (no submodules) that directly hold rest parameters no other
+    module holds. A parameter held by a module with submodules (CLIP's
+    ``logit_scale``, ViT's ``cls_token``) is placed, not streamed: a unit's
+    hooks would wrap the whole subtree."""
     holders: dict[int, list[torch.nn.Module]] = {}
     ids = {id(p) for p in params}
     for module in model.modules():
@@ -164,7 +165,7 @@ def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Mod
     shared = {id(m) for ms in holders.values() if len(ms) > 1 for m in ms}
     owners: dict[int, torch.nn.Module] = {}
     for ms in holders.values():
-        if len(ms) == 1 and id(ms[0]) not in shared:
+        if len(ms) == 1 and id(ms[0]) not in shared and next(ms[0].children(), None) is None:
             owners[id(ms[0])] = ms[0]
     return list(owners.values())
 

@@ -91,10 +91,11 @@ def _check_quantization(config: Any, folder: str) -> None:
 
 
 def _storages(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer, each storage once (first name wins)."""
+    """The state dict's tensors (parameters and persistent buffers: what a
+    checkpoint holds), each storage once (first name wins)."""
     seen: set[tuple[int, int]] = set()
     out = []
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+    for name, t in model.state_dict(keep_vars=True).items():
         if t is None or t.device.type != "cpu" or not t.numel():
             continue
         key = (t.untyped_storage().data_ptr(), t.data_ptr())
@@ -138,15 +139,11 @@ def _report(model: torch.nn.Module, files: list[str], info: dict, session: Any, 
             report.bytes_mapped += n
             continue
         report.bytes_copied += n
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        reason = ("buffer (built by the model)" if attr in module._buffers and name not in missing
-                  else "initialised by transformers (not in the checkpoint)" if name in missing
-                  else "not mapped")
+        reason = "initialised by transformers (not in the checkpoint)" if name in missing else "made by transformers after loading"
         report.copied[reason] = report.copied.get(reason, 0) + n
     if copied_by_request:
         report.copied["keep_mapping=False"] = copied_by_request
-        report.copied.pop("not mapped", None)
+        report.copied.pop("made by transformers after loading", None)
     cache = session.cache
     report.converted_tensors = len(cache.tensors)
     report.bytes_converted = cache.bytes
@@ -218,7 +215,7 @@ def load_pretrained(
         copied = _copy_mapped(model, MappedRegions())
     report = _report(model, files, info, session, keep_mapping is not False, copied, time.perf_counter() - start)
     if report.converted_tensors:
-        logger.info("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
+        (logger.info if report.conversion_reused else logger.warning)("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
                     report.converted_tensors, format_bytes(report.bytes_converted),
                     "reused from" if report.conversion_reused else "written to", report.conversion_dir)
     model.eval()

