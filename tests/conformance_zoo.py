@@ -110,6 +110,11 @@ def zoo() -> dict[str, tuple[Callable[[], Any], str]]:
                     text_config=dict(_dec(), model_type="llama"),
                     vision_config=dict(_vit(), model_type="clip_vision_model", projection_dim=16),
                     image_token_index=95, vision_feature_layer=-1), "llava"),
+        "qwen2_vl": (c("Qwen2VLForConditionalGeneration", "Qwen2VLConfig",
+                       text_config=dict(_dec(), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+                       vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
+                                          patch_size=2, spatial_merge_size=2, temporal_patch_size=2),
+                       image_token_id=90, video_token_id=91, vision_start_token_id=92), "qwen2_vl"),
         # hybrids
         "jamba": (c("JambaForCausalLM", "JambaConfig", **_dec(
             num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -158,6 +163,10 @@ def inputs(kind: str, config: Any) -> dict[str, torch.Tensor]:
     if kind == "whisper":
         return {"input_features": torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, generator=g),
                 "decoder_input_ids": ids[:, :4]}
+    if kind == "qwen2_vl":  # one 4x4-patch image, merged 2x2 into 4 image tokens
+        ids = torch.tensor([[1, config.vision_start_token_id] + [config.image_token_id] * 4 + [5, 9]])
+        return {"input_ids": ids, "pixel_values": torch.randn(16, 3 * 2 * 2 * 2, generator=g),
+                "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == config.image_token_id).long()}
     vc = getattr(config, "vision_config", config)
     pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=g)
     if kind == "vision":
@@ -177,3 +186,42 @@ def first_output(out: Any) -> torch.Tensor:
         if t is not None:
             return t
     raise AttributeError(type(out).__name__)
+
+
+def to_fp8(folder: str, block: int = 128) -> None:
+    """Rewrite a saved model in the fine-grained FP8 layout (DeepSeek-V3, Qwen3-FP8):
+    every 2-D projection weight as ``float8_e4m3fn`` codes with a
+    ``weight_scale_inv`` per ``block``×``block`` tile (ragged at the edges),
+    ``quantization_config`` in config.json."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    out = {}
+    for k, v in state.items():
+        if not (k.endswith("proj.weight") or ".experts." in k and k.endswith(".weight")) or v.dim() != 2:
+            out[k] = v
+            continue
+        w = v.float()
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        scale = torch.empty(rows, cols)
+        codes = torch.empty_like(w)
+        for i in range(rows):
+            for j in range(cols):
+                tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                s = tile.abs().max().clamp(min=1e-12) / 448.0
+                scale[i, j] = s
+                codes[i * block:(i + 1) * block, j * block:(j + 1) * block] = tile / s
+        out[k] = codes.to(torch.float8_e4m3fn)
+        out[k + "_scale_inv"] = scale
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
+                                  "activation_scheme": "dynamic"}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)

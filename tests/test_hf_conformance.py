@@ -82,7 +82,7 @@ def test_same_as_transformers(tmp_path, arch):
 
 def test_the_matrix_is_wide():
     kinds = {k for _, k in zoo().values()}
-    assert len(ARCHS) >= 25 and {"causal", "encoder", "seq2seq", "vision", "clip", "llava"} <= kinds
+    assert len(ARCHS) >= 25 and {"causal", "encoder", "seq2seq", "vision", "clip", "llava", "qwen2_vl"} <= kinds
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "t5", "clip"])
@@ -195,3 +195,26 @@ def test_real_minilm_with_defaults():
         assert torch.equal(ref(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
     assert model.mapoffload_handle.managers  # its encoder layers are streamed
     model.mapoffload_handle.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch):
+    pytest.importorskip("accelerate")  # transformers' fp8 quantizer needs it
+    from conformance_zoo import to_fp8
+
+    cls, kind = build(arch, str(tmp_path), dtype=torch.bfloat16)
+    to_fp8(str(tmp_path))
+    model = _check(cls, kind, str(tmp_path))
+    report = model.mapoffload_report
+    # Without a GPU transformers dequantizes on load: those weights are written once, mapped.
+    assert report.converted_tensors > 0 and report.bytes_copied < 1024
+    assert all(MappedRegions().classify(list(model.parameters())))
+
+
+def test_custom_code_folder_is_refused_without_trust_remote_code(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "tiny-custom", "architectures": ["TinyCustomModel"],
+        "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModel": "modeling_tiny.TinyCustomModel"}}))
+    (tmp_path / "configuration_tiny.py").write_text("raise SystemExit('custom code ran')\n")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        mapoffload.from_pretrained(transformers.AutoModel, str(tmp_path), device="cpu")

@@ -179,8 +179,8 @@ def load_pretrained(
             "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
         )
     start = time.perf_counter()
+    config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
     files = checkpoint_files(folder)
-    config = _config(cls, folder, config, model_kwargs)
     _check_quantization(config, folder)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
     key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=dtype, config=config,
