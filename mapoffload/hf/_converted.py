@@ -15,7 +15,8 @@ Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
 conversion). ``<root>`` is, in order: the ``cache_dir`` argument,
 ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
-when that folder is writable, ``$XDG_CACHE_HOME/mapoffload/converted``
+when that folder is writable and not a hub cache snapshot,
+``$XDG_CACHE_HOME/mapoffload/converted``
 (``~/.cache/mapoffload/converted``).
 """
 
@@ -48,10 +49,13 @@ _ST_CODES = {
 
 def default_root(folder: str) -> str:
     """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
+    from .._files import _hub_blobs
+
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:
         return env
-    if os.access(folder, os.W_OK):
+    # Never inside a hub cache snapshot: the hub manages those folders.
+    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None:
         return os.path.join(folder, ".mapoffload-converted")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mapoffload", "converted")
@@ -183,7 +187,12 @@ class ConversionCache:
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
-        write_safetensors(path, tensors)
+        try:
+            write_safetensors(path, tensors)
+        except OSError as exc:
+            size = format_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
+            raise OSError(exc.errno, f"writing converted weights ({size}) to {path}: {exc.strerror or exc}; "
+                          "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
                                "bytes": t.numel() * t.element_size()}

@@ -1,0 +1,99 @@
+"""The conversion cache behind from_pretrained: where it goes, ahead-of-time
+conversion, damaged or stale folders, write failures, the safetensors it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mapoffload  # noqa: E402
+from conformance_zoo import build  # noqa: E402
+from mapoffload.hf import _converted  # noqa: E402
+from mapoffload.hf.convert import convert_pretrained, model_class_for  # noqa: E402
+
+
+def test_ahead_of_time_conversion_is_reused(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path))
+    assert model_class_for(str(tmp_path)) is cls
+    report = convert_pretrained(str(tmp_path))
+    assert report.converted_tensors == 4 and not report.conversion_reused
+    model = mapoffload.from_pretrained(cls, str(tmp_path), device=None)
+    assert model.mapoffload_report.conversion_reused
+    assert model.mapoffload_report.conversion_dir == report.conversion_dir
+
+
+def test_convert_refuses_a_folder_without_config(tmp_path):
+    with pytest.raises(mapoffload.CheckpointError, match="config.json"):
+        convert_pretrained(str(tmp_path))
+
+
+def test_default_root_beside_the_checkpoint_env_and_hub(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAPOFFLOAD_CONVERT_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    plain = tmp_path / "model"
+    plain.mkdir()
+    assert _converted.default_root(str(plain)) == str(plain / ".mapoffload-converted")
+    snap = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    assert _converted.default_root(str(snap)) == str(tmp_path / "xdg" / "mapoffload" / "converted")
+    monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", str(tmp_path / "env"))
+    assert _converted.default_root(str(plain)) == str(tmp_path / "env")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other-key", "missing-part"])
+def test_a_damaged_conversion_folder_is_converted_again(tmp_path, damage):
+    cls, _ = build("mixtral", str(tmp_path))
+    first = convert_pretrained(str(tmp_path))
+    manifest = os.path.join(first.conversion_dir, _converted.MANIFEST)
+    if damage == "garbage":
+        with open(manifest, "w") as f:
+            f.write("{not json")
+    elif damage == "other-key":
+        data = json.load(open(manifest))
+        data["key"] = "0" * 24
+        json.dump(data, open(manifest, "w"))
+    else:
+        os.remove(os.path.join(first.conversion_dir, "part-00000.safetensors"))
+    model = mapoffload.from_pretrained(cls, str(tmp_path), device=None)
+    assert not model.mapoffload_report.conversion_reused and model.mapoffload_report.converted_tensors == 4
+    ref = cls.from_pretrained(str(tmp_path)).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+
+
+def test_a_write_failure_names_the_folder_and_leaves_nothing(tmp_path, monkeypatch):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+
+    def full(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_converted, "write_safetensors", full)
+    cache = tmp_path / "cache"
+    with pytest.raises(OSError, match=r"writing converted weights .* to .*cache.*cache_dir="):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(cache))
+    assert os.listdir(cache) == []  # the unfinished folder is gone
+
+
+def test_written_files_are_valid_safetensors_for_every_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {
+        "a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(10, dtype=torch.int64),
+        "d": torch.randn(4, 4).to(torch.float8_e4m3fn), "e": torch.ones(2, dtype=torch.bool),
+        "f": torch.randn(6, 4).t(),  # not contiguous
+        "g": torch.empty(0, 3),
+    }
+    path = str(tmp_path / "x.safetensors")
+    _converted.write_safetensors(path, tensors)
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.contiguous().view(torch.uint8))
+    with open(path, "rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % 4096 == 0  # data page-aligned
