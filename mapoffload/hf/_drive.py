@@ -1,4 +1,4 @@
-"""Driving transformers' own ``from_pretrained`` with the mapping underneath.
+"""Driving transformers' (and diffusers') own ``from_pretrained`` with the mapping underneath.
 
 transformers 5 loads safetensors as views of the file mapping and applies its
 conversion mapping (renames, legacy names, experts fused into 3-D tensors,
@@ -14,6 +14,10 @@ anonymous memory never holds more than a batch.
 On a later load whose cache is complete, the checkpoint keys the cached
 tensors were made from are taken out of the state dict transformers reads and
 the cached tensors put in under their final names: nothing is converted again.
+
+diffusers' models load the same way through the one call that sets each
+tensor (accelerate's ``set_module_tensor_to_device``): a tensor it set that is
+not on a mapping was cast, and is written out and mapped the same way.
 
 The hooks are installed for the duration of one load, under a lock; another
 thread's plain transformers load in that window runs through them untouched
@@ -176,26 +180,83 @@ def _wrap_load(original):
     return convert_and_load_state_dict_in_model
 
 
-@contextlib.contextmanager
-def driving(cache: ConversionCache, *, part_bytes: int | None = None) -> Iterator[Session]:
-    """Hooks installed for one load in this thread; yields its :class:`Session`.
-
-    On success the cache is committed (when its conversions can be reused);
-    on failure its unfinished files are dropped.
-    """
+def transformers_hooks() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, wrapper factory) for transformers' loading."""
     from transformers import core_model_loading as cml
     from transformers import modeling_utils as mu
 
-    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes)
-    patches = [
+    return [
         (cml, "set_param_for_module", _wrap_set_param),
         (mu, "convert_and_load_state_dict_in_model", _wrap_load),
         (cml.WeightConverter, "convert", _wrap_convert),
         (cml.WeightRenaming, "convert", _wrap_convert),
     ]
+
+
+def _wrap_set_tensor(original):
+    """diffusers (through accelerate) sets each tensor with one call; a cast or
+    conversion made it when it is not on a mapping. Its source is its own key."""
+
+    def set_module_tensor_to_device(module, tensor_name, *args, **kwargs):
+        result = original(module, tensor_name, *args, **kwargs)
+        s = _session()
+        if s is not None:
+            owner_path, _, attr = tensor_name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            s.start_group({tensor_name})
+            s.record(tensor_name, owner, attr)
+        return result
+
+    set_module_tensor_to_device.__wrapped__ = original
+    return set_module_tensor_to_device
+
+
+def _wrap_load_dict(original):
+    def load_model_dict_into_meta(model, state_dict, *args, **kwargs):
+        s = _session()
+        if s is None:
+            return original(model, state_dict, *args, **kwargs)
+        from ..regions import MappedRegions
+
+        s.loads += 1
+        if s.cache.reused:
+            cached = s.cache.mapped()
+            state_dict = type(state_dict)((k, cached.get(k, v)) for k, v in state_dict.items())
+        s.regions = MappedRegions()
+        result = original(model, state_dict, *args, **kwargs)
+        s.finish()
+        return result
+
+    load_model_dict_into_meta.__wrapped__ = original
+    return load_model_dict_into_meta
+
+
+def diffusers_hooks() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, wrapper factory) for diffusers' model loading."""
+    from diffusers.models import model_loading_utils as mlu
+    from diffusers.models import modeling_utils as dmu
+
+    hooks = [(mlu, "set_module_tensor_to_device", _wrap_set_tensor)]
+    for owner in (mlu, dmu):
+        if hasattr(owner, "load_model_dict_into_meta"):
+            hooks.append((owner, "load_model_dict_into_meta", _wrap_load_dict))
+    return hooks
+
+
+@contextlib.contextmanager
+def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = None, *,
+            part_bytes: int | None = None) -> Iterator[Session]:
+    """Hooks (default: transformers') installed for one load in this thread;
+    yields its :class:`Session`.
+
+    On success the cache is committed (when its conversions can be reused);
+    on failure its unfinished files are dropped.
+    """
+    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes)
+    hooks = transformers_hooks() if hooks is None else hooks
     with _LOCK:
         saved = []
-        for owner, name, wrap in patches:
+        for owner, name, wrap in hooks:
             original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             saved.append((owner, name, original))
             setattr(owner, name, wrap(original))

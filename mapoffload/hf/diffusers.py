@@ -8,13 +8,13 @@ device=...)`` is the first (the class first, as in
 :func:`mapoffload.from_pretrained`) and ``offload_pipeline(pipe, device=...)``
 the second, for a pipeline the user already has.
 
-Each model component of ``model_index.json`` is built on meta in the dtype
-its checkpoint stores and loaded on the file mapping when the gate says host
-copies would not fit (:func:`~mapoffload.keep_checkpoint_mapped`, asked once
-per component under the component's name; the gate measures available memory
-each time, so the copies of earlier components count against later ones).
-transformers components (text encoders) go through
-:func:`~mapoffload.hf.transformers.load_pretrained` and its key conventions.
+Each model component of ``model_index.json`` is loaded by its own library's
+``from_pretrained`` — diffusers models by diffusers (its key conversions,
+``_keep_in_fp32_modules``), text encoders by
+:func:`~mapoffload.hf.transformers.load_pretrained` — in the dtype its
+checkpoint stores (``dtype="auto"``), with every weight left on the file
+mapping: the checkpoint's own, or for what the loader casts or converts a
+conversion folder written once and mapped. ``keep_mapping=False`` copies.
 Offloading streams each component's block lists (:func:`find_block_lists`:
 Flux's ``transformer_blocks`` + ``single_transformer_blocks``, SD3's
 ``transformer_blocks``, a text encoder's layers; a UNet's ``down_blocks`` and
@@ -23,18 +23,19 @@ Flux's ``transformer_blocks`` + ``single_transformer_blocks``, SD3's
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._files import checkpoint_bytes, checkpoint_files
+from .._files import checkpoint_files
 from .._log import logger
-from ..checkpoint import LoadReport, empty_weights, keep_checkpoint_mapped, load_checkpoint
+from ..checkpoint import LoadReport
 from . import _keys
+from ._converted import ConversionCache, default_root, fingerprint
+from ._drive import diffusers_hooks, driving
+from ._report import copy_mapped, load_report
 from ._extras import require
 from .blocks import find_block_lists
 from .offload import OffloadHandle, offload
@@ -143,36 +144,6 @@ def offload_pipeline(
 # --- loading ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build in ``dtype`` as diffusers does (``_set_default_torch_dtype``):
-    floating tensors the constructor makes come out in it."""
-    import torch
-
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-def _keep_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``_keep_in_fp32_modules`` parameters rebuilt on meta in float32, as diffusers loads them."""
-    import torch
-
-    keep = getattr(type(model), "_keep_in_fp32_modules", None)
-    if not keep or dtype == torch.float32:
-        return
-    keep = [keep] if isinstance(keep, str) else list(keep)
-    for mod_name, module in model.named_modules():
-        for attr, p in list(module._parameters.items()):
-            full = f"{mod_name}.{attr}" if mod_name else attr
-            if p is not None and p.is_floating_point() and any(k in full.split(".") for k in keep):
-                module._parameters[attr] = torch.nn.Parameter(
-                    torch.empty(p.shape, dtype=torch.float32, device="meta"), requires_grad=p.requires_grad)
-
-
 def _resolve(dtype: Any, keys: _keys.CheckpointKeys) -> torch.dtype:
     import torch
 
@@ -187,27 +158,39 @@ def _resolve(dtype: Any, keys: _keys.CheckpointKeys) -> torch.dtype:
     return getattr(torch, stored) if stored else torch.float32
 
 
-def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
-                          keep_mapping: bool | None) -> tuple[torch.nn.Module, LoadReport]:
-    """A diffusers ``ModelMixin`` from its sub-folder, built on meta, loaded mapped."""
-    keys = _keys.read_keys(checkpoint_files(folder))
-    torch_dtype = _resolve(dtype, keys)
+def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_mapping: bool | None,
+                          cache_dir: str | os.PathLike | None = None) -> tuple[torch.nn.Module, LoadReport]:
+    """A diffusers ``ModelMixin`` from its sub-folder, loaded by diffusers' own
+    ``from_pretrained`` (its key conversions, ``_keep_in_fp32_modules``) in the
+    resolved dtype; what it casts is written once into the conversion folder
+    and mapped (:mod:`._drive`)."""
+    import time
+
+    start = time.perf_counter()
+    files = checkpoint_files(folder)
+    torch_dtype = _resolve(dtype, _keys.read_keys(files))
     config = cls.load_config(folder)
-    with empty_weights(), _default_dtype(torch_dtype):
-        model = cls.from_config(config)
-    _keep_fp32(model, torch_dtype)
-    report = load_checkpoint(model, folder, keep_mapping=keep_mapping, strict=False)
+    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
+    key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=torch_dtype, config=config)
+    cache = ConversionCache.open(root, key)
+    with driving(cache, diffusers_hooks()) as _session, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated")
+        model, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, low_cpu_mem_usage=True,
+                                          output_loading_info=True)
     problems = []
-    if report.missing_keys:
-        problems.append(_keys.describe_keys("missing", report.missing_keys) + " (buffers: kept as built)")
-    if report.unexpected_keys:
-        problems.append(_keys.describe_keys("unexpected", report.unexpected_keys) + " (not loaded)")
+    if info.get("missing_keys"):
+        problems.append(_keys.describe_keys("missing", sorted(info["missing_keys"])) + " (initialised by diffusers)")
+    if info.get("unexpected_keys"):
+        problems.append(_keys.describe_keys("unexpected", sorted(info["unexpected_keys"])) + " (not loaded)")
     if problems:
         warnings.warn(f"{folder} into {name} ({cls.__name__}): " + "; ".join(problems), stacklevel=4)
-    converted = report.copied.get("dtype", 0)
-    if converted:
-        warnings.warn(_keys.describe_conversion(converted, [], False, folder), stacklevel=4)
-    model.register_to_config(_name_or_path=folder)
+    copied = 0
+    if keep_mapping is False:
+        from ..regions import MappedRegions
+
+        copied = copy_mapped(model, MappedRegions())
+    report = load_report(model, files, info, cache, keep_mapping is not False, copied, time.perf_counter() - start,
+                         maker="diffusers")
     model.eval()
     return model, report
 
@@ -236,6 +219,7 @@ def load_pipeline(
     *,
     dtype: Any = "auto",
     keep_mapping: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
     **components: Any,
 ) -> tuple[Any, dict[str, LoadReport]]:
     """Load a pipeline folder with every model component on the file mapping (no offload).
@@ -278,16 +262,13 @@ def load_pipeline(
             kwargs[name] = comp_cls.from_pretrained(sub)  # scheduler, tokenizer, feature extractor
             continue
         component_dtype = dtype.get(name, "auto") if isinstance(dtype, dict) else dtype
-        keep = keep_mapping
-        if keep is None:  # the gate, under the component's name
-            keep = keep_checkpoint_mapped(weight_bytes=checkpoint_bytes(sub),
-                                          component=f"{name} ({class_name})")
         if library == "transformers":
             from .transformers import load_pretrained
 
-            model, report = load_pretrained(comp_cls, sub, dtype=component_dtype, keep_mapping=keep)
+            model, report = load_pretrained(comp_cls, sub, dtype=component_dtype, keep_mapping=keep_mapping,
+                                            cache_dir=cache_dir)
         else:
-            model, report = _load_diffusers_model(comp_cls, sub, name, component_dtype, keep)
+            model, report = _load_diffusers_model(comp_cls, sub, name, component_dtype, keep_mapping, cache_dir)
         kwargs[name] = model
         reports[name] = report
     for name, value in components.items():
@@ -308,6 +289,7 @@ def pipeline_from_pretrained(
     prefetch_layers: int = 1,
     host_store: str | None = None,
     rest: str = "auto",
+    cache_dir: str | os.PathLike | None = None,
     **components: Any,
 ) -> Any:
     """A diffusers pipeline from a local folder, on the file mapping, offloaded onto ``device``.
@@ -324,10 +306,13 @@ def pipeline_from_pretrained(
         Where the pipeline runs; None: no offload (the loaded pipeline on the host).
     dtype
         ``"auto"``: each component in the dtype its checkpoint stores (nothing
-        converted); a dtype, or a dict ``{component: dtype}``, converts (a
-        warning says how many bytes).
+        converted); a dtype, or a dict ``{component: dtype}``, converts, once,
+        into the conversion folder (``report.conversion_dir``).
     keep_mapping
-        None: the gate decides per component; True/False for all.
+        None or True: every weight on a file mapping (never more anonymous
+        memory than diffusers' own load); False: copies into host memory.
+    cache_dir
+        Where converted tensors go (see :func:`mapoffload.from_pretrained`).
     prefetch_layers, host_store, rest
         Passed to :func:`offload_pipeline`.
     **components
@@ -341,7 +326,8 @@ def pipeline_from_pretrained(
         :class:`~mapoffload.LoadReport`; ``pipe.mapoffload_handle`` is the
         :class:`PipelineOffloadHandle` (``summary()``, ``close()``) or None.
     """
-    pipe, reports = load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, **components)
+    pipe, reports = load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
+                                  **components)
     handle = None
     if device is not None:
         handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,

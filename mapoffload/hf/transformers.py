@@ -25,6 +25,7 @@ from ..checkpoint import LoadReport
 from . import _keys
 from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import driving
+from ._report import copy_mapped, load_report
 from ._extras import require
 
 if TYPE_CHECKING:
@@ -90,69 +91,6 @@ def _check_quantization(config: Any, folder: str) -> None:
         )
 
 
-def _storages(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The state dict's tensors (parameters and persistent buffers: what a
-    checkpoint holds), each storage once (first name wins)."""
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for name, t in model.state_dict(keep_vars=True).items():
-        if t is None or t.device.type != "cpu" or not t.numel():
-            continue
-        key = (t.untyped_storage().data_ptr(), t.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            out.append((name, t.detach()))
-    return out
-
-
-def _copy_mapped(model: torch.nn.Module, regions: Any) -> int:
-    """keep_mapping=False: every mapped parameter and buffer copied into host memory."""
-    copied = 0
-    done: dict[int, Any] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for attr, t in table.items():
-                if t is None or t.device.type != "cpu" or not regions.holds(t):
-                    continue
-                if id(t) not in done:
-                    done[id(t)] = t.detach().clone()
-                    copied += t.numel() * t.element_size()
-                if table is module._parameters:
-                    t.data = done[id(t)]
-                else:
-                    table[attr] = done[id(t)]
-    return copied
-
-
-def _report(model: torch.nn.Module, files: list[str], info: dict, session: Any, keep_mapping: bool,
-            copied_by_request: int, seconds: float) -> LoadReport:
-    from ..regions import MappedRegions
-
-    tensors = _storages(model)
-    held = MappedRegions().classify([t for _, t in tensors])
-    missing = set(info.get("missing_keys") or ())
-    report = LoadReport(files=list(files), keep_mapping=keep_mapping, tensors=len(tensors),
-                        missing_keys=sorted(missing), unexpected_keys=sorted(info.get("unexpected_keys") or ()))
-    for (name, t), mapped in zip(tensors, held):
-        n = t.numel() * t.element_size()
-        if mapped:
-            report.bytes_mapped += n
-            continue
-        report.bytes_copied += n
-        reason = "initialised by transformers (not in the checkpoint)" if name in missing else "made by transformers after loading"
-        report.copied[reason] = report.copied.get(reason, 0) + n
-    if copied_by_request:
-        report.copied["keep_mapping=False"] = copied_by_request
-        report.copied.pop("made by transformers after loading", None)
-    cache = session.cache
-    report.converted_tensors = len(cache.tensors)
-    report.bytes_converted = cache.bytes
-    report.conversion_dir = cache.path if cache.tensors else None
-    report.conversion_reused = cache.reused
-    report.seconds = seconds
-    return report
-
-
 def load_pretrained(
     cls: Any,
     folder: str | os.PathLike,
@@ -212,8 +150,9 @@ def load_pretrained(
     if keep_mapping is False:
         from ..regions import MappedRegions
 
-        copied = _copy_mapped(model, MappedRegions())
-    report = _report(model, files, info, session, keep_mapping is not False, copied, time.perf_counter() - start)
+        copied = copy_mapped(model, MappedRegions())
+    report = load_report(model, files, info, session.cache, keep_mapping is not False, copied,
+                         time.perf_counter() - start, maker="transformers")
     if report.converted_tensors:
         (logger.info if report.conversion_reused else logger.warning)("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
                     report.converted_tensors, format_bytes(report.bytes_converted),

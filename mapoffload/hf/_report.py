@@ -1,0 +1,79 @@
+"""What a load by transformers' or diffusers' own loader left where: the
+:class:`~mapoffload.LoadReport` measured from the model, and the copy that
+``keep_mapping=False`` asks for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..checkpoint import LoadReport
+from ._converted import ConversionCache
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _storages(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The state dict's tensors (parameters and persistent buffers: what a
+    checkpoint holds), each storage once (first name wins)."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t is None or t.device.type != "cpu" or not t.numel():
+            continue
+        key = (t.untyped_storage().data_ptr(), t.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            out.append((name, t.detach()))
+    return out
+
+
+def copy_mapped(model: torch.nn.Module, regions: Any) -> int:
+    """keep_mapping=False: every mapped parameter and buffer copied into host memory."""
+    copied = 0
+    done: dict[int, Any] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is None or t.device.type != "cpu" or not regions.holds(t):
+                    continue
+                if id(t) not in done:
+                    done[id(t)] = t.detach().clone()
+                    copied += t.numel() * t.element_size()
+                if table is module._parameters:
+                    t.data = done[id(t)]
+                else:
+                    table[attr] = done[id(t)]
+    return copied
+
+
+def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: ConversionCache, keep_mapping: bool,
+                copied_by_request: int, seconds: float, *, maker: str) -> LoadReport:
+    """The :class:`LoadReport` of a load by transformers or diffusers, from the
+    model as it is (classified with one ``MappedRegions`` snapshot): every
+    anonymous state-dict byte under a reason."""
+    from ..regions import MappedRegions
+
+    tensors = _storages(model)
+    held = MappedRegions().classify([t for _, t in tensors])
+    missing = set(info.get("missing_keys") or ())
+    report = LoadReport(files=list(files), keep_mapping=keep_mapping, tensors=len(tensors),
+                        missing_keys=sorted(missing), unexpected_keys=sorted(info.get("unexpected_keys") or ()))
+    for (name, t), mapped in zip(tensors, held):
+        n = t.numel() * t.element_size()
+        if mapped:
+            report.bytes_mapped += n
+            continue
+        report.bytes_copied += n
+        reason = (f"initialised by {maker} (not in the checkpoint)" if name in missing
+                  else f"made by {maker} after loading")
+        report.copied[reason] = report.copied.get(reason, 0) + n
+    if copied_by_request:
+        report.copied["keep_mapping=False"] = copied_by_request
+        report.copied.pop(f"made by {maker} after loading", None)
+    report.converted_tensors = len(cache.tensors)
+    report.bytes_converted = cache.bytes
+    report.conversion_dir = cache.path if cache.tensors else None
+    report.conversion_reused = cache.reused
+    report.seconds = seconds
+    return report
