@@ -97,3 +97,67 @@ def test_written_files_are_valid_safetensors_for_every_dtype(tmp_path):
         assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.contiguous().view(torch.uint8))
     with open(path, "rb") as f:
         assert (8 + int.from_bytes(f.read(8), "little")) % 4096 == 0  # data page-aligned
+
+
+def test_a_manifest_naming_files_outside_its_folder_is_ignored(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path))
+    first = convert_pretrained(str(tmp_path))
+    manifest = os.path.join(first.conversion_dir, _converted.MANIFEST)
+    data = json.load(open(manifest))
+    outside = tmp_path / "elsewhere.safetensors"
+    os.rename(os.path.join(first.conversion_dir, "part-00000.safetensors"), outside)
+    for entry in data["tensors"].values():
+        entry["file"] = "../../elsewhere.safetensors"
+    json.dump(data, open(manifest, "w"))
+    report = convert_pretrained(str(tmp_path))
+    assert not report.conversion_reused and report.converted_tensors == 4
+
+
+def test_an_interrupted_conversion_restores_transformers_and_leaves_nothing(tmp_path, monkeypatch):
+    from transformers import core_model_loading, modeling_utils
+
+    originals = (core_model_loading.set_param_for_module, modeling_utils.convert_and_load_state_dict_in_model,
+                 core_model_loading.WeightConverter.convert)
+    cls, kind = build("mixtral", str(tmp_path / "m"))
+
+    def interrupted(path, tensors):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(_converted, "write_safetensors", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "c"))
+    assert (core_model_loading.set_param_for_module, modeling_utils.convert_and_load_state_dict_in_model,
+            core_model_loading.WeightConverter.convert) == originals
+    assert os.listdir(tmp_path / "c") == []
+    model = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "c"))
+    assert model.mapoffload_report.converted_tensors == 4
+
+
+def test_another_threads_plain_transformers_load_is_untouched(tmp_path, monkeypatch):
+    import threading
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    entered, release = threading.Event(), threading.Event()
+    real = _converted.write_safetensors
+
+    def slow(path, tensors):
+        entered.set()
+        assert release.wait(60)
+        real(path, tensors)
+
+    monkeypatch.setattr(_converted, "write_safetensors", slow)
+    out = {}
+    ours = threading.Thread(target=lambda: out.setdefault("m", mapoffload.from_pretrained(
+        cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "c"))))
+    ours.start()
+    try:
+        assert entered.wait(60)  # our load is inside transformers, its hooks installed
+        plain = cls.from_pretrained(str(tmp_path / "m"))  # transformers' own, in this thread
+    finally:
+        release.set()
+        ours.join(60)
+    experts = [p for n, p in plain.named_parameters() if "experts" in n and p.dim() == 3]
+    assert experts and not any(mapoffload.MappedRegions().classify(experts))  # transformers' own fusing
+    assert out["m"].mapoffload_report.converted_tensors == 4
+    assert len([f for f in os.listdir(out["m"].mapoffload_report.conversion_dir) if f.startswith("part-")]) == 1

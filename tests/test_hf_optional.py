@@ -37,3 +37,21 @@ def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingExtraError, match=r'pip install "mapoffload\[hf\]"'):
         mapoffload.from_pretrained(object, tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("first", [
+    "import mapoffload.offload",
+    "from mapoffload.offload import LayerwiseOffloadManager",
+    "import mapoffload; mapoffload.offload",
+    "import mapoffload.hf.offload",
+])
+def test_mapoffload_offload_stays_the_function_whatever_is_imported_first(first):
+    import subprocess
+    import sys
+
+    code = (f"{first}\nimport mapoffload, mapoffload.offload\nfrom mapoffload import offload\n"
+            "import mapoffload.hf\n"
+            "assert callable(mapoffload.offload) and mapoffload.offload is offload is mapoffload.hf.offload, "
+            "mapoffload.offload\n"
+            "assert mapoffload.LayerwiseOffloadManager.__module__ == 'mapoffload.offload'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 PART_BYTES = 256 << 20  # pending converted bytes written out as one part
 MANIFEST = "manifest.json"
+_PART = re.compile(r"part-\d{5}\.safetensors")
 _ALIGN = 4096  # data start in each part: page-aligned, so every tensor maps page-aligned within its dtype order
 
 _ST_CODES = {
@@ -152,7 +154,16 @@ class ConversionCache:
         if data.get("format") != FORMAT or data.get("key") != key or not isinstance(data.get("tensors"), dict):
             logger.warning("conversion cache %s is from another version: converting again", manifest)
             return cache
-        files = {e["file"] for e in data["tensors"].values()}
+        try:
+            files = {e["file"] for e in data["tensors"].values()}
+            valid = all(_PART.fullmatch(f) for f in files) and all(
+                isinstance(e["sources"], list) and all(isinstance(x, str) for x in e["sources"])
+                and isinstance(e["bytes"], int) for e in data["tensors"].values())
+        except (KeyError, TypeError, AttributeError):
+            valid = False
+        if not valid:  # only names this module writes: nothing outside the folder is ever opened
+            logger.warning("conversion cache %s is malformed: converting again", manifest)
+            return cache
         if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
             logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
             return cache
