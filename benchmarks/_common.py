@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -58,3 +59,23 @@ def emit_json(name: str, payload: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
+
+
+class AnonSampler(threading.Thread):
+    """Peak RssAnon, sampled every ``interval`` seconds until stop()."""
+
+    def __init__(self, read, interval: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.read, self.interval, self.peak, self.samples = read, interval, read(), 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.peak = max(self.peak, self.read())
+            self.samples += 1
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, self.read())
+        return self.peak

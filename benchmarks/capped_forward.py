@@ -87,7 +87,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 
@@ -189,26 +188,6 @@ def _major_faults() -> int:
         return int(f.read().rsplit(")", 1)[1].split()[9])  # field 12, majflt
 
 
-class _AnonSampler(threading.Thread):
-    """Peak RssAnon, sampled every ``interval`` seconds until stop()."""
-
-    def __init__(self, read, interval: float = 0.01) -> None:
-        super().__init__(daemon=True)
-        self.read, self.interval, self.peak, self.samples = read, interval, read(), 0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self.interval):
-            self.peak = max(self.peak, self.read())
-            self.samples += 1
-
-    def stop(self) -> int:
-        self._stop_event.set()
-        self.join()
-        self.peak = max(self.peak, self.read())
-        return self.peak
-
-
 def child(args: argparse.Namespace) -> None:
     if args.cgroup:
         with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
@@ -221,6 +200,7 @@ def child(args: argparse.Namespace) -> None:
     import mapoffload
     import mapoffload.hf.transformers  # noqa: F401  (imported before the baseline, as modeling_llama)
     import transformers.models.llama.modeling_llama  # noqa: F401  (lazy in transformers: not the load's cost)
+    from _common import AnonSampler
     from mapoffload.budget import rss_anon_bytes
 
     if args.threads:
@@ -241,7 +221,7 @@ def child(args: argparse.Namespace) -> None:
             row["cgroup_cap_written"] = _cg_set_cap(args.cgroup, cap)
     row["anon_baseline"] = rss_anon_bytes()
     print("BASE " + json.dumps(row), flush=True)  # the parent keeps it if the child dies later
-    sampler = _AnonSampler(rss_anon_bytes)
+    sampler = AnonSampler(rss_anon_bytes)
     sampler.start()
 
     io0, t0 = _proc_io(), time.perf_counter()
