@@ -161,3 +161,54 @@ def test_another_threads_plain_transformers_load_is_untouched(tmp_path, monkeypa
     assert experts and not any(mapoffload.MappedRegions().classify(experts))  # transformers' own fusing
     assert out["m"].mapoffload_report.converted_tensors == 4
     assert len([f for f in os.listdir(out["m"].mapoffload_report.conversion_dir) if f.startswith("part-")]) == 1
+
+
+_PEAK = """
+import sys, threading, time, warnings
+import torch, transformers as tf
+import mapoffload
+from mapoffload.hf import _drive
+from mapoffload.budget import rss_anon_bytes
+warnings.simplefilter("ignore")
+cls, folder, who = tf.MixtralForCausalLM, sys.argv[1], sys.argv[2]
+_drive.PART_BYTES = 4 << 20
+base = peak = rss_anon_bytes()
+done = threading.Event()
+def sample():
+    global peak
+    while not done.wait(0.002):
+        peak = max(peak, rss_anon_bytes())
+t = threading.Thread(target=sample); t.start()
+if who == "transformers":
+    model = cls.from_pretrained(folder)
+else:
+    model = mapoffload.from_pretrained(cls, folder, device=None, cache_dir=sys.argv[3])
+done.set(); t.join()
+print(max(peak, rss_anon_bytes()) - base)
+"""
+
+
+def test_conversion_holds_a_bounded_batch_where_transformers_holds_every_expert(tmp_path):
+    import subprocess
+    import sys
+
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    tf.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    experts = 4 * 8 * 3 * 256 * 512 * 4  # 48 MiB of expert weights, fused on load
+
+    def peak(who: str) -> int:
+        # A fixed mmap threshold: freed tensors go back to the kernel at once (glibc raises the threshold
+        # after the first large free and keeps later ones in its heap, which would measure the allocator).
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+        out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "m"), who, str(tmp_path / "c")],
+                             capture_output=True, text=True, timeout=300, cwd="/", env=env)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    theirs, ours = peak("transformers"), peak("mapoffload")
+    assert theirs > 0.9 * experts  # the measurement sees the fused experts
+    assert ours < 0.4 * experts, (ours, theirs)  # a conversion or two (8 MiB each) at a time, then mapped
