@@ -21,7 +21,7 @@ from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoin
 from ._header import read_safetensors_header
 from ._log import format_bytes, logger
 from ._progress import byte_bar
-from ._shard import ShardPlan, narrow_shard, plan_dim, resolve_rank
+from ._shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 from .ranks import local_world
 
@@ -343,6 +343,8 @@ def load_checkpoint(
     t0 = time.perf_counter()
     files = checkpoint_files(path)
     component = type(module).__name__
+    if shard_plan is not None:
+        check_plan(shard_plan)
     shard = resolve_rank(rank, world_size) if shard_plan is not None else None
     if keep_mapping is None and shard is None:
         # checkpoint_bytes counts exactly the files listed above.
@@ -354,9 +356,12 @@ def load_checkpoint(
     loaded = _read_files(files, progress)
     slots, groups = _slots(module)
     if shard_plan is not None and isinstance(shard_plan, Mapping):
-        stray = sorted(k for k in shard_plan if k not in loaded)
+        # A tied alias the module has (the checkpoint holds the tensor once) is no stray.
+        stray = sorted(k for k in shard_plan if k not in loaded and k not in slots)
         if stray:
-            raise ValueError(f"shard plan names keys {os.fspath(path)} does not have: {', '.join(stray)}")
+            raise ValueError(
+                f"shard plan names keys neither {os.fspath(path)} nor {component} has: {', '.join(stray)}"
+            )
 
     # Validate everything before assigning anything.
     unexpected = sorted(k for k in loaded if k not in slots)
@@ -371,7 +376,7 @@ def load_checkpoint(
         sliced = strided = False
         what = f"checkpoint shape {tuple(src.shape)}"
         if shard is not None:
-            dim = next((d for d in (plan_dim(shard_plan, n) for n in names) if d is not None), None)
+            dim = group_dim(shard_plan, names)
             if dim is not None:
                 whole = src
                 src = narrow_shard(whole, shard[0], shard[1], dim, what=source_key)
