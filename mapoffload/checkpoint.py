@@ -195,8 +195,13 @@ def _read_one(f: str, loaded: dict[str, torch.Tensor], origin: dict[str, str]) -
 class LoadReport:
     """What :func:`load_checkpoint` did.
 
-    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``device``,
-    ``column slice``, ``not mapped``) to the bytes copied for it.
+    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``copies fit
+    (gate)``, ``device``, ``column slice``, ``not mapped``) to the bytes
+    copied for it.
+
+    ``decided_by`` says who chose between the mapping and copies: ``"gate"``
+    (the caller passed ``keep_mapping=None``; :func:`keep_checkpoint_mapped`
+    weighed the bytes against the host) or ``"caller"`` (True or False).
 
     With a shard plan, ``shard`` is ``(rank, world_size)``;
     ``bytes_sliced_mapped`` counts this rank's slices left as views of the
@@ -217,6 +222,14 @@ class LoadReport:
     shard: tuple[int, int] | None = None
     bytes_sliced_mapped: int = 0
     bytes_sliced_copied: int = 0
+    decided_by: str = "caller"
+
+    def _decision(self) -> str:
+        if self.decided_by == "gate":
+            return ("kept on the mapping: the gate found host copies would not fit" if self.keep_mapping
+                    else "copied into host memory: the gate found copies fit (keep_mapping=True keeps the mapping)")
+        return f"{'kept on the mapping' if self.keep_mapping else 'copied into host memory'}: " \
+               f"keep_mapping={self.keep_mapping}"
 
     def __str__(self) -> str:
         why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
@@ -233,7 +246,7 @@ class LoadReport:
             )
         return (
             f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "
-            f"({'kept on the mapping' if self.keep_mapping else 'copied into host memory'}): "
+            f"({self._decision()}): "
             f"{format_bytes(self.bytes_mapped)} left on the file mapping, "
             f"{format_bytes(self.bytes_copied)} copied ({why}).{shard}{keys}"
         )
@@ -343,6 +356,7 @@ def load_checkpoint(
     t0 = time.perf_counter()
     files = checkpoint_files(path)
     component = type(module).__name__
+    decided_by = "gate" if keep_mapping is None else "caller"
     if shard_plan is not None:
         check_plan(shard_plan)
     shard = resolve_rank(rank, world_size) if shard_plan is not None else None
@@ -407,7 +421,8 @@ def load_checkpoint(
         )
 
     report = LoadReport(
-        files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard
+        files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard,
+        decided_by=decided_by,
     )
     assigned: list[torch.Tensor] = []
     sliced_flags: list[bool] = []
@@ -430,7 +445,7 @@ def load_checkpoint(
             reason = "column slice"
         elif not keep_mapping and reason is None:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
-            reason = "keep_mapping=False"
+            reason = "copies fit (gate)" if decided_by == "gate" else "keep_mapping=False"
         if reason:
             report.copied[reason] = report.copied.get(reason, 0) + tensor.nbytes
         if strided:
