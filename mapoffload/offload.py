@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
+from ._placeholder import guard_conversions, unguard_conversions
 from ._pages import PageWorker, check_extents, file_extents, layer_spans
 from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
@@ -232,6 +233,7 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 w.param._mapoffload_manager = me  # a second manager on these weights is refused
+                w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -339,6 +341,7 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 self._bind(w, None)
+        guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
         self._engaged = True
 
     def _disengage(self) -> None:
@@ -349,6 +352,7 @@ class LayerwiseOffloadManager:
                 w.param.data = w.host
                 for module, attr in w.slots:
                     module._parameters[attr] = w.param
+        unguard_conversions(self.model)
         self._engaged = False
 
     # -- loading ---------------------------------------------------------------------------

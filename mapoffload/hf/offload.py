@@ -216,6 +216,7 @@ def offload(
 
     if rest not in RESTS:
         raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    _refuse_offloaded(model)
     if model.training:
         warnings.warn(
             f"{type(model).__name__} is in train mode: dropout changes its outputs. Call model.eval() first.",
@@ -250,6 +251,21 @@ def offload(
         raise
     logger.info("offload of %s:\n%s", type(model).__name__, handle.summary())
     return handle
+
+
+def _refuse_offloaded(model: torch.nn.Module) -> None:
+    """An offloaded model is refused before anything is built, naming what holds it."""
+    from .._placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+
+    for name, p in model.named_parameters():
+        marker = getattr(p, "_mapoffload_manager", None)
+        holder = owner_of(p) if isinstance(p, OffloadedWeight) else marker() if marker is not None else None
+        if holder is not None or isinstance(p, OffloadedWeight):
+            raise AlreadyOffloadedError(
+                f"{type(model).__name__} is already offloaded by {holder!r} ({name} is one of its weights); "
+                "close its handle first (handle.close(), or model.mapoffload_handle.close() after "
+                "mapoffload.from_pretrained)"
+            )
 
 
 def _share_page_cache(handle: OffloadHandle) -> None:
