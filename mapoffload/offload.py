@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._placeholder import guard_conversions, unguard_conversions
 from ._pages import PageWorker, check_extents, file_extents, layer_spans
 from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
@@ -341,6 +340,8 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 self._bind(w, None)
+        from ._placeholder import guard_conversions  # imports torch
+
         guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
         self._engaged = True
 
@@ -352,6 +353,8 @@ class LayerwiseOffloadManager:
                 w.param.data = w.host
                 for module, attr in w.slots:
                     module._parameters[attr] = w.param
+        from ._placeholder import unguard_conversions
+
         unguard_conversions(self.model)
         self._engaged = False
 
