@@ -36,6 +36,7 @@ from .._log import logger
 from ..checkpoint import LoadReport, empty_weights, keep_checkpoint_mapped, load_checkpoint
 from . import _keys
 from ._extras import require
+from ._summary import OffloadRow
 from .blocks import find_block_lists
 from .offload import OffloadHandle, offload
 
@@ -59,9 +60,24 @@ class PipelineOffloadHandle:
         self.pipe = pipe
         self.components: dict[str, OffloadHandle] = {}
 
+    @property
+    def rows(self) -> list[OffloadRow]:
+        """Every component's :class:`OffloadRow` (``component`` set), measured now."""
+        out = []
+        for name, h in self.components.items():
+            for row in h.rows:
+                row.component = name
+                out.append(row)
+        return out
+
     def summary(self) -> str:
-        """One row per component's stack/unit: store, bytes, where it lives, why."""
-        return "\n".join(f"{name}.{row}" for name, h in self.components.items() for row in h.rows)
+        """One table for the pipeline, grouped by component (≤ 100 columns): where each unit's bytes
+        live, how it computes, what a forward re-reads; totals against a full host copy; why, per unit.
+        See :meth:`OffloadHandle.summary`."""
+        from ._summary import format_rows
+
+        devices = {h.device for h in self.components.values()}
+        return format_rows(self.rows, next(iter(devices)) if len(devices) == 1 else None)
 
     def close(self) -> None:
         """Give every component back whole, with its real weights."""
