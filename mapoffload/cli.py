@@ -17,6 +17,16 @@ from ._log import format_bytes
 __all__ = ["main"]
 
 
+WIDTH = 100  # terminal columns the tables and lines fit in
+
+
+def _say(text: str) -> None:
+    """Print ``text`` wrapped to :data:`WIDTH` columns."""
+    import textwrap
+
+    print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False)))
+
+
 def _print_inspect(data: dict) -> None:
     print(f"checkpoint: {data['path']}  ({format_bytes(data['total_bytes'])})")
     rows = [("component / file", "size", "tensors", "dtypes", "in page cache")]
@@ -31,12 +41,15 @@ def _print_inspect(data: dict) -> None:
             rows.append((f"  {os.path.basename(f['path'])}", format_bytes(f["bytes"]), str(f["tensors"]), dtypes,
                          f"{format_bytes(f['resident_bytes'])} ({fpct:.0f} %)"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    # Within 100 columns: a long file name keeps its end (the shard numbers).
+    widths[0] = min(widths[0], max(16, WIDTH - sum(widths[1:]) - 2 * (len(widths) - 1)))
     for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-    print(data["host"]["summary"])
+        name = r[0] if len(r[0]) <= widths[0] else "…" + r[0][-(widths[0] - 1):]
+        print("  ".join(cell.ljust(w) for cell, w in zip((name, *r[1:]), widths)).rstrip())
+    _say(data["host"]["summary"])
     gate = data["gate"]
     verdict = "keep the checkpoint mapped" if gate["keep_mapped"] else "copy into host memory"
-    print(
+    _say(
         f"gate: {verdict} — {format_bytes(data['total_bytes'])} of weights against "
         f"{format_bytes(data['host']['available'])} available minus the "
         f"{format_bytes(gate['reserve_bytes'])} reserve"

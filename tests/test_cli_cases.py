@@ -153,3 +153,15 @@ def test_demo_fails_when_its_own_budget_is_exceeded():
     assert text.startswith("mode: CPU twin of the device pipeline") and "copied to its CPU buffer" in text
     assert "FAILED: anonymous memory grew by" in text and "over the 64.00 KiB host budget" in text
     assert not text.rstrip().endswith("OK")
+
+
+def test_inspect_fits_100_columns(tmp_path, capsys):
+    folder = tmp_path / ("a-rather-long-component-folder-name-" * 3)
+    folder.mkdir()
+    name = "diffusion_pytorch_model-with-a-very-long-name-00001-of-00001.safetensors"
+    save_file({f"w{i}": torch.zeros(2, dtype=d) for i, d in enumerate((torch.float32, torch.bfloat16))},
+              folder / name)
+    assert main(["inspect", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in lines[1:]), lines  # the first line names the path as given
+    assert any(line.strip().startswith("…") and line.split()[0].endswith("00001.safetensors") for line in lines)
