@@ -123,8 +123,9 @@ def _hub_blobs(real_folder: str) -> str | None:
 
 
 def _index_shards(index_path: str) -> list[str]:
-    """The shards an index names, in first-named order, each checked to lie in
-    the index's folder (see the module docstring)."""
+    """The shards an index names, in natural order (``-00002-`` before
+    ``-00010-``), each checked to lie in the index's folder (see the module
+    docstring)."""
     with open_regular(index_path) as (f, _):
         try:
             text = f.read()
@@ -162,14 +163,31 @@ def _index_shards(index_path: str) -> list[str]:
             )
         # Named as the caller named the index (relative stays relative).
         shards[os.path.normpath(os.path.join(os.path.dirname(index_path), name))] = None
-    return list(shards)
+    return sorted(shards, key=_natural_key)
 
 
 # --- the rule -----------------------------------------------------------------------
 
 
+def _looks_local(p: str) -> bool:
+    """A path the user meant as a local one: absolute, ``./``/``../``/``~``, or
+    one whose parent folder exists (``models/lama`` beside ``models/llama``)."""
+    if p.startswith(("/", "./", "../", "~")) or p in (".", ".."):
+        return True
+    parent = os.path.dirname(p.rstrip("/"))
+    return bool(parent) and os.path.isdir(os.path.expanduser(parent))
+
+
 def _looks_remote(p: str) -> bool:
-    return "://" in p or bool(_HUB_ID.match(p))
+    return "://" in p or (bool(_HUB_ID.match(p)) and not _looks_local(p))
+
+
+def _natural_key(path: str) -> list:
+    """Sort key that orders ``-2-`` before ``-10-`` (shards as a person counts them)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+CHECKPOINT_SUFFIXES = (SAFETENSORS_SUFFIX, INDEX_SUFFIX, *TORCH_SUFFIXES)
 
 
 def _own_files(folder: str) -> list[str] | None:
@@ -184,7 +202,7 @@ def _own_files(folder: str) -> list[str] | None:
     if index:
         return _index_shards(os.path.join(folder, index[0]))
     for suffixes in (SAFETENSORS_SUFFIX, TORCH_SUFFIXES):
-        found = [os.path.join(folder, e) for e in entries if e.endswith(suffixes)]
+        found = sorted((os.path.join(folder, e) for e in entries if e.endswith(suffixes)), key=_natural_key)
         if found:
             return found
     return None
@@ -195,8 +213,16 @@ def _components(p: str) -> list[tuple[str, str, list[str]]]:
     if not os.path.isdir(p):
         if not os.path.exists(p):
             if _looks_remote(p):
-                raise ValueError(f"{p!r} looks like a hub id or URL: mapoffload loads local paths only")
-            raise FileNotFoundError(f"checkpoint not found: {p}")
+                raise ValueError(
+                    f"{p!r} is not a local file or folder and looks like a hub id or URL: mapoffload loads "
+                    "local paths only (download it first, e.g. `hf download`)"
+                )
+            raise FileNotFoundError(f"no such file or folder: {p}")
+        if not p.endswith(CHECKPOINT_SUFFIXES):
+            raise CheckpointError(
+                p, "is not a checkpoint file (.safetensors, *.safetensors.index.json, .pt, .pth or .bin); "
+                "give the file itself or the folder that holds it"
+            )
         files = _index_shards(p) if p.endswith(INDEX_SUFFIX) else [p]
         return [(os.path.basename(p), p, files)]
     own = _own_files(p)
@@ -223,7 +249,8 @@ def checkpoint_components(path: str | os.PathLike) -> list[tuple[str, str]]:
     Raises
     ------
     FileNotFoundError
-        For a missing path.
+        For a missing path that looks local (absolute, ``./``, ``../``, ``~``,
+        or in a folder that exists).
     ValueError
         For a hub id or URL (only local paths are loaded).
     CheckpointError
@@ -256,7 +283,8 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     ValueError
         For a hub id or URL (only local paths are loaded).
     CheckpointError
-        For a folder with no checkpoint in it, a malformed index, an index
+        For a file that is not a checkpoint by its name (``config.json``),
+        a folder with no checkpoint in it, a malformed index, an index
         naming files outside its folder, or a file that is not a regular file
         (a FIFO, a device, a directory).
     """

@@ -10,12 +10,30 @@ if not sys.platform.startswith("linux"):
         f"this is {sys.platform!r}"
     )
 
+
+
+def _missing_core_message() -> str:
+    """Why ``_core`` is missing, and what to do: most often the source folder
+    shadows the installed package (Python run from the repository root puts
+    the current directory first on ``sys.path``)."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.isdir(os.path.join(root, "csrc")):
+        return (
+            f"mapoffload's native extension (mapoffload._core) is missing: Python imported the source folder "
+            f"{here}, not the installed package. Run from the repository root, the current directory comes first "
+            f"on sys.path and its mapoffload/ folder shadows what `pip install .` installed. Run from another "
+            f"directory (e.g. `cd tests` or `cd ..`), use the `pytest` or `mapoffload` scripts (they do not put "
+            f"the current directory on sys.path), or install in place: `pip install --no-build-isolation -e .`"
+        )
+    return f"mapoffload's native extension (mapoffload._core) is missing from {here}: reinstall with `pip install .`"
+
+
 try:
     from . import _core
 except ImportError as exc:  # pragma: no cover - a broken install
-    raise ImportError(
-        "mapoffload's native extension (mapoffload._core) is missing: install the package "
-        "with `pip install .` rather than importing it from the source folder"
-    ) from exc
+    raise ImportError(_missing_core_message()) from exc
 
 __all__ = ["_core"]

@@ -14,6 +14,8 @@ never a silent result computed from zeros or garbage.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
 import torch
@@ -142,3 +144,67 @@ def _message(w: OffloadedWeight | None, what: str) -> str:
         f"first (prefetch_layer({w._mo_layer}, non_blocking=False)), or close the manager to get the real "
         f"weights back."
     )
+
+
+class AlreadyOffloadedError(ValueError):
+    """A model (or weight) handed to an offload is already offloaded by another manager."""
+
+
+def owner_of(w: OffloadedWeight) -> object | None:
+    """The manager whose placeholder ``w`` is, while it lives."""
+    ref = getattr(w, "_mo_manager", None)
+    return ref() if ref is not None else None
+
+
+# --- refusing a whole-model conversion before it converts anything ---------------------
+#
+# ``model.to(torch.float32)`` converts modules children first: an embedding
+# outside the managed layers is converted before the first placeholder
+# refuses, which leaves the model half converted (and, after ``close()``, a
+# forward that fails on mixed dtypes). While a manager is engaged, every module
+# of its model answers ``_apply`` by first applying the conversion to each
+# placeholder below it - a placeholder returns itself or raises, and converts
+# nothing - so a refused conversion raises before any tensor changed.
+
+_APPLY_STATE = threading.local()
+_GUARDS = "_mapoffload_apply_guards"
+
+
+def _guarded_apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    outer = not getattr(_APPLY_STATE, "active", False)
+    if outer:
+        for p in module.parameters():
+            if isinstance(p, OffloadedWeight):
+                fn(p)  # raises for a conversion the placeholder refuses
+        _APPLY_STATE.active = True
+    try:
+        return type(module)._apply(module, fn, *args, **kwargs)
+    finally:
+        if outer:
+            _APPLY_STATE.active = False
+
+
+def guard_conversions(model: torch.nn.Module) -> None:
+    """Make every module of ``model`` refuse a conversion its placeholders refuse, before converting.
+
+    Counted: each call needs one :func:`unguard_conversions` (several managers
+    share a model).
+    """
+    for m in model.modules():
+        d = m.__dict__
+        d[_GUARDS] = d.get(_GUARDS, 0) + 1
+        if d[_GUARDS] == 1:
+            d["_apply"] = functools.partial(_guarded_apply, m)
+
+
+def unguard_conversions(model: torch.nn.Module) -> None:
+    """Undo one :func:`guard_conversions`."""
+    for m in model.modules():
+        d = m.__dict__
+        n = d.get(_GUARDS, 0) - 1
+        if n <= 0:
+            d.pop(_GUARDS, None)
+            if isinstance(d.get("_apply"), functools.partial):
+                del d["_apply"]
+        else:
+            d[_GUARDS] = n

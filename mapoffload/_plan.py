@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._log import logger
 from ._progress import byte_bar
-from ._placeholder import OffloadedWeight
+from ._placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
 from ._stores import describe, layout, log_plan
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
@@ -89,16 +89,17 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
                     continue
                 if id(p) in owner and owner[id(p)] != i:
                     raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
+                # Released (a placeholder) or loaded (the real parameter, marked): either way taken.
                 other = getattr(p, "_mapoffload_manager", None)
-                if other is not None and other() is not None:
-                    raise ValueError(
-                        f"parameter {full} is managed by another LayerwiseOffloadManager: close that one first"
+                holder = owner_of(p) if isinstance(p, OffloadedWeight) else other() if other is not None else None
+                if holder is not None or isinstance(p, OffloadedWeight):
+                    raise AlreadyOffloadedError(
+                        f"parameter {full} is already offloaded (managed by another LayerwiseOffloadManager: "
+                        f"{holder!r}); close its handle (handle.close() for mapoffload.offload, else the "
+                        "manager's close()) first"
                     )
-                if isinstance(p, OffloadedWeight) or p.device.type == "meta":
-                    raise ValueError(
-                        f"parameter {full} is on the meta device (or managed by another manager): "
-                        "load the checkpoint first"
-                    )
+                if p.device.type == "meta":
+                    raise ValueError(f"parameter {full} is on the meta device: load the checkpoint first")
                 owner[id(p)] = i
                 data = p.data
                 nbytes, contiguous = describe(data)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Union
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ShardPlan", "narrow_shard", "plan_dim", "resolve_rank", "shard_bounds", "shard_tensor", "shard_view"]
+__all__ = ["ShardPlan", "check_plan", "group_dim", "narrow_shard", "plan_dim", "resolve_rank", "shard_bounds", "shard_tensor", "shard_view"]
 
 # A per-key split plan: name -> dimension (None: replicated), or a callable
 # name -> dimension | None. Keys are state-dict names.
@@ -96,17 +96,34 @@ def shard_tensor(t: torch.Tensor, rank: int, world_size: int, dim: int | None) -
     return shard_view(t, rank, world_size, dim)[0]
 
 
+def _index(value: object, what: str) -> int:
+    """``value`` as an int: an ``int`` or anything with ``__index__`` (NumPy
+    integers), never a bool, a float or a string (``what`` names it)."""
+    import operator
+
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r})")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``(rank, world_size)``: as given, else an initialised ``torch.distributed``'s.
 
     Raises
     ------
+    TypeError
+        ``rank`` or ``world_size`` is not an int (``0.5``, ``"1"``).
     ValueError
-        Neither is given and no process group is initialised, or only one is given.
+        Neither is given and no process group is initialised, only one is
+        given, ``world_size`` < 1, or ``rank`` is outside ``0..world_size-1``.
     """
     if rank is not None and world_size is not None:
-        shard_bounds(world_size, rank, world_size, what="shard plan")  # range checks only
-        return int(rank), int(world_size)
+        r, n = _index(rank, "rank"), _index(world_size, "world_size")
+        if n < 1:
+            raise ValueError(f"world_size must be >= 1, got {n}")
+        if not 0 <= r < n:
+            raise ValueError(f"rank must be in 0..{n - 1} (world_size {n}), got {r}")
+        return r, n
     if rank is not None or world_size is not None:
         raise ValueError("give both rank and world_size, or neither (then torch.distributed's are used)")
     dist = sys.modules.get("torch.distributed")
@@ -115,8 +132,69 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     raise ValueError("a shard plan needs rank and world_size, or an initialised torch.distributed process group")
 
 
+def check_plan(plan: object) -> None:
+    """Refuse a shard plan that is neither a mapping nor a callable (before any file is read).
+
+    Raises
+    ------
+    TypeError
+        The plan is something else (a list, a string).
+    """
+    if not isinstance(plan, Mapping) and not callable(plan):
+        raise TypeError(
+            f"shard_plan must be a mapping {{name: dim or None}} or a callable name -> dim or None, "
+            f"not {type(plan).__name__}"
+        )
+
+
 def plan_dim(plan: ShardPlan, key: str) -> int | None:
-    """The split dimension the plan gives ``key`` (None: replicated)."""
+    """The split dimension the plan gives ``key`` (None: replicated).
+
+    Raises
+    ------
+    TypeError
+        The plan gives ``key`` something other than an int or None (``1.0``,
+        ``"0"``, ``True``): the key is named.
+    """
     if callable(plan) and not isinstance(plan, Mapping):
-        return plan(key)
-    return plan.get(key)
+        dim = plan(key)
+        what = f"shard_plan({key!r})"
+    else:
+        dim = plan.get(key)
+        what = f"shard_plan[{key!r}]"
+    if dim is None:
+        return None
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise TypeError(f"{what} = {dim!r}: a split dimension must be an int (or None: replicated), "
+                        f"not {type(dim).__name__}")
+    import operator
+
+    return operator.index(dim)
+
+
+def group_dim(plan: ShardPlan, names: list[str]) -> int | None:
+    """The one split dimension a tie group (names sharing one tensor) gets.
+
+    Raises
+    ------
+    TypeError
+        A dimension is not an int (see :func:`plan_dim`).
+    ValueError
+        The plan gives tied names different dimensions (they are one tensor:
+        it cannot be split two ways); the names and dimensions are listed.
+    """
+    dims = {n: plan_dim(plan, n) for n in names}
+    given = {n: d for n, d in dims.items() if d is not None}
+    if len(set(given.values())) > 1 or (given and len(given) < len(dims) and _strict_ties(plan, dims)):
+        listed = ", ".join(f"{n}: {d}" for n, d in dims.items())
+        raise ValueError(
+            f"tied weights {', '.join(names)} are one tensor, but the shard plan splits them differently "
+            f"({listed}); give them the same dimension"
+        )
+    return next(iter(given.values()), None)
+
+
+def _strict_ties(plan: ShardPlan, dims: dict[str, int | None]) -> bool:
+    """A mapping that names a tied key explicitly as None (replicated) while
+    splitting another is a conflict; a key it leaves out is not."""
+    return isinstance(plan, Mapping) and any(n in plan and d is None for n, d in dims.items())

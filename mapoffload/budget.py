@@ -191,11 +191,13 @@ def rss_anon_bytes(*, root: str = "/") -> int:
     return 0
 
 
+# The largest host the override may describe: 1 EiB keeps every byte count an int64.
+MAX_HOST_GIB = 1 << 30
+
+
 def _env_host_gib() -> float | None:
-    value = env_number(ENV_HOST_AVAILABLE_GIB)
-    if value is not None and value < 0:
-        raise ValueError(f"{ENV_HOST_AVAILABLE_GIB}={value!r} must be a finite number >= 0")
-    return value
+    """``MAPOFFLOAD_HOST_AVAILABLE_GIB`` in GiB, checked: 0 to :data:`MAX_HOST_GIB`."""
+    return env_number(ENV_HOST_AVAILABLE_GIB, low=0, high=MAX_HOST_GIB, unit="GiB")
 
 
 @dataclass(frozen=True)
@@ -265,8 +267,9 @@ def host_memory_available_bytes(*, root: str = "/") -> int:
 
     Raises
     ------
-    ValueError
-        If the environment variable is not a number >= 0 (it is named).
+    EnvSettingError
+        A ``ValueError``: the environment variable is not a number of GiB
+        from 0 to 2**30 (the variable, its value and the range are named).
     """
     return host_memory(root=root).available
 

@@ -21,7 +21,7 @@ from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoin
 from ._header import read_safetensors_header
 from ._log import format_bytes, logger
 from ._progress import byte_bar
-from ._shard import ShardPlan, narrow_shard, plan_dim, resolve_rank
+from ._shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 from .ranks import local_world
 
@@ -195,8 +195,15 @@ def _read_one(f: str, loaded: dict[str, torch.Tensor], origin: dict[str, str]) -
 class LoadReport:
     """What :func:`load_checkpoint` did.
 
-    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``device``,
-    ``column slice``, ``not mapped``) to the bytes copied for it.
+    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``copies fit
+    (gate)``, ``device``, ``column slice``, ``not mapped``) to the bytes
+    copied for it.
+
+    ``decided_by`` says who chose between the mapping and copies: ``"gate"``
+    (the caller passed ``keep_mapping=None``; :func:`keep_checkpoint_mapped`
+    weighed the bytes against the host), ``"loader"`` (``from_pretrained`` with
+    ``keep_mapping=None``: the mapping, where transformers' or diffusers' own
+    load leaves the weights) or ``"caller"`` (True or False).
 
     With a shard plan, ``shard`` is ``(rank, world_size)``;
     ``bytes_sliced_mapped`` counts this rank's slices left as views of the
@@ -226,6 +233,16 @@ class LoadReport:
     bytes_converted: int = 0
     conversion_dir: str | None = None
     conversion_reused: bool = False
+    decided_by: str = "caller"
+
+    def _decision(self) -> str:
+        if self.decided_by == "gate":
+            return ("kept on the mapping: the gate found host copies would not fit" if self.keep_mapping
+                    else "copied into host memory: the gate found copies fit (keep_mapping=True keeps the mapping)")
+        if self.decided_by == "loader":
+            return "kept on the mapping, where the library's own from_pretrained leaves it (keep_mapping=False copies)"
+        return f"{'kept on the mapping' if self.keep_mapping else 'copied into host memory'}: " \
+               f"keep_mapping={self.keep_mapping}"
 
     def __str__(self) -> str:
         why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
@@ -247,7 +264,7 @@ class LoadReport:
             )
         return (
             f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "
-            f"({'kept on the mapping' if self.keep_mapping else 'copied into host memory'}): "
+            f"({self._decision()}): "
             f"{format_bytes(self.bytes_mapped)} left on the file mapping, "
             f"{format_bytes(self.bytes_copied)} copied ({why}).{shard}{keys}"
         )
@@ -357,6 +374,9 @@ def load_checkpoint(
     t0 = time.perf_counter()
     files = checkpoint_files(path)
     component = type(module).__name__
+    decided_by = "gate" if keep_mapping is None else "caller"
+    if shard_plan is not None:
+        check_plan(shard_plan)
     shard = resolve_rank(rank, world_size) if shard_plan is not None else None
     if keep_mapping is None and shard is None:
         # checkpoint_bytes counts exactly the files listed above.
@@ -368,9 +388,12 @@ def load_checkpoint(
     loaded = _read_files(files, progress)
     slots, groups = _slots(module)
     if shard_plan is not None and isinstance(shard_plan, Mapping):
-        stray = sorted(k for k in shard_plan if k not in loaded)
+        # A tied alias the module has (the checkpoint holds the tensor once) is no stray.
+        stray = sorted(k for k in shard_plan if k not in loaded and k not in slots)
         if stray:
-            raise ValueError(f"shard plan names keys {os.fspath(path)} does not have: {', '.join(stray)}")
+            raise ValueError(
+                f"shard plan names keys neither {os.fspath(path)} nor {component} has: {', '.join(stray)}"
+            )
 
     # Validate everything before assigning anything.
     unexpected = sorted(k for k in loaded if k not in slots)
@@ -385,7 +408,7 @@ def load_checkpoint(
         sliced = strided = False
         what = f"checkpoint shape {tuple(src.shape)}"
         if shard is not None:
-            dim = next((d for d in (plan_dim(shard_plan, n) for n in names) if d is not None), None)
+            dim = group_dim(shard_plan, names)
             if dim is not None:
                 whole = src
                 src = narrow_shard(whole, shard[0], shard[1], dim, what=source_key)
@@ -416,7 +439,8 @@ def load_checkpoint(
         )
 
     report = LoadReport(
-        files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard
+        files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard,
+        decided_by=decided_by,
     )
     assigned: list[torch.Tensor] = []
     sliced_flags: list[bool] = []
@@ -439,7 +463,7 @@ def load_checkpoint(
             reason = "column slice"
         elif not keep_mapping and reason is None:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
-            reason = "keep_mapping=False"
+            reason = "copies fit (gate)" if decided_by == "gate" else "keep_mapping=False"
         if reason:
             report.copied[reason] = report.copied.get(reason, 0) + tensor.nbytes
         if strided:

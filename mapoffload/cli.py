@@ -1,16 +1,30 @@
-"""`mapoffload inspect PATH [--json]` and `mapoffload demo` (also `python -m mapoffload`)."""
+"""`mapoffload inspect PATH [--json]` and `mapoffload demo` (also `python -m mapoffload`).
+
+``-v``/``--verbose`` is accepted before or after the subcommand.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from ._log import format_bytes
 
 __all__ = ["main"]
+
+
+WIDTH = 100  # terminal columns the tables and lines fit in
+
+
+def _say(text: str) -> None:
+    """Print ``text`` wrapped to :data:`WIDTH` columns."""
+    import textwrap
+
+    print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False)))
 
 
 def _print_inspect(data: dict) -> None:
@@ -21,18 +35,21 @@ def _print_inspect(data: dict) -> None:
         rows.append((c["component"], format_bytes(c["bytes"]), str(c["tensors"]), "",
                      f"{format_bytes(c['resident_bytes'])} ({pct:.0f} %)"))
         for f in c["files"]:
-            dtypes = ", ".join(f"{k}x{v}" for k, v in sorted(f["dtypes"].items())) or "?"
+            dtypes = ", ".join(f"{k}x{v}" for k, v in sorted(f["dtypes"].items())) or "-"
             fpct = 100 * f["resident_bytes"] / f["bytes"] if f["bytes"] else 0.0
-            rows.append((f"  {f['path']}", format_bytes(f["bytes"]),
-                         "?" if f["tensors"] is None else str(f["tensors"]), dtypes,
+            # The file's name only: the component row and the header say where it lies.
+            rows.append((f"  {os.path.basename(f['path'])}", format_bytes(f["bytes"]), str(f["tensors"]), dtypes,
                          f"{format_bytes(f['resident_bytes'])} ({fpct:.0f} %)"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    # Within 100 columns: a long file name keeps its end (the shard numbers).
+    widths[0] = min(widths[0], max(16, WIDTH - sum(widths[1:]) - 2 * (len(widths) - 1)))
     for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-    print(data["host"]["summary"])
+        name = r[0] if len(r[0]) <= widths[0] else "…" + r[0][-(widths[0] - 1):]
+        print("  ".join(cell.ljust(w) for cell, w in zip((name, *r[1:]), widths)).rstrip())
+    _say(data["host"]["summary"])
     gate = data["gate"]
     verdict = "keep the checkpoint mapped" if gate["keep_mapped"] else "copy into host memory"
-    print(
+    _say(
         f"gate: {verdict} — {format_bytes(data['total_bytes'])} of weights against "
         f"{format_bytes(data['host']['available'])} available minus the "
         f"{format_bytes(gate['reserve_bytes'])} reserve"
@@ -57,25 +74,75 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(layers=args.layers, width=args.width, tokens=args.tokens, steps=args.steps,
-                     device=args.device, host_gib=args.host_gib)
+                     device=args.device, host_gib=args.host_gib, cpu_twin=args.cpu_twin)
     return run_demo(cfg)
 
 
+def _verbose_flag(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log what the library decides (the gate, host stores, residency)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _gib(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="mapoffload", description="Keep model weights on their checkpoint mapping.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log what the library decides")
-    sub = ap.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="a checkpoint's files, the host, the gate, page-cache residency")
-    ins.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a .pt/.bin, or a folder")
-    ins.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--version", action="version", version=f"mapoffload {__version__}",
+                    help="print the version and exit")
+    _verbose_flag(ap, False)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,demo}", help="what to do")
+    ins = sub.add_parser(
+        "inspect", help="a checkpoint's files, the host, the gate, page-cache residency",
+        description="Show a checkpoint's files (tensors, dtypes, bytes in the page cache), the host's memory and "
+                    "whether a load keeps the weights mapped or copies them. Reads headers only.",
+    )
+    ins.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a .pt/.pth/.bin, or a folder")
+    ins.add_argument("--json", action="store_true", help="print the same as JSON")
+    # SUPPRESS: a -v given before the subcommand is not reset by the subcommand's default.
+    _verbose_flag(ins, argparse.SUPPRESS)
     ins.set_defaults(func=_cmd_inspect)
-    demo = sub.add_parser("demo", help="the whole pipeline on a synthetic checkpoint (the main job)")
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--width", type=int, default=1024)
-    demo.add_argument("--tokens", type=int, default=256)
-    demo.add_argument("--steps", type=int, default=3)
+    demo = sub.add_parser(
+        "demo", help="the whole pipeline on a synthetic checkpoint (the main job)",
+        description="Write a transformer-like checkpoint to a temporary folder, make the host budget smaller than "
+                    "it, load it mapped, stream it layer by layer and check the output against a reference. "
+                    "Exits 1 when a check fails, the budget included.",
+    )
+    demo.add_argument("--layers", type=_positive_int, default=8, help="blocks in the model (default: 8)")
+    demo.add_argument("--width", type=_positive_int, default=1024,
+                      help="hidden size; a block holds about 12 x width^2 float32 weights (default: 1024)")
+    demo.add_argument("--tokens", type=_positive_int, default=256, help="rows of the input (default: 256)")
+    demo.add_argument("--steps", type=_positive_int, default=3,
+                      help="forwards timed for each of reference and offload; the median is shown (default: 3)")
     demo.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
-    demo.add_argument("--host-gib", type=float, default=None, help="host budget (default: half the checkpoint)")
+    demo.add_argument("--cpu-twin", action="store_true",
+                      help="on the CPU, run the device pipeline's CPU twin (layers copied through the copier "
+                           "into separate CPU buffers) instead of computing in place from the mapping")
+    demo.add_argument("--host-gib", type=_gib, default=None,
+                      help="host budget in GiB, as MAPOFFLOAD_HOST_AVAILABLE_GIB sets it (default: half the "
+                           "checkpoint)")
+    _verbose_flag(demo, argparse.SUPPRESS)
     demo.set_defaults(func=_cmd_demo)
     return ap
 

@@ -48,17 +48,43 @@ def cuda_available() -> bool:
     return _core.cuda_available()
 
 
-def _setting(value: int | None, env: str, default: int, scale: int = 1, *, name: str, limit: int) -> int:
-    """The argument, else the environment variable (times ``scale``), else the default."""
-    source = name
-    if value is None:
-        from_env = env_number(env)
-        if from_env is None:
-            return default
-        value, source = int(from_env * scale), env
-    if not 0 < value <= limit:
-        raise ValueError(f"{source} must be in 1..{limit}, got {value}")
-    return int(value)
+MIN_SLOT_BYTES = 4096  # the native engine's smallest slot (one page)
+
+
+def _argument(value: object, name: str, low: int, high: int, unit: str = "") -> int:
+    """A setting passed as an argument: an int (not a bool) in ``low..high``."""
+    import operator
+
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    n = operator.index(value)  # type: ignore[arg-type]
+    if not low <= n <= high:
+        raise ValueError(f"{name} must be in {low}..{high}{unit}, got {n}")
+    return n
+
+
+def _setting(value: int | None, env: str, default: int, *, name: str, low: int, high: int,
+             env_unit: str = "", env_scale: int = 1, unit: str = "") -> int:
+    """The argument, else the environment variable (in ``env_unit``, times ``env_scale``), else the default.
+
+    Raises
+    ------
+    TypeError
+        The argument is not an int.
+    ValueError
+        The argument is out of range, or the variable is not a number in
+        range (a whole number unless ``env_scale`` > 1): the argument or the
+        variable is named, with the range in its own unit.
+    """
+    if value is not None:
+        return _argument(value, name, low, high, unit)
+    if env_scale == 1:
+        from_env = env_number(env, low=low, high=high, unit=env_unit, integer=True)
+    else:
+        from_env = env_number(env, low=low / env_scale, high=high / env_scale, unit=env_unit)
+    if from_env is None:
+        return default
+    return int(round(from_env * env_scale))
 
 
 def resolve_settings(
@@ -66,14 +92,23 @@ def resolve_settings(
 ) -> tuple[int, int, int]:
     """``(threads, slot bytes, slots)`` a copier made with these arguments gets.
 
-    Each: the argument, else its environment variable, else the default.
+    Each: the argument, else its environment variable
+    (``MAPOFFLOAD_COPY_THREADS``: whole threads; ``MAPOFFLOAD_STAGING_MIB``:
+    MiB per slot, 4 KiB to 4 GiB; ``MAPOFFLOAD_STAGING_SLOTS``: whole slots),
+    else the default.
+
+    Raises
+    ------
+    TypeError, ValueError
+        See :func:`_setting`; the argument or variable at fault is named.
     """
-    n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1), name="threads", limit=MAX_THREADS)
+    n_threads = _setting(threads, ENV_THREADS, min(4, os.cpu_count() or 1), name="threads", low=1,
+                         high=MAX_THREADS)
     slot_bytes = _setting(
-        staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, scale=1 << 20, name="staging_bytes",
-        limit=MAX_SLOT_BYTES,
+        staging_bytes, ENV_STAGING_MIB, DEFAULT_SLOT_MIB << 20, name="staging_bytes", low=MIN_SLOT_BYTES,
+        high=MAX_SLOT_BYTES, env_unit="MiB", env_scale=1 << 20, unit=" bytes",
     )
-    n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads), name="slots", limit=MAX_SLOTS)
+    n_slots = _setting(slots, ENV_SLOTS, max(4, 2 * n_threads), name="slots", low=1, high=MAX_SLOTS)
     return n_threads, slot_bytes, n_slots
 
 

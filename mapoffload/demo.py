@@ -4,7 +4,9 @@ Builds a transformer-like checkpoint in a temporary folder, makes the host
 budget smaller than it (as ``MAPOFFLOAD_HOST_AVAILABLE_GIB`` would), loads it
 with ``load_checkpoint`` under ``empty_weights()`` (the gate decides), runs the
 layerwise offload manager on the best device present, checks the output
-against a reference computed without offload, and reports.
+against a reference computed without offload, and reports. It says which
+mode runs: CUDA, in place on the CPU (the default there: nothing is copied),
+or the device pipeline's CPU twin (``--cpu-twin``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class DemoConfig:
     steps: int = 3
     device: str | None = None  # None: cuda if present, else cpu
     host_gib: float | None = None  # None: half the checkpoint
+    cpu_twin: bool = False  # on the CPU: the device pipeline's twin instead of computing in place
 
 
 def _model_class():
@@ -66,8 +69,24 @@ def _model_class():
     return DemoModel
 
 
+def _mode(device, cpu_twin: bool) -> tuple[str, str]:
+    """(short name, one line saying what runs) for the device and ``cpu_twin``."""
+    if device.type == "cuda":
+        return "cuda", (f"CUDA ({device}): each layer copied from the file mapping through pinned staging slots "
+                        "to the device, one layer ahead of the compute")
+    if cpu_twin:
+        return "cpu twin", ("CPU twin of the device pipeline: each layer copied through the copier into separate "
+                            "CPU buffers, as a GPU run copies it (those buffers are host memory here)")
+    return "in place", "in place on the CPU: layers compute from the file mapping; nothing is copied"
+
+
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
-    """Run the demo; return the process exit code (0 when every check passed)."""
+    """Run the demo; return the process exit code (0 when every check passed).
+
+    The checks: the gate keeps the checkpoint mapped, the offloaded output is
+    the reference's, no mapped page turned anonymous, and the process's
+    anonymous memory grew by no more than the host budget the demo set.
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -80,9 +99,14 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         print(msg, file=out, flush=True)
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.cpu_twin and device.type != "cpu":
+        raise ValueError(f"--cpu-twin runs the device pipeline on the CPU; it does not apply to {device}")
+    mode, mode_line = _mode(device, cfg.cpu_twin)
+    copies = mode != "in place"
     Model = _model_class()
     torch.manual_seed(0)
     failures = []
+    say(f"mode: {mode_line}")
     with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=os.environ.get("MAPOFFLOAD_DEMO_DIR")) as tmp:
         path = os.path.join(tmp, "model.safetensors")
         say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
@@ -96,7 +120,9 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         del state
         size = checkpoint_bytes(path)
         host_gib = cfg.host_gib if cfg.host_gib is not None else size / 2 / (1 << 30)
-        say(f"      {format_bytes(size)} on disk; host budget set to {host_gib:.3f} GiB ({ENV_HOST_AVAILABLE_GIB})")
+        budget = int(host_gib * (1 << 30))
+        say(f"      {format_bytes(size)} on disk; host budget set to {host_gib:.4g} GiB ({ENV_HOST_AVAILABLE_GIB}): "
+            f"anonymous memory may grow by {format_bytes(budget)} at most")
 
         say("[2/5] reference output without offload")
         x = torch.randn(cfg.tokens, cfg.width, device=device)
@@ -121,22 +147,27 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             hosts = list(model.parameters())
             cow0 = cow_report(hosts).anonymous_bytes
 
-            say(f"[4/5] layerwise offload on {device}")
-            copier = Copier(device)
-            # On the CPU the demo runs the device pipeline's twin: the copies are what it shows.
+            say(f"[4/5] layerwise offload, {mode}")
+            copier = Copier(device) if copies else None
             mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier,
-                                          cpu_twin=device.type == "cpu")
+                                          cpu_twin=cfg.cpu_twin)
             per_layer = []
             for i in range(cfg.layers):
+                nbytes = mgr.layer_bytes(i)
+                if not copies:
+                    say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} on the file mapping, "
+                        "computed from there")
+                    continue
                 t0 = time.perf_counter()
                 mgr.prefetch_layer(i, non_blocking=False)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
-                nbytes = mgr.layer_bytes(i)
                 per_layer.append(nbytes / dt / 1e9)
                 mgr.release_layer(i)
-                say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} copied at {per_layer[-1]:.2f} GB/s")
+                where = "the device" if device.type == "cuda" else "its CPU buffer"
+                say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} copied to {where} at "
+                    f"{per_layer[-1]:.2f} GB/s")
             mgr.register_forward_hooks()
             with torch.inference_mode():
                 got = model(x)
@@ -148,9 +179,16 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             if turned:
                 failures.append(f"{turned} bytes of the mapping turned anonymous")
             anon = rss_anon_bytes() - anon0
+            if anon > budget:
+                failures.append(
+                    f"anonymous memory grew by {format_bytes(anon)}, over the {format_bytes(budget)} host budget"
+                    + (" (the CPU twin's layer buffers are host memory: raise --host-gib or run in place)"
+                       if mode == "cpu twin" else "")
+                )
             mapped = mgr.mapped_bytes
             mgr.close()
-            copier.close()
+            if copier is not None:
+                copier.close()
         finally:
             if previous is None:
                 os.environ.pop(ENV_HOST_AVAILABLE_GIB, None)
@@ -158,13 +196,16 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
                 os.environ[ENV_HOST_AVAILABLE_GIB] = previous
 
     say("[5/5] report")
+    held = {"in place": "activations only", "cpu twin": "copier slots and the twin's layer buffers",
+            "cuda": "copier slots and CUDA host allocations"}[mode]
     rows = [
-        ("device", str(device)),
+        ("mode", mode_line.split(":")[0]),
         ("checkpoint bytes", f"{size} ({format_bytes(size)})"),
         ("left on the file mapping", f"{mapped} ({format_bytes(mapped)})"),
-        ("host anonymous growth", f"{format_bytes(anon)} (copier slots and, on CPU, the device buffers)"),
+        ("host anonymous growth", f"{format_bytes(anon)} of the {format_bytes(budget)} budget ({held})"),
         ("mapping turned anonymous", f"{turned} bytes"),
-        ("copy bandwidth per layer", f"{min(per_layer):.2f}-{max(per_layer):.2f} GB/s"),
+        ("copy bandwidth per layer",
+         f"{min(per_layer):.2f}-{max(per_layer):.2f} GB/s" if per_layer else "none: nothing is copied in place"),
         ("step time", f"{t_off * 1e3:.1f} ms offloaded vs {t_ref * 1e3:.1f} ms resident ({t_off / t_ref:.2f}x)"),
         ("output check", "identical to the reference" if same else "MISMATCH"),
     ]

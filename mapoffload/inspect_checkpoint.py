@@ -22,7 +22,7 @@ __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors
 class FileInfo:
     path: str
     bytes: int
-    tensors: int | None  # None for PyTorch zip files (counting needs unpickling)
+    tensors: int
     dtypes: dict[str, int]  # dtype -> tensor count
     resident_bytes: int
 
@@ -43,25 +43,44 @@ class CheckpointInfo:
 
     @property
     def tensors(self) -> int:
-        return sum(f.tensors or 0 for f in self.files)
+        return sum(f.tensors for f in self.files)
+
+
+# safetensors' names for torch dtypes, so that both kinds of file read alike.
+_SAFETENSORS_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64",
+}
+
+
+def _dtype_name(dtype: object) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _SAFETENSORS_NAMES.get(name, name)
 
 
 def _file_info(path: str) -> FileInfo:
     """One file's row. The header is read and validated before anything else
-    touches the file (``checkpoint_files`` already refused non-regular ones)."""
+    touches the file (``checkpoint_files`` already refused non-regular ones).
+
+    A PyTorch zip checkpoint (``.pt``/``.pth``/``.bin``) is opened as the
+    loader opens it (``torch.load(mmap=True, weights_only=True)``): its
+    pickle is read, its tensors' bytes stay on the mapping, unread.
+    """
+    dtypes: dict[str, int] = {}
     if path.endswith(".safetensors"):
         header = read_safetensors_header(path)
-        dtypes: dict[str, int] = {}
-        count = 0
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            count += 1
-            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
-        resident, size = _core.file_resident_bytes(path)
-        return FileInfo(path, size, count, dtypes, resident)
+        names = [entry["dtype"] for key, entry in header.items() if key != "__metadata__"]
+    else:
+        from .checkpoint import _read_file  # the loader's own reader: what it refuses, this refuses
+
+        names = [_dtype_name(t.dtype) for t in _read_file(path).values()]
+    for name in names:
+        dtypes[name] = dtypes.get(name, 0) + 1
     resident, size = _core.file_resident_bytes(path)
-    return FileInfo(path, size, None, {}, resident)
+    return FileInfo(path, size, len(names), dtypes, resident)
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:

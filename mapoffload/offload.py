@@ -232,6 +232,7 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 w.param._mapoffload_manager = me  # a second manager on these weights is refused
+                w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -339,6 +340,9 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 self._bind(w, None)
+        from ._placeholder import guard_conversions  # imports torch
+
+        guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
         self._engaged = True
 
     def _disengage(self) -> None:
@@ -349,6 +353,9 @@ class LayerwiseOffloadManager:
                 w.param.data = w.host
                 for module, attr in w.slots:
                     module._parameters[attr] = w.param
+        from ._placeholder import unguard_conversions
+
+        unguard_conversions(self.model)
         self._engaged = False
 
     # -- loading ---------------------------------------------------------------------------

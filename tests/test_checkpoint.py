@@ -90,6 +90,21 @@ def test_copying_load_and_ordinary_module(single, reference):
     assert same_output(model, reference)
 
 
+def test_report_says_who_decided(single, monkeypatch):
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "1000")  # copies fit
+    report = load_checkpoint(TinyModel(layers=4), single)
+    assert report.decided_by == "gate" and not report.keep_mapping
+    assert report.copied == {"copies fit (gate)": report.bytes_copied}
+    assert "the gate found copies fit" in str(report) and "keep_mapping=False" not in str(report)
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "1")  # copies would not fit
+    with empty_weights():
+        model = TinyModel()
+    report = load_checkpoint(model, single)
+    assert report.decided_by == "gate" and "the gate found host copies would not fit" in str(report)
+    report = load_checkpoint(TinyModel(layers=4), single, keep_mapping=False)
+    assert report.decided_by == "caller" and "keep_mapping=False" in str(report) and "gate" not in str(report)
+
+
 def test_sharded_index_and_directory(sharded, reference):
     with empty_weights():
         model = TinyModel()

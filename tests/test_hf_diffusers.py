@@ -203,5 +203,5 @@ def test_not_a_pipeline_folder_and_missing_extra(tmp_path, monkeypatch):
     from mapoffload.hf import MissingExtraError
 
     monkeypatch.setitem(sys.modules, "diffusers", None)
-    with pytest.raises(MissingExtraError, match=r'pip install "mapoffload\[diffusers\]"'):
+    with pytest.raises(MissingExtraError, match=r'pip install "\.\[diffusers\]" in the mapoffload source tree'):
         mapoffload.pipeline_from_pretrained(object, tmp_path, device=None)

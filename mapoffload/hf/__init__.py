@@ -4,7 +4,7 @@ loaded on the file mapping and offloaded in one call.
 ``import mapoffload`` does not import this package; ``mapoffload.from_pretrained``,
 ``mapoffload.offload``, ``mapoffload.pipeline_from_pretrained`` and
 ``mapoffload.offload_pipeline`` do, lazily. transformers and diffusers are imported
-only when a function that needs them is called (``pip install "mapoffload[hf]"``).
+only when a function that needs them is called (``pip install ".[hf]"`` from the source tree).
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-INSTALL_HINT = 'pip install "mapoffload[hf]"'
-DIFFUSERS_HINT = 'pip install "mapoffload[diffusers]"'
+# From a clone (mapoffload is installed from its source tree, not an index).
+INSTALL_HINT = 'pip install ".[hf]" in the mapoffload source tree, or pip install "transformers>=5"'
+DIFFUSERS_HINT = (
+    'pip install ".[diffusers]" in the mapoffload source tree, or pip install "transformers>=5" "diffusers>=0.30"'
+)
 
 
 class MissingExtraError(ImportError):

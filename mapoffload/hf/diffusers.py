@@ -37,6 +37,7 @@ from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import diffusers_hooks, driving
 from ._report import copy_mapped, load_report
 from ._extras import require
+from ._summary import OffloadRow
 from .blocks import find_block_lists
 from .offload import OffloadHandle, offload
 
@@ -60,9 +61,24 @@ class PipelineOffloadHandle:
         self.pipe = pipe
         self.components: dict[str, OffloadHandle] = {}
 
+    @property
+    def rows(self) -> list[OffloadRow]:
+        """Every component's :class:`OffloadRow` (``component`` set), measured now."""
+        out = []
+        for name, h in self.components.items():
+            for row in h.rows:
+                row.component = name
+                out.append(row)
+        return out
+
     def summary(self) -> str:
-        """One row per component's stack/unit: store, bytes, where it lives, why."""
-        return "\n".join(f"{name}.{row}" for name, h in self.components.items() for row in h.rows)
+        """One table for the pipeline, grouped by component (≤ 100 columns): where each unit's bytes
+        live, how it computes, what a forward re-reads; totals against a full host copy; why, per unit.
+        See :meth:`OffloadHandle.summary`."""
+        from ._summary import format_rows
+
+        devices = {h.device for h in self.components.values()}
+        return format_rows(self.rows, next(iter(devices)) if len(devices) == 1 else None)
 
     def close(self) -> None:
         """Give every component back whole, with its real weights."""
@@ -191,6 +207,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_map
         copied = copy_mapped(model, MappedRegions())
     report = load_report(model, files, info, cache, keep_mapping is not False, copied, time.perf_counter() - start,
                          maker="diffusers")
+    report.decided_by = "loader" if keep_mapping is None else "caller"
     model.eval()
     return model, report
 

@@ -13,11 +13,11 @@ put the layers' real weights back, and placed tensors get their host data back
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
-from ..budget import HOST_COPY_RESERVE_BYTES, host_memory
+from ..budget import host_memory
+from ._summary import OffloadRow
 from .blocks import find_block_lists
 
 if TYPE_CHECKING:
@@ -28,21 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["OffloadHandle", "OffloadRow", "offload"]
 
 RESTS = ("auto", "device", "stream")
-
-
-@dataclass
-class OffloadRow:
-    """One line of :meth:`OffloadHandle.summary`."""
-
-    unit: str  # the stack's path, or "rest"
-    layers: int
-    store: str  # mapped / pinned / pageable / strided bytes, or "placed"
-    nbytes: int
-    where: str
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.unit} ({self.layers} layers, {format_bytes(self.nbytes)}): {self.store}; {self.where}; {self.why}"
 
 
 def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]]:
@@ -66,27 +51,6 @@ def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]
     return out
 
 
-def _store_words(m: LayerwiseOffloadManager) -> str:
-    parts = [(m.mapped_bytes, "mapped"), (m.pinned_bytes, "pinned"), (m.pageable_bytes, "pageable")]
-    return " + ".join(f"{format_bytes(n)} {what}" for n, what in parts if n) or "empty"
-
-
-def _budget_words(m: LayerwiseOffloadManager, host_store: str, available: int, chosen: bool) -> str:
-    total = m.mapped_bytes + m.pinned_bytes + m.pageable_bytes
-    if host_store != "auto":
-        if not chosen:
-            return f"host_store={host_store!r} (the default on the CPU: a host copy would buy nothing there)"
-        return f"host_store={host_store!r} asked"
-    room = available - HOST_COPY_RESERVE_BYTES
-    verdict = "host copies would not fit: kept on the file mapping" if m.mapped_bytes else (
-        "host copies fit" + (": pinned for overlapped copies" if m.pinned_bytes else "")
-    )
-    return (
-        f"{format_bytes(total)} of layer weights against {format_bytes(available)} available "
-        f"less the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(max(room, 0))}): {verdict}"
-    )
-
-
 class OffloadHandle:
     """What :func:`offload` set up: its managers and the placed tensors.
 
@@ -98,15 +62,43 @@ class OffloadHandle:
         self.model = model
         self.device = device
         self.managers: dict[str, LayerwiseOffloadManager] = {}
-        self.rows: list[OffloadRow] = []
         self._saved: list[tuple[Any, str, bool, Any]] = []  # (module or param, attr, is_param, host tensor)
         self._closed = False
+        # For the summary: the host budget planned against, whether host_store
+        # was the caller's, and the decision behind the rest ("rest"/"placed").
+        self._available: int | None = None
+        self._host_store_given = False
+        self._notes: dict[str, str] = {}
+
+    @property
+    def rows(self) -> list[OffloadRow]:
+        """One :class:`OffloadRow` per unit, measured now (empty once closed)."""
+        from ._summary import placed_row, stack_row
+
+        if self._closed:
+            return []
+        rows = []
+        for path, m in self.managers.items():
+            rows.append(stack_row(path, m, available=self._available, host_store_given=self._host_store_given,
+                                  modules=path == "rest", why=self._notes.get(path) if path == "rest" else None))
+        placed = "placed" if "rest" in self.managers else "rest"  # as _place_rest names it
+        if placed in self._notes:
+            managed = {id(w.param) for m in self.managers.values() for s in m._stores for w in s.weights}
+            params, buffers = _rest_tensors(self.model)
+            tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
+            originals = [host for _, _, _, host in self._saved]
+            rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed]))
+        return rows
 
     def summary(self) -> str:
-        """One row per stack/unit: store, bytes, where it lives, why; then each stack's residency plan."""
-        lines = [str(r) for r in self.rows]
-        lines += [f"{path}: residency: {m.residency.describe()}" for path, m in self.managers.items()]
-        return "\n".join(lines)
+        """A table (≤ 100 columns): per unit where its bytes live (mapped, anonymous, pinned, on the
+        device), how it computes (streamed, in place, placed), what each forward re-reads from the file;
+        a totals line against a full host copy; then one paragraph per unit saying why."""
+        from ._summary import format_rows
+
+        if self._closed:
+            return f"{type(self.model).__name__}: offload closed, the model is whole again"
+        return format_rows(self.rows, self.device)
 
     def close(self) -> None:
         """Give the model back whole: layers' real weights, placed tensors' host data."""
@@ -217,6 +209,7 @@ def offload(
 
     if rest not in RESTS:
         raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    _refuse_offloaded(model)
     if model.training:
         warnings.warn(
             f"{type(model).__name__} is in train mode: dropout changes its outputs. Call model.eval() first.",
@@ -231,6 +224,7 @@ def offload(
     host = host_memory()
     available = host.available if available_bytes is None else available_bytes
     handle = OffloadHandle(model, dev)
+    handle._available, handle._host_store_given = available, chosen
     try:
         for path, stack in _resolve_layers(model, layers):
             m = LayerwiseOffloadManager(
@@ -239,11 +233,6 @@ def offload(
             )
             m.register_forward_hooks()
             handle.managers[path] = m
-            handle.rows.append(OffloadRow(
-                path, len(m.layers), _store_words(m), m.mapped_bytes + m.pinned_bytes + m.pageable_bytes,
-                f"host, streamed to {dev} one layer at a time (prefetch {prefetch_layers})",
-                _budget_words(m, host_store, available, chosen),
-            ))
         _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes)
         _share_page_cache(handle)
     except BaseException:
@@ -251,6 +240,21 @@ def offload(
         raise
     logger.info("offload of %s:\n%s", type(model).__name__, handle.summary())
     return handle
+
+
+def _refuse_offloaded(model: torch.nn.Module) -> None:
+    """An offloaded model is refused before anything is built, naming what holds it."""
+    from .._placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+
+    for name, p in model.named_parameters():
+        marker = getattr(p, "_mapoffload_manager", None)
+        holder = owner_of(p) if isinstance(p, OffloadedWeight) else marker() if marker is not None else None
+        if holder is not None or isinstance(p, OffloadedWeight):
+            raise AlreadyOffloadedError(
+                f"{type(model).__name__} is already offloaded by {holder!r} ({name} is one of its weights); "
+                "close its handle first (handle.close(), or model.mapoffload_handle.close() after "
+                "mapoffload.from_pretrained)"
+            )
 
 
 def _share_page_cache(handle: OffloadHandle) -> None:
@@ -311,11 +315,7 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
                                         host_store=host_store, available_bytes=available)
             m.register_forward_hooks()
             handle.managers["rest"] = m
-            handle.rows.append(OffloadRow(
-                "rest", len(owners), _store_words(m), m.mapped_bytes + m.pinned_bytes + m.pageable_bytes,
-                f"host, streamed to {dev} module by module",
-                f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}",
-            ))
+            handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"
         params, buffers = _rest_tensors(model)  # what is left: shared weights, buffers
         rest_bytes = sum(p.numel() * p.element_size() for p in params)
     moved = 0
@@ -328,11 +328,9 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
         if b.device != dev:
             handle._saved.append((module, name, False, b))
             module._buffers[name] = b.to(dev)
-    where = f"on {dev}" if dev.type != "cpu" else "left where it is (the device is the CPU)"
     why = room if mode == "device" else "shared weights and buffers are placed, never streamed"
     if mode == "device" and rest == "device":
         why = f"rest='device': {room}"
-    handle.rows.append(OffloadRow(
-        "placed" if mode == "stream" else "rest", 0, "placed (parameters and buffers outside the stacks)",
-        rest_bytes + buffer_bytes, where, why,
-    ))
+    if dev.type == "cpu" and mode == "device":
+        why = "the parameters and buffers outside the stacks stay where they are"
+    handle._notes["placed" if "rest" in handle.managers else "rest"] = why

@@ -153,6 +153,7 @@ def load_pretrained(
         copied = copy_mapped(model, MappedRegions())
     report = load_report(model, files, info, session.cache, keep_mapping is not False, copied,
                          time.perf_counter() - start, maker="transformers")
+    report.decided_by = "loader" if keep_mapping is None else "caller"
     if report.converted_tensors:
         (logger.info if report.conversion_reused else logger.warning)("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
                     report.converted_tensors, format_bytes(report.bytes_converted),

@@ -1,0 +1,313 @@
+"""What an offload set up, measured: :class:`OffloadRow` per unit and the
+plain-text table :meth:`OffloadHandle.summary` prints.
+
+Every number is measured when asked, not remembered from the plan: each
+unit's tensors are classified by :meth:`MappedRegions.span_classes` (a file
+mapping, anonymous memory, pinned) or found on the device, each tensor
+counted once. The words are chosen from what is measured and from the device
+in use, so that none contradicts another (no "streamed" on a CPU that
+computes in place, no "mapped" next to bytes that are a copy).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._log import format_bytes
+from ..budget import HOST_COPY_RESERVE_BYTES
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..offload import LayerwiseOffloadManager
+
+__all__ = ["OffloadRow", "format_rows", "placed_row", "stack_row"]
+
+WIDTH = 100  # columns the summary fits in
+
+# how a unit computes
+STREAMED, IN_PLACE, PLACED = "streamed", "in place", "placed"
+
+
+@dataclass
+class OffloadRow:
+    """One unit of an offload (a streamed stack, the streamed rest, or the
+    placed tensors), as measured. :meth:`OffloadHandle.summary` is these rows
+    as a table; ``handle.rows`` gives them as data.
+
+    Attributes
+    ----------
+    unit
+        The stack's path (``"model.layers"``), ``"rest"`` (what lies outside
+        the stacks) or ``"placed"`` (shared weights and buffers left placed
+        when the rest is streamed).
+    how
+        ``"streamed"`` (copied to the device one layer or module at a time),
+        ``"in place"`` (``device="cpu"``: computes from the host tensors, no
+        copy) or ``"placed"`` (on the device whole; on the CPU, left where it is).
+    layers
+        Layers (or modules) streamed one at a time; None when placed.
+    mapped_bytes, anonymous_bytes, pinned_bytes
+        Host bytes of the unit's tensors on a file mapping (page cache the
+        kernel can drop and re-read), in anonymous memory (a copy: the model's
+        own tensors or a host store), and in pinned memory. For a placed unit
+        on a GPU these are the host originals kept for ``close()``.
+    device_bytes
+        Bytes placed on the GPU for good (streamed layers' device buffers
+        come and go and are not counted).
+    nbytes
+        The unit's tensors, each counted once, wherever they are.
+    cached_bytes, read_per_forward
+        Of the mapped bytes: planned to stay in the page cache across
+        forwards, and re-read from the file every forward.
+    where, residency, why
+        One sentence each: where it computes, what happens to its file
+        pages, and the decision that put the bytes where they are.
+    component
+        The pipeline component (``"transformer"``); empty for a single model.
+    """
+
+    unit: str
+    how: str
+    layers: int | None
+    mapped_bytes: int
+    anonymous_bytes: int
+    pinned_bytes: int
+    device_bytes: int
+    nbytes: int
+    cached_bytes: int
+    read_per_forward: int
+    where: str
+    residency: str
+    why: str
+    component: str = ""
+
+    @property
+    def host_bytes(self) -> int:
+        return self.mapped_bytes + self.anonymous_bytes + self.pinned_bytes
+
+    @property
+    def store(self) -> str:
+        """Where the host bytes live, in words (``"12.00 MiB mapped + 1.00 KiB anonymous"``)."""
+        parts = [(self.mapped_bytes, "mapped"), (self.anonymous_bytes, "anonymous"), (self.pinned_bytes, "pinned")]
+        words = " + ".join(f"{format_bytes(n)} {what}" for n, what in parts if n)
+        return words or "no host bytes"
+
+    def __str__(self) -> str:
+        name = f"{self.component}.{self.unit}" if self.component else self.unit
+        count = f"{self.layers} {'modules' if self.unit == 'rest' else 'layers'}, " if self.layers else ""
+        device = f", {format_bytes(self.device_bytes)} on the device" if self.device_bytes else ""
+        return f"{name} ({count}{self.how}): {self.store}{device}; {self.where}; {self.residency}; {self.why}"
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+
+def _measure(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int, int, int]:
+    """(mapped, anonymous, pinned, device, total) bytes of ``tensors``, each storage range once."""
+    from .._stores import describe
+    from ..regions import MappedRegions
+
+    seen: set[tuple[str, int, int]] = set()
+    host: list[torch.Tensor] = []
+    device = total = 0
+    for t in tensors:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        n = describe(t)[0]
+        key = (str(t.device), t.data_ptr(), n)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += n
+        if t.device.type == "cpu":
+            host.append(t)
+        else:
+            device += n
+    mapped = anonymous = pinned = 0
+    for t, cls in zip(host, MappedRegions().span_classes(host)):
+        n = describe(t)[0]
+        if cls == "file":
+            mapped += n
+        elif _pinned(t):
+            pinned += n
+        else:
+            anonymous += n  # anonymous, shared memory, mixed: none of it can be dropped and re-read
+    return mapped, anonymous, pinned, device, total
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    import torch
+
+    if not torch.cuda.is_available():  # no pinned memory without CUDA (and no CUDA init to ask)
+        return False
+    return bool(t.is_pinned())
+
+
+def _manager_hosts(m: LayerwiseOffloadManager) -> list[torch.Tensor]:
+    return [t for _, t in m.iter_cpu_weights()]
+
+
+# --- words --------------------------------------------------------------------------------
+
+
+def _residency(m: LayerwiseOffloadManager, mapped: int, what: str) -> tuple[str, int, int]:
+    """(sentence, cached bytes, bytes read per forward) of a manager's page-cache plan."""
+    plan = m.residency
+    n = len(plan.layer_bytes)
+    if not mapped or not sum(plan.layer_bytes):
+        return "no file pages to keep cached or re-read", 0, 0
+    if not plan.streamed:
+        its = f"its {what[:-1]}" if n == 1 else f"all {n} {what}"
+        return f"the file pages of {its} stay in the page cache", plan.cached_bytes, 0
+    after = (f" after {format_bytes(plan.always_bytes)} of other weights every forward reads"
+             if plan.always_bytes else "")
+    return (
+        f"{len(plan.cached)} of {n} {what} stay in the page cache ({format_bytes(plan.cached_bytes)}); "
+        f"{len(plan.streamed)} are re-read from the file every forward "
+        f"({format_bytes(plan.streamed_bytes)} a forward{', the next read while one computes' if plan.readahead else ''}): "
+        f"memory leaves {format_bytes(plan.budget)} for these pages{after}",
+        plan.cached_bytes, plan.streamed_bytes,
+    )
+
+
+def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, available: int | None,
+         host_store_given: bool) -> str:
+    in_place = m.copier is None
+    if in_place and m.host_store in ("auto", "mapped"):
+        if not anonymous and not pinned:
+            return "its weights are views of the checkpoint's file mapping, as loaded"
+        if not mapped:
+            return ("its weights are the model's own tensors in anonymous memory, not on a file mapping (on the "
+                    "CPU the offload computes from them where they are and copies nothing)")
+        return "kept as they are: part on the file mapping, part anonymous copies (on the CPU nothing is copied)"
+    if host_store_given or m.host_store != "auto":
+        return f"host_store={m.host_store!r} asked"
+    total = mapped + anonymous + pinned
+    if available is None:
+        return "host stores chosen against the host's available memory"
+    room = max(available - HOST_COPY_RESERVE_BYTES, 0)
+    if mapped and not anonymous and not pinned:
+        verdict = "a host copy would not fit: kept on the file mapping"
+    elif pinned and not mapped:
+        verdict = "host copies fit: pinned, so the copies to the device overlap compute"
+    elif mapped:
+        verdict = "mapped where a host copy would not fit, copied for the rest"
+    else:
+        verdict = "host copies fit: copied into anonymous memory"
+    return (f"{format_bytes(total)} against {format_bytes(available)} available less the "
+            f"{format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(room)}): {verdict}")
+
+
+def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, host_store_given: bool,
+              modules: bool = False, why: str | None = None) -> OffloadRow:
+    """The row of one manager (a stack, or the streamed rest when ``modules``)."""
+    mapped, anonymous, pinned, _, total = _measure(_manager_hosts(m))
+    what = "modules" if modules else "layers"
+    if m.copier is None:
+        how, where = IN_PLACE, "computes on the CPU from the host tensors; nothing is copied"
+    elif m.device.type == "cpu":
+        how = STREAMED
+        where = f"copied {'module' if modules else 'layer'} by {'module' if modules else 'layer'} into CPU " \
+                "buffers (the device pipeline's CPU twin)"
+    else:
+        how = STREAMED
+        route = "pinned memory straight to the device" if pinned and not mapped and not anonymous else \
+            "the host stores through pinned staging to the device"
+        step = "module by module" if modules else "one layer at a time"
+        where = f"copied to {m.device} {step}, {m.prefetch_layers} ahead, from {route}"
+    residency, cached, read = _residency(m, mapped, what)
+    reason = why or _why(m, mapped, anonymous, pinned, available, host_store_given)
+    return OffloadRow(unit, how, len(m.layers), mapped, anonymous, pinned, 0, total, cached, read, where,
+                      residency, reason)
+
+
+def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[torch.Tensor],
+               device: torch.device, why: str) -> OffloadRow:
+    """The row of the tensors placed whole: on the device (``originals``: their
+    host data, kept for ``close()``), or on the CPU left where they are."""
+    mapped, anonymous, pinned, on_device, total = _measure(tensors)
+    if device.type != "cpu":
+        kept = _measure(originals)
+        mapped, anonymous, pinned = kept[0], kept[1], kept[2]
+        where = f"on {device} whole" + (" (host originals kept for close())" if any(kept[:3]) else "")
+        residency = "no file pages read by forwards" if not mapped else "host originals only read by close()"
+    else:
+        where = "left where it is (the device is the CPU)"
+        residency = ("its file pages are read every forward and stay cached" if mapped
+                     else "no file pages to keep cached or re-read")
+    return OffloadRow(unit, PLACED, None, mapped, anonymous, pinned, on_device, total,
+                      mapped if device.type == "cpu" else 0, 0, where, residency, why)
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+def _cells(r: OffloadRow, cols: list[str], indent: str) -> list[str]:
+    by = {
+        "mapped": format_bytes(r.mapped_bytes), "anonymous": format_bytes(r.anonymous_bytes),
+        "pinned": format_bytes(r.pinned_bytes), "on device": format_bytes(r.device_bytes),
+        "read/forward": format_bytes(r.read_per_forward),
+    }
+    return [indent + r.unit, r.how, "-" if r.layers is None else str(r.layers)] + [by[c] for c in cols]
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any] | None = None) -> str:
+    """Rows as an aligned plain-text table (≤ 100 columns), a totals line
+    against a full host copy, and one paragraph per unit."""
+    if not rows:
+        return "nothing offloaded"
+    cuda = any(r.device_bytes or r.pinned_bytes for r in rows) or (
+        device is not None and getattr(device, "type", "cpu") != "cpu")
+    cols = ["mapped", "anonymous"] + (["pinned", "on device"] if cuda else []) + ["read/forward"]
+    components = list(dict.fromkeys(r.component for r in rows))
+    grouped = len(components) > 1 or components[0] != ""
+    header = ["unit", "how", "layers"] + cols
+    body: list[list[str] | str] = []
+    for comp in components:
+        if grouped:
+            body.append(f"{comp}:")
+        body += [_cells(r, cols, "  " if grouped else "") for r in rows if r.component == comp]
+    total = OffloadRow("total", "", None, sum(r.mapped_bytes for r in rows), sum(r.anonymous_bytes for r in rows),
+                       sum(r.pinned_bytes for r in rows), sum(r.device_bytes for r in rows),
+                       sum(r.nbytes for r in rows), sum(r.cached_bytes for r in rows),
+                       sum(r.read_per_forward for r in rows), "", "", "")
+    footer = _cells(total, cols, "")
+    footer[1] = footer[2] = ""
+    table = [header] + [b for b in body if isinstance(b, list)] + [footer]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    fixed = sum(widths[1:]) + 2 * (len(header) - 1)
+    widths[0] = min(widths[0], max(12, WIDTH - fixed))
+
+    def line(cells: list[str]) -> str:
+        out = [_fit(cells[0], widths[0]).ljust(widths[0])]
+        out += [c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells[1:], widths[1:]), 1)]
+        return "  ".join(out).rstrip()
+
+    lines = [line(header)]
+    for b in body:
+        lines.append(_fit(b, WIDTH) if isinstance(b, str) else line(b))
+    lines.append(line(footer))
+    full = total.nbytes
+    host_copy = total.anonymous_bytes + total.pinned_bytes
+    if full:
+        pct = 100 * total.mapped_bytes / full
+        lines.append(_wrap(
+            f"a full host copy of these {format_bytes(full)} would all be anonymous or pinned memory; here "
+            f"{format_bytes(host_copy)} is, and {format_bytes(total.mapped_bytes)} ({pct:.0f} %) stays on the "
+            "file mapping (page cache the kernel can drop and re-read)", ""))
+    for r in rows:
+        name = f"{r.component}.{r.unit}" if r.component else r.unit
+        lines.append(_wrap(f"{name}: {r.where}; {r.residency}. Why: {r.why}.", "    "))
+    return "\n".join(lines)
+
+
+def _wrap(text: str, indent: str) -> str:
+    return "\n".join(textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False))

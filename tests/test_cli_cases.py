@@ -1,0 +1,167 @@
+"""`mapoffload` command rough edges: missing paths vs hub ids, non-checkpoint
+files, .bin files counted, shards in natural order, -v anywhere, --version,
+every option described, the demo's mode and its own budget."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mapoffload
+from mapoffload.cli import build_parser, main
+from mapoffload.demo import DemoConfig, run_demo
+
+
+@pytest.fixture
+def llama(tmp_path, monkeypatch):
+    """tmp/models/llama/model.safetensors; the working directory is tmp."""
+    folder = tmp_path / "models" / "llama"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.ones(4, 4)}, folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.chdir(tmp_path)
+    return folder
+
+
+@pytest.mark.parametrize("typo", ["models/lama", "./models/lama", "models/llama/model.safetensor",
+                                  "/nonexistent-mapoffload/x", "~/nonexistent-mapoffload-dir/x", "../lama"])
+def test_a_mistyped_local_path_is_missing_not_a_hub_id(llama, capsys, typo):
+    assert main(["inspect", typo]) == 2
+    err = capsys.readouterr().err
+    assert f"no such file or folder: {typo}" in err and "hub id" not in err
+
+
+def test_a_hub_id_is_named_as_one(llama, capsys):
+    assert main(["inspect", "meta-llama/Llama-3.2-1B"]) == 2
+    err = capsys.readouterr().err
+    assert "looks like a hub id" in err and "local paths only" in err
+
+
+def test_a_non_checkpoint_file_is_refused(llama, capsys):
+    assert main(["inspect", "models/llama/config.json"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: is not a checkpoint file" in err
+    with pytest.raises(mapoffload.CheckpointError, match="not a checkpoint file"):
+        mapoffload.checkpoint_files(llama / "config.json")
+    assert main(["inspect", "models/llama"]) == 0  # the folder is fine
+    capsys.readouterr()
+
+
+def test_bin_files_are_counted(tmp_path, capsys):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    torch.save({"a": torch.zeros(8, 8), "b": torch.zeros(3, dtype=torch.float16), "c": torch.zeros(2, 2)},
+               folder / "pytorch_model.bin")
+    assert main(["inspect", str(folder), "--json"]) == 0
+    comp = json.loads(capsys.readouterr().out)["components"][0]
+    assert comp["tensors"] == 3 and comp["files"][0]["tensors"] == 3
+    assert comp["files"][0]["dtypes"] == {"F32": 2, "F16": 1}
+    assert comp["bytes"] == (folder / "pytorch_model.bin").stat().st_size
+    assert main(["inspect", str(folder)]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if "pytorch_model.bin" in line)
+    assert row.split()[3] == "3" and "F16x1, F32x2" in row and "?" not in row
+
+
+def test_shards_in_natural_order(tmp_path, capsys):
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    # weight_map keys sort so that shard 3 is named first
+    weight_map = {"a.w": names[2], "b.w": names[0], "c.w": names[1]}
+    for key, name in weight_map.items():
+        save_file({key: torch.zeros(2)}, folder / name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    files = mapoffload.checkpoint_files(folder)
+    assert [f.rsplit("/", 1)[1] for f in files] == names
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert [out.index(n) for n in names] == sorted(out.index(n) for n in names)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for i in (10, 2, 1):
+        save_file({f"w{i}": torch.zeros(1)}, loose / f"part-{i}.safetensors")
+    assert [f.rsplit("/", 1)[1] for f in mapoffload.checkpoint_files(loose)] == [
+        "part-1.safetensors", "part-2.safetensors", "part-10.safetensors"]
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    (["-v", "inspect", "x"], True),
+    (["inspect", "x", "-v"], True),
+    (["inspect", "--verbose", "x"], True),
+    (["inspect", "x"], False),
+    (["demo", "-v", "--layers", "2"], True),
+    (["--verbose", "demo"], True),
+])
+def test_verbose_anywhere(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mapoffload {mapoffload.__version__}"
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_option_of_every_subcommand_is_described():
+    parser = build_parser()
+    subs = dict(_subparsers(parser))
+    assert set(subs) == {"inspect", "demo"}
+    for name, sub in [("mapoffload", parser), *subs.items()]:
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.option_strings or action.dest)
+
+
+def test_demo_options_are_checked(capsys):
+    for argv in (["demo", "--layers", "0"], ["demo", "--width", "wide"], ["demo", "--host-gib", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+    assert "must be 1 or more" in capsys.readouterr().err
+
+
+def test_demo_in_place_says_so_and_copies_nothing():
+    out = io.StringIO()
+    rc = run_demo(DemoConfig(layers=3, width=512, tokens=8, steps=1, device="cpu"), out)
+    text = out.getvalue()
+    assert rc == 0, text
+    assert text.startswith("mode: in place on the CPU") and "copied to" not in text
+    assert "computed from there" in text and "none: nothing is copied in place" in text
+    assert text.rstrip().endswith("OK")
+
+
+def test_demo_fails_when_its_own_budget_is_exceeded():
+    # The twin's layer buffers (1 MiB a layer at width 256, written in full)
+    # are host memory: far more than a 64 KiB budget.
+    out = io.StringIO()
+    rc = run_demo(DemoConfig(layers=2, width=256, tokens=8, steps=1, device="cpu", cpu_twin=True,
+                             host_gib=64 / (1 << 20)), out)
+    text = out.getvalue()
+    assert rc == 1, text
+    assert text.startswith("mode: CPU twin of the device pipeline") and "copied to its CPU buffer" in text
+    assert "FAILED: anonymous memory grew by" in text and "over the 64.00 KiB host budget" in text
+    assert not text.rstrip().endswith("OK")
+
+
+def test_inspect_fits_100_columns(tmp_path, capsys):
+    folder = tmp_path / ("a-rather-long-component-folder-name-" * 3)
+    folder.mkdir()
+    name = "diffusion_pytorch_model-with-a-very-long-name-00001-of-00001.safetensors"
+    save_file({f"w{i}": torch.zeros(2, dtype=d) for i, d in enumerate((torch.float32, torch.bfloat16))},
+              folder / name)
+    assert main(["inspect", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in lines[1:]), lines  # the first line names the path as given
+    assert any(line.strip().startswith("…") and line.split()[0].endswith("00001.safetensors") for line in lines)
