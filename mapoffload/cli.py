@@ -1,4 +1,4 @@
-"""`mapoffload inspect PATH [--json]` and `mapoffload demo` (also `python -m mapoffload`).
+"""`mapoffload inspect PATH [--json]`, `mapoffload demo` and `mapoffload convert FOLDER` (also `python -m mapoffload`).
 
 ``-v``/``--verbose`` is accepted before or after the subcommand.
 """
@@ -50,13 +50,16 @@ def _print_inspect(data: dict) -> None:
     gate = data["gate"]
     verdict = "keep the checkpoint mapped" if gate["keep_mapped"] else "copy into host memory"
     _say(
-        f"gate: {verdict} — {format_bytes(data['total_bytes'])} of weights against "
+        f"gate: {verdict} (load_checkpoint, keep_mapping=None) — {format_bytes(data['total_bytes'])} of weights against "
         f"{format_bytes(data['host']['available'])} available minus the "
         f"{format_bytes(gate['reserve_bytes'])} reserve"
     )
     for c in data["components"]:
         if len(data["components"]) > 1:
             print(f"  {c['component']}: {'keep mapped' if c['keep_mapped'] else 'copies fit'}")
+    for entry, what in data["entry_points"].items():
+        if entry != "load_checkpoint":  # the gate line above says it
+            _say(f"{entry}: {what}")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -76,6 +79,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(layers=args.layers, width=args.width, tokens=args.tokens, steps=args.steps,
                      device=args.device, host_gib=args.host_gib, cpu_twin=args.cpu_twin)
     return run_demo(cfg)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .hf.convert import convert_pretrained
+
+    report = convert_pretrained(args.folder, dtype=args.dtype, cache_dir=args.cache_dir)
+    if report.converted_tensors:
+        how = "already there, reused" if report.conversion_reused else "written"
+        _say(f"{report.converted_tensors} tensors converted by the load ({format_bytes(report.bytes_converted)}), "
+             f"{how}: {report.conversion_dir}")
+    else:
+        _say(f"nothing to convert: every tensor of {args.folder} loads as a view of its file")
+    return 0
 
 
 def _verbose_flag(parser: argparse.ArgumentParser, default: object) -> None:
@@ -112,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"mapoffload {__version__}",
                     help="print the version and exit")
     _verbose_flag(ap, False)
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,demo}", help="what to do")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,demo,convert}", help="what to do")
     ins = sub.add_parser(
         "inspect", help="a checkpoint's files, the host, the gate, page-cache residency",
         description="Show a checkpoint's files (tensors, dtypes, bytes in the page cache), the host's memory and "
@@ -144,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
                            "checkpoint)")
     _verbose_flag(demo, argparse.SUPPRESS)
     demo.set_defaults(func=_cmd_demo)
+    conv = sub.add_parser(
+        "convert", help="do a transformers folder's load-time conversions ahead of time",
+        description="Load a transformers model folder once, as mapoffload.from_pretrained does, so that what "
+                    "transformers converts while loading (experts fused, a cast, fp8 dequantized without a GPU) "
+                    "is written to the mapped conversion folder that later loads reuse. Needs transformers.",
+    )
+    conv.add_argument("folder", help="a folder written by save_pretrained (config.json and weight files)")
+    conv.add_argument("--dtype", default="auto",
+                      help="the dtype later loads will ask for: 'auto' (as transformers 5) or a torch dtype name "
+                           "(default: auto)")
+    conv.add_argument("--cache-dir", default=None,
+                      help="where converted files go (default: beside the checkpoint when writable, else "
+                           "~/.cache/mapoffload/converted; MAPOFFLOAD_CONVERT_DIR overrides)")
+    _verbose_flag(conv, argparse.SUPPRESS)
+    conv.set_defaults(func=_cmd_convert)
     return ap
 
 

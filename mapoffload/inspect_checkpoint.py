@@ -83,6 +83,24 @@ def _file_info(path: str) -> FileInfo:
     return FileInfo(path, size, len(names), dtypes, resident)
 
 
+def entry_points(path: str, gate_keeps: bool) -> dict[str, str]:
+    """What each loading entry point does with this checkpoint on this host:
+    the one rule (docs: README "Mapped or copied")."""
+    folder = path if os.path.isdir(path) else None
+    library = None
+    if folder and os.path.isfile(os.path.join(folder, "model_index.json")):
+        library = ("pipeline_from_pretrained", "diffusers' own")
+    elif folder and os.path.isfile(os.path.join(folder, "config.json")):
+        library = ("from_pretrained", "transformers' own")
+    out = {}
+    if library:
+        out[library[0]] = (f"kept on the file mapping, where {library[1]} load leaves it; what that load converts "
+                           "or casts is written once to a mapped conversion folder (keep_mapping=False copies)")
+    out["load_checkpoint"] = ("kept on the file mapping: host copies would not fit" if gate_keeps
+                              else "copied into host memory: copies fit (keep_mapping=True keeps the mapping)")
+    return out
+
+
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
     """Everything `mapoffload inspect` prints, as plain data (JSON-ready)."""
     p = os.fspath(path)
@@ -107,6 +125,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
             for c in components
         ],
         "host": asdict(host) | {"summary": str(host)},
+        "entry_points": entry_points(p, keep),
         "gate": {
             "keep_mapped": keep,
             "reserve_bytes": HOST_COPY_RESERVE_BYTES,

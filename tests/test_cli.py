@@ -67,7 +67,7 @@ def test_inspect_table_and_residency(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "1")
     assert main(["inspect", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "gate: keep the checkpoint mapped" in text and "F32x1" in text and "in page cache" in text
+    assert "gate: keep the checkpoint mapped (load_checkpoint" in text and "F32x1" in text and "in page cache" in text
 
 
 def test_inspect_errors_are_one_line(tmp_path):

@@ -165,3 +165,24 @@ def test_inspect_fits_100_columns(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 100 for line in lines[1:]), lines  # the first line names the path as given
     assert any(line.strip().startswith("…") and line.split()[0].endswith("00001.safetensors") for line in lines)
+
+
+def test_inspect_says_what_each_entry_point_does(tmp_path, capsys, monkeypatch):
+    """One rule: from_pretrained keeps what transformers maps; load_checkpoint asks the gate."""
+    import json as _json
+
+    pytest.importorskip("transformers")
+    from conformance_zoo import build
+    from mapoffload.cli import main
+
+    build("gpt2", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "1000")  # copies fit: the gate would copy
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    data = _json.loads(capsys.readouterr().out)
+    assert data["entry_points"]["from_pretrained"].startswith("kept on the file mapping")
+    assert data["entry_points"]["load_checkpoint"].startswith("copied into host memory")
+    assert main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "from_pretrained: kept on the file mapping" in text
+    assert "gate: copy into host memory (load_checkpoint" in text
+    assert max(len(line) for line in text.splitlines()) <= 100

@@ -212,3 +212,19 @@ def test_conversion_holds_a_bounded_batch_where_transformers_holds_every_expert(
     theirs, ours = peak("transformers"), peak("mapoffload")
     assert theirs > 0.9 * experts  # the measurement sees the fused experts
     assert ours < 0.4 * experts, (ours, theirs)  # a conversion or two (8 MiB each) at a time, then mapped
+
+
+def test_the_convert_command(tmp_path, capsys):
+    from mapoffload.cli import main
+
+    build("olmoe", str(tmp_path / "moe"))
+    build("gpt2", str(tmp_path / "dense"))
+    assert main(["convert", str(tmp_path / "moe"), "--cache-dir", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "4 tensors converted" in out and "written" in out and str(tmp_path / "c") in out
+    assert main(["convert", str(tmp_path / "moe"), "--cache-dir", str(tmp_path / "c"), "-v"]) == 0
+    assert "reused" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "dense")]) == 0
+    assert "nothing to convert" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "nothing")]) == 2
+    assert "config.json" in capsys.readouterr().err
