@@ -211,6 +211,10 @@ class LoadReport:
     ``bytes_sliced_copied`` the slices that had to be copied because they are
     strided in the file (column splits), whatever else was done to them.
 
+    ``fp8_weights`` / ``bytes_fp8`` / ``bytes_fp8_scales``: fp8 weights kept
+    as one-byte codes with their block scales (:mod:`mapoffload.fp8`: the
+    module's weight is their dequantization, computed as it is used).
+
     ``converted_tensors`` / ``bytes_converted``: tensors a loader made (fused
     experts, casts, dequantized weights; :func:`mapoffload.from_pretrained`),
     written once into mapped files in ``conversion_dir`` (counted in
@@ -234,6 +238,9 @@ class LoadReport:
     conversion_dir: str | None = None
     conversion_reused: bool = False
     decided_by: str = "caller"
+    fp8_weights: int = 0
+    bytes_fp8: int = 0
+    bytes_fp8_scales: int = 0
 
     def _decision(self) -> str:
         if self.decided_by == "gate":
@@ -257,6 +264,11 @@ class LoadReport:
                 f" Rank {self.shard[0]} of {self.shard[1]}: slices {format_bytes(self.bytes_sliced_mapped)} "
                 f"as views of the mapping, {format_bytes(self.bytes_sliced_copied)} copied (strided in the file)."
             )
+        if self.fp8_weights:
+            shard += (
+                f" {self.fp8_weights} fp8 weights kept as codes ({format_bytes(self.bytes_fp8)}) and block "
+                f"scales ({format_bytes(self.bytes_fp8_scales)}), dequantized as used."
+            )
         if self.converted_tensors:
             shard += (
                 f" {self.converted_tensors} converted tensors ({format_bytes(self.bytes_converted)}) "
@@ -271,6 +283,30 @@ class LoadReport:
 
 
 # --- load_checkpoint -----------------------------------------------------------------
+
+
+def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, _Slot], path: Any) -> dict[str, str]:
+    """``{weight key: scale key}`` for fp8 checkpoint weights stored with a
+    ``<key>_scale_inv`` whose module parameter is not fp8 (it computes in a
+    wider dtype): those load as codes + scales, dequantized as used. Shapes are
+    checked here, before anything is assigned."""
+    from .fp8 import _grid, is_fp8
+
+    out = {}
+    for key, t in loaded.items():
+        scale = f"{key}_scale_inv"
+        slot = slots.get(key)
+        if scale not in loaded or slot is None or not slot.is_param or not is_fp8(t) or is_fp8(slot.current):
+            continue
+        if tuple(t.shape) != tuple(slot.current.shape):
+            raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} does not match the module's "
+                             f"{tuple(slot.current.shape)}")
+        try:
+            _grid(t, loaded[scale])
+        except ValueError as exc:
+            raise CheckpointError(path, f"{scale}: {exc}") from None
+        out[key] = scale
+    return out
 
 
 @dataclass
@@ -395,6 +431,12 @@ def load_checkpoint(
                 f"shard plan names keys neither {os.fspath(path)} nor {component} has: {', '.join(stray)}"
             )
 
+    # fp8 weights with their block scales: kept as codes + scales (mapoffload.fp8), never cast without them.
+    fp8 = _fp8_pairs(loaded, slots, path)
+    if fp8 and shard_plan is not None:
+        raise ValueError(f"{os.fspath(path)}: fp8 weights with scales ({next(iter(fp8))}) cannot be sharded yet")
+    fp8_sources = {k: (loaded.pop(k), loaded.pop(scale)) for k, scale in fp8.items()}
+
     # Validate everything before assigning anything.
     unexpected = sorted(k for k in loaded if k not in slots)
     missing: list[str] = []
@@ -402,7 +444,8 @@ def load_checkpoint(
     for names in groups:
         source_key = next((n for n in names if n in loaded), None)
         if source_key is None:
-            missing.extend(names)
+            if not any(n in fp8_sources for n in names):
+                missing.extend(names)
             continue
         src = loaded[source_key]
         sliced = strided = False
@@ -437,6 +480,8 @@ def load_checkpoint(
             component=f"{component} (rank {shard[0]} of {shard[1]})" if shard else component,
             local_ranks=local_ranks,
         )
+
+    from .fp8 import attach_fp8
 
     report = LoadReport(
         files=files, keep_mapping=bool(keep_mapping), missing_keys=missing, unexpected_keys=unexpected, shard=shard,
@@ -481,6 +526,19 @@ def load_checkpoint(
         report.tensors += 1
 
     bar.close()
+    for key, (codes, scale) in fp8_sources.items():
+        target = slots[key]
+        if not keep_mapping:
+            codes, scale = codes.clone(), scale.clone()
+            report.copied["keep_mapping=False"] = (report.copied.get("keep_mapping=False", 0)
+                                                   + codes.nbytes + scale.nbytes)
+        attach_fp8(target.owner, target.attr, codes, scale, dtype=target.current.dtype)
+        assigned += [codes, scale]
+        sliced_flags += [False, False]
+        report.tensors += 2
+        report.fp8_weights += 1
+        report.bytes_fp8 += codes.nbytes
+        report.bytes_fp8_scales += scale.nbytes
     held = MappedRegions().classify(assigned)
     for t, h, row_slice in zip(assigned, held, sliced_flags):
         if h:

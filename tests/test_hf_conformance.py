@@ -206,9 +206,18 @@ def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch):
     to_fp8(str(tmp_path))
     model = _check(cls, kind, str(tmp_path))
     report = model.mapoffload_report
-    # Without a GPU transformers dequantizes on load: those weights are written once, mapped.
-    assert report.converted_tensors > 0 and report.bytes_copied < 1024
+    # transformers dequantizes on load (asked to, on any machine); each weight made from one fp8
+    # tensor and its scales is kept as those codes and scales instead, checked bit for bit; the
+    # experts transformers stacks from many are dequantized once into the conversion folder.
+    from mapoffload.fp8 import fp8_weights
+
+    codes = [c for _, c, _ in fp8_weights(model)]
+    assert report.fp8_weights == len(codes) > 0 and report.bytes_fp8 == sum(c.nbytes for c in codes)
+    assert {c.dtype for c in codes} == {torch.float8_e4m3fn}
+    assert report.converted_tensors == (4 if arch == "mixtral" else 0) and report.bytes_copied < 1024
     assert all(MappedRegions().classify(list(model.parameters())))
+    dense = mapoffload.from_pretrained(cls, str(tmp_path), device=None, fp8="dequantize")
+    assert dense.mapoffload_report.fp8_weights == 0 and dense.mapoffload_report.converted_tensors > 0
 
 
 def test_custom_code_folder_is_refused_without_trust_remote_code(tmp_path):

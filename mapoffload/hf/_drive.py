@@ -64,6 +64,9 @@ class Session:
     conversion_errors: dict[str, str] = field(default_factory=dict)
     reusable: bool = True
     loads: int = 0
+    keep_fp8: bool = False  # fp8 weights stay codes + scales (mapoffload.fp8) where that is exact
+    sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
+    fp8: list[str] = field(default_factory=list)  # weights kept as fp8 codes
 
     # -- per tensor ---------------------------------------------------------------
 
@@ -85,6 +88,8 @@ class Session:
         tensors = [(s, t) for s, t in tensors if t is not None and t.device.type == "cpu"]
         if not tensors or all(self.regions.holds(t) for _, t in tensors if t.numel()):
             return
+        if self.keep_fp8 and len(tensors) == 1 and self._keep_as_fp8(tensors[0][0], tensors[0][1], sources):
+            return
         if not sources:
             self.reusable = False  # a conversion whose inputs we could not see: convert again next time
         for s, t in tensors:
@@ -92,6 +97,37 @@ class Session:
             self.pending_bytes += t.numel() * t.element_size()
         if self.pending_bytes >= self.part_bytes:
             self.flush()
+
+    def _keep_as_fp8(self, target: _Set, value: torch.Tensor, sources: set[str]) -> bool:
+        """A weight transformers dequantized from one fp8 tensor and its block
+        scales: keep the checkpoint's codes and scales instead (mapped, one byte
+        a parameter), when dequantizing them gives exactly what transformers
+        made. Anything else (experts stacked from many) is converted as usual."""
+        import torch
+
+        from ..fp8 import attach_fp8, dequantize_fp8, is_fp8
+
+        scales = [k for k in sources if k.endswith("_scale_inv")]
+        if len(sources) != 2 or len(scales) != 1 or self.sources is None:
+            return False
+        weight = scales[0][: -len("_scale_inv")]
+        if weight not in sources or weight not in self.sources or scales[0] not in self.sources:
+            return False
+        codes, scale = self.sources[weight][...], self.sources[scales[0]][...]
+        if not is_fp8(codes) or codes.shape != value.shape or not self.regions.holds(codes):
+            return False
+        try:
+            exact = torch.equal(dequantize_fp8(codes, scale, dtype=value.dtype), value)
+        except ValueError:
+            return False
+        if not exact:
+            return False
+        attach_fp8(target.module, target.attr, codes, scale, dtype=value.dtype)
+        lists = target.module.parametrizations[target.attr]
+        lists.original._is_hf_initialized = True  # transformers must not initialise them again
+        lists[0].scale._is_hf_initialized = True
+        self.fp8.append(target.name)
+        return True
 
     def flush(self) -> None:
         """Write the pending converted tensors as one part and rebind their mapped views."""
@@ -170,8 +206,10 @@ def _wrap_load(original):
             state_dict = {k: v for k, v in state_dict.items() if k not in consumed}
             state_dict.update(s.cache.mapped())
         s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
+        s.sources = state_dict
         result = original(model, state_dict, load_config, *args, **kwargs)
         s.finish()
+        s.sources = None
         info = result[0] if isinstance(result, tuple) else result
         s.conversion_errors.update(getattr(info, "conversion_errors", None) or {})
         return result
@@ -245,14 +283,14 @@ def diffusers_hooks() -> list[tuple[Any, str, Any]]:
 
 @contextlib.contextmanager
 def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = None, *,
-            part_bytes: int | None = None) -> Iterator[Session]:
+            part_bytes: int | None = None, keep_fp8: bool = False) -> Iterator[Session]:
     """Hooks (default: transformers') installed for one load in this thread;
     yields its :class:`Session`.
 
     On success the cache is committed (when its conversions can be reused);
     on failure its unfinished files are dropped.
     """
-    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes)
+    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes, keep_fp8=keep_fp8)
     hooks = transformers_hooks() if hooks is None else hooks
     with _LOCK:
         saved = []

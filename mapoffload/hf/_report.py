@@ -75,5 +75,11 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
     report.bytes_converted = cache.bytes
     report.conversion_dir = cache.path if cache.tensors else None
     report.conversion_reused = cache.reused
+    from ..fp8 import fp8_weights
+
+    for _, codes, dequant in fp8_weights(model):
+        report.fp8_weights += 1
+        report.bytes_fp8 += codes.nbytes
+        report.bytes_fp8_scales += dequant.scale.nbytes
     report.seconds = seconds
     return report

@@ -77,18 +77,34 @@ def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
     return config_cls.from_pretrained(folder, **({"trust_remote_code": trust} if trust is not None else {}))
 
 
-def _check_quantization(config: Any, folder: str) -> None:
+FP8_MODES = ("keep", "dequantize")
+
+
+def _check_quantization(config: Any, folder: str, fp8: str) -> bool:
+    """Refuse unsupported quantization methods; True when fp8 weights are kept
+    as codes (``fp8="keep"``). transformers is then asked for its dequantizing
+    load (plain modules, on any machine), whose result is checked weight by
+    weight against the codes that replace it."""
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8 must be one of {FP8_MODES}, not {fp8!r}")
     q = getattr(config, "quantization_config", None)
     if q is None:
-        return
+        return False
     method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
     method = str(getattr(method, "value", method))
+    if method == "fp8":
+        if isinstance(q, dict):
+            q["dequantize"] = True
+        else:
+            q.dequantize = True
+        return fp8 == "keep"
     if method not in SUPPORTED_QUANT_METHODS:
         raise CheckpointError(
             os.path.join(folder, "config.json"),
             f"quantization_config method {method!r} is not supported by mapoffload yet "
             f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself",
         )
+    return False
 
 
 def load_pretrained(
@@ -100,6 +116,7 @@ def load_pretrained(
     strict: bool = False,
     config: Any = None,
     cache_dir: str | os.PathLike | None = None,
+    fp8: str = "keep",
     **model_kwargs: Any,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """Load a transformers model from ``folder`` by transformers' own rules, on the mapping (no offload).
@@ -119,14 +136,14 @@ def load_pretrained(
     start = time.perf_counter()
     config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
     files = checkpoint_files(folder)
-    _check_quantization(config, folder)
+    keep_fp8 = _check_quantization(config, folder, fp8)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
     key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=dtype, config=config,
-                      extra=sorted((k, repr(v)) for k, v in model_kwargs.items()))
+                      extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     cache = ConversionCache.open(root, key)
     if getattr(config, "quantization_config", None) is not None and cache.reused:
         cache = ConversionCache(root, key)  # a quantizer's converters expect the stored layout: convert again
-    with driving(cache) as session:
+    with driving(cache, keep_fp8=keep_fp8) as session:
         model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
                                           **model_kwargs)
     if session.conversion_errors:
@@ -187,6 +204,7 @@ def from_pretrained(
     prefetch_layers: int = 1,
     host_store: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    fp8: str = "keep",
     **model_kwargs: Any,
 ) -> torch.nn.Module:
     """A transformers model from a local folder, on the file mapping, offloaded onto ``device``.
@@ -226,6 +244,14 @@ def from_pretrained(
         Where converted tensors are written (default: beside the checkpoint
         when writable, else ``~/.cache/mapoffload/converted``;
         ``$MAPOFFLOAD_CONVERT_DIR`` overrides).
+    fp8
+        For a fine-grained FP8 checkpoint (``quant_method: fp8``): ``"keep"``
+        leaves each weight's fp8 codes and block scales on the mapping (one
+        byte a parameter, streamed as such) and dequantizes it as it is used
+        (:mod:`mapoffload.fp8`), wherever that gives exactly transformers'
+        dequantized weight — the rest (experts stacked from many tensors) is
+        dequantized once into the conversion folder; ``"dequantize"`` does
+        that for every weight (transformers' dequantized model, in bf16).
     **model_kwargs
         Passed to transformers' ``from_pretrained`` (``attn_implementation=``,
         ``trust_remote_code=``…). ``device_map``/``torch_dtype`` are refused
@@ -244,7 +270,7 @@ def from_pretrained(
     if device is not None:
         _check_device(device)
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
-                                    config=config, cache_dir=cache_dir, **model_kwargs)
+                                    config=config, cache_dir=cache_dir, fp8=fp8, **model_kwargs)
     handle: OffloadHandle | None = None
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,

@@ -1,0 +1,128 @@
+"""FP8 weights kept at one byte a parameter, dequantized as they are used.
+
+Fine-grained FP8 checkpoints (DeepSeek-V3/R1, the Qwen3 ``-FP8`` releases)
+store each projection as ``float8_e4m3fn`` codes with a ``weight_scale_inv``
+per block (``[128, 128]`` tiles; per-tensor and per-channel scales are the
+same rule with one block or one column of blocks). :func:`attach_fp8` keeps
+the codes and the scales as the module's parameters — on the file mapping
+when they come from it, streamed by a :class:`~mapoffload.LayerwiseOffloadManager`
+at one byte a parameter — and makes ``module.weight`` a parametrization
+(``torch.nn.utils.parametrize``) that dequantizes on each use, on the
+device the codes are on (the compute stream on CUDA), with transformers'
+arithmetic (``Fp8Dequantize``): ``(codes.float() * scale).to(dtype)`` over the
+block grid the scales define. The dequantized weight lives only while the
+module computes (one weight at a time, never the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["FP8_DTYPES", "Fp8Dequantize", "attach_fp8", "dequantize_fp8", "fp8_weights", "is_fp8"]
+
+# Rows of the block grid dequantized per step: bounds the float32 temporaries
+# (transformers' formula promotes to float32) to a slice of the weight.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    """A tensor of a float8 dtype."""
+    return t.dtype in FP8_DTYPES
+
+
+def _grid(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int]:
+    """(scale rows, block rows, scale cols, block cols), as transformers derives them:
+    the block is the weight's shape over the scale grid's."""
+    rows, cols = codes.shape[-2:]
+    srows, scols = (scale.shape[-2:] if scale.dim() >= 2 else (1, 1))
+    if srows == 0 or scols == 0 or rows % srows or cols % scols:
+        raise ValueError(f"weight shape ({rows}, {cols}) is not divisible by its scale grid ({srows}, {scols})")
+    return srows, rows // srows, scols, cols // scols
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``codes`` (float8, ``[..., rows, cols]``) times their per-block ``scale``
+    (``weight_scale_inv``: ``[..., rows/bm, cols/bn]``, a scalar for one block),
+    in ``dtype``; bit for bit what transformers' ``Fp8Dequantize`` computes.
+
+    Computed a band of block rows at a time into ``out`` (allocated when
+    None), so the float32 temporaries stay small.
+    """
+    if not is_fp8(codes):
+        raise TypeError(f"codes must be float8, not {codes.dtype}")
+    if codes.dim() < 2:
+        raise ValueError(f"codes must have 2 or more dimensions, not shape {tuple(codes.shape)}")
+    srows, bm, scols, bn = _grid(codes, scale)
+    if out is None:
+        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    elif out.shape != codes.shape or out.dtype != dtype:
+        raise ValueError(f"out must be {tuple(codes.shape)} {dtype}, not {tuple(out.shape)} {out.dtype}")
+    s = (scale if scale.dim() >= 2 else scale.reshape(1, 1)).to(torch.float32)
+    q = codes.reshape(-1, srows, bm, scols, bn)
+    s = s.reshape(-1, srows, scols).unsqueeze(-1).unsqueeze(2)
+    o = out.view(-1, srows, bm, scols, bn)
+    lead = q.shape[0]
+    per_band = bm * scols * bn
+    step = max(1, _CHUNK_ELEMENTS // max(per_band, 1))
+    for e in range(lead):
+        for r in range(0, srows, step):
+            band = slice(r, min(r + step, srows))
+            o[e, band].copy_(q[e, band].to(torch.float32) * s[min(e, s.shape[0] - 1), band])
+    return out
+
+
+class Fp8Dequantize(torch.nn.Module):
+    """The parametrization: ``weight = dequantize_fp8(original, scale)``; the
+    scale is its parameter, so a layer's scales stream with its codes."""
+
+    def __init__(self, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.dtype = dtype
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(codes, self.scale, dtype=self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype}, scale grid {tuple(self.scale.shape)}"
+
+
+def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: torch.Tensor, *,
+               dtype: torch.dtype) -> None:
+    """Make ``module.<name>`` the dequantization of ``codes`` with ``scale``.
+
+    ``codes`` and ``scale`` are kept as they are (views of a file mapping stay
+    views): ``module.parametrizations.<name>.original`` holds the codes, the
+    parametrization's ``scale`` the scales. Reading ``module.<name>``
+    dequantizes into ``dtype``. Raises ``ValueError`` when the shapes do not
+    fit the block grid, ``TypeError`` when ``codes`` is not float8.
+    """
+    from torch.nn.utils import parametrize
+
+    if not is_fp8(codes):
+        raise TypeError(f"{name}: codes must be float8, not {codes.dtype}")
+    _grid(codes, scale)
+    if parametrize.is_parametrized(module, name):
+        raise ValueError(f"{name} of {type(module).__name__} is already parametrized")
+    module._parameters.pop(name, None)
+    module.register_parameter(name, torch.nn.Parameter(codes, requires_grad=False))
+    parametrize.register_parametrization(module, name, Fp8Dequantize(scale, dtype), unsafe=True)
+
+
+def fp8_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Fp8Dequantize]]:
+    """``(qualified name, codes, parametrization)`` for every fp8 weight of ``model``
+    (the codes are ``parametrizations.<name>.original``, the scales ``parametrization.scale``)."""
+    for mod_name, module in model.named_modules():
+        lists = getattr(module, "parametrizations", None)
+        if lists is None:
+            continue
+        for attr, plist in lists.items():
+            dequant = next((p for p in plist if isinstance(p, Fp8Dequantize)), None)
+            if dequant is not None:
+                yield (f"{mod_name}.{attr}" if mod_name else attr), plist.original, dequant
