@@ -216,6 +216,10 @@ def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch):
     assert {c.dtype for c in codes} == {torch.float8_e4m3fn}
     assert report.converted_tensors == (4 if arch == "mixtral" else 0) and report.bytes_copied < 1024
     assert all(MappedRegions().classify(list(model.parameters())))
+    again = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu")
+    summary = again.mapoffload_handle.summary()
+    assert f"fp8: {len(codes)} weights stay one-byte codes" in summary
+    assert max(len(line) for line in summary.splitlines()) <= 100
     dense = mapoffload.from_pretrained(cls, str(tmp_path), device=None, fp8="dequantize")
     assert dense.mapoffload_report.fp8_weights == 0 and dense.mapoffload_report.converted_tensors > 0
 

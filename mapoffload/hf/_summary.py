@@ -311,3 +311,23 @@ def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any]
 
 def _wrap(text: str, indent: str) -> str:
     return "\n".join(textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False))
+
+
+def fp8_words(model: torch.nn.Module) -> str:
+    """A paragraph on a model's fp8 weights (mapoffload.fp8), or '' when it has none:
+    their codes and scales, and the working memory a dequantization takes."""
+    import torch
+
+    from ..fp8 import fp8_weights
+
+    found = [(codes, d) for _, codes, d in fp8_weights(model)]
+    if not found:
+        return ""
+    codes_bytes = sum(c.nbytes for c, _ in found)
+    scales = sum(d.scale.nbytes for _, d in found)
+    widest = max(found, key=lambda cd: cd[0].numel())
+    work = widest[0].numel() * torch.empty(0, dtype=widest[1].dtype).element_size()
+    return "\n" + _wrap(
+        f"fp8: {len(found)} weights stay one-byte codes ({format_bytes(codes_bytes)}) with their block scales "
+        f"({format_bytes(scales)}), counted above as read; each is dequantized to {widest[1].dtype} where and "
+        f"when it is used (the largest takes {format_bytes(work)} while its module computes)", "    ")
