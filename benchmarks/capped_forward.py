@@ -71,11 +71,27 @@ cache), cap, peak (v1 memory.max_usage_in_bytes, v2 memory.peak) and OOM
 counts, the disk bandwidth, the machine, the versions.
 Skips (message, exit 0, JSON saying why) where memory cgroups cannot be made.
 
+With --fp8 (issue 17) the model is generated in bfloat16 and also rewritten
+in the fine-grained FP8 layout (every *_proj.weight as float8_e4m3fn codes with
+[128, 128]-block weight_scale_inv; embeddings and head as they are), and the
+contenders are
+
+  transformers    from_pretrained of the fp8 folder: its dequantizing load (bf16)
+  mapoffload      mapoffload.from_pretrained of the bf16 folder
+  mapoffload-fp8  mapoffload.from_pretrained of the fp8 folder (codes stay mapped,
+                  dequantized as each layer runs)
+
+with caps as shares of the bf16 checkpoint; a second table gives the targets
+(fp8 / bf16 reads and forward time at each cap, fp8's anonymous growth against
+two layers + 64 MiB, fp8 logits against transformers') and a figure of reads
+and forward time against the cap is written (--figure; needs matplotlib:
+pip install ".[bench]").
+
 Run (as root, on a machine with cgroups): python benchmarks/capped_forward.py
      [--hidden 1024] [--intermediate 3584] [--layers 24] [--vocab 32000]
      [--dtype float32|bfloat16] [--seq 128] [--forwards 4] [--caps none,50,10]
      [--contenders transformers,mapoffload] [--threads N] [--timeout 900]
-     [--dir /a/disk/not/tmpfs] [--keep] [--json out.json]
+     [--dir /a/disk/not/tmpfs] [--keep] [--json out.json] [--fp8 [--figure out.png]]
 """
 
 from __future__ import annotations
@@ -94,7 +110,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-fp8")
 MIB = 1 << 20
 MB = 1e6
 NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
@@ -225,7 +241,7 @@ def child(args: argparse.Namespace) -> None:
     sampler.start()
 
     io0, t0 = _proc_io(), time.perf_counter()
-    if args.contender == "transformers":
+    if args.contender == "transformers":  # on an fp8 folder: transformers' dequantizing load
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
     else:
@@ -237,6 +253,8 @@ def child(args: argparse.Namespace) -> None:
     if report is not None:
         row["report_bytes_mapped"] = report.bytes_mapped
         row["report_bytes_copied"] = report.bytes_copied
+        row["report_bytes_fp8"] = report.bytes_fp8
+        row["report_bytes_converted"] = report.bytes_converted
     handle = getattr(model, "mapoffload_handle", None)
     if handle is not None:
         row["summary"] = str(handle.summary()).splitlines()
@@ -360,11 +378,13 @@ def _mean_rest(values: list[float]) -> float | None:
 
 
 def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> list[str]:
-    """One table row from a result."""
+    """One table row from a result. The cap is a share of ``sizes["checkpoint_bytes"]``
+    (with --fp8: the bf16 checkpoint's); the bound is what the contender's own
+    checkpoint (``r["folder_bytes"]``) cannot keep in that budget."""
     ckpt = sizes["checkpoint_bytes"]
     budget = int(int(r["cap"]) / 100 * ckpt) if r["cap"] != "none" else None
     cap = "none" if budget is None else f"base+{r['cap']}% ({budget / MIB:.0f} MiB)"
-    bound = ckpt - budget if budget is not None else 0
+    bound = max(0, r.get("folder_bytes", ckpt) - budget) if budget is not None else 0
     r["budget_bytes"], r["bound_bytes"] = budget, bound
     na = "-"
     if r["outcome"] != "yes":
@@ -380,14 +400,39 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
         f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{fwd:.3f}",
         f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
         f"{r['anon_peak'] / MIB:.0f} (+{(r['anon_peak'] - r['anon_baseline']) / MIB:.0f})",
-        "yes" if r.get("logits_equal") else "NO",
+        "-" if r.get("logits_equal") is None else "yes" if r["logits_equal"] else "NO",
     ]
+
+
+def _fp8_targets(results: list[dict], sizes: dict, args: argparse.Namespace) -> None:
+    """fp8 against bf16 mapoffload at each cap (issue 17's targets), and the figure."""
+    from _common import print_table
+    from _fp8 import figure
+
+    by = {(r["contender"], r["cap"]): r for r in results if r["outcome"] == "yes"}
+    layer = sizes["weight_bytes"] / max(args.layers, 1)  # a rough layer in bf16 (embeddings included)
+    rows = []
+    for cap in dict.fromkeys(r["cap"] for r in results):
+        a, b = by.get(("mapoffload-fp8", cap)), by.get(("mapoffload", cap))
+        if not (a and b):
+            continue
+        growth = a["anon_peak"] - a["anon_baseline"]
+        rows.append([cap, f"{a['read_bytes_per_forward'] / max(b['read_bytes_per_forward'], 1):.2f}",
+                     f"{a['forward_s_mean'] / b['forward_s_mean']:.2f}", f"{growth / MIB:.0f}",
+                     f"{(2 * layer + 64 * MIB) / MIB:.0f}", f"{a.get('logits_max_abs_diff', float('nan')):.3g}"])
+    print()
+    print_table(["cap", "fp8 / bf16 read per fwd (<= 0.55)", "fp8 / bf16 fwd s (<= 0.65 at 50)",
+                 "fp8 anon growth MiB", "2 layers + 64 MiB", "fp8 logits vs transformers"], rows)
+    made = figure(results, args.figure)
+    print(f"figure: {made}" if made else "figure: matplotlib is not installed (pip install matplotlib)")
 
 
 def _skip(reason: str, args: argparse.Namespace) -> int:
     from _common import emit_json
 
     print(f"skipped: {reason}")
+    if args.fp8:
+        _fp8_targets(results, sizes, args)
     emit_json("capped_forward", {"skipped": reason}, args.json)
     return 0
 
@@ -412,6 +457,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/tmp", help="where to write the model (a disk, not tmpfs)")
     ap.add_argument("--keep", action="store_true", help="keep the model folder and logits")
     ap.add_argument("--json", default=None, help="also write the JSON here")
+    ap.add_argument("--fp8", action="store_true",
+                    help="bf16 and fine-grained FP8 copies of the model: transformers (its dequantizing load of "
+                         "the fp8 folder), mapoffload on the bf16 folder, mapoffload-fp8 on the fp8 folder; caps "
+                         "are shares of the bf16 checkpoint")
+    ap.add_argument("--figure", default="capped_forward_fp8.png",
+                    help="with --fp8: where the figure goes (needs matplotlib; default: %(default)s)")
     # inside a fresh process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
@@ -425,6 +476,8 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
+    if args.fp8:
+        args.dtype = "bfloat16"
     args.heads = args.heads or max(1, args.hidden // 64)
     args.kv_heads = args.kv_heads or args.heads
     args.warned_drop = False
@@ -434,6 +487,8 @@ def main(argv=None) -> int:
     caps = list(dict.fromkeys(c.strip() for c in args.caps.split(",") if c.strip()))
     if bad := [c for c in caps if c != "none" and not (c.isdigit() and 0 < int(c) <= 1000)]:
         ap.error(f"bad caps {bad}: none or a percentage")
+    if not args.fp8:
+        chosen = [c for c in chosen if c != "mapoffload-fp8"]
     plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
     if ("transformers", "none") not in plan:
         plan.insert(0, ("transformers", "none"))
@@ -461,12 +516,25 @@ def main(argv=None) -> int:
               f"vocab {args.vocab}, {args.dtype}: {sizes['params'] / 1e6:.1f} M parameters, "
               f"{sizes['checkpoint_bytes'] / MIB:.1f} MiB in {sizes['shards']} shard(s), "
               f"generated in {sizes['generate_s']:.1f} s")
+        folders = {c: folder for c in CONTENDERS}
+        folder_bytes = {c: sizes["checkpoint_bytes"] for c in CONTENDERS}
+        if args.fp8:
+            from _fp8 import quantize_folder
+
+            fp8 = quantize_folder(folder, os.path.join(work, "model-fp8"))
+            folders["transformers"] = folders["mapoffload-fp8"] = os.path.join(work, "model-fp8")
+            folder_bytes["transformers"] = folder_bytes["mapoffload-fp8"] = fp8["checkpoint_bytes"]
+            sizes["fp8_checkpoint_bytes"] = fp8["checkpoint_bytes"]
+            print(f"fp8: the same model in the fine-grained FP8 layout, {fp8['checkpoint_bytes'] / MIB:.1f} MiB "
+                  f"({fp8['checkpoint_bytes'] / sizes['checkpoint_bytes']:.2f} x the bf16 checkpoint); "
+                  "transformers loads it (dequantizing), caps are shares of the bf16 checkpoint")
         disk = disk_bandwidth(folder)
         print(f"disk: {disk['disk_gb_s']:.2f} GB/s sequential ({disk['disk_bytes'] / MIB:.0f} MiB, 8 MiB reads, cold)")
         results, logits = [], {}
         for contender, cap in plan:
             out = os.path.join(work, f"logits-{contender}-{cap}.pt")
-            r = run(contender, cap, folder, out, sizes, args)
+            r = run(contender, cap, folders[contender], out, sizes, args)
+            r["folder_bytes"] = folder_bytes[contender]
             print(f"  {contender:12} cap {cap:5}: {r['outcome']} in {r['wall_s']:.1f} s", flush=True)
             results.append(r)
             if r["outcome"] == "yes":
@@ -479,7 +547,10 @@ def main(argv=None) -> int:
     ref = logits.get(("transformers", "none"))
     for r in results:
         got = logits.get((r["contender"], r["cap"]))
-        r["logits_equal"] = None if got is None or ref is None else torch.equal(got, ref)
+        same_model = not args.fp8 or r["contender"] != "mapoffload"  # --fp8: bf16 is another model
+        r["logits_equal"] = None if got is None or ref is None or not same_model else torch.equal(got, ref)
+        if got is not None and ref is not None:
+            r["logits_max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
 
     tf_fwd = {r["cap"]: _mean_rest(r["forward_s"]) for r in results
               if r["contender"] == "transformers" and r["outcome"] == "yes"}
@@ -487,6 +558,8 @@ def main(argv=None) -> int:
     print()
     print_table(["contender", "cap", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
                  "read/bound", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
+    if args.fp8:
+        _fp8_targets(results, sizes, args)
     emit_json("capped_forward", {
         "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
         "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "seq": args.seq,
