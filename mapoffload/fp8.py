@@ -7,7 +7,8 @@ same rule with one block or one column of blocks). :func:`attach_fp8` keeps
 the codes and the scales as the module's parameters — on the file mapping
 when they come from it, streamed by a :class:`~mapoffload.LayerwiseOffloadManager`
 at one byte a parameter — and makes ``module.weight`` a parametrization
-(``torch.nn.utils.parametrize``) that dequantizes on each use, on the
+(``torch.nn.utils.parametrize``) that dequantizes on use (once per forward of
+the module: a weight read again, as an MoE's experts are, is reused), on the
 device the codes are on (the compute stream on CUDA), with transformers'
 arithmetic (``Fp8Dequantize``): ``(codes.float() * scale).to(dtype)`` over the
 block grid the scales define. The dequantized weight lives only while the
@@ -85,9 +86,25 @@ class Fp8Dequantize(torch.nn.Module):
         super().__init__()
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
         self.dtype = dtype
+        # While the owning module computes (hooks set by attach_fp8), a weight read
+        # again (an MoE's experts, indexed once per expert hit) is dequantized once.
+        self._hold = False
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        return dequantize_fp8(codes, self.scale, dtype=self.dtype)
+        memo = self._memo
+        if memo is not None and memo[0] is codes and memo[1] is self.scale:
+            return memo[2]
+        out = dequantize_fp8(codes, self.scale, dtype=self.dtype)
+        if self._hold:
+            self._memo = (codes, self.scale, out)
+        return out
+
+    def hold(self, on: bool) -> None:
+        """Keep the last dequantization while the owner computes (on), drop it (off)."""
+        self._hold = on
+        if not on:
+            self._memo = None
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}, scale grid {tuple(self.scale.shape)}"
@@ -112,7 +129,10 @@ def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: t
         raise ValueError(f"{name} of {type(module).__name__} is already parametrized")
     module._parameters.pop(name, None)
     module.register_parameter(name, torch.nn.Parameter(codes, requires_grad=False))
-    parametrize.register_parametrization(module, name, Fp8Dequantize(scale, dtype), unsafe=True)
+    dequant = Fp8Dequantize(scale, dtype)
+    parametrize.register_parametrization(module, name, dequant, unsafe=True)
+    module.register_forward_pre_hook(lambda _m, _a: dequant.hold(True))
+    module.register_forward_hook(lambda _m, _a, _o: dequant.hold(False), always_call=True)
 
 
 def fp8_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Fp8Dequantize]]:

@@ -279,3 +279,28 @@ def test_streamed_to_cuda_equals_the_cpu_reference(tmp_path):
             got = model(x.cuda()).cpu()
         assert mgr.copier.stats().bytes == mgr.mapped_bytes
     assert torch.allclose(expected.float(), got.float(), atol=2e-2, rtol=0)  # GPU kernels round differently
+
+
+def test_a_weight_read_many_times_in_one_forward_is_dequantized_once(monkeypatch):
+    """An MoE's experts index their stacked weight once per expert hit."""
+    from mapoffload import fp8
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(4, 128, 128), requires_grad=False)
+
+        def forward(self, x):
+            return sum(x @ self.w[e].t() for e in range(4))
+
+    calls = []
+    real = fp8.dequantize_fp8
+    monkeypatch.setattr(fp8, "dequantize_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = Experts()
+    codes, scale = _codes((4, 128, 128)), _scales((4, 1, 1))
+    attach_fp8(m, "w", codes, scale, dtype=torch.float32)
+    x = torch.randn(2, 128)
+    want = sum(x @ real(codes, scale, dtype=torch.float32)[e].t() for e in range(4))
+    assert torch.equal(m(x), want) and len(calls) == 1
+    assert torch.equal(m(x), want) and len(calls) == 2  # once per forward, not kept between them
+    assert m.parametrizations.w[0]._memo is None

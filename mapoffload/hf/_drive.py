@@ -67,6 +67,7 @@ class Session:
     keep_fp8: bool = False  # fp8 weights stay codes + scales (mapoffload.fp8) where that is exact
     sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
     fp8: list[str] = field(default_factory=list)  # weights kept as fp8 codes
+    fp8_fused: Any = None  # (codes, scales) the last conversion's ops made of its fp8 inputs
 
     # -- per tensor ---------------------------------------------------------------
 
@@ -74,6 +75,7 @@ class Session:
         """A conversion is about to produce its outputs: close the previous one."""
         self.close_group()
         self.group_sources = set(sources)
+        self.fp8_fused = None
 
     def record(self, name: str, module: Any, attr: str) -> None:
         self.group.append(_Set(name, module, attr))
@@ -99,34 +101,47 @@ class Session:
             self.flush()
 
     def _keep_as_fp8(self, target: _Set, value: torch.Tensor, sources: set[str]) -> bool:
-        """A weight transformers dequantized from one fp8 tensor and its block
-        scales: keep the checkpoint's codes and scales instead (mapped, one byte
-        a parameter), when dequantizing them gives exactly what transformers
-        made. Anything else (experts stacked from many) is converted as usual."""
+        """A weight transformers dequantized from fp8: keep fp8 codes and block
+        scales instead (one byte a parameter) when dequantizing them gives
+        exactly what transformers made. One fp8 tensor and its scales: the
+        checkpoint's own (mapped). Experts stacked from many: the same ops
+        transformers ran, run on the codes and on the scales
+        (:func:`_fused_fp8`), written to the conversion folder and mapped.
+        Anything else is converted as usual."""
         import torch
 
         from ..fp8 import attach_fp8, dequantize_fp8, is_fp8
 
+        codes = scale = None
         scales = [k for k in sources if k.endswith("_scale_inv")]
-        if len(sources) != 2 or len(scales) != 1 or self.sources is None:
-            return False
-        weight = scales[0][: -len("_scale_inv")]
-        if weight not in sources or weight not in self.sources or scales[0] not in self.sources:
-            return False
-        codes, scale = self.sources[weight][...], self.sources[scales[0]][...]
-        if not is_fp8(codes) or codes.shape != value.shape or not self.regions.holds(codes):
+        fused = False
+        if len(sources) == 2 and len(scales) == 1 and self.sources is not None:
+            weight = scales[0][: -len("_scale_inv")]
+            if weight in sources and weight in self.sources and scales[0] in self.sources:
+                codes, scale = self.sources[weight][...], self.sources[scales[0]][...]
+                if not self.regions.holds(codes):
+                    codes = None
+        if codes is None and self.fp8_fused is not None:
+            (codes, scale), fused = self.fp8_fused, True
+        if codes is None or not is_fp8(codes) or codes.shape != value.shape:
             return False
         try:
-            exact = torch.equal(dequantize_fp8(codes, scale, dtype=value.dtype), value)
+            if not torch.equal(dequantize_fp8(codes, scale, dtype=value.dtype), value):
+                return False
         except ValueError:
             return False
-        if not exact:
-            return False
         attach_fp8(target.module, target.attr, codes, scale, dtype=value.dtype)
-        lists = target.module.parametrizations[target.attr]
-        lists.original._is_hf_initialized = True  # transformers must not initialise them again
-        lists[0].scale._is_hf_initialized = True
+        plist = target.module.parametrizations[target.attr]
+        plist.original._is_hf_initialized = True  # transformers must not initialise them again
+        plist[0].scale._is_hf_initialized = True
         self.fp8.append(target.name)
+        if fused:  # made here: written once, then mapped like any conversion
+            for owner, attr, name in ((plist, "original", "fp8_codes"), (plist[0], "scale", "fp8_scale")):
+                held = owner._parameters[attr]
+                self.pending.append((_Set(f"{target.name}:{name}", owner, attr), sorted(sources)))
+                self.pending_bytes += held.numel() * held.element_size()
+            if self.pending_bytes >= self.part_bytes:
+                self.flush()
         return True
 
     def flush(self) -> None:
@@ -167,13 +182,54 @@ def _session() -> Session | None:
 # -- the hooks ---------------------------------------------------------------------
 
 
+def _dequantizes_fp8(converter: Any) -> bool:
+    ops = getattr(converter, "operations", None) or []
+    return len(ops) > 1 and type(ops[0]).__name__ == "Fp8Dequantize"
+
+
+def _resolved(item: Any) -> Any:
+    """A collected tensor: a Future (async loading), a callable (sync) or a tensor."""
+    if hasattr(item, "result"):
+        return item.result()
+    return item() if callable(item) else item
+
+
+def _fused_fp8(converter: Any, inputs: dict[str, list[Any]], layer_name: str, kwargs: dict) -> Any:
+    """The converter's ops after ``Fp8Dequantize`` (stack the experts, join
+    gate and up) run by transformers on the fp8 codes, and again on the block
+    scales: ``(codes, scales)`` of the one tensor it makes, or None."""
+    codes = {k: [_resolved(t) for t in v] for k, v in inputs.items() if not k.endswith(("_scale_inv", "_scale"))}
+    scales = {k[: -len("_scale_inv")]: [_resolved(t) for t in v] for k, v in inputs.items() if k.endswith("_scale_inv")}
+    if not codes or codes.keys() != scales.keys():
+        return None
+    out = []
+    for tensors in (codes, scales):
+        for op in converter.operations[1:]:
+            tensors = op.convert(tensors, source_patterns=converter.source_patterns,
+                                 target_patterns=converter.target_patterns, full_layer_name=layer_name,
+                                 model=kwargs.get("model"), config=kwargs.get("config"), missing_keys=None)
+        if len(tensors) != 1:
+            return None
+        out.append(next(iter(tensors.values())))
+    return tuple(out)
+
+
 def _wrap_convert(original):
     def convert(self, *args, **kwargs):
         s = _session()
+        inputs = None
         if s is not None:
             sources = {k for keys in getattr(self, "layer_targets", {}).values() for k in keys}
             s.start_group(sources)
-        return original(self, *args, **kwargs)
+            if s.keep_fp8 and _dequantizes_fp8(self):  # before transformers takes them
+                inputs = {k: list(v) for k, v in self.collected_tensors.items()}
+        result = original(self, *args, **kwargs)
+        if inputs is not None:
+            try:
+                s.fp8_fused = _fused_fp8(self, inputs, args[0] if args else kwargs.get("layer_name", ""), kwargs)
+            except (RuntimeError, ValueError, TypeError) as exc:  # an op that cannot take fp8: dequantize instead
+                logger.info("fp8 codes of %s cannot be kept (%s): dequantized", args[0] if args else "?", exc)
+        return result
 
     convert.__wrapped__ = original
     return convert
