@@ -188,40 +188,57 @@ def first_output(out: Any) -> torch.Tensor:
     raise AttributeError(type(out).__name__)
 
 
-def to_fp8(folder: str, block: int = 128) -> None:
+def to_fp8(folder: str, block: int | str = 128) -> None:
     """Rewrite a saved model in the fine-grained FP8 layout (DeepSeek-V3, Qwen3-FP8):
     every 2-D projection weight as ``float8_e4m3fn`` codes with a
     ``weight_scale_inv`` per ``block``×``block`` tile (ragged at the edges),
+    or one per row (``block="channel"``) or per tensor (``block="tensor"``),
     ``quantization_config`` in config.json."""
     import json
     import os
 
     from safetensors.torch import load_file, save_file
 
-    path = os.path.join(folder, "model.safetensors")
-    state = load_file(path)
+    shards = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    weight_map = {}
+    for shard in shards:
+        path = os.path.join(folder, shard)
+        out = _fp8_state(load_file(path), block)
+        save_file(out, path, metadata={"format": "pt"})
+        weight_map.update({k: shard for k in out})
+    for f in os.listdir(folder):
+        if f.endswith(".index.json"):
+            with open(os.path.join(folder, f)) as fh:
+                index = json.load(fh)
+            index["weight_map"] = weight_map
+            with open(os.path.join(folder, f), "w") as fh:
+                json.dump(index, fh)
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block] if isinstance(block, int) else None}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+
+def _fp8_state(state: dict, block: int | str) -> dict:
     out = {}
     for k, v in state.items():
         if not (k.endswith("proj.weight") or ".experts." in k and k.endswith(".weight")) or v.dim() != 2:
             out[k] = v
             continue
         w = v.float()
-        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        bm, bn = {"channel": (1, w.shape[1]), "tensor": tuple(w.shape)}.get(block, (block, block))
+        rows, cols = -(-w.shape[0] // bm), -(-w.shape[1] // bn)
         scale = torch.empty(rows, cols)
         codes = torch.empty_like(w)
         for i in range(rows):
             for j in range(cols):
-                tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                tile = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
                 s = tile.abs().max().clamp(min=1e-12) / 448.0
                 scale[i, j] = s
-                codes[i * block:(i + 1) * block, j * block:(j + 1) * block] = tile / s
+                codes[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = tile / s
         out[k] = codes.to(torch.float8_e4m3fn)
         out[k + "_scale_inv"] = scale
-    save_file(out, path, metadata={"format": "pt"})
-    cfg_path = os.path.join(folder, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
-                                  "activation_scheme": "dynamic"}
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    return out

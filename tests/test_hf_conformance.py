@@ -197,13 +197,14 @@ def test_real_minilm_with_defaults():
     model.mapoffload_handle.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch):
+@pytest.mark.parametrize("arch,block", [("llama", 128), ("mixtral", 128), ("llama", 16), ("llama", "channel"),
+                                        ("llama", "tensor")])
+def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch, block):
     pytest.importorskip("accelerate")  # transformers' fp8 quantizer needs it
     from conformance_zoo import to_fp8
 
     cls, kind = build(arch, str(tmp_path), dtype=torch.bfloat16)
-    to_fp8(str(tmp_path))
+    to_fp8(str(tmp_path), block)
     model = _check(cls, kind, str(tmp_path))
     report = model.mapoffload_report
     # transformers dequantizes on load (asked to, on any machine); each weight it made is kept as fp8
@@ -233,3 +234,16 @@ def test_custom_code_folder_is_refused_without_trust_remote_code(tmp_path):
     (tmp_path / "configuration_tiny.py").write_text("raise SystemExit('custom code ran')\n")
     with pytest.raises(ValueError, match="trust_remote_code"):
         mapoffload.from_pretrained(transformers.AutoModel, str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_sharded_fp8(tmp_path, arch):
+    pytest.importorskip("accelerate")
+    from conformance_zoo import to_fp8
+    from mapoffload.fp8 import fp8_weights
+
+    cls, kind = build(arch, str(tmp_path), dtype=torch.bfloat16, shard="20KB")
+    to_fp8(str(tmp_path))
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    model = _check(cls, kind, str(tmp_path))
+    assert model.mapoffload_report.fp8_weights == len(list(fp8_weights(model))) > 0
