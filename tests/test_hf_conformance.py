@@ -247,3 +247,20 @@ def test_sharded_fp8(tmp_path, arch):
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
     model = _check(cls, kind, str(tmp_path))
     assert model.mapoffload_report.fp8_weights == len(list(fp8_weights(model))) > 0
+
+
+def test_an_fp8_layout_that_does_not_fit_is_named(tmp_path):
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file, save_file
+
+    from conformance_zoo import to_fp8
+    from mapoffload.hf import KeyMismatchError
+
+    cls, _ = build("llama", str(tmp_path), dtype=torch.bfloat16)
+    to_fp8(str(tmp_path), 16)
+    path = str(tmp_path / "model.safetensors")
+    state = load_file(path)
+    state["model.layers.1.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 2)  # 64 rows in 3 blocks: no
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(KeyMismatchError, match="layers.1.mlp.up_proj.weight.*not divisible"):
+        mapoffload.from_pretrained(cls, str(tmp_path), device="cpu")

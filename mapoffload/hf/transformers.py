@@ -143,13 +143,17 @@ def load_pretrained(
     cache = ConversionCache.open(root, key)
     if getattr(config, "quantization_config", None) is not None and cache.reused:
         cache = ConversionCache(root, key)  # a quantizer's converters expect the stored layout: convert again
-    with driving(cache, keep_fp8=keep_fp8) as session:
-        model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
-                                          **model_kwargs)
+    session = None
+    try:
+        with driving(cache, keep_fp8=keep_fp8) as session:
+            model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
+                                              **model_kwargs)
+    except RuntimeError as exc:  # transformers raises once its report lists conversion errors
+        if session is None or not session.conversion_errors:
+            raise
+        _conversion_failed(folder, session.conversion_errors, exc)
     if session.conversion_errors:
-        keys = sorted(session.conversion_errors)
-        raise KeyMismatchError(folder, f"transformers could not convert {_keys.describe_keys('', keys)}: "
-                               f"{next(iter(session.conversion_errors.values())).splitlines()[-1]}", keys)
+        _conversion_failed(folder, session.conversion_errors, None)
     problems = []
     if info.get("missing_keys"):
         problems.append(_keys.describe_keys("missing", sorted(info["missing_keys"]))
@@ -177,6 +181,15 @@ def load_pretrained(
                     "reused from" if report.conversion_reused else "written to", report.conversion_dir)
     model.eval()
     return model, report
+
+
+def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException | None) -> None:
+    """A weight transformers could not convert: an error naming it and why."""
+    keys = sorted(errors)
+    reasons = [line for line in errors[keys[0]].splitlines() if line.strip()]
+    why = next((r for r in reasons if not r.startswith(("Traceback", " ", "Error"))), reasons[-1] if reasons else "")
+    raise KeyMismatchError(folder, f"transformers could not convert {_keys.describe_keys('weight', keys)}: "
+                           f"{why.strip()}", keys) from cause
 
 
 def _check_device(device: Any) -> None:
