@@ -118,7 +118,7 @@ def _subparsers(parser):
 def test_every_option_of_every_subcommand_is_described():
     parser = build_parser()
     subs = dict(_subparsers(parser))
-    assert set(subs) == {"inspect", "demo"}
+    assert set(subs) == {"inspect", "demo", "convert"}
     for name, sub in [("mapoffload", parser), *subs.items()]:
         for action in sub._actions:
             assert action.help and action.help != argparse.SUPPRESS, (name, action.option_strings or action.dest)
