@@ -51,7 +51,8 @@ def row(name: str, variant: str, **build_kw) -> dict:
                 same_tokens = bool(torch.equal(ref.generate(ids), model.generate(ids)))
         report, handle = model.mapoffload_report, model.mapoffload_handle
         out = {"arch": name, "variant": variant, "kind": kind, "stacks": list(handle.managers),
-               "converted": report.converted_tensors, "anonymous": report.bytes_copied, "max_diff": diff,
+               "converted": report.converted_tensors, "fp8": report.fp8_weights, "anonymous": report.bytes_copied,
+               "max_diff": diff,
                "generate_equal": same_tokens}
         handle.close()
         return out
@@ -75,9 +76,10 @@ def main() -> None:
         rows += [row(n, "fp8", dtype=torch.bfloat16) for n in ("llama", "mixtral")]
     rows.append(row("mixtral", "bf16 sharded", dtype=torch.bfloat16, shard="40KB"))
     print(f"# conformance matrix: transformers {transformers.__version__}, torch {torch.__version__}; {machine()}")
-    print_table(["architecture", "variant", "stacks streamed", "converted", "anonymous B", "max abs diff", "generate =="],
+    print_table(["architecture", "variant", "stacks streamed", "converted", "fp8 kept", "anonymous B", "max abs diff",
+                 "generate =="],
                 [[r["arch"], r["variant"], ", ".join(s for s in r["stacks"] if s != "rest") or "(none: rest)",
-                  r["converted"], r["anonymous"], f"{r['max_diff']:.3g}",
+                  r["converted"], r["fp8"], r["anonymous"], f"{r['max_diff']:.3g}",
                   "-" if r["generate_equal"] is None else r["generate_equal"]] for r in rows])
     emit_json("conformance_matrix", {"transformers": transformers.__version__, "rows": rows}, args.json)
 
