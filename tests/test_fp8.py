@@ -304,3 +304,21 @@ def test_a_weight_read_many_times_in_one_forward_is_dequantized_once(monkeypatch
     assert torch.equal(m(x), want) and len(calls) == 1
     assert torch.equal(m(x), want) and len(calls) == 2  # once per forward, not kept between them
     assert m.parametrizations.w[0]._memo is None
+
+
+def test_the_residency_plan_counts_what_is_read(tmp_path):
+    """Under the same page-cache budget an fp8 stack keeps about twice the layers a bf16 one does."""
+    from safetensors.torch import save_file
+
+    ref = _fp8_checkpoint(tmp_path / "fp8.safetensors", depth=8)  # bf16 reference holds the dequantized weights
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "bf16.safetensors"))
+    plans = {}
+    for kind in ("fp8", "bf16"):
+        with mapoffload.empty_weights():
+            model = Stack(depth=8).to(torch.bfloat16).eval()
+        load_checkpoint(model, str(tmp_path / f"{kind}.safetensors"), keep_mapping=True)
+        budget = 5 * (2 * 256 * 512 * 2)  # five bf16 layers
+        with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=budget) as mgr:
+            plans[kind] = mgr.residency
+    assert plans["fp8"].layer_bytes[0] * 2 < plans["bf16"].layer_bytes[0] * 1.1
+    assert len(plans["fp8"].cached) >= 2 * len(plans["bf16"].cached) > 0, (plans["fp8"], plans["bf16"])
