@@ -167,6 +167,17 @@ class ConversionCache:
         if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
             logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
             return cache
+        from .._files import CheckpointError
+        from .._header import read_safetensors_header
+
+        try:  # every part whole (its header fits the file) and holding what the manifest names
+            stored = {f: set(read_safetensors_header(os.path.join(cache.path, f))) for f in files}
+        except (CheckpointError, OSError) as exc:
+            logger.warning("conversion cache %s is damaged (%s): converting again", cache.path, exc)
+            return cache
+        if not all(k in stored[e["file"]] for k, e in data["tensors"].items()):
+            logger.warning("conversion cache %s lacks tensors its manifest names: converting again", cache.path)
+            return cache
         cache.tensors = data["tensors"]
         cache.reused = True
         return cache
@@ -217,14 +228,25 @@ class ConversionCache:
             return
         with open(os.path.join(self._work, MANIFEST), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
         try:
             os.rename(self._work, self.path)
         except OSError:
-            if not os.path.isfile(os.path.join(self.path, MANIFEST)):
-                shutil.rmtree(self.path, ignore_errors=True)
-                os.rename(self._work, self.path)
-            else:  # another load finished the same conversion; our mapped files stay valid until unmapped
+            if type(self).open(self.root, self.key).reused:
+                # another load finished the same conversion; our mapped files stay valid until unmapped
                 shutil.rmtree(self._work, ignore_errors=True)
+            else:  # a damaged or unfinished folder under our name: replace it (else it is converted forever)
+                aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
+                try:
+                    os.rename(self.path, aside)
+                except FileNotFoundError:
+                    pass
+                shutil.rmtree(aside, ignore_errors=True)
+                try:
+                    os.rename(self._work, self.path)
+                except OSError:  # a concurrent load put its own in place meanwhile: keep it
+                    shutil.rmtree(self._work, ignore_errors=True)
         self._work = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 
