@@ -60,3 +60,25 @@ def test_a_damaged_part_is_converted_again_not_a_failed_load(tmp_path, damage):
     assert _same_as_transformers(cls, str(tmp_path / "m"), model)
     again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None)
     assert again.mapoffload_report.conversion_reused  # and the folder was repaired
+
+
+def test_two_checkpoints_alike_but_for_their_weights_never_share_a_conversion(tmp_path):
+    # Two fine-tunes of one model: same config, same file names and sizes; timestamps
+    # normalised (an image layer, a tar, a nix store); one shared conversion root.
+    cls, _ = build("mixtral", str(tmp_path / "a"))
+    other = cls.from_pretrained(str(tmp_path / "a"))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    other.save_pretrained(str(tmp_path / "b"))
+    shutil.copy(tmp_path / "a" / "config.json", tmp_path / "b" / "config.json")
+    for name in os.listdir(tmp_path / "a"):
+        for x in "ab":
+            os.utime(tmp_path / x / name, ns=(10**18, 10**18))
+    cache = str(tmp_path / "shared")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mapoffload.from_pretrained(cls, str(tmp_path / "a"), device=None, cache_dir=cache)
+        b = mapoffload.from_pretrained(cls, str(tmp_path / "b"), device=None, cache_dir=cache)
+    assert not b.mapoffload_report.conversion_reused
+    assert _same_as_transformers(cls, str(tmp_path / "b"), b)

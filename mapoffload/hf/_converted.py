@@ -7,7 +7,7 @@ A model converted this way holds no anonymous copy of its weights: at most
 :data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
-of the sources (file names, sizes, modification times), the model class, the
+of the sources (their real paths, sizes, modification and change times), the model class, the
 requested dtype, the config or the transformers/torch versions: the
 fingerprint names the folder they live in.
 
@@ -70,8 +70,11 @@ def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, 
 
     sources = []
     for f in files:
+        # Where the bytes are (the real path: two checkpoints with the same names, sizes and
+        # times -- normalised timestamps of an image layer or a tar -- never share a conversion
+        # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
-        sources.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
+        sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     blob = json.dumps({
         "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
