@@ -82,3 +82,49 @@ def test_two_checkpoints_alike_but_for_their_weights_never_share_a_conversion(tm
         b = mapoffload.from_pretrained(cls, str(tmp_path / "b"), device=None, cache_dir=cache)
     assert not b.mapoffload_report.conversion_reused
     assert _same_as_transformers(cls, str(tmp_path / "b"), b)
+
+
+_FORK = """
+import os, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+import transformers as tf
+import mapoffload
+from mapoffload.hf import _converted
+folder, cache = sys.argv[1], sys.argv[2]
+entered, release = threading.Event(), threading.Event()
+real = _converted.write_safetensors
+def slow(path, tensors):
+    entered.set(); release.wait(60); real(path, tensors)
+_converted.write_safetensors = slow
+t = threading.Thread(target=lambda: mapoffload.from_pretrained(
+    tf.MixtralForCausalLM, folder, device=None, cache_dir=cache))
+t.start()
+assert entered.wait(60)  # the other thread is inside its load: lock held, hooks installed
+pid = os.fork()
+if pid == 0:
+    from transformers import core_model_loading as cml
+    code = 3 if cml.set_param_for_module.__qualname__.startswith("_wrap_") else 0  # hooks left installed
+    _converted.write_safetensors = real
+    try:
+        m = mapoffload.from_pretrained(tf.MixtralForCausalLM, folder, device=None, cache_dir=cache + "-child")
+        code = code or (0 if m.mapoffload_report.converted_tensors == 4 else 4)
+    except BaseException:
+        code = 5
+    os._exit(code)
+release.set(); t.join()
+for _ in range(300):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("exit", os.waitstatus_to_exitcode(status)); break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9); os.waitpid(pid, 0); print("hung")
+"""
+
+
+def test_a_child_forked_during_another_threads_load_can_load(tmp_path):
+    build("mixtral", str(tmp_path / "m"))
+    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "m"), str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=240, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["exit", "0"], out.stdout  # not hung on the parent's lock
