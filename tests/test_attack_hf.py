@@ -150,3 +150,25 @@ def test_an_fp8_kept_model_saves_what_transformers_reloads(tmp_path):
     assert not info["missing_keys"]
     with torch.no_grad():
         assert torch.equal(back.eval()(IDS).logits, ref(IDS).logits)
+
+
+def test_a_zero_dim_parameter_is_converted(tmp_path):
+    # CLIP's logit_scale is a 0-d parameter: a dtype cast wrote it with view(uint8), which a
+    # 0-d tensor refuses, and the load failed.
+    from conformance_zoo import first_output, inputs
+
+    cls, kind = build("clip", str(tmp_path / "m"))
+    ref = cls.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16).eval()
+    x = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in inputs(kind, ref.config).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, dtype=torch.bfloat16)
+    assert model.logit_scale.dim() == 0 and model.mapoffload_report.converted_tensors > 0
+    assert mapoffload.MappedRegions().holds(model.logit_scale)
+    with torch.no_grad():
+        assert torch.equal(first_output(ref(**x)), first_output(model(**x)))
+    path = str(tmp_path / "scalar.safetensors")
+    _converted.write_safetensors(path, {"s": torch.tensor(2.5, dtype=torch.bfloat16)})
+    from safetensors.torch import load_file
+
+    assert load_file(path)["s"].shape == () and load_file(path)["s"].item() == 2.5

@@ -114,7 +114,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
                 t = t.cpu()
             t = t.contiguous()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # 1-D first: a 0-d tensor cannot change its element size
         f.flush()
         os.fsync(f.fileno())
 
