@@ -172,3 +172,10 @@ def test_a_zero_dim_parameter_is_converted(tmp_path):
     from safetensors.torch import load_file
 
     assert load_file(path)["s"].shape == () and load_file(path)["s"].item() == 2.5
+
+
+def test_a_conversion_root_that_is_a_file_is_named_with_the_way_out(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError, match=r"conversion folder under .*afile.*cache_dir="):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))

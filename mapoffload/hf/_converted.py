@@ -207,8 +207,12 @@ class ConversionCache:
         from ..checkpoint import _read_file
 
         if self._work is None:
-            os.makedirs(self.root, exist_ok=True)
-            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            except OSError as exc:
+                raise OSError(exc.errno, f"creating a conversion folder under {self.root}: {exc.strerror or exc}; "
+                              "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
