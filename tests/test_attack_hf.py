@@ -179,3 +179,22 @@ def test_a_conversion_root_that_is_a_file_is_named_with_the_way_out(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(OSError, match=r"conversion folder under .*afile.*cache_dir="):
         mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
+
+
+@pytest.mark.parametrize("fp8", ["keep", "dequantize"])
+def test_an_fp8_checkpoints_conversion_is_reused(tmp_path, monkeypatch, fp8):
+    pytest.importorskip("accelerate")
+    from conformance_zoo import to_fp8
+
+    cls, _ = build("mixtral", str(tmp_path / "m"), dtype=torch.bfloat16)
+    to_fp8(str(tmp_path / "m"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, fp8=fp8)
+        assert first.mapoffload_report.converted_tensors > 0
+        written = []
+        real = _converted.write_safetensors
+        monkeypatch.setattr(_converted, "write_safetensors", lambda p, t: (written.append(p), real(p, t)))
+        second = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, fp8=fp8)
+    assert second.mapoffload_report.conversion_reused and not written
+    assert _same_as_transformers(cls, str(tmp_path / "m"), second)
