@@ -7,7 +7,7 @@ A model converted this way holds no anonymous copy of its weights: at most
 :data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
-of the sources (file names, sizes, modification times), the model class, the
+of the sources (their real paths, sizes, modification and change times), the model class, the
 requested dtype, the config or the transformers/torch versions: the
 fingerprint names the folder they live in.
 
@@ -70,8 +70,11 @@ def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, 
 
     sources = []
     for f in files:
+        # Where the bytes are (the real path: two checkpoints with the same names, sizes and
+        # times -- normalised timestamps of an image layer or a tar -- never share a conversion
+        # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
-        sources.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
+        sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     blob = json.dumps({
         "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
@@ -111,7 +114,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
                 t = t.cpu()
             t = t.contiguous()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # 1-D first: a 0-d tensor cannot change its element size
         f.flush()
         os.fsync(f.fileno())
 
@@ -167,6 +170,17 @@ class ConversionCache:
         if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
             logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
             return cache
+        from .._files import CheckpointError
+        from .._header import read_safetensors_header
+
+        try:  # every part whole (its header fits the file) and holding what the manifest names
+            stored = {f: set(read_safetensors_header(os.path.join(cache.path, f))) for f in files}
+        except (CheckpointError, OSError) as exc:
+            logger.warning("conversion cache %s is damaged (%s): converting again", cache.path, exc)
+            return cache
+        if not all(k in stored[e["file"]] for k, e in data["tensors"].items()):
+            logger.warning("conversion cache %s lacks tensors its manifest names: converting again", cache.path)
+            return cache
         cache.tensors = data["tensors"]
         cache.reused = True
         return cache
@@ -193,8 +207,12 @@ class ConversionCache:
         from ..checkpoint import _read_file
 
         if self._work is None:
-            os.makedirs(self.root, exist_ok=True)
-            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            except OSError as exc:
+                raise OSError(exc.errno, f"creating a conversion folder under {self.root}: {exc.strerror or exc}; "
+                              "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
@@ -217,14 +235,25 @@ class ConversionCache:
             return
         with open(os.path.join(self._work, MANIFEST), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
         try:
             os.rename(self._work, self.path)
         except OSError:
-            if not os.path.isfile(os.path.join(self.path, MANIFEST)):
-                shutil.rmtree(self.path, ignore_errors=True)
-                os.rename(self._work, self.path)
-            else:  # another load finished the same conversion; our mapped files stay valid until unmapped
+            if type(self).open(self.root, self.key).reused:
+                # another load finished the same conversion; our mapped files stay valid until unmapped
                 shutil.rmtree(self._work, ignore_errors=True)
+            else:  # a damaged or unfinished folder under our name: replace it (else it is converted forever)
+                aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
+                try:
+                    os.rename(self.path, aside)
+                except FileNotFoundError:
+                    pass
+                shutil.rmtree(aside, ignore_errors=True)
+                try:
+                    os.rename(self._work, self.path)
+                except OSError:  # a concurrent load put its own in place meanwhile: keep it
+                    shutil.rmtree(self._work, ignore_errors=True)
         self._work = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 

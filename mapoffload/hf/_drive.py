@@ -39,6 +39,25 @@ if TYPE_CHECKING:
 
 _LOCK = threading.RLock()
 _STATE = threading.local()
+_INSTALLED: list[tuple[Any, str, Any]] = []  # (owner, name, original) of the hooks now in place
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread loads inherits the lock held and the
+    hooks installed by a thread that does not exist there: a fresh lock (else its
+    own load waits forever) and transformers' functions back."""
+    global _LOCK, _STATE
+    for owner, name, original in reversed(_INSTALLED):
+        setattr(owner, name, original)
+    _INSTALLED.clear()
+    _LOCK = threading.RLock()
+    _STATE = threading.local()
+
+
+import os as _os  # noqa: E402
+
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -350,19 +369,21 @@ def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = N
     hooks = transformers_hooks() if hooks is None else hooks
     with _LOCK:
         saved = []
-        for owner, name, wrap in hooks:
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-            saved.append((owner, name, original))
-            setattr(owner, name, wrap(original))
-        _STATE.session = session
         ok = False
         try:
+            for owner, name, wrap in hooks:
+                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+                saved.append((owner, name, original))
+                _INSTALLED.append((owner, name, original))
+                setattr(owner, name, wrap(original))
+            _STATE.session = session
             yield session
             ok = True
         finally:
             _STATE.session = None
             for owner, name, original in reversed(saved):
                 setattr(owner, name, original)
+            del _INSTALLED[len(_INSTALLED) - len(saved):]
             if ok and session.reusable:
                 cache.commit()
             else:

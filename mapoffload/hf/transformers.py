@@ -141,8 +141,6 @@ def load_pretrained(
     key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     cache = ConversionCache.open(root, key)
-    if getattr(config, "quantization_config", None) is not None and cache.reused:
-        cache = ConversionCache(root, key)  # a quantizer's converters expect the stored layout: convert again
     session = None
     try:
         with driving(cache, keep_fp8=keep_fp8) as session:
