@@ -133,6 +133,45 @@ def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: t
     parametrize.register_parametrization(module, name, dequant, unsafe=True)
     module.register_forward_pre_hook(lambda _m, _a: dequant.hold(True))
     module.register_forward_hook(lambda _m, _a, _o: dequant.hold(False), always_call=True)
+    module._register_state_dict_hook(_StateDictAsWeight(name))
+    module._register_load_state_dict_pre_hook(_LoadCodes(name), with_module=True)
+
+
+class _StateDictAsWeight:
+    """``state_dict()`` names the weight as the module without the
+    parametrization does — ``<name>``, its dequantized value, as transformers'
+    model has it (so ``save_pretrained`` writes what transformers' own save of
+    its dequantized model writes) — not ``parametrizations.<name>.original``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: torch.nn.Module, state: dict, prefix: str, _meta: object) -> None:
+        codes = state.pop(f"{prefix}parametrizations.{self.name}.original", None)
+        state.pop(f"{prefix}parametrizations.{self.name}.0.scale", None)
+        if codes is not None:
+            with torch.no_grad():
+                state[f"{prefix}{self.name}"] = getattr(module, self.name).detach()
+
+
+class _LoadCodes:
+    """``load_state_dict`` takes ``<name>`` as fp8 codes with ``<name>_scale_inv``
+    (the checkpoint layout); a dequantized ``<name>`` cannot go back into codes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: torch.nn.Module, state: dict, prefix: str, *_rest: object) -> None:
+        key = f"{prefix}{self.name}"
+        if key not in state:
+            return
+        value = state.pop(key)
+        scale = state.pop(f"{key}_scale_inv", None)
+        if not is_fp8(value) or scale is None:
+            raise RuntimeError(f"{key} is kept as fp8 codes: load_state_dict needs its codes (float8) and "
+                               f"{key}_scale_inv, not a {value.dtype} weight")
+        state[f"{prefix}parametrizations.{self.name}.original"] = value
+        state[f"{prefix}parametrizations.{self.name}.0.scale"] = scale
 
 
 def fp8_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Fp8Dequantize]]:

@@ -130,9 +130,6 @@ def test_a_child_forked_during_another_threads_load_can_load(tmp_path):
     assert out.stdout.split()[-2:] == ["exit", "0"], out.stdout  # not hung on the parent's lock
 
 
-@pytest.mark.xfail(strict=True, reason="an fp8-kept weight's state-dict keys are the parametrization's "
-                   "(parametrizations.weight.original / .0.scale), not transformers' (weight): save_pretrained "
-                   "writes a checkpoint transformers reloads with those weights randomly initialised")
 def test_an_fp8_kept_model_saves_what_transformers_reloads(tmp_path):
     pytest.importorskip("accelerate")
     from conformance_zoo import to_fp8

@@ -31,8 +31,10 @@ ARCHS = sorted(zoo())
 
 def _anonymous_bytes(model) -> int:
     """Anonymous bytes of the state dict (parameters, persistent buffers), measured."""
+    from mapoffload.hf._report import state_tensors
+
     seen, tensors = set(), []
-    for t in model.state_dict().values():
+    for _, t in state_tensors(model):
         key = (t.untyped_storage().data_ptr(), t.data_ptr())
         if t.device.type == "cpu" and t.numel() and key not in seen:
             seen.add(key)
@@ -264,3 +266,18 @@ def test_an_fp8_layout_that_does_not_fit_is_named(tmp_path):
     save_file(state, path, metadata={"format": "pt"})
     with pytest.raises(KeyMismatchError, match="layers.1.mlp.up_proj.weight.*not divisible"):
         mapoffload.from_pretrained(cls, str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("fp8", ["keep", "dequantize"])
+def test_fp8_moe_conversion_is_reused_exactly(tmp_path, fp8):
+    pytest.importorskip("accelerate")
+    from conformance_zoo import to_fp8
+    from mapoffload.fp8 import fp8_weights
+
+    cls, kind = build("mixtral", str(tmp_path), dtype=torch.bfloat16)
+    to_fp8(str(tmp_path))
+    first = _check(cls, kind, str(tmp_path), fp8=fp8)
+    again = _check(cls, kind, str(tmp_path), fp8=fp8)
+    assert again.mapoffload_report.conversion_reused and again.mapoffload_report.missing_keys == []
+    names = sorted(n for n, _, _ in fp8_weights(first))
+    assert sorted(n for n, _, _ in fp8_weights(again)) == names and (fp8 == "keep") == bool(names)

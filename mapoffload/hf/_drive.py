@@ -27,6 +27,7 @@ thread's plain transformers load in that window runs through them untouched
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
 _LOCK = threading.RLock()
+FP8_PART = ":"  # "<weight>:fp8_codes" / "<weight>:fp8_scale" in a conversion folder
 _STATE = threading.local()
 _INSTALLED: list[tuple[Any, str, Any]] = []  # (owner, name, original) of the hooks now in place
 
@@ -54,10 +56,8 @@ def _after_fork_in_child() -> None:
     _STATE = threading.local()
 
 
-import os as _os  # noqa: E402
-
-if hasattr(_os, "register_at_fork"):
-    _os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -157,7 +157,7 @@ class Session:
         if fused:  # made here: written once, then mapped like any conversion
             for owner, attr, name in ((plist, "original", "fp8_codes"), (plist[0], "scale", "fp8_scale")):
                 held = owner._parameters[attr]
-                self.pending.append((_Set(f"{target.name}:{name}", owner, attr), sorted(sources)))
+                self.pending.append((_Set(f"{target.name}{FP8_PART}{name}", owner, attr), sorted(sources)))
                 self.pending_bytes += held.numel() * held.element_size()
             if self.pending_bytes >= self.part_bytes:
                 self.flush()
@@ -276,21 +276,53 @@ def _wrap_load(original):
         from ..regions import MappedRegions
 
         s.loads += 1
+        fp8: dict[str, dict[str, Any]] = {}
         if s.cache.reused:
             consumed = s.cache.consumed_sources()
             state_dict = {k: v for k, v in state_dict.items() if k not in consumed}
-            state_dict.update(s.cache.mapped())
+            for name, tensor in s.cache.mapped().items():
+                target, _, part = name.partition(FP8_PART)
+                if part:  # fp8 codes / scales of a weight: attached below, not a key transformers knows
+                    fp8.setdefault(target, {})[part] = tensor
+                else:
+                    state_dict[name] = tensor
         s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
         result = original(model, state_dict, load_config, *args, **kwargs)
         s.finish()
         s.sources = None
         info = result[0] if isinstance(result, tuple) else result
+        if fp8:
+            _attach_cached_fp8(model, fp8, info)
+            s.fp8 += sorted(fp8)
         s.conversion_errors.update(getattr(info, "conversion_errors", None) or {})
         return result
 
     convert_and_load_state_dict_in_model.__wrapped__ = original
     return convert_and_load_state_dict_in_model
+
+
+def _attach_cached_fp8(model: Any, cached: dict[str, dict[str, Any]], info: Any) -> None:
+    """Weights a reused conversion holds as fp8 codes and scales: attached to
+    the (still meta) parameters they stand for, which transformers then counts
+    as loaded."""
+    from ..fp8 import attach_fp8
+
+    for target, parts in cached.items():
+        if set(parts) != {"fp8_codes", "fp8_scale"}:
+            raise KeyError(f"conversion cache: {target} lacks its fp8 codes or scales")
+        owner_path, _, attr = target.rpartition(".")
+        module = model.get_submodule(owner_path) if owner_path else model
+        held = module._parameters.get(attr)
+        if held is None:
+            raise KeyError(f"conversion cache: {target} is not a parameter of {type(model).__name__}")
+        attach_fp8(module, attr, parts["fp8_codes"], parts["fp8_scale"], dtype=held.dtype)
+        plist = module.parametrizations[attr]
+        plist.original._is_hf_initialized = True
+        plist[0].scale._is_hf_initialized = True
+        missing = getattr(info, "missing_keys", None)
+        if missing is not None:
+            missing.discard(target)
 
 
 def transformers_hooks() -> list[tuple[Any, str, Any]]:

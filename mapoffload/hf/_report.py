@@ -13,12 +13,24 @@ if TYPE_CHECKING:
     import torch
 
 
+def state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint of ``model`` holds, as stored: its parameters (an fp8
+    weight as its codes and scales, not the dequantized value ``state_dict()``
+    gives) and persistent buffers."""
+    out = list(model.named_parameters(remove_duplicate=False))
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{attr}" if mod_name else attr, b))
+    return out
+
+
 def _storages(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The state dict's tensors (parameters and persistent buffers: what a
     checkpoint holds), each storage once (first name wins)."""
     seen: set[tuple[int, int]] = set()
     out = []
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in state_tensors(model):
         if t is None or t.device.type != "cpu" or not t.numel():
             continue
         key = (t.untyped_storage().data_ptr(), t.data_ptr())
