@@ -14,8 +14,10 @@ Residency (``_residency.py``): on every device, the layers' mapped pages
 are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
-CPU, by a page worker ahead of the compute when two layers fit) and let go
-right after use, so it never evicts the cached set.
+CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
+compute: room for them is part of the plan) and let go right after use,
+checked with ``mincore`` (``_pages.let_go``), so it never evicts the cached
+set.
 
 Lifetime: while managed, a layer's parameter slots hold the real parameters
 (their data on the device) when the layer is loaded, and shape-correct
@@ -36,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._pages import PageWorker, check_extents, file_extents, layer_spans
+from ._mapped_file import MappedFiles
+from ._pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from ._residency import ResidencyPlan, plan_residency
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
@@ -208,10 +211,15 @@ class LayerwiseOffloadManager:
         if self.copier is not None and self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
         self._pages = PageWorker()
+        self._letting_go = None  # the device path's last let-go in the page worker (a Future)
         self._page_spans: dict[int, Any] = {}
         self._warm: set[int] = set()  # cached layers read in once
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
-        self._extents: dict[int, list] = {}  # layer -> (file, first, end) its mapped weights read
+        self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
+        self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
+        self._files = MappedFiles()  # the files behind them, held open: checks see the mapped inode
+        for i in range(len(self._stores)):
+            self._spans(i)  # open the files now, before a path can come to name another file
         self._always_bytes = _plan.always_read_bytes(model, self.layers)
         self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
@@ -282,7 +290,8 @@ class LayerwiseOffloadManager:
             _core.advise_random(spans, True)
             self._advised.append(spans)
             self._page_spans[i] = spans
-            self._extents[i] = file_extents(spans)
+            self._extents[i] = file_extents(spans, self._files)
+            self._edges[i] = folio_edges(spans)
         return spans
 
     def _read_ahead(self, i: int) -> bool:
@@ -313,7 +322,7 @@ class LayerwiseOffloadManager:
             always = 0
         if page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always)
+        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always, prefetch_layers=self.prefetch_layers)
         self.residency = plan
         self._warm.intersection_update(plan.cached)
         logger.info("residency: %s; %s", plan.describe(), why)
@@ -371,10 +380,13 @@ class LayerwiseOffloadManager:
         self._engage()
         if i not in self._loaded and self._direct:
             what = f"layer {i} ({self._stores[i].name})"
-            read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
+            spans = self._spans(i)
+            read = _PagesRead(self._pages.read_in(spans, what, self._edges[i])) if self._read_ahead(i) else None
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
             self._spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
+            if self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
+                self._before_streamed_read(i)
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
@@ -398,6 +410,28 @@ class LayerwiseOffloadManager:
         if not non_blocking:
             self._ensure(i)
 
+    def _before_streamed_read(self, i: int) -> None:
+        """Before the copier reads streamed layer ``i``: the last let-go done, the edges read small.
+
+        The page worker lets layers go off the compute thread; the copier
+        reads on threads of its own. Waiting for the last let-go keeps the
+        order direct mode gets from the worker's queue: a streamed layer is
+        read only after the one before it went, so no more than the plan's
+        ``1 + depth`` are ever in the page cache. The layer's file-window
+        edges are read first into small folios (``_pages.folio_edges``).
+        """
+        from ._native import _core
+        from ._pages import EDGE_CHUNK
+
+        pending, self._letting_go = self._letting_go, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:
+                logger.debug("letting a layer go failed", exc_info=True)
+        if len(self._edges[i]):
+            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
+
     def _ensure(self, i: int) -> None:
         if i not in self._loaded:
             self.prefetch_layer(i)
@@ -417,7 +451,7 @@ class LayerwiseOffloadManager:
                 loaded.handle.wait()
             if not self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
                 # Its mapped pages were read into the device buffers: let them go.
-                self._pages.let_go(self._spans(i))
+                self._letting_go = self._pages.let_go(self._spans(i), self._extents[i])
         except BaseException:
             # The layer is released (its buffers back once the failed copy
             # stopped): the next attempt starts afresh, e.g. after the file
@@ -450,7 +484,7 @@ class LayerwiseOffloadManager:
             self._pool.give(buf)
         if self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
             # Computed from its mapping: let its pages go before they push a cached layer out.
-            self._pages.let_go(self._spans(i))
+            self._pages.let_go(self._spans(i), self._extents[i])
 
     def _forget_copies_in_flight(self) -> None:
         """In a forked child: drop layers whose copy was in flight at the fork.
@@ -463,6 +497,7 @@ class LayerwiseOffloadManager:
         self._turn = threading.Condition()
         self._owner, self._depth = None, 0
         self._pages.after_fork_in_child()
+        self._letting_go = None  # the parent's page worker: it never completes here
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
                 del self._loaded[i]
@@ -540,10 +575,12 @@ class LayerwiseOffloadManager:
                     "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
                     "torch.inference_mode() (gradients through offloaded weights are not supported)"
                 )
-            window = range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
-            if self._direct and not self.residency.readahead:
-                # Reading a streamed layer ahead would evict the one in use.
-                window = [j for j in window if not self.residency.is_streamed(j)]
+            # A streamed layer is read ahead only as deep as the plan keeps
+            # room for (its depth): any deeper, its pages would evict the
+            # layer in use or a cached one.
+            plan = self.residency
+            window = [j for j in range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
+                      if j - i <= plan.depth or not plan.is_streamed(j) or not self._stores[j].bytes_in(MAPPED)]
             for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
                 if j != i and j not in window and self._releasable(j):
                     self.release_layer(j)
@@ -656,6 +693,7 @@ class LayerwiseOffloadManager:
                 store.invalidate()
                 self._page_spans.pop(store.index, None)
                 self._extents.pop(store.index, None)
+                self._edges.pop(store.index, None)
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):
@@ -683,6 +721,7 @@ class LayerwiseOffloadManager:
             torch.cuda.synchronize(self.device)
         self._pool.clear()
         self._pages.close()
+        self._files.close()
         from ._native import _core
 
         for spans in self._advised:
