@@ -29,6 +29,7 @@ included. The manager is a context manager.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import os
@@ -99,6 +100,26 @@ class _Loaded:
         self.buffers = buffers
         self.handle = handle
         self.ready = False  # bound: its parameters hold the real weights
+
+
+class _ForwardGuard:
+    """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
+
+    __slots__ = ("layer", "guarded", "had", "previous")
+
+    def __init__(self, layer, guarded) -> None:
+        self.layer, self.guarded = layer, guarded
+        self.had = "forward" in layer.__dict__
+        self.previous = layer.__dict__.get("forward")
+        layer.forward = guarded
+
+    def remove(self) -> None:
+        if self.layer.__dict__.get("forward") is not self.guarded:
+            return  # replaced since by someone else: theirs stays
+        if self.had:
+            self.layer.forward = self.previous
+        else:
+            del self.layer.forward
 
 
 class LayerwiseOffloadManager:
@@ -230,6 +251,7 @@ class LayerwiseOffloadManager:
         self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
         self._turn = threading.Condition()
+        self._held = threading.local()  # .layers: the turns this thread holds, innermost last
         self._owner: threading.Thread | None = None
         self._depth = 0
         self._engaged = False
@@ -530,6 +552,7 @@ class LayerwiseOffloadManager:
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
+            self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data."""
@@ -565,38 +588,82 @@ class LayerwiseOffloadManager:
                     self._owner = None
                     self._turn.notify_all()
 
+    # torch runs always-call post-hooks for an ``Exception`` only: a
+    # KeyboardInterrupt (the manager's own interruptible wait included),
+    # SystemExit or GeneratorExit inside a layer skips them. The layer's
+    # forward is wrapped, and the pre-hook guards itself, so that whatever
+    # leaves the layer finishes its turn; a per-thread record of the turns
+    # held (``_held``) makes finishing twice harmless.
+    def _held_turns(self) -> list[int]:
+        held = getattr(self._held, "layers", None)
+        if held is None:
+            held = self._held.layers = []
+        return held
+
+    def _finish_layer(self, i: int) -> None:
+        """Release layer ``i`` and leave its turn, once, if this thread holds it."""
+        held = self._held_turns()
+        if i not in held:
+            return
+        del held[len(held) - 1 - held[::-1].index(i)]
+        try:
+            if self._releasable(i):
+                self.release_layer(i)
+        finally:
+            self._leave_layer()
+
+    def _make_forward(self, i: int, forward):
+        @functools.wraps(forward)
+        def guarded_forward(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except Exception:
+                raise  # torch runs the always-call post-hook
+            except BaseException:
+                self._finish_layer(i)  # torch runs no hook for these
+                raise
+
+        return guarded_forward
+
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
-            import torch
-
-            self._enter_layer()  # left by the post-hook, which runs whatever happens here
-            if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
-                raise RuntimeError(
-                    "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
-                    "torch.inference_mode() (gradients through offloaded weights are not supported)"
-                )
-            # A streamed layer is read ahead only as deep as the plan keeps
-            # room for (its depth): any deeper, its pages would evict the
-            # layer in use or a cached one.
-            plan = self.residency
-            window = [j for j in range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
-                      if j - i <= plan.depth or not plan.is_streamed(j) or not self._stores[j].bytes_in(MAPPED)]
-            for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
-                if j != i and j not in window and self._releasable(j):
-                    self.release_layer(j)
-            self._ensure(i)
-            for j in window:
-                self.prefetch_layer(j)
+            self._enter_layer()
+            self._held_turns().append(i)
+            try:
+                self._start_layer(i)
+            except Exception:
+                raise  # torch runs the always-call post-hook, which finishes the turn
+            except BaseException:
+                self._finish_layer(i)
+                raise
 
         return pre_hook
 
+    def _start_layer(self, i: int) -> None:
+        """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
+        import torch
+
+        if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
+            raise RuntimeError(
+                "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
+                "torch.inference_mode() (gradients through offloaded weights are not supported)"
+            )
+        # A streamed layer is read ahead only as deep as the plan keeps
+        # room for (its depth): any deeper, its pages would evict the
+        # layer in use or a cached one.
+        plan = self.residency
+        window = [j for j in range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
+                  if j - i <= plan.depth or not plan.is_streamed(j) or not self._stores[j].bytes_in(MAPPED)]
+        for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
+            if j != i and j not in window and self._releasable(j):
+                self.release_layer(j)
+        self._ensure(i)
+        for j in window:
+            self.prefetch_layer(j)
+
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
-            try:
-                if self._releasable(i):
-                    self.release_layer(i)
-            finally:
-                self._leave_layer()
+            self._finish_layer(i)
 
         return post_hook
 
