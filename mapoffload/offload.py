@@ -102,6 +102,19 @@ class _Loaded:
         self.ready = False  # bound: its parameters hold the real weights
 
 
+def _eager(fn):
+    """``fn`` run eagerly under ``torch.compile`` (TorchDynamo skips it, and what it calls).
+
+    A layer's weights change identity between forwards (placeholders, then
+    buffers recycled from a pool): a graph traced through them would bake in
+    one forward's tensors. So the hooks and the layers' forwards always run
+    eagerly; what lies outside the layers is compiled as usual.
+    """
+    import torch
+
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class _ForwardGuard:
     """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
 
@@ -170,6 +183,13 @@ class LayerwiseOffloadManager:
         weights outside the layers that every forward reads (a head). Decides
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
+
+    Notes
+    -----
+    ``torch.compile`` works on a model with registered hooks: the managed
+    layers (their hooks and forwards) always run eagerly - their weights
+    change identity between forwards, so a graph traced through them would
+    bake in one forward's tensors - and the rest of the model is compiled.
     """
 
     def __init__(
@@ -623,7 +643,7 @@ class LayerwiseOffloadManager:
                 self._finish_layer(i)  # torch runs no hook for these
                 raise
 
-        return guarded_forward
+        return _eager(guarded_forward)
 
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
@@ -637,7 +657,7 @@ class LayerwiseOffloadManager:
                 self._finish_layer(i)
                 raise
 
-        return pre_hook
+        return _eager(pre_hook)
 
     def _start_layer(self, i: int) -> None:
         """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
@@ -665,7 +685,7 @@ class LayerwiseOffloadManager:
         def post_hook(module, args, output):
             self._finish_layer(i)
 
-        return post_hook
+        return _eager(post_hook)
 
     # -- host weights ------------------------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
