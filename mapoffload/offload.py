@@ -684,8 +684,32 @@ class LayerwiseOffloadManager:
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
             self._finish_layer(i)
+            if not self._direct:
+                self._refuse_recorded_graph(i, output)
 
         return _eager(post_hook)
+
+    def _refuse_recorded_graph(self, i: int, output: Any) -> None:
+        """Refuse a layer output autograd recorded through device buffers.
+
+        Autograd saves the weights a backward needs, here views of the layer's
+        device buffers; those return to the pool when the layer is released
+        and the next layers overwrite them, so a backward would compute from
+        other layers' weights - silently wrong. (Direct CPU mode computes from
+        the host stores, which stay: its gradients are exact.)
+        """
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        if not torch.is_grad_enabled():
+            return
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+            raise RuntimeError(
+                f"layer {i} ({self._stores[i].name}) recorded autograd through the device pipeline: gradients "
+                "would be computed from device buffers that later layers overwrite. Run it under "
+                "torch.no_grad() or torch.inference_mode(), or take input gradients with device='cpu' "
+                "(computes from the host stores, exact)"
+            )
 
     # -- host weights ------------------------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
