@@ -575,12 +575,21 @@ class LayerwiseOffloadManager:
             self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
 
     def remove_forward_hooks(self) -> None:
-        """Remove the hooks and give the model back whole: real parameters, host data."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self._engaged:
-            self._disengage()
+        """Remove the hooks and give the model back whole: real parameters, host data.
+
+        Safe while other threads run forwards: it takes the layer turn, so no
+        layer is half-way through its hooks when the model is given back, and
+        a hook that a forward already started runs as a no-op afterwards.
+        """
+        self._enter_layer()
+        try:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self._engaged:
+                self._disengage()
+        finally:
+            self._leave_layer()
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
@@ -648,6 +657,11 @@ class LayerwiseOffloadManager:
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
             self._enter_layer()
+            if not self._hooks:
+                # Removed (or closed) by another thread while this forward
+                # was on its way here: the model is whole, nothing to load.
+                self._leave_layer()
+                return
             self._held_turns().append(i)
             try:
                 self._start_layer(i)
@@ -825,9 +839,16 @@ class LayerwiseOffloadManager:
 
         if self._closed:
             return
-        self.remove_forward_hooks()
-        if self._engaged:
-            self._disengage()
+        # Under the layer turn (see remove_forward_hooks): once closed, no
+        # hook or prefetch engages the placeholders again.
+        self._enter_layer()
+        try:
+            self.remove_forward_hooks()
+            if self._engaged:
+                self._disengage()
+            self._closed = True
+        finally:
+            self._leave_layer()
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._pool.clear()
@@ -843,7 +864,6 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 w.param.__dict__.pop("_mapoffload_manager", None)
-        self._closed = True
 
     def __enter__(self) -> LayerwiseOffloadManager:
         return self
