@@ -42,6 +42,7 @@ from ._log import format_bytes, logger
 from ._mapped_file import MappedFiles
 from ._pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from ._residency import ResidencyPlan, plan_residency
+from ._rest import RestGuard
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
 
@@ -262,6 +263,7 @@ class LayerwiseOffloadManager:
         for i in range(len(self._stores)):
             self._spans(i)  # open the files now, before a path can come to name another file
         self._always_bytes = _plan.always_read_bytes(model, self.layers)
+        self._rest = RestGuard(model, self.layers, self._files)  # the mapped weights outside the layers
         self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
         if self._cuda and not copy_on_compute_stream:
@@ -573,6 +575,9 @@ class LayerwiseOffloadManager:
             self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
             self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
+        # Before anything of a forward reads the mapping (the embedding first).
+        self._hooks.append(self.model.register_forward_pre_hook(_eager(lambda m, a: self._rest.check()),
+                                                                 prepend=True))
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
