@@ -116,6 +116,21 @@ def _eager(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
+CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
+
+
+def _read_cap() -> int | None:
+    """The tightest cgroup memory cap on this process now (None: uncapped)."""
+    from .budget import cgroup_memory_limit_bytes
+
+    found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
+    return None if found is None else found[0]
+
+
+def _cap_text(cap: int | None) -> str:
+    return "uncapped" if cap is None else format_bytes(cap)
+
+
 class _ForwardGuard:
     """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
 
@@ -349,15 +364,19 @@ class LayerwiseOffloadManager:
     def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan:
         """Plan again which layers stay cached and which stream, from ``page_cache_bytes`` or a fresh measure.
 
-        Returns the plan, also kept as ``residency``.
+        Returns the plan, also kept as ``residency``. A measured plan (no
+        ``page_cache_bytes``) follows the cgroup's cap from then on: when the
+        cap changes, the next forward plans again (:meth:`_follow_cap`).
         """
         from ._native import _core
         from .budget import page_cache_budget
 
         sizes = [self._stores[i].bytes_in(MAPPED) for i in range(len(self._stores))]
+        self._follows_cap = page_cache_bytes is None
         if page_cache_bytes is None:
+            self._cap = _read_cap()
             cached_now = sum(sum(_core.resident_bytes(self._spans(i))) for i in range(len(self._stores)))
-            budget = page_cache_budget(cached_now)
+            budget = page_cache_budget(cached_now, root=CGROUP_ROOT)
             page_cache_bytes, why = budget.usable, str(budget)
             always = self._always_bytes
         else:
@@ -576,8 +595,7 @@ class LayerwiseOffloadManager:
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
             self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
         # Before anything of a forward reads the mapping (the embedding first).
-        self._hooks.append(self.model.register_forward_pre_hook(_eager(lambda m, a: self._rest.check()),
-                                                                 prepend=True))
+        self._hooks.append(self.model.register_forward_pre_hook(_eager(self._before_forward), prepend=True))
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
@@ -593,6 +611,32 @@ class LayerwiseOffloadManager:
             self._hooks.clear()
             if self._engaged:
                 self._disengage()
+        finally:
+            self._leave_layer()
+
+    def _before_forward(self, module, args) -> None:
+        """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
+        self._follow_cap()
+        self._rest.check()
+
+    def _follow_cap(self) -> None:
+        """Plan again when the cgroup's memory cap changed since the plan (a measured plan only).
+
+        Reading the cap is a few small cgroup files; the plan is made again
+        (a mincore over the layers' spans) only when it changed. Under the
+        layer turn: no layer of another thread is between its hooks.
+        """
+        if not self._follows_cap:
+            return
+        cap = _read_cap()
+        if cap == self._cap:
+            return
+        self._enter_layer()
+        try:
+            if self._follows_cap and cap != self._cap:
+                logger.info("memory cap changed (%s -> %s): planning the page cache again",
+                            _cap_text(self._cap), _cap_text(cap))
+                self.replan()
         finally:
             self._leave_layer()
 
