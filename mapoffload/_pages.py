@@ -1,6 +1,7 @@
 """Page-cache work of the layerwise offload manager, off the compute thread:
 read a layer's mapped pages in before it runs (``MADV_POPULATE_READ``, in
-2 MiB folios), let a streamed layer's pages go after it ran (``MADV_PAGEOUT``).
+2 MiB folios), let a streamed layer's pages go after it ran (``MADV_PAGEOUT``,
+checked with ``mincore`` and completed when the kernel left pages behind).
 
 One worker thread per manager runs the native calls (``madvise``; the GIL
 is released while the kernel works) in the order they were asked for, so a
@@ -15,9 +16,19 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ._log import logger
+from ._mapped_file import MappedFile, MappedFiles
 from ._native import _core
 
-__all__ = ["PageWorker", "check_extents", "file_extents", "layer_spans"]
+__all__ = ["Extent", "PageWorker", "check_extents", "file_extents", "folio_edges", "inner_pages", "layer_spans"]
+
+
+class Extent:
+    """The bytes ``[first, end)`` of one file that a layer's mapped weights read."""
+
+    __slots__ = ("file", "path", "first", "end")
+
+    def __init__(self, file: MappedFile | None, path: str, first: int, end: int) -> None:
+        self.file, self.path, self.first, self.end = file, path, first, end
 
 
 def layer_spans(addr_sizes: list[tuple[int, int]]) -> _core.SpanArray:
@@ -49,50 +60,92 @@ def _fault_error(addr: int, what: str) -> OSError:
     )
 
 
-def file_extents(spans: _core.SpanArray) -> list[tuple[str, int, int]]:
-    """``(path, first byte, end byte)`` in the files behind ``spans``, one entry per file."""
+def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
+    """The byte range in each file behind ``spans``, one entry per file.
+
+    Each file is held open (``files``) from here on, so that later checks
+    and page drops reach the inode that is mapped, whatever the path names
+    by then.
+    """
     table = _core.snapshot()
-    paths, offsets, starts = table.paths, table.offsets, table.starts
-    out: dict[str, list[int]] = {}
+    paths, offsets, starts, devs, inodes = table.paths, table.offsets, table.starts, table.devs, table.inodes
+    out: dict[str, Extent] = {}
     for a, n in zip(spans.addrs, spans.sizes):
         k = table.find(a)
         if k < 0 or not paths[k].startswith("/"):
             continue
         first = offsets[k] + a - starts[k]
-        lo_hi = out.setdefault(paths[k], [first, first + n])
-        lo_hi[0], lo_hi[1] = min(lo_hi[0], first), max(lo_hi[1], first + n)
-    return [(p, lo, hi) for p, (lo, hi) in out.items()]
+        e = out.get(paths[k])
+        if e is None:
+            out[paths[k]] = Extent(files.get(paths[k], devs[k], inodes[k]), paths[k], first, first + n)
+        else:
+            e.first, e.end = min(e.first, first), max(e.end, first + n)
+    return list(out.values())
 
 
-def check_extents(extents: list[tuple[str, int, int]], what: str) -> None:
+def check_extents(extents: list[Extent], what: str) -> None:
     """Refuse to compute from a file that no longer reaches the bytes mapped from it.
 
     A read past the end of a file through its mapping is a SIGBUS that kills
-    the process; a file truncated under a mapped checkpoint (rewritten by a
-    download, say) is caught here, before the layer runs, by its size.
-    A file that cannot be stat'ed (deleted while mapped: its pages stay
-    readable) is not checked.
+    the process; a file truncated under a mapped checkpoint is caught here,
+    before the layer runs, by the size of the open file (``fstat``): the
+    inode that is mapped, not whatever the path names now (a file renamed
+    over the path leaves the mapped one whole). A file that could not be
+    opened is not checked.
     """
-    for path, first, end in extents:
-        try:
-            size = os.stat(path).st_size
-        except OSError:
+    for e in extents:
+        if e.file is None:
             continue
-        if size < end:
+        size = e.file.size()
+        if size < e.end:
             raise _core.MappingFaultError(
                 errno.EIO,
-                f"{what}: the file is {size} bytes, its mapped weights reach byte {end} (from byte {first}): "
-                "it was truncated under the mapping; computing with it would be a SIGBUS",
-                path,
+                f"{what}: the file is {size} bytes, its mapped weights reach byte {e.end} (from byte "
+                f"{e.first}): it was truncated under the mapping; computing with it would be a SIGBUS",
+                e.path,
             )
 
 
-def read_in(spans: _core.SpanArray, what: str = "weights") -> None:
+FOLIO_BYTES = 2 << 20  # the aligned window a MADV_HUGEPAGE fault reads (one PMD folio)
+EDGE_CHUNK = 128 << 10  # MADV_WILLNEED per call: the kernel reads at most its readahead size per call
+
+
+def folio_edges(spans: _core.SpanArray) -> _core.SpanArray:
+    """The parts of each span that share an aligned 2 MiB file window with bytes outside it.
+
+    A fault on a ``MADV_HUGEPAGE`` mapping reads the whole aligned window of
+    the file that holds it, into one large folio: at a span's ends that folio
+    holds a neighbouring layer's bytes too. Reading a streamed layer that way
+    brings in up to 2 MiB of each neighbour, and letting it go cannot reach
+    them (the folio is still mapped by the neighbour, or must be split).
+    Alignment is in file offsets (the page cache's index), not addresses.
+    """
+    table = _core.snapshot()
+    addrs, sizes = [], []
+    for a, n in zip(spans.addrs, spans.sizes):
+        k = table.find(a)
+        if k < 0:
+            continue
+        off = table.offsets[k] + a - table.starts[k]
+        end = off + n
+        head_end = min(end, -(-off // FOLIO_BYTES) * FOLIO_BYTES)
+        tail_start = max(head_end, end // FOLIO_BYTES * FOLIO_BYTES)
+        for lo, hi in ((off, head_end), (tail_start, end)):
+            if hi > lo:
+                addrs.append(a + lo - off)
+                sizes.append(hi - lo)
+    return _core.SpanArray(addrs, sizes)
+
+
+def read_in(spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None) -> None:
     """Read the span's pages in and map them (``MADV_POPULATE_READ``).
 
     The spans are ``MADV_HUGEPAGE`` + ``MADV_RANDOM`` (the manager sets it):
     each fault reads the aligned 2 MiB folio that holds it, no more, so this
-    reads in 2 MiB I/Os into large folios.
+    reads in 2 MiB I/Os into large folios. ``edges`` (:func:`folio_edges`)
+    are read first with ``MADV_WILLNEED``, into small folios of exactly the
+    span's bytes: a fault that finds its page present reads nothing more, so
+    no large folio reaches into a neighbouring layer.
 
     Raises
     ------
@@ -100,6 +153,8 @@ def read_in(spans: _core.SpanArray, what: str = "weights") -> None:
         A page cannot be read (the file was truncated under its mapping): the
         forward would die of SIGBUS on it, so it is refused before it runs.
     """
+    if edges is not None and len(edges):
+        _core.advise_willneed(edges, EDGE_CHUNK)
     err, addr = _core.populate_read(spans)
     if err == errno.EFAULT:
         raise _fault_error(addr, what)
@@ -108,18 +163,86 @@ def read_in(spans: _core.SpanArray, what: str = "weights") -> None:
         logger.debug("MADV_POPULATE_READ refused (errno %d); the forward faults the pages in", err)
 
 
-def let_go(spans: _core.SpanArray) -> None:
-    err = _core.advise_pageout(spans)
+def inner_pages(spans: _core.SpanArray) -> _core.SpanArray:
+    """The whole pages inside each span.
+
+    A span's first and last page are shared with the bytes beside it in the
+    file, another layer's: paging them out unmaps them under that layer, whose
+    next touch faults, and on a ``MADV_HUGEPAGE`` mapping that fault reads its
+    whole aligned 2 MiB window back in - the tail of the layer just let go
+    among it. So a let-go leaves them: at most one page at each end of a span.
+    """
+    ps = _core.page_size()
+    addrs, sizes = [], []
+    for a, n in zip(spans.addrs, spans.sizes):
+        lo, hi = -(-a // ps) * ps, (a + n) // ps * ps
+        if hi > lo:
+            addrs.append(lo)
+            sizes.append(hi - lo)
+    return _core.SpanArray(addrs, sizes)
+
+
+# How a let-go ended (PageWorker.let_go_counts):
+PAGEOUT = "pageout"  # MADV_COLD + MADV_PAGEOUT took every page
+DRAINED = "drained"  # pages were left; after POSIX_FADV_DONTNEED (drains every CPU's batch), PAGEOUT took them
+KEPT = "kept"  # the kernel kept some pages all the same (shared with another process, say)
+REFUSED = "refused"  # MADV_PAGEOUT refused (a kernel before 5.4): pages stay until reclaim takes them
+
+
+def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int]:
+    """Let a streamed layer's pages go and check (``mincore``) that they went.
+
+    ``MADV_PAGEOUT`` can leave pages in place: a page read a moment ago may
+    still wait in another CPU's LRU-add batch, where the kernel can neither
+    isolate it nor split the large folio it is part of (``madvise`` drains only
+    the calling CPU's batch). When pages are left, ``POSIX_FADV_DONTNEED`` over
+    the layer's bytes of each file drains every CPU's batch (and drops what
+    nobody maps), and ``MADV_PAGEOUT`` runs again. Returns how it ended
+    (``PAGEOUT``, ``DRAINED``, ``KEPT``, ``REFUSED``) and the bytes still
+    resident.
+    """
+    inner = inner_pages(spans)
+    if not len(inner):
+        return PAGEOUT, 0
+    err = _core.advise_pageout(inner)
     if err:
-        logger.debug("MADV_PAGEOUT refused (errno %d) for %d bytes", err, spans.total_bytes)
+        logger.debug("MADV_PAGEOUT refused (errno %d) for %d bytes", err, inner.total_bytes)
+        return REFUSED, sum(_core.resident_bytes(inner))
+    left = sum(_core.resident_bytes(inner))
+    if not left:
+        return PAGEOUT, 0
+    dropped = False
+    for e in extents:
+        if e.file is not None:
+            e.file.drop(e.first, e.end)
+            dropped = True
+    if dropped:
+        _core.advise_pageout(inner)
+        left = sum(_core.resident_bytes(inner))
+        if not left:
+            return DRAINED, 0
+    logger.debug("let go of %d bytes: the kernel kept %d of them", inner.total_bytes, left)
+    return KEPT, left
 
 
 class PageWorker:
-    """A single worker thread for page-cache calls; made again after a fork."""
+    """A single worker thread for page-cache calls; made again after a fork.
+
+    Attributes
+    ----------
+    let_go_counts
+        How many let-gos ended each way (:func:`let_go`): the record of which
+        mechanism the kernel needed.
+    kept_bytes
+        Bytes the kernel kept resident after let-gos, summed.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        # How each let-go ended (PAGEOUT, DRAINED, KEPT, REFUSED), and the bytes kept in all.
+        self.let_go_counts: dict[str, int] = {}
+        self.kept_bytes = 0
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -127,11 +250,17 @@ class PageWorker:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-pages")
             return self._pool
 
-    def read_in(self, spans: _core.SpanArray, what: str = "weights") -> Future:
-        return self._executor().submit(read_in, spans, what)
+    def read_in(self, spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None
+                ) -> Future:
+        return self._executor().submit(read_in, spans, what, edges)
 
-    def let_go(self, spans: _core.SpanArray) -> Future:
-        return self._executor().submit(let_go, spans)
+    def let_go(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> Future:
+        return self._executor().submit(self._let_go, spans, extents)
+
+    def _let_go(self, spans: _core.SpanArray, extents: list[Extent]) -> None:
+        how, left = let_go(spans, extents)
+        self.let_go_counts[how] = self.let_go_counts.get(how, 0) + 1
+        self.kept_bytes += left
 
     def after_fork_in_child(self) -> None:
         """The parent's thread does not exist here: forget it (its queued work never runs)."""

@@ -35,9 +35,13 @@ class ResidencyPlan:
     streamed
         Layers read from the file each forward and let go after use.
     readahead
-        Whether the next layer is read while the current one computes (only
-        when two streamed layers fit beside the cached set: reading ahead
-        under a tighter budget would evict the layer in use).
+        Whether streamed layers are read ahead while the current one
+        computes (``depth > 0``).
+    depth
+        How many streamed layers ahead of the one computing may be read
+        (at most the manager's ``prefetch_layers``): the plan keeps room for
+        ``1 + depth`` streamed layers beside the cached set, so that reading
+        ahead never evicts the layer in use or a cached one.
     layer_bytes
         Mapped bytes of each layer (weights not on a file mapping are not
         page cache and need no plan).
@@ -55,6 +59,7 @@ class ResidencyPlan:
     layer_bytes: tuple[int, ...]
     budget: int
     always_bytes: int = 0
+    depth: int = 0
 
     @property
     def cached_bytes(self) -> int:
@@ -83,29 +88,34 @@ class ResidencyPlan:
         return (
             f"{len(self.cached)} of {n} layers stay cached ({format_bytes(self.cached_bytes)}), "
             f"{len(self.streamed)} streamed ({format_bytes(self.streamed_bytes)} read per forward, "
-            f"{'with' if self.readahead else 'without'} readahead), page cache budget "
+            f"{f'{self.depth} read ahead' if self.readahead else 'no readahead'}), page cache budget "
             f"{format_bytes(self.budget)} beside {format_bytes(self.always_bytes)} read every forward"
         )
 
 
-def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0) -> ResidencyPlan:
+def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0,
+                   prefetch_layers: int = 1) -> ResidencyPlan:
     """The plan for layers of ``layer_bytes`` mapped bytes under ``budget`` bytes of page cache.
 
     Everything fits: every layer stays cached. Otherwise the streamed layers
-    need room while they are read: two of the largest layer with readahead
-    (the one computing and the next), else one. The cached set is the
-    longest prefix of the layers that fits in what is left.
+    need room while they are read: the one computing and the ``depth`` read
+    ahead of it, each counted as the largest layer. ``depth`` is
+    ``prefetch_layers`` when the room allows, else as many as fit (0: no
+    readahead). The cached set is the longest prefix of the layers that fits
+    in what is left.
     """
     sizes = tuple(int(b) for b in layer_bytes)
     if any(b < 0 for b in sizes):
         raise ValueError("layer sizes must be >= 0")
+    if prefetch_layers < 0:
+        raise ValueError(f"prefetch_layers must be >= 0, not {prefetch_layers}")
     room = max(0, int(budget) - int(always_bytes))
     everything = tuple(range(len(sizes)))
     if sum(sizes) <= room:
-        return ResidencyPlan(everything, (), True, sizes, room, always_bytes)
+        return ResidencyPlan(everything, (), True, sizes, room, always_bytes, prefetch_layers)
     largest = max(sizes)
-    readahead = room >= 2 * largest
-    left = room - (2 if readahead else 1) * largest
+    depth = min(prefetch_layers, max(0, room // largest - 1)) if largest else prefetch_layers
+    left = room - (1 + depth) * largest
     cached: list[int] = []
     for i, b in enumerate(sizes):
         if b > left:
@@ -113,4 +123,4 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
         cached.append(i)
         left -= b
     streamed = tuple(i for i in everything if i not in set(cached))
-    return ResidencyPlan(tuple(cached), streamed, readahead, sizes, room, always_bytes)
+    return ResidencyPlan(tuple(cached), streamed, depth > 0, sizes, room, always_bytes, depth)

@@ -14,8 +14,10 @@ Residency (``_residency.py``): on every device, the layers' mapped pages
 are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
-CPU, by a page worker ahead of the compute when two layers fit) and let go
-right after use, so it never evicts the cached set.
+CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
+compute: room for them is part of the plan) and let go right after use,
+checked with ``mincore`` (``_pages.let_go``), so it never evicts the cached
+set.
 
 Lifetime: while managed, a layer's parameter slots hold the real parameters
 (their data on the device) when the layer is loaded, and shape-correct
@@ -27,6 +29,7 @@ included. The manager is a context manager.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import os
@@ -36,8 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 from ._device import DevicePool
 from ._log import format_bytes, logger
-from ._pages import PageWorker, check_extents, file_extents, layer_spans
+from ._mapped_file import MappedFiles
+from ._pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from ._residency import ResidencyPlan, plan_residency
+from ._rest import RestGuard
 from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
 
@@ -98,6 +103,54 @@ class _Loaded:
         self.ready = False  # bound: its parameters hold the real weights
 
 
+def _eager(fn):
+    """``fn`` run eagerly under ``torch.compile`` (TorchDynamo skips it, and what it calls).
+
+    A layer's weights change identity between forwards (placeholders, then
+    buffers recycled from a pool): a graph traced through them would bake in
+    one forward's tensors. So the hooks and the layers' forwards always run
+    eagerly; what lies outside the layers is compiled as usual.
+    """
+    import torch
+
+    return torch.compiler.disable(fn, recursive=True)
+
+
+CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
+
+
+def _read_cap() -> int | None:
+    """The tightest cgroup memory cap on this process now (None: uncapped)."""
+    from .budget import cgroup_memory_limit_bytes
+
+    found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
+    return None if found is None else found[0]
+
+
+def _cap_text(cap: int | None) -> str:
+    return "uncapped" if cap is None else format_bytes(cap)
+
+
+class _ForwardGuard:
+    """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
+
+    __slots__ = ("layer", "guarded", "had", "previous")
+
+    def __init__(self, layer, guarded) -> None:
+        self.layer, self.guarded = layer, guarded
+        self.had = "forward" in layer.__dict__
+        self.previous = layer.__dict__.get("forward")
+        layer.forward = guarded
+
+    def remove(self) -> None:
+        if self.layer.__dict__.get("forward") is not self.guarded:
+            return  # replaced since by someone else: theirs stays
+        if self.had:
+            self.layer.forward = self.previous
+        else:
+            del self.layer.forward
+
+
 class LayerwiseOffloadManager:
     """Keep a model's layers on the host and stream each to the device when it runs.
 
@@ -146,6 +199,13 @@ class LayerwiseOffloadManager:
         weights outside the layers that every forward reads (a head). Decides
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
+
+    Notes
+    -----
+    ``torch.compile`` works on a model with registered hooks: the managed
+    layers (their hooks and forwards) always run eagerly - their weights
+    change identity between forwards, so a graph traced through them would
+    bake in one forward's tensors - and the rest of the model is compiled.
     """
 
     def __init__(
@@ -208,11 +268,17 @@ class LayerwiseOffloadManager:
         if self.copier is not None and self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
         self._pages = PageWorker()
+        self._letting_go = None  # the device path's last let-go in the page worker (a Future)
         self._page_spans: dict[int, Any] = {}
         self._warm: set[int] = set()  # cached layers read in once
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
-        self._extents: dict[int, list] = {}  # layer -> (file, first, end) its mapped weights read
+        self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
+        self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
+        self._files = MappedFiles()  # the files behind them, held open: checks see the mapped inode
+        for i in range(len(self._stores)):
+            self._spans(i)  # open the files now, before a path can come to name another file
         self._always_bytes = _plan.always_read_bytes(model, self.layers)
+        self._rest = RestGuard(model, self.layers, self._files)  # the mapped weights outside the layers
         self.residency: ResidencyPlan = self.replan(page_cache_bytes)
         self._copy_stream = None
         if self._cuda and not copy_on_compute_stream:
@@ -222,6 +288,7 @@ class LayerwiseOffloadManager:
         self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
         self._turn = threading.Condition()
+        self._held = threading.local()  # .layers: the turns this thread holds, innermost last
         self._owner: threading.Thread | None = None
         self._depth = 0
         self._engaged = False
@@ -283,7 +350,8 @@ class LayerwiseOffloadManager:
             _core.advise_random(spans, True)
             self._advised.append(spans)
             self._page_spans[i] = spans
-            self._extents[i] = file_extents(spans)
+            self._extents[i] = file_extents(spans, self._files)
+            self._edges[i] = folio_edges(spans)
         return spans
 
     def _read_ahead(self, i: int) -> bool:
@@ -297,15 +365,19 @@ class LayerwiseOffloadManager:
     def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan:
         """Plan again which layers stay cached and which stream, from ``page_cache_bytes`` or a fresh measure.
 
-        Returns the plan, also kept as ``residency``.
+        Returns the plan, also kept as ``residency``. A measured plan (no
+        ``page_cache_bytes``) follows the cgroup's cap from then on: when the
+        cap changes, the next forward plans again (:meth:`_follow_cap`).
         """
         from ._native import _core
         from .budget import page_cache_budget
 
         sizes = [self._stores[i].bytes_in(MAPPED) for i in range(len(self._stores))]
+        self._follows_cap = page_cache_bytes is None
         if page_cache_bytes is None:
+            self._cap = _read_cap()
             cached_now = sum(sum(_core.resident_bytes(self._spans(i))) for i in range(len(self._stores)))
-            budget = page_cache_budget(cached_now)
+            budget = page_cache_budget(cached_now, root=CGROUP_ROOT)
             page_cache_bytes, why = budget.usable, str(budget)
             always = self._always_bytes
         else:
@@ -314,7 +386,7 @@ class LayerwiseOffloadManager:
             always = 0
         if page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always)
+        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always, prefetch_layers=self.prefetch_layers)
         self.residency = plan
         self._warm.intersection_update(plan.cached)
         logger.info("residency: %s; %s", plan.describe(), why)
@@ -378,10 +450,13 @@ class LayerwiseOffloadManager:
         self._engage()
         if i not in self._loaded and self._direct:
             what = f"layer {i} ({self._stores[i].name})"
-            read = _PagesRead(self._pages.read_in(self._spans(i), what)) if self._read_ahead(i) else None
+            spans = self._spans(i)
+            read = _PagesRead(self._pages.read_in(spans, what, self._edges[i])) if self._read_ahead(i) else None
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
             self._spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
+            if self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
+                self._before_streamed_read(i)
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
@@ -405,6 +480,28 @@ class LayerwiseOffloadManager:
         if not non_blocking:
             self._ensure(i)
 
+    def _before_streamed_read(self, i: int) -> None:
+        """Before the copier reads streamed layer ``i``: the last let-go done, the edges read small.
+
+        The page worker lets layers go off the compute thread; the copier
+        reads on threads of its own. Waiting for the last let-go keeps the
+        order direct mode gets from the worker's queue: a streamed layer is
+        read only after the one before it went, so no more than the plan's
+        ``1 + depth`` are ever in the page cache. The layer's file-window
+        edges are read first into small folios (``_pages.folio_edges``).
+        """
+        from ._native import _core
+        from ._pages import EDGE_CHUNK
+
+        pending, self._letting_go = self._letting_go, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:
+                logger.debug("letting a layer go failed", exc_info=True)
+        if len(self._edges[i]):
+            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
+
     def _ensure(self, i: int) -> None:
         if i not in self._loaded:
             self.prefetch_layer(i)
@@ -424,7 +521,7 @@ class LayerwiseOffloadManager:
                 loaded.handle.wait()
             if not self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
                 # Its mapped pages were read into the device buffers: let them go.
-                self._pages.let_go(self._spans(i))
+                self._letting_go = self._pages.let_go(self._spans(i), self._extents[i])
         except BaseException:
             # The layer is released (its buffers back once the failed copy
             # stopped): the next attempt starts afresh, e.g. after the file
@@ -457,7 +554,7 @@ class LayerwiseOffloadManager:
             self._pool.give(buf)
         if self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
             # Computed from its mapping: let its pages go before they push a cached layer out.
-            self._pages.let_go(self._spans(i))
+            self._pages.let_go(self._spans(i), self._extents[i])
 
     def _forget_copies_in_flight(self) -> None:
         """In a forked child: drop layers whose copy was in flight at the fork.
@@ -470,6 +567,7 @@ class LayerwiseOffloadManager:
         self._turn = threading.Condition()
         self._owner, self._depth = None, 0
         self._pages.after_fork_in_child()
+        self._letting_go = None  # the parent's page worker: it never completes here
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
                 del self._loaded[i]
@@ -502,14 +600,52 @@ class LayerwiseOffloadManager:
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
+            self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
+        # Before anything of a forward reads the mapping (the embedding first).
+        self._hooks.append(self.model.register_forward_pre_hook(_eager(self._before_forward), prepend=True))
 
     def remove_forward_hooks(self) -> None:
-        """Remove the hooks and give the model back whole: real parameters, host data."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self._engaged:
-            self._disengage()
+        """Remove the hooks and give the model back whole: real parameters, host data.
+
+        Safe while other threads run forwards: it takes the layer turn, so no
+        layer is half-way through its hooks when the model is given back, and
+        a hook that a forward already started runs as a no-op afterwards.
+        """
+        self._enter_layer()
+        try:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self._engaged:
+                self._disengage()
+        finally:
+            self._leave_layer()
+
+    def _before_forward(self, module, args) -> None:
+        """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
+        self._follow_cap()
+        self._rest.check()
+
+    def _follow_cap(self) -> None:
+        """Plan again when the cgroup's memory cap changed since the plan (a measured plan only).
+
+        Reading the cap is a few small cgroup files; the plan is made again
+        (a mincore over the layers' spans) only when it changed. Under the
+        layer turn: no layer of another thread is between its hooks.
+        """
+        if not self._follows_cap:
+            return
+        cap = _read_cap()
+        if cap == self._cap:
+            return
+        self._enter_layer()
+        try:
+            if self._follows_cap and cap != self._cap:
+                logger.info("memory cap changed (%s -> %s): planning the page cache again",
+                            _cap_text(self._cap), _cap_text(cap))
+                self.replan()
+        finally:
+            self._leave_layer()
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
@@ -537,38 +673,113 @@ class LayerwiseOffloadManager:
                     self._owner = None
                     self._turn.notify_all()
 
+    # torch runs always-call post-hooks for an ``Exception`` only: a
+    # KeyboardInterrupt (the manager's own interruptible wait included),
+    # SystemExit or GeneratorExit inside a layer skips them. The layer's
+    # forward is wrapped, and the pre-hook guards itself, so that whatever
+    # leaves the layer finishes its turn; a per-thread record of the turns
+    # held (``_held``) makes finishing twice harmless.
+    def _held_turns(self) -> list[int]:
+        held = getattr(self._held, "layers", None)
+        if held is None:
+            held = self._held.layers = []
+        return held
+
+    def _finish_layer(self, i: int) -> None:
+        """Release layer ``i`` and leave its turn, once, if this thread holds it."""
+        held = self._held_turns()
+        if i not in held:
+            return
+        del held[len(held) - 1 - held[::-1].index(i)]
+        try:
+            if self._releasable(i):
+                self.release_layer(i)
+        finally:
+            self._leave_layer()
+
+    def _make_forward(self, i: int, forward):
+        @functools.wraps(forward)
+        def guarded_forward(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except Exception:
+                raise  # torch runs the always-call post-hook
+            except BaseException:
+                self._finish_layer(i)  # torch runs no hook for these
+                raise
+
+        return _eager(guarded_forward)
+
     def _make_pre_hook(self, i: int):
         def pre_hook(module, args):
-            import torch
+            self._enter_layer()
+            if not self._hooks:
+                # Removed (or closed) by another thread while this forward
+                # was on its way here: the model is whole, nothing to load.
+                self._leave_layer()
+                return
+            self._held_turns().append(i)
+            try:
+                self._start_layer(i)
+            except Exception:
+                raise  # torch runs the always-call post-hook, which finishes the turn
+            except BaseException:
+                self._finish_layer(i)
+                raise
 
-            self._enter_layer()  # left by the post-hook, which runs whatever happens here
-            if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
-                raise RuntimeError(
-                    "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
-                    "torch.inference_mode() (gradients through offloaded weights are not supported)"
-                )
-            window = range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
-            if self._direct and not self.residency.readahead:
-                # Reading a streamed layer ahead would evict the one in use.
-                window = [j for j in window if not self.residency.is_streamed(j)]
-            for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
-                if j != i and j not in window and self._releasable(j):
-                    self.release_layer(j)
-            self._ensure(i)
-            for j in window:
-                self.prefetch_layer(j)
+        return _eager(pre_hook)
 
-        return pre_hook
+    def _start_layer(self, i: int) -> None:
+        """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
+        import torch
+
+        if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
+            raise RuntimeError(
+                "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
+                "torch.inference_mode() (gradients through offloaded weights are not supported)"
+            )
+        # A streamed layer is read ahead only as deep as the plan keeps
+        # room for (its depth): any deeper, its pages would evict the
+        # layer in use or a cached one.
+        plan = self.residency
+        window = [j for j in range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
+                  if j - i <= plan.depth or not plan.is_streamed(j) or not self._stores[j].bytes_in(MAPPED)]
+        for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
+            if j != i and j not in window and self._releasable(j):
+                self.release_layer(j)
+        self._ensure(i)
+        for j in window:
+            self.prefetch_layer(j)
 
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
-            try:
-                if self._releasable(i):
-                    self.release_layer(i)
-            finally:
-                self._leave_layer()
+            self._finish_layer(i)
+            if not self._direct:
+                self._refuse_recorded_graph(i, output)
 
-        return post_hook
+        return _eager(post_hook)
+
+    def _refuse_recorded_graph(self, i: int, output: Any) -> None:
+        """Refuse a layer output autograd recorded through device buffers.
+
+        Autograd saves the weights a backward needs, here views of the layer's
+        device buffers; those return to the pool when the layer is released
+        and the next layers overwrite them, so a backward would compute from
+        other layers' weights - silently wrong. (Direct CPU mode computes from
+        the host stores, which stay: its gradients are exact.)
+        """
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        if not torch.is_grad_enabled():
+            return
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+            raise RuntimeError(
+                f"layer {i} ({self._stores[i].name}) recorded autograd through the device pipeline: gradients "
+                "would be computed from device buffers that later layers overwrite. Run it under "
+                "torch.no_grad() or torch.inference_mode(), or take input gradients with device='cpu' "
+                "(computes from the host stores, exact)"
+            )
 
     # -- host weights ------------------------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
@@ -663,6 +874,7 @@ class LayerwiseOffloadManager:
                 store.invalidate()
                 self._page_spans.pop(store.index, None)
                 self._extents.pop(store.index, None)
+                self._edges.pop(store.index, None)
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):
@@ -683,13 +895,21 @@ class LayerwiseOffloadManager:
 
         if self._closed:
             return
-        self.remove_forward_hooks()
-        if self._engaged:
-            self._disengage()
+        # Under the layer turn (see remove_forward_hooks): once closed, no
+        # hook or prefetch engages the placeholders again.
+        self._enter_layer()
+        try:
+            self.remove_forward_hooks()
+            if self._engaged:
+                self._disengage()
+            self._closed = True
+        finally:
+            self._leave_layer()
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self._pool.clear()
         self._pages.close()
+        self._files.close()
         from ._native import _core
 
         for spans in self._advised:
@@ -700,7 +920,6 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 w.param.__dict__.pop("_mapoffload_manager", None)
-        self._closed = True
 
     def __enter__(self) -> LayerwiseOffloadManager:
         return self

@@ -1,0 +1,76 @@
+"""The weights outside a manager's layers ("the rest": embedding, head,
+norms) that a forward reads from the checkpoint's mapping, checked before
+each forward.
+
+Every forward reads the rest before the first layer's own check (the
+embedding first of all). A file truncated under the mapping would make that
+read a SIGBUS that kills the process; a check of the mapped file's size
+(``fstat`` of a descriptor on the mapped inode, ``_mapped_file.py``) turns it
+into a :class:`~mapoffload.MappingFaultError` naming the file. The spans are
+found again only when the rest's tensors change (moved to a device, replaced).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._mapped_file import MappedFiles
+from ._pages import Extent, check_extents, file_extents, layer_spans
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RestGuard"]
+
+WHAT = "the weights outside the managed layers"
+
+
+def managed(t: torch.Tensor) -> bool:
+    """A weight some manager offloads (another stack of the same model): its manager checks it."""
+    from ._placeholder import OffloadedWeight  # imports torch
+
+    return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__
+
+
+def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """CPU parameters and buffers of the modules outside ``layers`` that no manager offloads, each once."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    seen: set[int] = set()
+    out = []
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is None or id(t) in seen or managed(t) or t.device.type != "cpu" or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            out.append(t.detach())
+    return out
+
+
+class RestGuard:
+    """Checks, before a forward, that the rest's mapped files still reach the bytes mapped from them."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], files: MappedFiles) -> None:
+        self._model = model
+        self._layers = layers
+        self._files = files
+        self._key: tuple[int, ...] | None = None
+        self._extents: list[Extent] = []
+
+    def _refresh(self) -> None:
+        from .regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
+
+        tensors = outside_tensors(self._model, self._layers)
+        key = tuple(t.data_ptr() for t in tensors)
+        if key == self._key:
+            return
+        on_mapping = MappedRegions().classify(tensors)
+        spans = layer_spans([tensor_extent(t) for t, m in zip(tensors, on_mapping) if m])
+        self._extents = file_extents(spans, self._files)
+        self._key = key
+
+    def check(self) -> None:
+        """Raise MappingFaultError when a mapped file of the rest was truncated under it."""
+        self._refresh()
+        check_extents(self._extents, WHAT)

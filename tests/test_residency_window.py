@@ -1,0 +1,99 @@
+"""The residency plan's promise, measured: at every layer of every warm
+forward, the managed layers' resident bytes stay within the page cache
+budget, for every prefetch depth; streamed layers are let go for good
+(verified with mincore) after every forward, the first one included.
+
+The first forward is not held to the budget layer by layer: the weights
+outside the layers (``mix`` here) are not the manager's, and their first
+fault reads around them (read_ahead_kb), the neighbouring layers' bytes
+in the file among it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
+from mapoffload._native import _core
+from mapoffload._pages import DRAINED, KEPT, PAGEOUT
+
+from test_offload_direct import LAYERS, ckpt, drain, mapped  # noqa: F401 (ckpt is a fixture)
+
+PAGE = _core.page_size()
+FORWARDS = 4
+
+
+def managed_resident(hosts: dict[str, torch.Tensor]) -> list[int]:
+    """Resident bytes of each managed layer's weights."""
+    return [sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]])) for i in range(LAYERS)]
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(ckpt, depth, twin):
+    path, x, want = ckpt
+    model = mapped(path)
+    layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
+    # Room for 4 cached layers beside the streamed one computing and `depth` read ahead.
+    budget = (5 + depth) * layer + PAGE
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=depth, page_cache_bytes=budget,
+                                  cpu_twin=twin, host_store="mapped")
+    plan = mgr.residency
+    assert plan.depth == depth and plan.cached == (0, 1, 2, 3), plan
+    hosts = dict(mgr.iter_cpu_weights())
+    # A streamed layer keeps at most its first and last page: they are shared
+    # with its neighbours in the file (another layer's bytes), never paged out.
+    shared = 2 * PAGE * len(plan.streamed)
+    samples: list[tuple[int, int, list[int]]] = []
+    forward = [0]
+
+    def sample(i):
+        def hook(module, args):
+            samples.append((forward[0], i, managed_resident(hosts)))
+        return hook
+
+    mgr.register_forward_hooks()
+    # After the manager's: each sample sees layer i loaded and its read-ahead started.
+    probes = [b.register_forward_pre_hook(sample(i)) for i, b in enumerate(model.blocks)]
+    drop_page_cache(path)
+    with torch.no_grad():
+        for f in range(FORWARDS):
+            forward[0] = f
+            assert torch.equal(model(x), want)
+            drain(mgr)
+            after = managed_resident(hosts)
+            for i in plan.streamed:
+                assert after[i] <= 2 * PAGE, f"forward {f}: streamed layer {i} kept {after[i]} bytes: {after}"
+    for p in probes:
+        p.remove()
+    assert len(samples) == FORWARDS * LAYERS
+    for f, i, res in samples[LAYERS:]:
+        assert sum(res) <= plan.budget + shared, (
+            f"forward {f}, layer {i}: {sum(res)} resident bytes of layers, budget {plan.budget}: {res}"
+        )
+        # Never more streamed layers in the page cache than the one computing and `depth` ahead.
+        present = [j for j in plan.streamed if res[j] > layer // 2]
+        assert len(present) <= 1 + depth, (f, i, present, res)
+    counts = mgr._pages.let_go_counts
+    assert counts.get(PAGEOUT, 0) + counts.get(DRAINED, 0) == FORWARDS * len(plan.streamed) - counts.get(KEPT, 0)
+    assert mgr._pages.kept_bytes <= shared * FORWARDS, counts
+    mgr.close()
+
+
+def test_the_plan_keeps_room_for_the_prefetch_depth():
+    from mapoffload._residency import plan_residency
+
+    # 10 layers of 10, room for 6: depth 1 keeps 4 cached, depth 3 keeps 2, depth 5 keeps none.
+    assert plan_residency([10] * 10, 60, prefetch_layers=1).cached == (0, 1, 2, 3)
+    plan = plan_residency([10] * 10, 60, prefetch_layers=3)
+    assert plan.depth == 3 and plan.cached == (0, 1)
+    plan = plan_residency([10] * 10, 60, prefetch_layers=5)
+    assert plan.depth == 5 and plan.cached == ()
+    # More depth than the room holds: as deep as it fits, nothing cached.
+    plan = plan_residency([10] * 10, 35, prefetch_layers=4)
+    assert plan.depth == 2 and plan.readahead and plan.cached == ()
+    plan = plan_residency([10] * 10, 15, prefetch_layers=3)
+    assert plan.depth == 0 and not plan.readahead
+    assert plan_residency([10] * 10, 60, prefetch_layers=0).depth == 0
+    with pytest.raises(ValueError, match="prefetch_layers"):
+        plan_residency([10], 5, prefetch_layers=-1)
