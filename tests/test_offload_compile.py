@@ -47,3 +47,4 @@ def test_compiled_offloaded_model_is_exact(backend, twin):
     mgr.close()
     with torch.no_grad():
         assert same(compiled(IDS), want)  # the model whole again, recompiled as needed
+
