@@ -186,3 +186,26 @@ def test_inspect_says_what_each_entry_point_does(tmp_path, capsys, monkeypatch):
     assert "from_pretrained: kept on the file mapping" in text
     assert "gate: copy into host memory (load_checkpoint" in text
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+@pytest.mark.parametrize("host_gib", ["1", "1000"])  # below the 4 GiB reserve (the gate keeps) / copies fit
+def test_inspect_matches_what_each_entry_point_then_does(tmp_path, monkeypatch, host_gib):
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    from conformance_zoo import build
+    from mapoffload.inspect_checkpoint import inspect_checkpoint
+
+    build("gpt2", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", host_gib)
+    data = inspect_checkpoint(str(tmp_path))
+    gate_keeps = data["gate"]["keep_mapped"]
+    assert gate_keeps == (host_gib == "1")
+    with mapoffload.empty_weights():
+        model = tf.GPT2LMHeadModel(tf.GPT2Config.from_pretrained(str(tmp_path)))
+    report = mapoffload.load_checkpoint(model, str(tmp_path), strict=False)
+    assert report.keep_mapping == gate_keeps and report.decided_by == "gate"
+    assert data["entry_points"]["load_checkpoint"].startswith("kept" if gate_keeps else "copied")
+    hf = mapoffload.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), device=None).mapoffload_report
+    assert data["entry_points"]["from_pretrained"].startswith("kept on the file mapping")
+    assert hf.keep_mapping and hf.bytes_copied == 0 and hf.decided_by == "loader"
