@@ -228,3 +228,32 @@ def test_the_convert_command(tmp_path, capsys):
     assert "nothing to convert" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "nothing")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_a_cast_holds_a_bounded_batch_too(tmp_path):
+    """dtype= other than the stored one: transformers' loader threads would cast every tensor ahead
+    of the loop that sets them; driven, they are cast one by one and written out in batches."""
+    import subprocess
+    import sys
+
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")  # float32, 8 x 10 MiB layers
+    code = _PEAK.replace("cls, folder, who = tf.MixtralForCausalLM,", "cls, folder, who = tf.LlamaForCausalLM,")
+    code = code.replace("model = cls.from_pretrained(folder)", "model = cls.from_pretrained(folder, dtype=torch.float16)")
+    code = code.replace("device=None, cache_dir=sys.argv[3])", "device=None, cache_dir=sys.argv[3], dtype=torch.float16)")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+
+    def peak(who: str) -> int:
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m"), who, str(tmp_path / "c")],
+                             capture_output=True, text=True, timeout=300, cwd="/", env=env)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    half = 8 * (4 * 512 * 512 + 3 * 512 * 1024) * 2  # the float16 model's layers (40 MiB)
+    theirs, ours = peak("transformers"), peak("mapoffload")
+    assert theirs > 0.9 * half
+    assert ours < 0.4 * half, (ours, theirs)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _LOCK = threading.RLock()
 FP8_PART = ":"  # "<weight>:fp8_codes" / "<weight>:fp8_scale" in a conversion folder
+SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers' switch for its loader threads
 _STATE = threading.local()
 _INSTALLED: list[tuple[Any, str, Any]] = []  # (owner, name, original) of the hooks now in place
 
@@ -288,7 +289,17 @@ def _wrap_load(original):
                     state_dict[name] = tensor
         s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
-        result = original(model, state_dict, load_config, *args, **kwargs)
+        # transformers' loader threads would make every cast or dequantized tensor ahead of the
+        # loop that sets them (the whole model in anonymous memory): made one by one instead.
+        previous = os.environ.get(SYNC_LOAD)
+        os.environ[SYNC_LOAD] = "1"
+        try:
+            result = original(model, state_dict, load_config, *args, **kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop(SYNC_LOAD, None)
+            else:
+                os.environ[SYNC_LOAD] = previous
         s.finish()
         s.sources = None
         info = result[0] if isinstance(result, tuple) else result
