@@ -191,6 +191,25 @@ def rss_anon_bytes(*, root: str = "/") -> int:
     return 0
 
 
+def release_freed_memory() -> bool:
+    """Give the C allocator's freed but retained memory back to the kernel
+    (glibc ``malloc_trim``): after a load that made and dropped large
+    temporaries, glibc keeps them (its mmap threshold grows after the first
+    large free), and RssAnon — what a cgroup or the OOM killer sees — stays
+    as high as the peak. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
+
 # The largest host the override may describe: 1 EiB keeps every byte count an int64.
 MAX_HOST_GIB = 1 << 30
 

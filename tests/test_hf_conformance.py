@@ -105,9 +105,13 @@ def test_fused_experts_are_converted_once_into_a_mapped_file(tmp_path, arch):
     assert report.conversion_dir and report.conversion_dir.startswith(str(folder))
     experts = [p for n, p in first.named_parameters() if "experts" in n and p.dim() == 3]
     assert experts and all(MappedRegions().classify(experts))
-    again = _check(cls, kind, str(folder))
+    again = mapoffload.from_pretrained(cls, str(folder), device="cpu")
     assert again.mapoffload_report.conversion_reused
     assert again.mapoffload_report.conversion_dir == report.conversion_dir
+    summary = again.mapoffload_handle.summary()
+    assert "converted:" in summary and "reused from" in summary and max(map(len, summary.splitlines())) <= 100
+    again.mapoffload_handle.close()
+    _check(cls, kind, str(folder))
 
 
 def test_a_changed_source_invalidates_the_conversion(tmp_path):

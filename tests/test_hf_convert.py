@@ -257,3 +257,36 @@ def test_a_cast_holds_a_bounded_batch_too(tmp_path):
     theirs, ours = peak("transformers"), peak("mapoffload")
     assert theirs > 0.9 * half
     assert ours < 0.4 * half, (ours, theirs)
+
+
+_AFTER = """
+import sys, warnings
+import torch, transformers as tf
+import mapoffload
+from mapoffload.budget import rss_anon_bytes
+warnings.simplefilter("ignore")
+import mapoffload.hf.transformers, transformers.models.llama.modeling_llama
+base = rss_anon_bytes()
+model = mapoffload.from_pretrained(tf.LlamaForCausalLM, sys.argv[1], device=None, cache_dir=sys.argv[2],
+                                   dtype=torch.float16)
+print(rss_anon_bytes() - base)
+"""
+
+
+def test_after_a_converting_load_the_freed_temporaries_are_given_back(tmp_path):
+    """glibc keeps freed large temporaries (its mmap threshold grows): RssAnon after a
+    converting load stayed at the converted model's size until they are trimmed."""
+    import subprocess
+    import sys
+
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-c", _AFTER, str(tmp_path / "m"), str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    half = 8 * (4 * 512 * 512 + 3 * 512 * 1024) * 2  # 40 MiB cast
+    assert int(out.stdout.split()[-1]) < 0.25 * half, out.stdout

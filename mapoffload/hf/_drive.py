@@ -427,6 +427,10 @@ def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = N
             for owner, name, original in reversed(saved):
                 setattr(owner, name, original)
             del _INSTALLED[len(_INSTALLED) - len(saved):]
+            if session.loads:  # the temporaries of the conversions, back to the kernel
+                from ..budget import release_freed_memory
+
+                release_freed_memory()
             if ok and session.reusable:
                 cache.commit()
             else:

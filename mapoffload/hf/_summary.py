@@ -331,3 +331,15 @@ def fp8_words(model: torch.nn.Module) -> str:
         f"fp8: {len(found)} weights stay one-byte codes ({format_bytes(codes_bytes)}) with their block scales "
         f"({format_bytes(scales)}), counted above as read; each is dequantized to {widest[1].dtype} where and "
         f"when it is used (the largest takes {format_bytes(work)} while its module computes)", "    ")
+
+
+def conversion_words(model: torch.nn.Module) -> str:
+    """A paragraph on what the load converted into a mapped folder, or ''."""
+    report = getattr(model, "mapoffload_report", None)
+    if report is None or not getattr(report, "converted_tensors", 0):
+        return ""
+    how = "reused from" if report.conversion_reused else "written once to"
+    return "\n" + _wrap(
+        f"converted: {report.converted_tensors} tensors transformers made while loading (fused experts, casts, "
+        f"fp8 stacks; {format_bytes(report.bytes_converted)}) are mapped from a conversion folder, {how} "
+        f"{report.conversion_dir}", "    ")

@@ -94,11 +94,11 @@ class OffloadHandle:
         """A table (≤ 100 columns): per unit where its bytes live (mapped, anonymous, pinned, on the
         device), how it computes (streamed, in place, placed), what each forward re-reads from the file;
         a totals line against a full host copy; then one paragraph per unit saying why."""
-        from ._summary import format_rows, fp8_words
+        from ._summary import conversion_words, format_rows, fp8_words
 
         if self._closed:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
-        return format_rows(self.rows, self.device) + fp8_words(self.model)
+        return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
 
     def close(self) -> None:
         """Give the model back whole: layers' real weights, placed tensors' host data."""

@@ -283,9 +283,9 @@ def from_pretrained(
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
                                     config=config, cache_dir=cache_dir, fp8=fp8, **model_kwargs)
     handle: OffloadHandle | None = None
+    object.__setattr__(model, "mapoffload_report", report)
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,
                          host_store=host_store)
-    object.__setattr__(model, "mapoffload_report", report)
     object.__setattr__(model, "mapoffload_handle", handle)
     return model
