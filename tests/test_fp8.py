@@ -322,3 +322,4 @@ def test_the_residency_plan_counts_what_is_read(tmp_path):
             plans[kind] = mgr.residency
     assert plans["fp8"].layer_bytes[0] * 2 < plans["bf16"].layer_bytes[0] * 1.1
     assert len(plans["fp8"].cached) >= 2 * len(plans["bf16"].cached) > 0, (plans["fp8"], plans["bf16"])
+

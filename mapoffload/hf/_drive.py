@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 _LOCK = threading.RLock()
 FP8_PART = ":"  # "<weight>:fp8_codes" / "<weight>:fp8_scale" in a conversion folder
 SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers' switch for its loader threads
+TRIM_BYTES = 32 << 20  # made (and dropped) between two malloc_trim calls
 _STATE = threading.local()
 _INSTALLED: list[tuple[Any, str, Any]] = []  # (owner, name, original) of the hooks now in place
 
@@ -88,6 +89,7 @@ class Session:
     sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
     fp8: list[str] = field(default_factory=list)  # weights kept as fp8 codes
     fp8_fused: Any = None  # (codes, scales) the last conversion's ops made of its fp8 inputs
+    made_since_trim: int = 0
 
     # -- per tensor ---------------------------------------------------------------
 
@@ -110,6 +112,7 @@ class Session:
         tensors = [(s, t) for s, t in tensors if t is not None and t.device.type == "cpu"]
         if not tensors or all(self.regions.holds(t) for _, t in tensors if t.numel()):
             return
+        self._trim(sum(t.numel() * t.element_size() for _, t in tensors))
         if self.keep_fp8 and len(tensors) == 1 and self._keep_as_fp8(tensors[0][0], tensors[0][1], sources):
             return
         if not sources:
@@ -163,6 +166,18 @@ class Session:
             if self.pending_bytes >= self.part_bytes:
                 self.flush()
         return True
+
+    def _trim(self, made: int) -> None:
+        """Every :data:`TRIM_BYTES` of tensors made, hand what glibc retained of the
+        freed temporaries back: it keeps them (a dozen MiB a weight, every size
+        a little different), and a cgroup charges them like live memory — an fp8
+        load under a tight cap was OOM-killed by memory nothing used."""
+        self.made_since_trim += made
+        if self.made_since_trim >= TRIM_BYTES:
+            from ..budget import release_freed_memory
+
+            release_freed_memory()
+            self.made_since_trim = 0
 
     def flush(self) -> None:
         """Write the pending converted tensors as one part and rebind their mapped views."""
