@@ -11,24 +11,13 @@ BLOCK = 128
 MIB = 1 << 20
 
 
-def _quantize(w):
-    """[128, 128]-block float8_e4m3fn codes and float32 weight_scale_inv of a 2-D weight."""
-    import torch
-
-    rows, cols = w.shape
-    pr, pc = -rows % BLOCK, -cols % BLOCK
-    x = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
-    tiles = x.view(x.shape[0] // BLOCK, BLOCK, x.shape[1] // BLOCK, BLOCK)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    codes = (tiles / scale[:, None, :, None]).view_as(x)[:rows, :cols].to(torch.float8_e4m3fn)
-    return codes.contiguous(), scale
-
-
 def quantize_folder(src: str, dst: str) -> dict:
     """Copy a transformers folder to ``dst`` with every ``*_proj.weight`` in FP8
     (DeepSeek-V3's layout: the embeddings and the head stay as they are).
     Returns the sizes of the new checkpoint."""
     from safetensors.torch import load_file, save_file
+
+    from mapoffload.fp8 import quantize_fp8
 
     os.makedirs(dst, exist_ok=True)
     weight_map = {}
@@ -38,7 +27,7 @@ def quantize_folder(src: str, dst: str) -> dict:
         out = {}
         for k, v in state.items():
             if k.endswith("proj.weight") and v.dim() == 2:
-                out[k], out[f"{k}_scale_inv"] = _quantize(v)
+                out[k], out[f"{k}_scale_inv"] = quantize_fp8(v, (BLOCK, BLOCK))
             else:
                 out[k] = v
         save_file(out, os.path.join(dst, name), metadata={"format": "pt"})

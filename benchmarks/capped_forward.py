@@ -431,8 +431,6 @@ def _skip(reason: str, args: argparse.Namespace) -> int:
     from _common import emit_json
 
     print(f"skipped: {reason}")
-    if args.fp8:
-        _fp8_targets(results, sizes, args)
     emit_json("capped_forward", {"skipped": reason}, args.json)
     return 0
 

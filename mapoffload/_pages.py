@@ -11,7 +11,6 @@ streamed layer is let go before the next one is read under a tight budget.
 from __future__ import annotations
 
 import errno
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 

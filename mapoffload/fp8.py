@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["FP8_DTYPES", "Fp8Dequantize", "attach_fp8", "dequantize_fp8", "fp8_weights", "is_fp8"]
+__all__ = ["FP8_DTYPES", "Fp8Dequantize", "attach_fp8", "dequantize_fp8", "fp8_weights", "is_fp8", "quantize_fp8"]
 
 # Rows of the block grid dequantized per step: bounds the float32 temporaries
 # (transformers' formula promotes to float32) to a slice of the weight.
@@ -185,3 +185,28 @@ def fp8_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Fp8
             dequant = next((p for p in plist if isinstance(p, Fp8Dequantize)), None)
             if dequant is not None:
                 yield (f"{mod_name}.{attr}" if mod_name else attr), plist.original, dequant
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | str = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, weight_scale_inv)`` of a 2-D weight in the fine-grained FP8
+    layout: ``float8_e4m3fn`` codes and a float32 scale per ``block`` tile
+    (ragged tiles at the edges), per row (``"channel"``) or one for the tensor
+    (``"tensor"``); the tile's largest magnitude maps to 448. The inverse of
+    :func:`dequantize_fp8` up to fp8 rounding (to make test and benchmark
+    checkpoints; transformers' own ``Fp8Quantize`` is the reference for models
+    it saves)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, not shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    shapes = {"channel": (1, cols), "tensor": (rows, cols)}
+    if isinstance(block, str) and block not in shapes:
+        raise ValueError(f"block must be (rows, cols), 'channel' or 'tensor', not {block!r}")
+    bm, bn = shapes[block] if isinstance(block, str) else block
+    x = torch.nn.functional.pad(weight.float(), (0, -cols % bn, 0, -rows % bm))
+    tiles = x.view(x.shape[0] // bm, bm, x.shape[1] // bn, bn)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    codes = (tiles / scale[:, None, :, None]).view_as(x)[:rows, :cols].to(torch.float8_e4m3fn)
+    return codes.contiguous(), scale

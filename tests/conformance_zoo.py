@@ -223,22 +223,12 @@ def to_fp8(folder: str, block: int | str = 128) -> None:
 
 
 def _fp8_state(state: dict, block: int | str) -> dict:
+    from mapoffload.fp8 import quantize_fp8
+
     out = {}
     for k, v in state.items():
         if not (k.endswith("proj.weight") or ".experts." in k and k.endswith(".weight")) or v.dim() != 2:
             out[k] = v
             continue
-        w = v.float()
-        bm, bn = {"channel": (1, w.shape[1]), "tensor": tuple(w.shape)}.get(block, (block, block))
-        rows, cols = -(-w.shape[0] // bm), -(-w.shape[1] // bn)
-        scale = torch.empty(rows, cols)
-        codes = torch.empty_like(w)
-        for i in range(rows):
-            for j in range(cols):
-                tile = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-                s = tile.abs().max().clamp(min=1e-12) / 448.0
-                scale[i, j] = s
-                codes[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = tile / s
-        out[k] = codes.to(torch.float8_e4m3fn)
-        out[k + "_scale_inv"] = scale
+        out[k], out[k + "_scale_inv"] = quantize_fp8(v, block if isinstance(block, str) else (block, block))
     return out

@@ -323,3 +323,16 @@ def test_the_residency_plan_counts_what_is_read(tmp_path):
     assert plans["fp8"].layer_bytes[0] * 2 < plans["bf16"].layer_bytes[0] * 1.1
     assert len(plans["fp8"].cached) >= 2 * len(plans["bf16"].cached) > 0, (plans["fp8"], plans["bf16"])
 
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), "channel", "tensor"])
+def test_quantize_then_dequantize_is_within_fp8_rounding(block):
+    from mapoffload.fp8 import quantize_fp8
+
+    w = torch.randn(256, 384) * 0.05  # whole tiles: transformers derives the block from the grid
+    codes, scale = quantize_fp8(w, block)
+    assert codes.dtype == E4M3 and codes.shape == w.shape
+    back = dequantize_fp8(codes, scale, dtype=torch.float32)
+    assert ((back - w).abs() <= w.abs() * 2**-4 + scale.max() * 2**-9).all()  # e4m3: half an ulp, subnormals
+    with pytest.raises(ValueError, match="block must be"):
+        quantize_fp8(w, "rows")

@@ -1,20 +1,14 @@
-"""Checkpoint keys against a transformers model: the Hugging Face conventions
-(``base_model_prefix`` added or stripped, ``_keys_to_ignore_on_load_*``) and
-short diagnostics for what does not match."""
+"""A checkpoint's keys read from its headers (names, shapes, dtypes: the
+stored dtype a diffusers component is built in) and short diagnostics for
+keys that do not match (``"3 missing keys (common prefix 'cls.'): …"``).
+transformers' own key rules are applied by transformers (see ``_drive``)."""
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from .._files import TORCH_SUFFIXES
 from .._header import read_safetensors_header
-from .._log import format_bytes
-
-if TYPE_CHECKING:
-    import torch
 
 MAX_LISTED = 10
 
@@ -65,46 +59,6 @@ def checkpoint_float_dtype(keys: CheckpointKeys) -> str | None:
     return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
 
 
-def _as_regex(patterns: Any) -> re.Pattern | None:
-    pats = [p for p in (patterns or ()) if p]
-    return re.compile("|".join(f"({p})" for p in pats)) if pats else None
-
-
-def ignore_patterns(model: torch.nn.Module) -> tuple[re.Pattern | None, re.Pattern | None]:
-    """(missing, unexpected) regexes a transformers model says to ignore, with
-    the library's own additions (old ``rotary_emb.inv_freq`` and
-    ``position_ids`` entries of checkpoints saved when they were persistent)."""
-    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    names = [n for n, _ in model.named_buffers()]
-    if any(n.endswith("rotary_emb.inv_freq") for n in names):
-        unexpected.add(r"rotary_emb\.inv_freq")
-    if any(n.endswith("position_ids") for n in names):
-        unexpected.add(r"(^|\.)position_ids$")
-    return _as_regex(getattr(model, "_keys_to_ignore_on_load_missing", None)), _as_regex(unexpected)
-
-
-def prefix_rule(model: torch.nn.Module, ckpt_keys: set[str], model_keys: set[str]) -> tuple[str, str]:
-    """How checkpoint names meet the model's: ``("same"|"strip"|"add", prefix)``.
-
-    ``strip``: the checkpoint is a model with a head (``bert.*``) loaded into
-    the base model; ``add``: a base checkpoint loaded into a model with a head.
-    """
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    if not prefix:
-        return "same", ""
-    dot = prefix + "."
-    import torch
-
-    overlap = len(ckpt_keys & model_keys)
-    stripped = {k[len(dot):] for k in ckpt_keys if k.startswith(dot)}
-    added = {dot + k for k in ckpt_keys}
-    if len(stripped & model_keys) > overlap:
-        return "strip", prefix
-    if isinstance(getattr(model, prefix, None), torch.nn.Module) and len(added & model_keys) > overlap:
-        return "add", prefix
-    return "same", prefix
-
-
 def common_prefix(keys: list[str]) -> str:
     """The longest dotted prefix all ``keys`` share ('' when none)."""
     if not keys:
@@ -127,16 +81,3 @@ def describe_keys(kind: str, keys: list[str]) -> str:
     shown = ", ".join(keys[:MAX_LISTED]) + (f", … ({len(keys) - MAX_LISTED} more)" if len(keys) > MAX_LISTED else "")
     where = f" (common prefix {pre + '.'!r})" if pre else ""
     return f"{len(keys)} {kind} key{'s' if len(keys) != 1 else ''}{where}: {shown}"
-
-
-def describe_conversion(nbytes: int, pairs: list[tuple[str, str]], kept_fp32: bool,
-                        folder: str | os.PathLike) -> str:
-    """The warning for a load that converted dtypes: bytes, directions, the fix."""
-    how = ", ".join(f"from {a} to {b}" for a, b in pairs) or "to the model's dtypes"
-    fix = "Load with dtype='auto' to build the model in the stored dtype and keep them mapped"
-    if kept_fp32:
-        fix += " (modules the model keeps in float32, _keep_in_fp32_modules, are always converted)"
-    return (
-        f"{os.fspath(folder)}: {format_bytes(nbytes)} of weights were converted {how} "
-        f"(anonymous copies, not on the file mapping). {fix}."
-    )
