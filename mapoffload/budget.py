@@ -18,6 +18,7 @@ kernel throttles and reclaims hard), v1 ``memory.limit_in_bytes``.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -197,17 +198,25 @@ def release_freed_memory() -> bool:
     temporaries, glibc keeps them (its mmap threshold grows after the first
     large free), and RssAnon — what a cgroup or the OOM killer sees — stays
     as high as the peak. False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = _malloc_trim()
+    if trim is None:
         return False
-    trim.argtypes = [ctypes.c_size_t]
     trim(0)
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from the symbols already loaded (no library search, no subprocess)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 # The largest host the override may describe: 1 EiB keeps every byte count an int64.
