@@ -87,7 +87,6 @@ class Session:
     loads: int = 0
     keep_fp8: bool = False  # fp8 weights stay codes + scales (mapoffload.fp8) where that is exact
     sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
-    fp8: list[str] = field(default_factory=list)  # weights kept as fp8 codes
     fp8_fused: Any = None  # (codes, scales) the last conversion's ops made of its fp8 inputs
     made_since_trim: int = 0
 
@@ -157,7 +156,6 @@ class Session:
         plist = target.module.parametrizations[target.attr]
         plist.original._is_hf_initialized = True  # transformers must not initialise them again
         plist[0].scale._is_hf_initialized = True
-        self.fp8.append(target.name)
         if fused:  # made here: written once, then mapped like any conversion
             for owner, attr, name in ((plist, "original", "fp8_codes"), (plist[0], "scale", "fp8_scale")):
                 held = owner._parameters[attr]
@@ -320,7 +318,6 @@ def _wrap_load(original):
         info = result[0] if isinstance(result, tuple) else result
         if fp8:
             _attach_cached_fp8(model, fp8, info)
-            s.fp8 += sorted(fp8)
         s.conversion_errors.update(getattr(info, "conversion_errors", None) or {})
         return result
 
