@@ -60,7 +60,7 @@ def __getattr__(name: str):
     # OffloadedWeight subclasses torch.nn.Parameter: importing it imports
     # torch, which `import mapoffload` itself never does.
     if name == "OffloadedWeight":
-        from ._placeholder import OffloadedWeight
+        from ._manager.placeholder import OffloadedWeight
 
         return OffloadedWeight
     # The Hugging Face integration imports torch (and transformers/diffusers

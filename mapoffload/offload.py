@@ -37,13 +37,13 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._device import DevicePool
+from ._manager.device_pool import DevicePool
 from ._log import format_bytes, logger
-from ._mapped_file import MappedFiles
-from ._pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
-from ._residency import ResidencyPlan, plan_residency
-from ._rest import RestGuard
-from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
+from ._manager.mapped_file import MappedFiles
+from ._manager.pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
+from ._manager.residency import ResidencyPlan, plan_residency
+from ._manager.rest import RestGuard
+from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
 from .copier import Copier, CopyHandle, resolve_settings
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class LayerwiseOffloadManager:
         from .budget import host_memory_available_bytes
         from .ranks import local_world
 
-        from . import _plan  # imports torch (the placeholders subclass nn.Parameter)
+        from ._manager import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
         if host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")
@@ -412,7 +412,7 @@ class LayerwiseOffloadManager:
         for s in self._stores:
             for w in s.weights:
                 self._bind(w, None)
-        from ._placeholder import guard_conversions  # imports torch
+        from ._manager.placeholder import guard_conversions  # imports torch
 
         guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
         self._engaged = True
@@ -425,7 +425,7 @@ class LayerwiseOffloadManager:
                 w.param.data = w.host
                 for module, attr in w.slots:
                     module._parameters[attr] = w.param
-        from ._placeholder import unguard_conversions
+        from ._manager.placeholder import unguard_conversions
 
         unguard_conversions(self.model)
         self._engaged = False
@@ -491,7 +491,7 @@ class LayerwiseOffloadManager:
         edges are read first into small folios (``_pages.folio_edges``).
         """
         from ._native import _core
-        from ._pages import EDGE_CHUNK
+        from ._manager.pages import EDGE_CHUNK
 
         pending, self._letting_go = self._letting_go, None
         if pending is not None:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError, empty_weights, load_checkpoint
-from mapoffload._placeholder import OffloadedWeight
+from mapoffload._manager.placeholder import OffloadedWeight
 
 from models import TinyModel, saveable_state
 
@@ -199,7 +199,7 @@ def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused
 
 
 def test_building_copied_stores_never_holds_two_copies_of_the_model():
-    import mapoffload._stores as stores
+    import mapoffload._manager.stores as stores
 
     torch.manual_seed(5)
     model = TinyModel(width=64, layers=4)

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload import LayerwiseOffloadManager, OffloadedWeight, empty_weights, load_checkpoint
-from mapoffload._placeholder import AlreadyOffloadedError
+from mapoffload._manager.placeholder import AlreadyOffloadedError
 from models import TinyModel, saveable_state
 
 

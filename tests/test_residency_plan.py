@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, PageCacheBudget, page_cache_budget
-from mapoffload._residency import plan_residency
+from mapoffload._manager.residency import plan_residency
 
 from test_budget import write
 

@@ -15,7 +15,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 from mapoffload._native import _core
-from mapoffload._pages import DRAINED, KEPT, PAGEOUT
+from mapoffload._manager.pages import DRAINED, KEPT, PAGEOUT
 
 from test_offload_direct import LAYERS, ckpt, drain, mapped  # noqa: F401 (ckpt is a fixture)
 
@@ -81,7 +81,7 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
 
 
 def test_the_plan_keeps_room_for_the_prefetch_depth():
-    from mapoffload._residency import plan_residency
+    from mapoffload._manager.residency import plan_residency
 
     # 10 layers of 10, room for 6: depth 1 keeps 4 cached, depth 3 keeps 2, depth 5 keeps none.
     assert plan_residency([10] * 10, 60, prefetch_layers=1).cached == (0, 1, 2, 3)

@@ -108,7 +108,7 @@ class OffloadRow:
 
 def _measure(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int, int, int]:
     """(mapped, anonymous, pinned, device, total) bytes of ``tensors``, each storage range once."""
-    from .._stores import describe
+    from .._manager.stores import describe
     from ..regions import MappedRegions
 
     seen: set[tuple[str, int, int]] = set()

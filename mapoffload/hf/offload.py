@@ -127,7 +127,7 @@ class OffloadHandle:
 def _rest_tensors(model: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, str, Any]]]:
     """Parameters not held by a manager (placeholders skipped, each object
     once) and every buffer, as (module, name, tensor)."""
-    from .._placeholder import OffloadedWeight
+    from .._manager.placeholder import OffloadedWeight
 
     params, seen = [], set()
     buffers = []
@@ -244,7 +244,7 @@ def offload(
 
 def _refuse_offloaded(model: torch.nn.Module) -> None:
     """An offloaded model is refused before anything is built, naming what holds it."""
-    from .._placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+    from .._manager.placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
 
     for name, p in model.named_parameters():
         marker = getattr(p, "_mapoffload_manager", None)
@@ -265,7 +265,7 @@ def _share_page_cache(handle: OffloadHandle) -> None:
     The mapped weights outside every stack that each forward reads (a head)
     are set aside first.
     """
-    from .._plan import always_read_bytes
+    from .._manager.plan import always_read_bytes
     from ..budget import page_cache_budget
     from ..regions import resident_bytes
 

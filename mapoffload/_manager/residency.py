@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._log import format_bytes
+from .._log import format_bytes
 
 __all__ = ["ResidencyPlan", "plan_residency"]
 

@@ -14,9 +14,9 @@ import errno
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ._log import logger
-from ._mapped_file import MappedFile, MappedFiles
-from ._native import _core
+from .._log import logger
+from .mapped_file import MappedFile, MappedFiles
+from .._native import _core
 
 __all__ = ["Extent", "PageWorker", "check_extents", "file_extents", "folio_edges", "inner_pages", "layer_spans"]
 

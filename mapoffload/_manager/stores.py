@@ -27,8 +27,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._log import format_bytes, logger
-from .regions import tensor_extent
+from .._log import format_bytes, logger
+from ..regions import tensor_extent
 
 if TYPE_CHECKING:
     import torch

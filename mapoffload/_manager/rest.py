@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._mapped_file import MappedFiles
-from ._pages import Extent, check_extents, file_extents, layer_spans
+from .mapped_file import MappedFiles
+from .pages import Extent, check_extents, file_extents, layer_spans
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +27,7 @@ WHAT = "the weights outside the managed layers"
 
 def managed(t: torch.Tensor) -> bool:
     """A weight some manager offloads (another stack of the same model): its manager checks it."""
-    from ._placeholder import OffloadedWeight  # imports torch
+    from .placeholder import OffloadedWeight  # imports torch
 
     return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__
 
@@ -59,7 +59,7 @@ class RestGuard:
         self._extents: list[Extent] = []
 
     def _refresh(self) -> None:
-        from .regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
+        from ..regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
 
         tensors = outside_tensors(self._model, self._layers)
         key = tuple(t.data_ptr() for t in tensors)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._log import logger
-from ._progress import byte_bar
-from ._placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
-from ._stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
-from ._stores import describe, layout, log_plan
-from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
-from .regions import MappedRegions
+from .._log import logger
+from .._progress import byte_bar
+from .placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
+from .stores import describe, layout, log_plan
+from ..budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from ..regions import MappedRegions
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ._log import logger
+from .._log import logger
 
 __all__ = ["MappedFile", "MappedFiles"]
 
