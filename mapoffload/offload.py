@@ -2,26 +2,28 @@
 
 Each layer's weights are held on the host in the store the budget allows
 (``mapped`` / ``consolidated`` pinned or pageable / ``strided``, see
-``_stores.py``), copied into per-layer device buffers through the native
-copier on a copy stream, and released after the layer ran.
+``_manager/stores.py``), copied into per-layer device buffers through the native
+copier on a copy stream, and released after the layer ran. The manager
+sequences layers and hooks; how a layer is made ready is one of two load
+paths (``_manager/loads.py``: in place, or device copies).
 
 With ``device="cpu"`` a layer computes from its host store directly: there
 is nothing to copy it to, and a second copy in anonymous memory would only
 cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
 CPU buffers (the whole machinery runs and is tested without a GPU).
 
-Residency (``_residency.py``): on every device, the layers' mapped pages
+Residency (``_manager/residency.py``, planned for every manager of the process by ``_manager/coordinator.py``): on every device, the layers' mapped pages
 are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
 CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
 compute: room for them is part of the plan) and let go right after use,
-checked with ``mincore`` (``_pages.let_go``), so it never evicts the cached
+checked with ``mincore`` (``_manager/pages.let_go``), so it never evicts the cached
 set.
 
 Lifetime: while managed, a layer's parameter slots hold the real parameters
 (their data on the device) when the layer is loaded, and shape-correct
-placeholders that raise when computed with otherwise (``_placeholder.py``).
+placeholders that raise when computed with otherwise (``_manager/placeholder.py``).
 ``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
 their host data: the model is whole and usable again, ``state_dict()``
 included. The manager is a context manager.
@@ -37,14 +39,14 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._manager.device_pool import DevicePool
 from ._log import format_bytes, logger
-from ._manager.mapped_file import MappedFiles
-from ._manager.pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
-from ._manager.residency import ResidencyPlan, plan_residency
+from ._manager.coordinator import coordinator
+from ._manager.layer_pages import LayerPages
+from ._manager.loads import DeviceCopies, InPlace, Loaded
+from ._manager.residency import ResidencyPlan
 from ._manager.rest import RestGuard
-from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, device_view
-from .copier import Copier, CopyHandle, resolve_settings
+from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
+from .copier import Copier, resolve_settings
 
 if TYPE_CHECKING:
     import torch
@@ -80,27 +82,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _PagesRead:
-    """A layer's pages being read in by the page worker (direct CPU mode)."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future) -> None:
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()
-
-
-class _Loaded:
-    """Device side of one layer: buffers per dtype, the copy (or page read) in flight."""
-
-    __slots__ = ("buffers", "handle", "ready")
-
-    def __init__(self, buffers: dict, handle: CopyHandle | None) -> None:
-        self.buffers = buffers
-        self.handle = handle
-        self.ready = False  # bound: its parameters hold the real weights
+def _name_of(model, layers) -> str:
+    """The attribute path of ``layers`` in ``model`` (for logs and summaries)."""
+    for name, module in model.named_modules():
+        if module is layers:
+            return name or type(model).__name__
+    return f"{len(layers)} layers"
 
 
 def _eager(fn):
@@ -114,21 +101,6 @@ def _eager(fn):
     import torch
 
     return torch.compiler.disable(fn, recursive=True)
-
-
-CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
-
-
-def _read_cap() -> int | None:
-    """The tightest cgroup memory cap on this process now (None: uncapped)."""
-    from .budget import cgroup_memory_limit_bytes
-
-    found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
-    return None if found is None else found[0]
-
-
-def _cap_text(cap: int | None) -> str:
-    return "uncapped" if cap is None else format_bytes(cap)
 
 
 class _ForwardGuard:
@@ -247,8 +219,8 @@ class LayerwiseOffloadManager:
         if cpu_twin and self.device.type != "cpu":
             raise ValueError(f"cpu_twin is for device='cpu', not {self.device}")
         # On the CPU a layer computes from its host store: no copy, no copier.
-        self._direct = self.device.type == "cpu" and not cpu_twin
-        if self._direct and copier is not None:
+        in_place = self.device.type == "cpu" and not cpu_twin
+        if in_place and copier is not None:
             raise ValueError(
                 "device='cpu' computes from the host stores and copies nothing: a copier is for the device "
                 "pipeline (cpu_twin=True runs it on the CPU)"
@@ -262,29 +234,25 @@ class LayerwiseOffloadManager:
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
             _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
-                       local_ranks=self.local_ranks, direct=self._direct)
-        self._owns_copier = copier is None and not self._direct
-        self.copier = None if self._direct else copier or _rank_copier(self.device, self.local_ranks, available_bytes)
-        if self.copier is not None and self.copier.device != self.device:
-            raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
-        self._pages = PageWorker()
-        self._letting_go = None  # the device path's last let-go in the page worker (a Future)
-        self._page_spans: dict[int, Any] = {}
-        self._warm: set[int] = set()  # cached layers read in once
-        self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
-        self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
-        self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
-        self._files = MappedFiles()  # the files behind them, held open: checks see the mapped inode
-        for i in range(len(self._stores)):
-            self._spans(i)  # open the files now, before a path can come to name another file
-        self._always_bytes = _plan.always_read_bytes(model, self.layers)
-        self._rest = RestGuard(model, self.layers, self._files)  # the mapped weights outside the layers
-        self.residency: ResidencyPlan = self.replan(page_cache_bytes)
-        self._copy_stream = None
-        if self._cuda and not copy_on_compute_stream:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._pool = DevicePool(self.device, self._copy_stream)
-        self._loaded: dict[int, _Loaded] = {}
+                       local_ranks=self.local_ranks, direct=in_place)
+        if page_cache_bytes is not None and page_cache_bytes < 0:
+            raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
+        owns_copier = copier is None
+        if not in_place:
+            copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
+            if copier.device != self.device:
+                raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
+        self.copier = copier
+        self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
+        self._pages = LayerPages(self._stores)  # opens the files behind the mapped weights now
+        self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
+            self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
+            copy_on_compute_stream=copy_on_compute_stream)
+        self._rest = RestGuard(model, self.layers, self._pages.files)  # the mapped weights outside the layers
+        # The page-cache plan is the process's (every manager under one budget).
+        self._page_cache_given = page_cache_bytes
+        self.residency: ResidencyPlan | None = None
+        self._loaded: dict[int, Loaded] = {}
         self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
         self._turn = threading.Condition()
@@ -293,6 +261,7 @@ class LayerwiseOffloadManager:
         self._depth = 0
         self._engaged = False
         self._closed = False
+        coordinator().join(self)  # plans the page cache for every manager, this one included
         self._engage()
         _MANAGERS.add(self)
         me = weakref.ref(self)
@@ -322,11 +291,11 @@ class LayerwiseOffloadManager:
     @property
     def device_bytes(self) -> int:
         """Bytes of device buffers held now (in use or pooled for reuse)."""
-        return self._pool.bytes
+        return self._loads.bytes
 
     @property
     def peak_device_bytes(self) -> int:
-        return self._pool.peak_bytes
+        return self._loads.peak_bytes
 
     def layer_bytes(self, i: int) -> int:
         """Bytes one prefetch of layer ``i`` moves."""
@@ -337,60 +306,32 @@ class LayerwiseOffloadManager:
         return self._weight(name)[1].store
 
     # -- residency -------------------------------------------------------------------------
-    def _spans(self, i: int):
-        """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it)."""
-        spans = self._page_spans.get(i)
-        if spans is None:
-            from ._native import _core
-
-            spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
-            # The manager reads these pages itself (populate, 2 MiB folios): a
-            # fault's read-around would bring a neighbouring layer back in,
-            # unmapped, where letting it go cannot reach it.
-            _core.advise_random(spans, True)
-            self._advised.append(spans)
-            self._page_spans[i] = spans
-            self._extents[i] = file_extents(spans, self._files)
-            self._edges[i] = folio_edges(spans)
-        return spans
-
-    def _read_ahead(self, i: int) -> bool:
-        """Whether layer ``i``'s pages are to be read in before it runs (and note the cached ones)."""
-        if not self._stores[i].bytes_in(MAPPED) or i in self._warm:
-            return False
-        if not self.residency.is_streamed(i):
-            self._warm.add(i)
-        return True
-
     def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan:
-        """Plan again which layers stay cached and which stream, from ``page_cache_bytes`` or a fresh measure.
+        """Plan again which layers stay cached and which stream; returns the plan (also ``residency``).
 
-        Returns the plan, also kept as ``residency``. A measured plan (no
-        ``page_cache_bytes``) follows the cgroup's cap from then on: when the
-        cap changes, the next forward plans again (:meth:`_follow_cap`).
+        ``page_cache_bytes`` gives these layers a share of their own from now
+        on (the other managers plan around it); None measures: the process's
+        page-cache coordinator plans every measured manager together against
+        one budget, and follows the cgroup's cap from then on (when the cap
+        changes, the next forward plans again).
         """
-        from ._native import _core
-        from .budget import page_cache_budget
-
-        sizes = [self._stores[i].bytes_in(MAPPED) for i in range(len(self._stores))]
-        self._follows_cap = page_cache_bytes is None
-        if page_cache_bytes is None:
-            self._cap = _read_cap()
-            cached_now = sum(sum(_core.resident_bytes(self._spans(i))) for i in range(len(self._stores)))
-            budget = page_cache_budget(cached_now, root=CGROUP_ROOT)
-            page_cache_bytes, why = budget.usable, str(budget)
-            always = self._always_bytes
-        else:
-            # Given: it is these layers' own share (several stacks split one budget).
-            why = f"page cache for these layers: {format_bytes(page_cache_bytes)} (given)"
-            always = 0
-        if page_cache_bytes < 0:
+        if page_cache_bytes is not None and page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        plan = plan_residency(sizes, page_cache_bytes, always_bytes=always, prefetch_layers=self.prefetch_layers)
+        self._page_cache_given = page_cache_bytes
+        coordinator().replan()
+        return self.residency
+
+    def _apply_residency(self, plan: ResidencyPlan, why: str) -> None:
+        """The coordinator's plan for these layers: carried out from the next layer on."""
+        if plan == self.residency:
+            return
         self.residency = plan
-        self._warm.intersection_update(plan.cached)
-        logger.info("residency: %s; %s", plan.describe(), why)
-        return plan
+        self._pages.apply(plan)
+        logger.info("residency of %s: %s; %s", self._stack_name, plan.describe(), why)
+
+    def resident_layer_bytes(self) -> list[int]:
+        """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
+        return self._pages.resident_bytes()
 
     # -- parameter slots -------------------------------------------------------------------
     def _bind(self, w: Weight, data: torch.Tensor | None) -> None:
@@ -436,71 +377,17 @@ class LayerwiseOffloadManager:
             raise IndexError(f"layer {i} out of range (model has {len(self.layers)} managed layers)")
         return i % len(self.layers)
 
-    def _compute_stream(self):
-        import torch
-
-        return torch.cuda.current_stream(self.device) if self._cuda else None
-
     def prefetch_layer(self, i: int, non_blocking: bool = True) -> None:
-        """Start copying layer ``i`` to the device (no-op when loaded or in flight).
+        """Start loading layer ``i`` (no-op when loaded or in flight).
 
         With ``non_blocking=False`` it also waits until the layer is usable.
         """
         i = self._check_index(i)
         self._engage()
-        if i not in self._loaded and self._direct:
-            what = f"layer {i} ({self._stores[i].name})"
-            spans = self._spans(i)
-            read = _PagesRead(self._pages.read_in(spans, what, self._edges[i])) if self._read_ahead(i) else None
-            self._loaded[i] = _Loaded({}, read)
-        elif i not in self._loaded:
-            self._spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
-            if self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
-                self._before_streamed_read(i)
-            store = self._stores[i]
-            buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
-            spans = store.spans()
-            compute = self._compute_stream()
-            try:
-                handle = self.copier.copy_spans(
-                    [buffers[d].data_ptr() + off for d, off, _, _, _ in spans],
-                    [src for _, _, src, _, _ in spans],
-                    [n for _, _, _, n, _ in spans],
-                    stream=self._copy_stream or compute,
-                    keepalive=(store.host_tensors(), buffers),
-                    direct=[pinned for *_, pinned in spans] if self._cuda else None,
-                    # New or recycled buffers: the compute stream may still read them.
-                    wait_for=compute if self._copy_stream is not None else None,
-                )
-            except BaseException:
-                for buf in buffers.values():
-                    self._pool.give(buf)
-                raise
-            self._loaded[i] = _Loaded(buffers, handle)
+        if i not in self._loaded:
+            self._loaded[i] = self._loads.start(i)
         if not non_blocking:
             self._ensure(i)
-
-    def _before_streamed_read(self, i: int) -> None:
-        """Before the copier reads streamed layer ``i``: the last let-go done, the edges read small.
-
-        The page worker lets layers go off the compute thread; the copier
-        reads on threads of its own. Waiting for the last let-go keeps the
-        order direct mode gets from the worker's queue: a streamed layer is
-        read only after the one before it went, so no more than the plan's
-        ``1 + depth`` are ever in the page cache. The layer's file-window
-        edges are read first into small folios (``_pages.folio_edges``).
-        """
-        from ._native import _core
-        from ._manager.pages import EDGE_CHUNK
-
-        pending, self._letting_go = self._letting_go, None
-        if pending is not None:
-            try:
-                pending.result()
-            except Exception:
-                logger.debug("letting a layer go failed", exc_info=True)
-        if len(self._edges[i]):
-            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
 
     def _ensure(self, i: int) -> None:
         if i not in self._loaded:
@@ -509,27 +396,15 @@ class LayerwiseOffloadManager:
         if loaded.ready:
             return
         try:
-            if self._direct:
-                self._spans(i)
-                check_extents(self._extents[i], f"layer {i} ({self._stores[i].name})")
-            if loaded.handle is None:
-                pass  # nothing in flight (direct mode, pages already in)
-            elif self._cuda:
-                # Stream-ordered: compute waits for this layer's copies only.
-                loaded.handle.wait_stream(self._compute_stream())
-            else:
-                loaded.handle.wait()
-            if not self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
-                # Its mapped pages were read into the device buffers: let them go.
-                self._letting_go = self._pages.let_go(self._spans(i), self._extents[i])
+            self._loads.ready(i, loaded)
         except BaseException:
-            # The layer is released (its buffers back once the failed copy
+            # The layer is released (its buffers back once the failed load
             # stopped): the next attempt starts afresh, e.g. after the file
             # behind a mapping is whole again.
             self.release_layer(i)
             raise
         for w in self._stores[i].weights:
-            self._bind(w, w.host if self._direct else device_view(w, loaded.buffers[w.dtype]))
+            self._bind(w, self._loads.value(w, loaded))
         loaded.ready = True
         loaded.handle = None
 
@@ -540,21 +415,10 @@ class LayerwiseOffloadManager:
         loaded = self._loaded.pop(i, None)
         if loaded is None:
             return
-        if loaded.handle is not None:
-            # Never recycle a buffer a copy may still write; a failure is
-            # the copy's own business (reported by whoever waits for it).
-            try:
-                loaded.handle.wait()
-            except Exception:
-                logger.debug("released layer %d after a failed copy", i, exc_info=True)
         if self._engaged:
             for w in self._stores[i].weights:
                 self._bind(w, None)
-        for buf in loaded.buffers.values():
-            self._pool.give(buf)
-        if self._direct and self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
-            # Computed from its mapping: let its pages go before they push a cached layer out.
-            self._pages.let_go(self._spans(i), self._extents[i])
+        self._loads.release(i, loaded)
 
     def _forget_copies_in_flight(self) -> None:
         """In a forked child: drop layers whose copy was in flight at the fork.
@@ -567,13 +431,11 @@ class LayerwiseOffloadManager:
         self._turn = threading.Condition()
         self._owner, self._depth = None, 0
         self._pages.after_fork_in_child()
-        self._letting_go = None  # the parent's page worker: it never completes here
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
                 del self._loaded[i]
                 self._kept.discard(i)
-                for buf in loaded.buffers.values():
-                    self._pool.give(buf)
+                self._loads.drop_in_flight(loaded)
 
     def release_all(self) -> None:
         for i in list(self._loaded):
@@ -623,29 +485,8 @@ class LayerwiseOffloadManager:
 
     def _before_forward(self, module, args) -> None:
         """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
-        self._follow_cap()
+        coordinator().follow_cap()
         self._rest.check()
-
-    def _follow_cap(self) -> None:
-        """Plan again when the cgroup's memory cap changed since the plan (a measured plan only).
-
-        Reading the cap is a few small cgroup files; the plan is made again
-        (a mincore over the layers' spans) only when it changed. Under the
-        layer turn: no layer of another thread is between its hooks.
-        """
-        if not self._follows_cap:
-            return
-        cap = _read_cap()
-        if cap == self._cap:
-            return
-        self._enter_layer()
-        try:
-            if self._follows_cap and cap != self._cap:
-                logger.info("memory cap changed (%s -> %s): planning the page cache again",
-                            _cap_text(self._cap), _cap_text(cap))
-                self.replan()
-        finally:
-            self._leave_layer()
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
@@ -754,7 +595,7 @@ class LayerwiseOffloadManager:
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
             self._finish_layer(i)
-            if not self._direct:
+            if self._loads.copies:
                 self._refuse_recorded_graph(i, output)
 
         return _eager(post_hook)
@@ -813,13 +654,12 @@ class LayerwiseOffloadManager:
         anonymous); consolidated and strided stores are updated.
         """
         i = self._check_index(i)
-        if i not in self._loaded or self._direct:
-            return  # nothing on the device to write back (direct: the host store is what computes)
+        if i not in self._loaded or not self._loads.copies:
+            return  # nothing on the device to write back (in place: the host store is what computes)
         self._ensure(i)
         loaded = self._loaded[i]
         for w in self._stores[i].weights:
-            if w.store != MAPPED:
-                w.host.copy_(device_view(w, loaded.buffers[w.dtype]))
+            self._loads.write_back(w, loaded)
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor.
@@ -872,16 +712,14 @@ class LayerwiseOffloadManager:
                 w.host.copy_(value)
                 w.store = STRIDED
                 store.invalidate()
-                self._page_spans.pop(store.index, None)
-                self._extents.pop(store.index, None)
-                self._edges.pop(store.index, None)
+                self._pages.forget(store.index)
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):
-                if self._direct:
-                    self._bind(w, w.host)
+                if self._loads.copies:
+                    self._loads.value(w, self._loaded[store.index]).copy_(value)
                 else:
-                    device_view(w, self._loaded[store.index].buffers[w.dtype]).copy_(value)
+                    self._bind(w, w.host)
             elif not self._engaged:
                 w.param.data = w.host
 
@@ -891,8 +729,6 @@ class LayerwiseOffloadManager:
 
         Idempotent; never raises for a copy that failed earlier.
         """
-        import torch
-
         if self._closed:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
@@ -905,18 +741,9 @@ class LayerwiseOffloadManager:
             self._closed = True
         finally:
             self._leave_layer()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-        self._pool.clear()
+        coordinator().leave(self)  # the other managers share what these layers leave
+        self._loads.close()
         self._pages.close()
-        self._files.close()
-        from ._native import _core
-
-        for spans in self._advised:
-            _core.advise_random(spans, False)
-        self._advised.clear()
-        if self._owns_copier:
-            self.copier.close()
         for s in self._stores:
             for w in s.weights:
                 w.param.__dict__.pop("_mapoffload_manager", None)

@@ -3,9 +3,16 @@ must run against the installed package, not the source folder."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import tempfile
 
 import pytest
+
+# Page-cache peers (other processes under this cgroup: mapoffload._manager.peers)
+# are this session's own and its children's: another test run on the same
+# machine must not become a rank that splits the budget of this one.
+os.environ.setdefault("MAPOFFLOAD_PEERS_DIR", tempfile.mkdtemp(prefix="mapoffload-peers-tests-"))
 
 # Without a GPU, the copier's CUDA path runs on the stand-in runtime
 # (tests/fakecuda): set MAPOFFLOAD_CUDART before anything loads a runtime.

@@ -66,7 +66,7 @@ def io_read_bytes() -> int:
 
 def drain(mgr: LayerwiseOffloadManager) -> None:
     """Wait until the page worker did what it was asked (letting go is asynchronous)."""
-    mgr._pages._executor().submit(lambda: None).result()
+    mgr._pages.worker._executor().submit(lambda: None).result()
 
 
 def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:

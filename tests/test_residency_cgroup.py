@@ -27,6 +27,9 @@ CHILD = textwrap.dedent(
     from mapoffload.budget import page_cache_budget
 
     cgroup, path = sys.argv[1], sys.argv[2]
+    # One thread: the forwards compared bit for bit must add in one order
+    # (a loaded machine can run a BLAS call with fewer threads).
+    torch.set_num_threads(1)
 
     class Stack(nn.Module):
         def __init__(self):

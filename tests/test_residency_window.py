@@ -74,9 +74,9 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
         # Never more streamed layers in the page cache than the one computing and `depth` ahead.
         present = [j for j in plan.streamed if res[j] > layer // 2]
         assert len(present) <= 1 + depth, (f, i, present, res)
-    counts = mgr._pages.let_go_counts
+    counts = mgr._pages.worker.let_go_counts
     assert counts.get(PAGEOUT, 0) + counts.get(DRAINED, 0) == FORWARDS * len(plan.streamed) - counts.get(KEPT, 0)
-    assert mgr._pages.kept_bytes <= shared * FORWARDS, counts
+    assert mgr._pages.worker.kept_bytes <= shared * FORWARDS, counts
     mgr.close()
 
 

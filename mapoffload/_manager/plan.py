@@ -119,8 +119,8 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
     return stores, unmanaged
 
 
-def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> int:
-    """Mapped bytes of the parameters outside the layers that every forward reads whole.
+def always_read_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[tuple[torch.Tensor, int]]:
+    """The mapped parameters outside the layers that every forward reads whole, with their bytes.
 
     A head, norms, a tied embedding used as the head: their pages are in use
     each forward and share the page cache with the layers. An embedding
@@ -136,14 +136,19 @@ def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> 
         if id(m) in inside:
             continue
         for p in m._parameters.values():
-            if p is not None and p.device.type == "cpu":
+            if p is not None and p.device.type == "cpu" and not isinstance(p, OffloadedWeight):
                 holders.setdefault(id(p), []).append(m)
                 params[id(p)] = p
     read_whole = [p for k, p in params.items() if not all(isinstance(m, torch.nn.Embedding) for m in holders[k])]
     if not read_whole:
-        return 0
+        return []
     on_mapping = MappedRegions().classify([p.data for p in read_whole])
-    return sum(describe(p.data)[0] for p, m in zip(read_whole, on_mapping) if m)
+    return [(p.data, describe(p.data)[0]) for p, m in zip(read_whole, on_mapping) if m]
+
+
+def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> int:
+    """Mapped bytes of :func:`always_read_tensors`."""
+    return sum(n for _, n in always_read_tensors(model, layers))
 
 
 def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .._log import format_bytes
 
-__all__ = ["ResidencyPlan", "plan_residency"]
+__all__ = ["ResidencyPlan", "plan_residency", "plan_shared"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +124,62 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
         left -= b
     streamed = tuple(i for i in everything if i not in set(cached))
     return ResidencyPlan(tuple(cached), streamed, depth > 0, sizes, room, always_bytes, depth)
+
+
+def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
+                prefetch_layers: list[int] | None = None, windows: int = 1) -> list[ResidencyPlan]:
+    """One plan for several stacks that share a page cache of ``budget`` bytes.
+
+    ``members`` holds each stack's layer sizes, in the order their layers
+    are kept cached when not all fit. The stacks run one after another (a
+    forward goes through an encoder, then a decoder; a pipeline through its
+    components), so one streaming window - the largest any streaming stack
+    needs, ``(1 + depth) * largest layer`` - is kept beside the cached
+    layers, ``windows`` times when that many processes stream from the same
+    cached set at once (replicas). The cached layers are each stack's longest
+    prefix that fits, stacks filled in order; a stack that ends up wholly
+    cached needs no window, and the others get its room. With one member this
+    is :func:`plan_residency`.
+    """
+    n = len(members)
+    prefetch = list(prefetch_layers) if prefetch_layers is not None else [1] * n
+    if len(prefetch) != n:
+        raise ValueError(f"{n} members but {len(prefetch)} prefetch depths")
+    if any(p < 0 for p in prefetch):
+        raise ValueError("prefetch_layers must be >= 0")
+    if windows < 1:
+        raise ValueError(f"windows must be >= 1, not {windows}")
+    sizes = [tuple(int(b) for b in m) for m in members]
+    if any(b < 0 for m in sizes for b in m):
+        raise ValueError("layer sizes must be >= 0")
+    room = max(0, int(budget) - int(always_bytes))
+    if sum(map(sum, sizes)) <= room:
+        return [ResidencyPlan(tuple(range(len(s))), (), True, s, room, always_bytes, p) for s, p in zip(sizes, prefetch)]
+    depths = []
+    for s, p in zip(sizes, prefetch):
+        largest = max(s, default=0)
+        depths.append(min(p, max(0, room // (largest * windows) - 1)) if largest else p)
+    streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
+    while True:
+        window = max(((1 + depths[k]) * max(sizes[k]) for k in streaming), default=0) * windows
+        left = room - window
+        cached: list[list[int]] = []
+        for s in sizes:
+            mine: list[int] = []
+            for i, b in enumerate(s):
+                if b > left:
+                    break
+                mine.append(i)
+                left -= b
+            cached.append(mine)
+        still = {k for k in streaming if len(cached[k]) < len(sizes[k])}
+        if still == streaming:
+            break
+        streaming = still
+    plans = []
+    for k, s in enumerate(sizes):
+        kept = set(cached[k])
+        streamed = tuple(i for i in range(len(s)) if i not in kept)
+        depth = depths[k] if streamed else prefetch[k]
+        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, room, always_bytes, depth))
+    return plans

@@ -306,6 +306,11 @@ def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any]
     for r in rows:
         name = f"{r.component}.{r.unit}" if r.component else r.unit
         lines.append(_wrap(f"{name}: {r.where}; {r.residency}. Why: {r.why}.", "    "))
+    from .._manager.coordinator import coordinator
+
+    if coordinator().managers():
+        lines.append(_wrap(f"page cache (one plan for every stack of this process): {coordinator().describe()}",
+                           "    "))
     return "\n".join(lines)
 
 

@@ -234,7 +234,6 @@ def offload(
             m.register_forward_hooks()
             handle.managers[path] = m
         _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes)
-        _share_page_cache(handle)
     except BaseException:
         handle.close()
         raise
@@ -255,33 +254,6 @@ def _refuse_offloaded(model: torch.nn.Module) -> None:
                 "close its handle first (handle.close(), or model.mapoffload_handle.close() after "
                 "mapoffload.from_pretrained)"
             )
-
-
-def _share_page_cache(handle: OffloadHandle) -> None:
-    """Several managers plan against one page cache: split it by their mapped bytes.
-
-    Each manager measured the whole budget for itself; two stacks (T5's
-    encoder and decoder, a pipeline's blocks) would each plan to keep it all.
-    The mapped weights outside every stack that each forward reads (a head)
-    are set aside first.
-    """
-    from .._manager.plan import always_read_bytes
-    from ..budget import page_cache_budget
-    from ..regions import resident_bytes
-
-    managers = list(handle.managers.values())
-    if len(managers) < 2:
-        return
-    mapped = [m.mapped_bytes for m in managers]
-    if not sum(mapped):
-        return
-    hosts = [t for m in managers for _, t in m.iter_cpu_weights()]
-    budget = page_cache_budget(sum(resident_bytes(hosts)))
-    layers = [layer for m in managers for layer in m.layers]
-    room = max(0, budget.usable - always_read_bytes(handle.model, layers))
-    logger.info("%d streamed stacks share the page cache by their mapped bytes: %s", len(managers), budget)
-    for m, b in zip(managers, mapped):
-        m.replan(room * b // sum(mapped))
 
 
 def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str, available: int,

@@ -1,0 +1,301 @@
+"""The process's page-cache coordinator: one budget for every offload manager.
+
+The page cache a process may fill belongs to the host (its cgroup), not to
+one stack. Every :class:`~mapoffload.LayerwiseOffloadManager` registers here
+when it is made and leaves when it closes; each registration, each departure
+and each change of the cgroup's cap (checked at most once per forward) makes
+one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
+
+- the budget is measured once, with every registered layer's resident bytes
+  and the mapped weights outside the stacks that every forward reads (a
+  head) counted as the weights' own - not as "other memory" - and those
+  always-read weights counted once, whichever stacks share a model;
+- stacks run one after another, so one streaming window (the largest a
+  streaming stack needs, its ``prefetch_layers`` deep) is kept, not one per
+  stack;
+- a manager given ``page_cache_bytes`` keeps that share and the others plan
+  around it;
+- other processes under the same cap (local ranks, replicas) are read from
+  their records (``peers.py``): ranks mapping other bytes split the budget by
+  their mapped bytes, and what they hold now is added back to the measure;
+  replicas mapping the same bytes share the cached set once and keep a
+  window each.
+
+The plan is logged (one line per stack and one for the whole) and visible:
+:meth:`PageCacheCoordinator.describe`, :meth:`layer_residency`, and the
+``page cache`` line of ``summary()``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from .._log import format_bytes, logger
+from .peers import PeerRegistry, overlap_bytes
+from .residency import ResidencyPlan, plan_residency, plan_shared
+
+if TYPE_CHECKING:
+    from ..budget import PageCacheBudget
+    from ..offload import LayerwiseOffloadManager
+
+__all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
+
+CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
+REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
+
+
+def read_cap() -> int | None:
+    """The tightest cgroup memory cap on this process now (None: uncapped)."""
+    from ..budget import cgroup_memory_limit_bytes
+
+    found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
+    return None if found is None else found[0]
+
+
+def _cap_text(cap: int | None) -> str:
+    return "uncapped" if cap is None else format_bytes(cap)
+
+
+class PageCacheCoordinator:
+    """One page-cache budget for every offload manager of this process.
+
+    Attributes
+    ----------
+    budget
+        The last measured :class:`~mapoffload.budget.PageCacheBudget` (None
+        before a measured plan).
+    room
+        Bytes the registered stacks' layers may fill, after the always-read
+        weights, given shares and other processes' shares.
+    replicas, ranks
+        Other processes found at the last plan mapping the same bytes
+        (sharing the cached set) or other bytes (splitting the budget).
+    """
+
+    def __init__(self, registry: PeerRegistry | None = None) -> None:
+        self._lock = threading.RLock()
+        self._members: list[weakref.ref] = []
+        self._registry = registry
+        self._cap: int | None = None
+        self._peers_stamp: int | None = None
+        self._published: tuple | None = None
+        self.budget: PageCacheBudget | None = None
+        self.room = 0
+        self.always_bytes = 0
+        self.replicas: list[int] = []
+        self.ranks: list[int] = []
+
+    # -- membership --------------------------------------------------------------------------
+    def managers(self) -> list[LayerwiseOffloadManager]:
+        """The registered managers still alive, in registration order."""
+        return [m for m in (r() for r in self._members) if m is not None]
+
+    def join(self, manager: LayerwiseOffloadManager) -> None:
+        """Register a manager and plan again for all."""
+        with self._lock:
+            self._members = [r for r in self._members if r() is not None and r() is not manager]
+            self._members.append(weakref.ref(manager))
+            self._plan()
+
+    def leave(self, manager: LayerwiseOffloadManager) -> None:
+        """Unregister a manager; the others share what it leaves."""
+        with self._lock:
+            before = len(self._members)
+            self._members = [r for r in self._members if r() is not None and r() is not manager]
+            if len(self._members) == before:
+                return
+            if self._members:
+                self._plan()
+            else:
+                self._published = None
+                self._peers().withdraw()
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()
+        self._published = None  # the record is the parent's; publish our own at our next plan
+
+    # -- planning ----------------------------------------------------------------------------
+    def replan(self) -> None:
+        """Measure and plan again for every registered manager."""
+        with self._lock:
+            self._plan()
+
+    def follow_cap(self) -> None:
+        """Plan again when the cgroup's cap or a peer's record changed since the last plan.
+
+        Cheap enough for every forward: a few small cgroup files and one
+        ``stat`` of the peers' folder; the plan (a ``mincore`` over the
+        layers) runs only on a change.
+        """
+        if not any(m._page_cache_given is None for m in self.managers()):
+            return
+        cap, stamp = read_cap(), self._peers_stamp_now()
+        if cap == self._cap and stamp == self._peers_stamp:
+            return
+        with self._lock:
+            if cap != self._cap:
+                logger.info("memory cap changed (%s -> %s): planning the page cache again",
+                            _cap_text(self._cap), _cap_text(cap))
+            else:
+                logger.info("another process under this cap changed its page-cache record: planning again")
+            self._plan()
+
+    def _peers(self) -> PeerRegistry:
+        if self._registry is None:
+            self._registry = PeerRegistry()
+        return self._registry
+
+    def _peers_stamp_now(self) -> int | None:
+        try:
+            return os.stat(self._peers().folder).st_mtime_ns
+        except OSError:
+            return None
+
+    def _plan(self) -> None:
+        from ..budget import page_cache_budget
+        from ..regions import resident_bytes
+
+        members = self.managers()
+        measured = [m for m in members if m._page_cache_given is None]
+        given = [m for m in members if m._page_cache_given is not None]
+        for m in given:
+            plan = plan_residency(m._pages.mapped_sizes(), m._page_cache_given, prefetch_layers=m.prefetch_layers)
+            m._apply_residency(plan, f"page cache for these layers: {format_bytes(m._page_cache_given)} (given)")
+        if not measured:
+            return
+        always = _always_read(measured)
+        self.always_bytes = sum(n for _, n in always)
+        cached = sum(sum(m._pages.resident_bytes()) for m in measured)
+        cached += sum(resident_bytes([t for t, _ in always])) if always else 0
+        self._cap = read_cap()
+        budget = page_cache_budget(cached, root=CGROUP_ROOT)
+        self.budget = budget
+        room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
+        sizes = [m._pages.mapped_sizes() for m in measured]
+        mine = sum(map(sum, sizes))
+        room, windows = self._share_with_peers(measured, room, mine)
+        self.room = max(0, room)
+        plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows)
+        # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
+        plans = [_with_always(p, self.always_bytes) for p in plans]
+        why = str(budget)
+        for m, plan in zip(measured, plans):
+            m._apply_residency(plan, why)
+        self._publish(measured, plans, cached)
+        if len(members) > 1 or self.replicas or self.ranks:
+            logger.info("page cache: %s", self.describe())
+
+    def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
+        """This process's room among its peers', and how many streaming windows to keep."""
+        peers = self._peers().peers()
+        self._peers_stamp = self._peers_stamp_now()
+        self.replicas, self.ranks = [], []
+        if not peers or not mine:
+            return room, 1
+        ranges = _ranges(measured)
+        others = 0
+        for p in peers:
+            shared = overlap_bytes(ranges, p.ranges)
+            if shared >= REPLICA_SHARE * min(mine, max(p.mapped_bytes, 1)):
+                self.replicas.append(p.pid)
+            else:
+                self.ranks.append(p.pid)
+                # What it holds was "other memory" in our measure: it is its share of the budget.
+                room += p.resident_bytes
+                others += p.mapped_bytes
+        if others:
+            room = room * mine // (mine + others)
+        return room, 1 + len(self.replicas)
+
+    def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
+        ranges = _ranges(measured)
+        window = max(((1 + p.depth) * max(p.layer_bytes, default=0) for p in plans if p.streamed), default=0)
+        mapped = sum(sum(p.layer_bytes) for p in plans)
+        key = (ranges, mapped, window)
+        if key == self._published:
+            return  # unchanged: peers need not plan again
+        self._peers().publish(ranges, mapped, cached, window)
+        self._published = key
+        self._peers_stamp = self._peers_stamp_now()
+
+    # -- what it shows -----------------------------------------------------------------------
+    def layer_residency(self) -> list[tuple[str, list[int]]]:
+        """``(stack name, resident bytes of each layer)`` for every registered manager, measured now."""
+        return [(m._stack_name, m.resident_layer_bytes()) for m in self.managers()]
+
+    def describe(self) -> str:
+        """One line: the budget, what is cached and streamed across all stacks, the peers."""
+        members = self.managers()
+        plans = [m.residency for m in members if m.residency is not None]
+        cached = sum(p.cached_bytes for p in plans)
+        streamed = sum(p.streamed_bytes for p in plans)
+        text = (f"{len(members)} stack{'s' if len(members) != 1 else ''} share {format_bytes(self.room)} of page "
+                f"cache: {format_bytes(cached)} cached"
+                + (f", {format_bytes(streamed)} streamed per forward" if streamed else "")
+                + f", {format_bytes(self.always_bytes)} read every forward outside the stacks")
+        if self.ranks:
+            text += f"; split with {len(self.ranks)} other rank{'s' if len(self.ranks) != 1 else ''} under this cap"
+        if self.replicas:
+            text += f"; cached set shared with {len(self.replicas)} replica{'s' if len(self.replicas) != 1 else ''}"
+        return text
+
+
+def _with_always(plan: ResidencyPlan, always: int) -> ResidencyPlan:
+    from dataclasses import replace
+
+    return replace(plan, always_bytes=always)
+
+
+def _ranges(measured) -> tuple[tuple[int, int, int, int], ...]:
+    """(dev, inode, first, end) of every file range the managers' mapped layers read, merged per file."""
+    per_file: dict[tuple[int, int], list[list[int]]] = {}
+    for m in measured:
+        for ident, first, end in m._pages.file_ranges():
+            per_file.setdefault(ident, []).append([first, end])
+    out = []
+    for (dev, ino), spans in sorted(per_file.items()):
+        spans.sort()
+        merged = [spans[0]]
+        for a, b in spans[1:]:
+            if a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        out.extend((dev, ino, a, b) for a, b in merged)
+    return tuple(out)
+
+
+def _always_read(measured) -> list[tuple[object, int]]:
+    """The mapped weights outside every registered stack that each forward reads, once each."""
+    from .plan import always_read_tensors
+
+    by_model: dict[int, tuple[object, list]] = {}
+    for m in measured:
+        entry = by_model.setdefault(id(m.model), (m.model, []))
+        entry[1].extend(m.layers)
+    seen: set[int] = set()
+    out = []
+    for model, layers in by_model.values():
+        for t, n in always_read_tensors(model, layers):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out.append((t, n))
+    return out
+
+
+_COORDINATOR = PageCacheCoordinator()
+
+
+def coordinator() -> PageCacheCoordinator:
+    """The process's page-cache coordinator."""
+    return _COORDINATOR
+
+
+def _after_fork_in_child() -> None:
+    _COORDINATOR.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

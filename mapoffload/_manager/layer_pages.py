@@ -1,0 +1,163 @@
+"""The page-cache side of one manager's layers.
+
+What the page cache holds of each layer (its mapped spans), the files behind
+them (held open: checks and drops reach the mapped inode), reading a layer's
+pages in before it computes, letting a streamed layer's pages go after it
+ran, and the residency plan that says which layers stream. The plan itself
+is made by the process's page-cache coordinator (``coordinator.py``), which
+weighs every registered manager against one budget; ``LayerPages`` carries
+it out.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from .._log import logger
+from .._native import _core
+from .mapped_file import MappedFiles
+from .pages import EDGE_CHUNK, PageWorker, check_extents, file_extents, folio_edges, layer_spans
+from .residency import ResidencyPlan
+from .stores import MAPPED, LayerStore
+
+__all__ = ["LayerPages"]
+
+
+class LayerPages:
+    """Mapped spans, files, page reads and let-gos of a manager's layers.
+
+    Parameters
+    ----------
+    stores
+        The manager's layer stores (weights with their host tensors).
+    """
+
+    def __init__(self, stores: list[LayerStore]) -> None:
+        self._stores = stores
+        self.files = MappedFiles()  # the files behind the spans, held open
+        self.worker = PageWorker()
+        self.plan: ResidencyPlan | None = None
+        self._spans: dict[int, Any] = {}
+        self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
+        self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
+        self._warm: set[int] = set()  # cached layers read in once
+        self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
+        self._letting_go: Future | None = None  # the device path's last let-go (see before_streamed_read)
+        for i in range(len(stores)):
+            self.spans(i)  # open the files now, before a path can come to name another file
+
+    # -- what the page cache holds of each layer -------------------------------------------
+    def spans(self, i: int):
+        """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it)."""
+        spans = self._spans.get(i)
+        if spans is None:
+            spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
+            # The manager reads these pages itself (populate, 2 MiB folios): a
+            # fault's read-around would bring a neighbouring layer back in,
+            # unmapped, where letting it go cannot reach it.
+            _core.advise_random(spans, True)
+            self._advised.append(spans)
+            self._spans[i] = spans
+            self._extents[i] = file_extents(spans, self.files)
+            self._edges[i] = folio_edges(spans)
+        return spans
+
+    def forget(self, i: int) -> None:
+        """Layer ``i``'s stores changed (a mapped weight became owned): measure its spans again."""
+        self._spans.pop(i, None)
+        self._extents.pop(i, None)
+        self._edges.pop(i, None)
+
+    def mapped_sizes(self) -> list[int]:
+        """Mapped bytes of each layer: what the plan places."""
+        return [s.bytes_in(MAPPED) for s in self._stores]
+
+    def resident_bytes(self) -> list[int]:
+        """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
+        return [sum(_core.resident_bytes(self.spans(i))) for i in range(len(self._stores))]
+
+    def file_ranges(self) -> list[tuple[tuple[int, int], int, int]]:
+        """``((device, inode), first, end)`` of every file range the layers' mapped weights read."""
+        import os
+
+        out = []
+        for i in range(len(self._stores)):
+            self.spans(i)
+            for e in self._extents[i]:
+                if e.file is None or e.file.fd < 0:
+                    continue
+                st = os.fstat(e.file.fd)
+                out.append(((st.st_dev, st.st_ino), e.first, e.end))
+        return out
+
+    def streams(self, i: int) -> bool:
+        """Whether layer ``i`` is read from the file each forward and let go after use."""
+        return self.plan is not None and self.plan.is_streamed(i) and self._stores[i].bytes_in(MAPPED) > 0
+
+    def apply(self, plan: ResidencyPlan) -> None:
+        """Carry out ``plan`` from the next layer on."""
+        self.plan = plan
+        self._warm.intersection_update(plan.cached)
+
+    # -- reading in ------------------------------------------------------------------------
+    def _read_ahead(self, i: int) -> bool:
+        """Whether layer ``i``'s pages are to be read in before it runs (and note the cached ones)."""
+        if not self._stores[i].bytes_in(MAPPED) or i in self._warm:
+            return False
+        if not self.streams(i):
+            self._warm.add(i)
+        return True
+
+    def read_in(self, i: int) -> Future | None:
+        """Start reading layer ``i``'s pages in on the page worker (None: nothing to read)."""
+        if not self._read_ahead(i):
+            return None
+        what = f"layer {i} ({self._stores[i].name})"
+        return self.worker.read_in(self.spans(i), what, self._edges[i])
+
+    def check(self, i: int) -> None:
+        """Raise ``MappingFaultError`` when a file behind layer ``i`` no longer holds its bytes."""
+        self.spans(i)
+        check_extents(self._extents[i], f"layer {i} ({self._stores[i].name})")
+
+    def before_streamed_read(self, i: int) -> None:
+        """Before a copier reads streamed layer ``i``: the last let-go done, the edges read small.
+
+        The page worker lets layers go off the compute thread; the copier
+        reads on threads of its own. Waiting for the last let-go keeps the
+        order the in-place path gets from the worker's queue: a streamed layer
+        is read only after the one before it went, so no more than the plan's
+        ``1 + depth`` are ever in the page cache. The layer's file-window
+        edges are read first into small folios (``pages.folio_edges``).
+        """
+        self.spans(i)
+        pending, self._letting_go = self._letting_go, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:
+                logger.debug("letting a layer go failed", exc_info=True)
+        if len(self._edges[i]):
+            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
+
+    # -- letting go ------------------------------------------------------------------------
+    def let_go(self, i: int) -> Future | None:
+        """Let streamed layer ``i``'s pages go on the page worker (checked there; None: cached)."""
+        if not self.streams(i):
+            return None
+        self._letting_go = self.worker.let_go(self.spans(i), self._extents[i])
+        return self._letting_go
+
+    # -- lifetime --------------------------------------------------------------------------
+    def after_fork_in_child(self) -> None:
+        self.worker.after_fork_in_child()
+        self._letting_go = None  # the parent's page worker: it never completes here
+
+    def close(self) -> None:
+        """Finish queued page work, close the files, set the spans' advice back. Idempotent."""
+        self.worker.close()
+        self.files.close()
+        for spans in self._advised:
+            _core.advise_random(spans, False)
+        self._advised.clear()

@@ -1,0 +1,199 @@
+"""The two ways a layer is made ready to compute, behind one interface.
+
+``InPlace`` (``device="cpu"``): a layer computes from its host stores; a load
+reads its mapped pages in (when the plan says so) and a release lets a
+streamed layer's pages go. Nothing is copied.
+
+``DeviceCopies`` (CUDA, or the CPU twin): a load copies the layer's host
+stores into device buffers through the native copier, on a copy stream; a
+release gives the buffers back to the pool.
+
+Both answer ``start(i)`` (begin loading layer ``i``: a :class:`Loaded`),
+``ready(i, loaded)`` (wait until it can compute; raises on a failed read),
+``value(w, loaded)`` (the tensor weight ``w`` computes with) and
+``release(i, loaded)``. The manager sequences them; the page cache is
+:class:`~mapoffload._manager.layer_pages.LayerPages`'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._log import logger
+from .device_pool import DevicePool
+from .layer_pages import LayerPages
+from .stores import MAPPED, LayerStore, Weight, device_view
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..copier import Copier
+
+__all__ = ["DeviceCopies", "InPlace", "Loaded"]
+
+
+class Loaded:
+    """One layer being loaded or loaded: its buffers per dtype, the work in flight."""
+
+    __slots__ = ("buffers", "handle", "ready")
+
+    def __init__(self, buffers: dict, handle: Any) -> None:
+        self.buffers = buffers
+        self.handle = handle  # a CopyHandle, a page read (``wait()``), or None
+        self.ready = False  # bound: its parameters hold the real weights
+
+
+class _PagesRead:
+    """A layer's pages being read in by the page worker."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+def _wait_quietly(loaded: Loaded, i: int) -> None:
+    # A failure is the load's own business (reported by whoever waited for it).
+    if loaded.handle is not None:
+        try:
+            loaded.handle.wait()
+        except Exception:
+            logger.debug("released layer %d after a failed load", i, exc_info=True)
+
+
+class InPlace:
+    """Compute from the host stores (``device="cpu"``): loading reads mapped pages in."""
+
+    copies = False
+
+    def __init__(self, stores: list[LayerStore], pages: LayerPages) -> None:
+        self._stores, self._pages = stores, pages
+
+    @property
+    def bytes(self) -> int:
+        return 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return 0
+
+    def start(self, i: int) -> Loaded:
+        read = self._pages.read_in(i)
+        return Loaded({}, None if read is None else _PagesRead(read))
+
+    def ready(self, i: int, loaded: Loaded) -> None:
+        self._pages.check(i)
+        if loaded.handle is not None:
+            loaded.handle.wait()
+
+    def value(self, w: Weight, loaded: Loaded) -> torch.Tensor:
+        return w.host
+
+    def release(self, i: int, loaded: Loaded) -> None:
+        _wait_quietly(loaded, i)
+        # Computed from its mapping: let its pages go before they push a cached layer out.
+        self._pages.let_go(i)
+
+    def drop_in_flight(self, loaded: Loaded) -> None:
+        """In a forked child: forget a load the parent had in flight."""
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceCopies:
+    """Copy each layer into device buffers through a copier (CUDA, or the CPU twin)."""
+
+    copies = True
+
+    def __init__(self, stores: list[LayerStore], pages: LayerPages, device: torch.device, copier: Copier, *,
+                 owns_copier: bool, copy_on_compute_stream: bool) -> None:
+        import torch
+
+        self._stores, self._pages, self.device, self.copier = stores, pages, device, copier
+        self._owns_copier = owns_copier
+        self._cuda = device.type == "cuda"
+        self._copy_stream = None
+        if self._cuda and not copy_on_compute_stream:
+            self._copy_stream = torch.cuda.Stream(device)
+        self._pool = DevicePool(device, self._copy_stream)
+
+    @property
+    def bytes(self) -> int:
+        """Device buffers held now (in use or pooled for reuse)."""
+        return self._pool.bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._pool.peak_bytes
+
+    def _compute_stream(self):
+        import torch
+
+        return torch.cuda.current_stream(self.device) if self._cuda else None
+
+    def start(self, i: int) -> Loaded:
+        self._pages.spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
+        if self._pages.streams(i):
+            self._pages.before_streamed_read(i)
+        store = self._stores[i]
+        buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
+        spans = store.spans()
+        compute = self._compute_stream()
+        try:
+            handle = self.copier.copy_spans(
+                [buffers[d].data_ptr() + off for d, off, _, _, _ in spans],
+                [src for _, _, src, _, _ in spans],
+                [n for _, _, _, n, _ in spans],
+                stream=self._copy_stream or compute,
+                keepalive=(store.host_tensors(), buffers),
+                direct=[pinned for *_, pinned in spans] if self._cuda else None,
+                # New or recycled buffers: the compute stream may still read them.
+                wait_for=compute if self._copy_stream is not None else None,
+            )
+        except BaseException:
+            for buf in buffers.values():
+                self._pool.give(buf)
+            raise
+        return Loaded(buffers, handle)
+
+    def ready(self, i: int, loaded: Loaded) -> None:
+        if loaded.handle is None:
+            return
+        if self._cuda:
+            # Stream-ordered: compute waits for this layer's copies only.
+            loaded.handle.wait_stream(self._compute_stream())
+        else:
+            loaded.handle.wait()
+        # Its mapped pages were read into the device buffers: let them go.
+        self._pages.let_go(i)
+
+    def value(self, w: Weight, loaded: Loaded) -> torch.Tensor:
+        return device_view(w, loaded.buffers[w.dtype])
+
+    def release(self, i: int, loaded: Loaded) -> None:
+        # Never recycle a buffer a copy may still write.
+        _wait_quietly(loaded, i)
+        self.drop_in_flight(loaded)
+
+    def drop_in_flight(self, loaded: Loaded) -> None:
+        """Give ``loaded``'s buffers back (in a forked child: nothing writes them here)."""
+        for buf in loaded.buffers.values():
+            self._pool.give(buf)
+
+    def write_back(self, w: Weight, loaded: Loaded) -> None:
+        """Copy a loaded weight's device value into its host store (never a mapped one)."""
+        if w.store != MAPPED:
+            w.host.copy_(device_view(w, loaded.buffers[w.dtype]))
+
+    def close(self) -> None:
+        import torch
+
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._pool.clear()
+        if self._owns_copier:
+            self.copier.close()

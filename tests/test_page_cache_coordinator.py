@@ -1,0 +1,269 @@
+"""One page-cache plan for every manager of the process (and its peers).
+
+Fake cgroup v2 trees fix the budget; the plans are checked against it: two
+stacks of one model share it (one streaming window, not two), a closed
+manager leaves its share to the others, a given share is planned around, the
+head read every forward is counted once and its resident pages are the
+weights' own (not "other memory"). Peers are real child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+from mapoffload._manager import coordinator as coordinator_module
+from mapoffload._manager.residency import plan_residency, plan_shared
+from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+
+from test_residency_plan import _v2
+
+MIB = 1 << 20
+WIDTH = 512  # 1 MiB a layer (fp32), plus its bias
+
+
+class TwoStacks(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(n))
+        self.dec = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(n))
+        self.head = nn.Linear(WIDTH, WIDTH)  # read every forward, outside both stacks
+
+    def forward(self, x):
+        for b in self.enc:
+            x = torch.tanh(b(x))
+        for b in self.dec:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    ref = TwoStacks()
+    path = tmp_path_factory.mktemp("coord") / "two.safetensors"
+    save_file(ref.state_dict(), path)
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        want = ref(x)
+    return path, x, want
+
+
+def mapped(path) -> TwoStacks:
+    with empty_weights():
+        model = TwoStacks()
+    load_checkpoint(model, path, keep_mapping=True)
+    return model
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))  # no peers from other tests
+    monkeypatch.setattr(coordinator_module.coordinator(), "_registry", None)
+
+    def set_cap(mib: int) -> None:
+        _v2(tmp_path, mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights, no file cache
+
+    return set_cap
+
+
+def window(plan) -> int:
+    return (1 + plan.depth) * max(plan.layer_bytes) if plan.streamed else 0
+
+
+def test_plan_shared_keeps_one_window_and_fills_stacks_in_order():
+    a, b = [10] * 6, [10] * 6
+    plans = plan_shared([a, b], 60, prefetch_layers=[1, 1])
+    assert [p.cached for p in plans] == [(0, 1, 2, 3), ()]  # 60 - one window of 2 layers
+    assert sum(p.cached_bytes for p in plans) + max(map(window, plans)) <= 60
+    # Two windows when two replicas stream from the same cached set at once.
+    plans = plan_shared([a, b], 60, prefetch_layers=[1, 1], windows=2)
+    assert sum(p.cached_bytes for p in plans) + 2 * max(map(window, plans)) <= 60
+    # A stack that ends up wholly cached gives its window to the others.
+    # (a window of 2 x 15 first; once the first stack is all cached, 2 x 10 for the second.)
+    plans = plan_shared([[15], [10] * 8], 60, prefetch_layers=[1, 1])
+    assert plans[0].streamed == () and plans[1].cached == (0, 1)
+    # One member: the single-stack plan.
+    assert plan_shared([a], 45, prefetch_layers=[2])[0] == plan_residency(a, 45, prefetch_layers=2)
+
+
+def test_two_stacks_of_one_model_share_one_budget(ckpt, cap):
+    path, x, want = ckpt
+    cap(100)
+    model = mapped(path)
+    enc = LayerwiseOffloadManager(model, "enc", device="cpu")
+    dec = LayerwiseOffloadManager(model, "dec", device="cpu")
+    try:
+        coord = coordinator_module.coordinator()
+        room = coord.room
+        assert enc.residency.budget == dec.residency.budget == room
+        # One window beside everything cached, not one per stack.
+        cached = enc.residency.cached_bytes + dec.residency.cached_bytes
+        assert cached + max(window(enc.residency), window(dec.residency)) <= room
+        # The head (outside both stacks, read every forward) counted once, out of the room.
+        head = model.head.weight.nbytes + model.head.bias.nbytes
+        assert coord.always_bytes == head
+        assert room == coord.budget.usable - head
+        for m in (enc, dec):
+            m.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+        # Per-layer residency is measured, per stack.
+        rows = dict(coord.layer_residency())
+        assert set(rows) == {"enc", "dec"} and all(len(v) == 6 for v in rows.values())
+        assert "2 stacks share" in coord.describe()
+        # One closes: the other plans against everything it leaves.
+        before = dec.residency.cached_bytes
+        enc.close()
+        assert dec.residency.cached_bytes >= before and dec.residency.budget == coord.room
+    finally:
+        enc.close()
+        dec.close()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def test_a_given_share_is_planned_around(ckpt, cap):
+    path, _, _ = ckpt
+    cap(100)
+    model = mapped(path)
+    given = 3 * MIB
+    with LayerwiseOffloadManager(model, "enc", device="cpu", page_cache_bytes=given) as enc:
+        with LayerwiseOffloadManager(model, "dec", device="cpu") as dec:
+            coord = coordinator_module.coordinator()
+            assert enc.residency.budget == given
+            assert coord.room == coord.budget.usable - given - coord.always_bytes
+            assert dec.residency.budget == coord.room
+
+
+def test_a_warm_head_is_not_other_memory(ckpt, cap):
+    path, x, _ = ckpt
+    cap(100)
+    model = mapped(path)
+    with torch.no_grad():
+        model(x)  # every page warm, the head's included
+    with LayerwiseOffloadManager(model, "enc", device="cpu") as enc, \
+            LayerwiseOffloadManager(model, "dec", device="cpu"):
+        coord = coordinator_module.coordinator()
+        head = coord.always_bytes
+        layers = sum(sum(r) for _, r in coord.layer_residency())
+        # The weights cached now include the head: it is not also in "other memory".
+        assert coord.budget.weights_cached >= layers + head - 2 * 4096
+        assert enc.resident_layer_bytes() == coord.layer_residency()[0][1]
+
+
+PEER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    from torch import nn
+    from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+    from mapoffload._manager.coordinator import coordinator
+
+    path, go, out = sys.argv[1], sys.argv[2], sys.argv[3]
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(512, 512, bias=False) for _ in range(8))
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return x
+
+    with empty_weights():
+        model = Stack()
+    load_checkpoint(model, path, keep_mapping=True)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1)
+    mgr.register_forward_hooks()
+    open(go + ".ready." + str(os.getpid()), "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    with torch.no_grad():
+        model(torch.ones(1, 512))  # the first forward follows the peers' records
+    c = coordinator()
+    json.dump({"pid": os.getpid(), "ranks": c.ranks, "replicas": c.replicas, "room": c.room,
+               "usable": c.budget.usable, "cached": mgr.residency.cached_bytes,
+               "window": (1 + mgr.residency.depth) * max(mgr.residency.layer_bytes)
+                         if mgr.residency.streamed else 0}, open(out, "w"))
+    mgr.close()
+    """
+)
+
+
+def _stack_file(path, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    save_file({f"blocks.{i}.weight": torch.randn(512, 512, generator=g) for i in range(8)}, path)
+
+
+def _run_peers(tmp_path, files: list) -> list[dict]:
+    env = dict(os.environ, MAPOFFLOAD_PEERS_DIR=str(tmp_path / "peers"), **{ENV_HOST_AVAILABLE_GIB: "1.2"})
+    go = str(tmp_path / "go")
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(f), go, str(tmp_path / f"out{k}.json")], env=env,
+                              stderr=subprocess.PIPE, text=True) for k, f in enumerate(files)]
+    try:
+        import time
+
+        deadline = time.monotonic() + 120
+        while sum(n.startswith("go.ready.") for n in os.listdir(tmp_path)) < len(procs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
+            time.sleep(0.05)
+        open(go, "w").close()
+        for p in procs:
+            assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [json.load(open(tmp_path / f"out{k}.json")) for k in range(len(procs))]
+
+
+def test_ranks_with_other_bytes_split_the_budget(tmp_path):
+    a, b = tmp_path / "rank0.safetensors", tmp_path / "rank1.safetensors"
+    _stack_file(a, 0)
+    _stack_file(b, 1)
+    outs = _run_peers(tmp_path, [a, b])
+    pids = {o["pid"] for o in outs}
+    for o in outs:
+        assert o["ranks"] == list(pids - {o["pid"]}) and o["replicas"] == []
+        # Its share: about half of everything, never the whole budget.
+        assert o["room"] < 0.75 * o["usable"], o
+
+
+def test_replicas_of_the_same_bytes_share_the_cached_set(tmp_path):
+    a = tmp_path / "same.safetensors"
+    _stack_file(a, 0)
+    outs = _run_peers(tmp_path, [a, a])
+    pids = {o["pid"] for o in outs}
+    for o in outs:
+        assert o["replicas"] == list(pids - {o["pid"]}) and o["ranks"] == []
+        assert o["room"] == o["usable"]  # not split: the cached pages are the same ones
+        assert o["cached"] + 2 * o["window"] <= o["room"]  # a streaming window for each replica
+
+
+def test_a_dead_peers_record_is_ignored_and_removed(tmp_path):
+    from mapoffload._manager.peers import PeerRegistry
+
+    reg = PeerRegistry(str(tmp_path / "peers"))
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(proc.stdout)
+    os.makedirs(reg.folder)
+    with open(os.path.join(reg.folder, f"{dead}.json"), "w") as f:
+        json.dump({"pid": dead, "start": "1", "ranges": [], "mapped": 1, "resident": 1, "window": 0}, f)
+    with open(os.path.join(reg.folder, "garbage.json"), "w") as f:
+        f.write("{not json")
+    assert reg.peers() == []
+    assert not os.path.exists(os.path.join(reg.folder, f"{dead}.json"))
