@@ -284,4 +284,19 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("spans"),
      "madvise(MADV_COLD, then MADV_PAGEOUT) over each span: reclaim its pages now. Returns 0 or the "
      "errno of the first refusal.");
+  m.def("unmap_file_pages", [](const SpanArray& s) {
+    int64_t total = 0;
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < s.size(); ++i) {
+        const int64_t got = unmap_file_pages(s.addr[i], s.nbytes[i]);
+        if (got < 0) return got;
+        total += got;
+      }
+    }
+    return total;
+  }, py::arg("spans"),
+     "madvise(MADV_DONTNEED) over each span's pages that this process maps from a file (anonymous, "
+     "written pages are kept; read from /proc/self/pagemap): the next touch maps them again. Returns the "
+     "bytes advised, or -errno.");
 }

@@ -182,4 +182,51 @@ int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
 
 int populate_read(uint64_t addr, uint64_t nbytes) { return advise_pages(addr, nbytes, MADV_POPULATE_READ); }
 
+int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return -EINVAL;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -errno;
+  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
+  std::vector<uint64_t> entries(4096);
+  int64_t advised = 0;
+  int err = 0;
+  uint64_t run = 0;  // first page of the current run of droppable pages (0: none)
+  auto flush = [&](uint64_t end) {
+    if (run == 0) return;
+    if (madvise(reinterpret_cast<void*>(run), end - run, MADV_DONTNEED) == 0)
+      advised += static_cast<int64_t>(end - run);
+    else if (err == 0)
+      err = errno;
+    run = 0;
+  };
+  uint64_t a = lo;
+  while (a < hi && err == 0) {
+    const uint64_t n = std::min<uint64_t>(entries.size(), (hi - a) / ps);
+    const off_t off = static_cast<off_t>((a / ps) * sizeof(uint64_t));
+    const ssize_t got = pread(fd, entries.data(), n * sizeof(uint64_t), off);
+    if (got <= 0) {
+      err = got < 0 ? errno : EIO;
+      break;
+    }
+    const uint64_t m = static_cast<uint64_t>(got) / sizeof(uint64_t);
+    for (uint64_t k = 0; k < m; ++k, a += ps) {
+      const uint64_t e = entries[k];
+      // Anonymous: a private copy (written in place, copy-on-write) or swapped
+      // out. Dropping it would lose the write; it stays.
+      const bool anonymous = (e & kSwapped) || ((e & kPresent) && !(e & kFileOrShared));
+      if (anonymous)
+        flush(a);
+      else if (run == 0)
+        run = a;
+    }
+  }
+  if (err == 0) flush(a);
+  close(fd);
+  return err ? -err : advised;
+}
+
 }  // namespace mapoffload

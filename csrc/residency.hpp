@@ -115,4 +115,13 @@ bool page_resident(uint64_t addr);
 // file truncated under its mapping: the read that would have been a SIGBUS).
 int populate_read(uint64_t addr, uint64_t nbytes);
 
+// MADV_DONTNEED over the pages of [addr, addr + nbytes) that this process maps
+// from a file (or does not map at all), read from /proc/self/pagemap: drops
+// this process's mappings of them, so that a page another process also maps
+// can be dropped from the page cache by whichever process lets it go last
+// (MADV_PAGEOUT skips a page more than one process maps). Anonymous pages
+// (a weight written in place, copy-on-write) are kept. Returns the bytes
+// advised, or -errno.
+int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes);
+
 }  // namespace mapoffload

@@ -32,6 +32,7 @@ from .checkpoint import (
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
 from ._shard import shard_tensor
 from .offload import LayerwiseOffloadManager
+from ._manager.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .ranks import LocalWorld, local_world
 from .regions import (
     CowMapping,
@@ -88,6 +89,7 @@ __all__ = [
     "MappedRegions",
     "MappingFaultError",
     "OffloadedWeight",
+    "PageCacheCoordinator",
     "cgroup_memory_limit_bytes",
     "checkpoint_bytes",
     "checkpoint_files",
@@ -107,6 +109,7 @@ __all__ = [
     "match_checkpoint_dtypes",
     "offload",
     "offload_pipeline",
+    "page_cache_coordinator",
     "pipeline_from_pretrained",
     "resident_bytes",
     "rss_anon_bytes",

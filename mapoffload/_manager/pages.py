@@ -184,7 +184,9 @@ def inner_pages(spans: _core.SpanArray) -> _core.SpanArray:
 # How a let-go ended (PageWorker.let_go_counts):
 PAGEOUT = "pageout"  # MADV_COLD + MADV_PAGEOUT took every page
 DRAINED = "drained"  # pages were left; after POSIX_FADV_DONTNEED (drains every CPU's batch), PAGEOUT took them
-KEPT = "kept"  # the kernel kept some pages all the same (shared with another process, say)
+UNMAPPED = "unmapped"  # pages were still left; after unmapping them here (MADV_DONTNEED of this process's
+# clean file pages) POSIX_FADV_DONTNEED dropped them: another process had them mapped too (a replica)
+KEPT = "kept"  # the kernel kept some pages all the same (another process maps them still, say)
 REFUSED = "refused"  # MADV_PAGEOUT refused (a kernel before 5.4): pages stay until reclaim takes them
 
 
@@ -196,9 +198,12 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int
     isolate it nor split the large folio it is part of (``madvise`` drains only
     the calling CPU's batch). When pages are left, ``POSIX_FADV_DONTNEED`` over
     the layer's bytes of each file drains every CPU's batch (and drops what
-    nobody maps), and ``MADV_PAGEOUT`` runs again. Returns how it ended
-    (``PAGEOUT``, ``DRAINED``, ``KEPT``, ``REFUSED``) and the bytes still
-    resident.
+    nobody maps), and ``MADV_PAGEOUT`` runs again. Pages another process
+    maps too (a replica) are skipped by ``MADV_PAGEOUT``: this process's
+    mappings of them are then dropped (``unmap_file_pages``: clean file
+    pages only) and the file's pages dropped again - the last process to
+    let a layer go drops it. Returns how it ended (``PAGEOUT``, ``DRAINED``,
+    ``UNMAPPED``, ``KEPT``, ``REFUSED``) and the bytes still resident.
     """
     inner = inner_pages(spans)
     if not len(inner):
@@ -210,16 +215,27 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int
     left = sum(_core.resident_bytes(inner))
     if not left:
         return PAGEOUT, 0
-    dropped = False
-    for e in extents:
-        if e.file is not None:
-            e.file.drop(e.first, e.end)
-            dropped = True
-    if dropped:
+    def drop() -> bool:
+        dropped = False
+        for e in extents:
+            if e.file is not None:
+                e.file.drop(e.first, e.end)
+                dropped = True
+        return dropped
+
+    if drop():
         _core.advise_pageout(inner)
         left = sum(_core.resident_bytes(inner))
         if not left:
             return DRAINED, 0
+        # Still there: MADV_PAGEOUT skips a page more than one process maps
+        # (replicas streaming the same file). Unmap this process's clean
+        # pages of the layer; whichever process lets them go last drops them.
+        if _core.unmap_file_pages(inner) > 0:
+            drop()
+            left = sum(_core.resident_bytes(inner))
+            if not left:
+                return UNMAPPED, 0
     logger.debug("let go of %d bytes: the kernel kept %d of them", inner.total_bytes, left)
     return KEPT, left
 
