@@ -199,6 +199,12 @@ class LayerwiseOffloadManager:
         weights outside the layers that every forward reads (a head). Decides
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
+    kernel_caps
+        What to assume of the kernel's page-cache behaviour instead of
+        measuring it (``_manager/kernel.py``): text as for the variable
+        ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``,
+        ``"no-populate-read"``, ``"no-pageout"``, ...), which it replaces.
+        Default: the variable, then a run-time probe per device.
 
     Notes
     -----
@@ -223,6 +229,7 @@ class LayerwiseOffloadManager:
         local_ranks: int | None = None,
         cpu_twin: bool = False,
         page_cache_bytes: int | None = None,
+        kernel_caps: str | None = None,
     ) -> None:
         import torch
 
@@ -267,7 +274,7 @@ class LayerwiseOffloadManager:
         self.copier = None if self._direct else copier or _rank_copier(self.device, self.local_ranks, available_bytes)
         if self.copier is not None and self.copier.device != self.device:
             raise ValueError(f"copier is on {self.copier.device}, the manager on {self.device}")
-        self._pages = PageWorker()
+        self._pages = PageWorker(kernel_caps)
         self._letting_go = None  # the device path's last let-go in the page worker (a Future)
         self._page_spans: dict[int, Any] = {}
         self._warm: set[int] = set()  # cached layers read in once
@@ -341,16 +348,11 @@ class LayerwiseOffloadManager:
         """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it)."""
         spans = self._page_spans.get(i)
         if spans is None:
-            from ._native import _core
-
             spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
-            # The manager reads these pages itself (populate, 2 MiB folios): a
-            # fault's read-around would bring a neighbouring layer back in,
-            # unmapped, where letting it go cannot reach it.
-            _core.advise_random(spans, True)
+            self._extents[i] = file_extents(spans, self._files)
+            self._pages.advise(spans, self._extents[i])  # MADV_RANDOM (+ MADV_HUGEPAGE), by kernel capability
             self._advised.append(spans)
             self._page_spans[i] = spans
-            self._extents[i] = file_extents(spans, self._files)
             self._edges[i] = folio_edges(spans)
         return spans
 
@@ -451,12 +453,15 @@ class LayerwiseOffloadManager:
         if i not in self._loaded and self._direct:
             what = f"layer {i} ({self._stores[i].name})"
             spans = self._spans(i)
-            read = _PagesRead(self._pages.read_in(spans, what, self._edges[i])) if self._read_ahead(i) else None
+            read = (_PagesRead(self._pages.read_in(spans, what, self._edges[i], self._extents[i]))
+                    if self._read_ahead(i) else None)
             self._loaded[i] = _Loaded({}, read)
         elif i not in self._loaded:
             self._spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
             if self.residency.is_streamed(i) and self._stores[i].bytes_in(MAPPED):
                 self._before_streamed_read(i)
+            elif self._stores[i].bytes_in(MAPPED):
+                self._pages.before_copy(self._spans(i), None, self._extents[i])  # read ahead where faults read 4 KiB
             store = self._stores[i]
             buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
             spans = store.spans()
@@ -488,19 +493,16 @@ class LayerwiseOffloadManager:
         order direct mode gets from the worker's queue: a streamed layer is
         read only after the one before it went, so no more than the plan's
         ``1 + depth`` are ever in the page cache. The layer's file-window
-        edges are read first into small folios (``_pages.folio_edges``).
+        edges are read first into small folios (``_pages.folio_edges``), or,
+        where faults read 4 KiB pages, the whole layer ahead in large I/Os.
         """
-        from ._native import _core
-        from ._manager.pages import EDGE_CHUNK
-
         pending, self._letting_go = self._letting_go, None
         if pending is not None:
             try:
                 pending.result()
             except Exception:
                 logger.debug("letting a layer go failed", exc_info=True)
-        if len(self._edges[i]):
-            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
+        self._pages.before_copy(self._spans(i), self._edges[i], self._extents[i])
 
     def _ensure(self, i: int) -> None:
         if i not in self._loaded:
