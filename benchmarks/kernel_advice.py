@@ -127,7 +127,8 @@ MODES = ("window faults", "old kernel, fault path", "old kernel, read-ahead path
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/var/tmp", help="a folder on a disk (not tmpfs)")
+    ap.add_argument("--dir", default=os.environ.get("MAPOFFLOAD_BENCH_DIR", "/var/tmp"),
+                    help="a folder on a disk, not tmpfs (default: $MAPOFFLOAD_BENCH_DIR, else /var/tmp)")
     ap.add_argument("--mib", type=int, default=64, help="the layer's size")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write the JSON here")

@@ -343,8 +343,14 @@ class PageWorker:
             _log_once(f"page-cache advice: {caps.advice()}; {caps.describe()}")
         return caps
 
-    def advise(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> KernelCaps:
-        """Set a layer's spans ``MADV_RANDOM`` (+ ``MADV_HUGEPAGE`` where faults read 2 MiB windows)."""
+    def advise(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> KernelCaps | None:
+        """Set a layer's spans ``MADV_RANDOM`` (+ ``MADV_HUGEPAGE`` where faults read 2 MiB windows).
+
+        Returns the capabilities that chose it; None for a layer with no
+        mapped bytes (nothing is probed for it).
+        """
+        if not len(spans):
+            return None
         caps = self.caps(extents)
         # The manager reads these pages itself (populate, 2 MiB folios, or a
         # read-ahead first): a fault's read-around would bring a neighbouring
