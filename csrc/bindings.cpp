@@ -262,17 +262,45 @@ PYBIND11_MODULE(_core, m) {
      "madvise(MADV_POPULATE_READ) over each span: read its pages in and map them, one call per span "
      "(Linux 5.14+). Returns (0, 0), or (errno, start of the span) of the first that failed: EINVAL where "
      "the kernel lacks it, EFAULT where a page cannot be read (a truncated file). Stops at the first failure.");
-  m.def("advise_random", [](const SpanArray& s, bool on) {
+  m.def("advise_random", [](const SpanArray& s, bool on, bool hugepage) {
     py::gil_scoped_release nogil;
     int first = 0;
     for (size_t i = 0; i < s.size(); ++i) {
-      int err = advise_random(s.addr[i], s.nbytes[i], on);
+      int err = advise_random(s.addr[i], s.nbytes[i], on, hugepage);
       if (first == 0) first = err;
     }
     return first;
-  }, py::arg("spans"), py::arg("on") = true,
+  }, py::arg("spans"), py::arg("on") = true, py::arg("hugepage") = true,
      "madvise(MADV_RANDOM) (on) or MADV_NORMAL (off) over each span: faults read their own page only, "
-     "no read-around. Returns 0 or the errno of the first refusal.");
+     "no read-around. With on and hugepage, MADV_HUGEPAGE first. Returns 0 or the errno of the first refusal.");
+  m.def("read_ahead", [](const SpanArray& s, uint64_t step) {
+    py::gil_scoped_release nogil;
+    uint64_t calls = 0;
+    for (size_t i = 0; i < s.size(); ++i) calls += read_ahead(s.addr[i], s.nbytes[i], step);
+    return calls;
+  }, py::arg("spans"), py::arg("step") = 128 * 1024,
+     "Read each span into the page cache in large I/Os (MADV_WILLNEED from the first page not resident, "
+     "as far as the kernel goes per call, measured with mincore). Returns the MADV_WILLNEED calls made.");
+  m.def("touch_pages", [](const SpanArray& s) {
+    std::pair<int, uint64_t> first{0, 0};
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < s.size() && first.first == 0; ++i) {
+        uint64_t fault = 0;
+        int err = touch_pages(s.addr[i], s.nbytes[i], &fault);
+        if (err) first = {err, fault ? fault : s.addr[i]};
+      }
+    }
+    return first;
+  }, py::arg("spans"),
+     "Fault each span's pages in by reading a byte of each, under the SIGBUS guard (kernels without "
+     "MADV_POPULATE_READ). Returns (0, 0), or (EFAULT, faulting address) for a page that cannot be read.");
+  m.def("probe_fault_window", [](int fd, uint64_t offset, uint64_t window, bool hugepage) {
+    py::gil_scoped_release nogil;
+    return probe_fault_window(fd, offset, window, hugepage);
+  }, py::arg("fd"), py::arg("offset"), py::arg("window"), py::arg("hugepage") = true,
+     "(resident bytes before, after) of the file window [offset, offset+window) when one fault on its "
+     "first page, under MADV_HUGEPAGE + MADV_RANDOM, is all that reads it; after is 0 for a warm window.");
   m.def("advise_pageout", [](const SpanArray& s) {
     py::gil_scoped_release nogil;
     int first = 0;

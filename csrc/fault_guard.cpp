@@ -101,4 +101,23 @@ bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr) 
   return true;
 }
 
+bool guarded_touch(const void* src, size_t n, size_t stride, uint64_t* fault_addr) {
+  if (n == 0) return true;
+  if (stride == 0) stride = 1;
+  Guard& g = t_guard;
+  g.lo = reinterpret_cast<uintptr_t>(src);
+  g.hi = g.lo + n;
+  if (sigsetjmp(g.env, 1) != 0) {
+    if (fault_addr) *fault_addr = g.fault;
+    return false;
+  }
+  g.active = 1;
+  const volatile unsigned char* p = static_cast<const volatile unsigned char*>(src);
+  unsigned char sink = 0;
+  for (size_t off = 0; off < n; off += stride) sink ^= p[off];
+  g.active = 0;
+  (void)sink;
+  return true;
+}
+
 }  // namespace mapoffload

@@ -29,4 +29,10 @@ void install_fault_guard();
 // and stores the faulting address. Writes to dst are never guarded.
 bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr);
 
+// Reads one byte of every `stride` bytes of [src, src+n) (the first included):
+// faults a mapping's pages in where MADV_POPULATE_READ does not exist. A read
+// never breaks a private mapping's copy-on-write. A fault (SIGBUS) returns
+// false and stores the faulting address. Call install_fault_guard() first.
+bool guarded_touch(const void* src, size_t n, size_t stride, uint64_t* fault_addr);
+
 }  // namespace mapoffload

@@ -6,10 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cerrno>
 #include <stdexcept>
 #include <vector>
 
+#include "fault_guard.hpp"
 #include "maps.hpp"
 
 namespace mapoffload {
@@ -174,9 +177,9 @@ int advise_pageout(uint64_t addr, uint64_t nbytes) {
   return err ? err : out;
 }
 
-int advise_random(uint64_t addr, uint64_t nbytes, bool on) {
+int advise_random(uint64_t addr, uint64_t nbytes, bool on, bool hugepage) {
   // A hint only: kernels without file THP refuse it, and the span still streams.
-  if (on) (void)advise_pages(addr, nbytes, MADV_HUGEPAGE);
+  if (on && hugepage) (void)advise_pages(addr, nbytes, MADV_HUGEPAGE);
   return advise_pages(addr, nbytes, on ? MADV_RANDOM : MADV_NORMAL);
 }
 
@@ -227,6 +230,108 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
   if (err == 0) flush(a);
   close(fd);
   return err ? -err : advised;
+}
+
+namespace {
+// The first page of the page-aligned [lo, hi) that mincore does not report
+// resident; hi when all are, lo when mincore fails (an unmapped hole: nothing
+// is known). mincore reports a page cache page only once it is up to date
+// (mm/mincore.c mincore_page): a page whose read is still in flight counts as
+// absent here.
+uint64_t first_absent(uint64_t lo, uint64_t hi, std::vector<unsigned char>& vec) {
+  const uint64_t ps = page_size();
+  for (uint64_t base = lo; base < hi;) {
+    const uint64_t n = std::min(ResidencyScanner::kChunkPages, (hi - base) / ps);
+    vec.resize(n);
+    if (mincore(reinterpret_cast<void*>(base), n * ps, vec.data()) != 0) return base;
+    for (uint64_t k = 0; k < n; ++k) {
+      if (!(vec[k] & 1)) return base + k * ps;
+    }
+    base += n * ps;
+  }
+  return hi;
+}
+
+// Bytes this thread has submitted for reading from storage
+// (/proc/thread-self/io read_bytes; block/blk-core.c submit_bio accounts a
+// read to the submitting task when it is submitted, not when it completes),
+// or -1 where the kernel does not keep it (CONFIG_TASK_IO_ACCOUNTING off).
+int64_t thread_read_bytes() {
+  int fd = open("/proc/thread-self/io", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[512];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  const char* p = std::strstr(buf, "\nread_bytes:");
+  if (!p) return -1;
+  return std::strtoll(p + 12, nullptr, 10);
+}
+}  // namespace
+
+uint64_t read_ahead(uint64_t addr, uint64_t nbytes, uint64_t step) {
+  if (addr == 0 || nbytes == 0 || addr + nbytes < addr) return 0;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  step = std::max(ps, page_align_down(step, ps));
+  std::vector<unsigned char> vec;
+  uint64_t calls = 0;
+  for (uint64_t a = first_absent(lo, hi, vec); a < hi;) {
+    // One call reads [a, a + cap) of what is not in the page cache yet. How
+    // far it went is measured two ways: the bytes it submitted (a lower
+    // bound of its reach: pages already cached in that range cost nothing),
+    // and the pages now up to date (mincore: reads that already completed).
+    const int64_t r0 = thread_read_bytes();
+    (void)madvise(reinterpret_cast<void*>(a), hi - a, MADV_WILLNEED);
+    ++calls;
+    const int64_t r1 = thread_read_bytes();
+    uint64_t next = first_absent(a, hi, vec);
+    if (r0 >= 0 && r1 > r0) next = std::max(next, std::min(hi, a + page_align_down(r1 - r0, ps)));
+    // No progress: readahead is off or memory is short here; move on.
+    if (next <= a) next = std::min(hi, a + step);
+    a = first_absent(next, hi, vec);
+  }
+  return calls;
+}
+
+int touch_pages(uint64_t addr, uint64_t nbytes, uint64_t* fault_addr) {
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return EINVAL;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  install_fault_guard();
+  // Only the span's own bytes are read: its first byte, then each next page's first.
+  uint64_t start = addr;
+  if (!guarded_touch(reinterpret_cast<const void*>(start), 1, 1, fault_addr)) return EFAULT;
+  start = lo + ps;
+  if (start < hi && start < addr + nbytes) {
+    if (!guarded_touch(reinterpret_cast<const void*>(start), addr + nbytes - start, ps, fault_addr)) return EFAULT;
+  }
+  return 0;
+}
+
+std::pair<uint64_t, uint64_t> probe_fault_window(int fd, uint64_t offset, uint64_t window, bool hugepage) {
+  const uint64_t ps = page_size();
+  if (window == 0 || offset % ps || window % ps) throw std::invalid_argument("probe window must be whole pages");
+  void* p = mmap(nullptr, window, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED) throw OsError{errno, "probe mapping"};
+  const uint64_t a = reinterpret_cast<uint64_t>(p);
+  const uint64_t before = resident_bytes(a, window);
+  uint64_t after = 0;
+  if (before == 0) {
+    if (hugepage) (void)madvise(p, window, MADV_HUGEPAGE);
+    (void)madvise(p, window, MADV_RANDOM);
+    if (populate_read(a, ps) == EINVAL) {
+      uint64_t fault = 0;
+      (void)touch_pages(a, 1, &fault);
+    }
+    after = resident_bytes(a, window);
+  }
+  munmap(p, window);
+  return {before, after};
 }
 
 }  // namespace mapoffload

@@ -96,7 +96,11 @@ int advise_pageout(uint64_t addr, uint64_t nbytes);
 // matmuls over them). "off" clears MADV_RANDOM only (VM_HUGEPAGE has no
 // "back to the default"; it stays a harmless hint). Returns 0 or the errno.
 // The kernel splits the mapping's VMA at the span's page boundaries.
-int advise_random(uint64_t addr, uint64_t nbytes, bool on);
+// `hugepage` false leaves MADV_HUGEPAGE out: where a fault does not read a
+// whole 2 MiB window (kernels before 5.18), it buys nothing, and
+// CONFIG_READ_ONLY_THP_FOR_FS's khugepaged could collapse a layer's pages into
+// huge folios that straddle its neighbours.
+int advise_random(uint64_t addr, uint64_t nbytes, bool on, bool hugepage = true);
 
 // (resident bytes, file size) of a file's pages in the page cache, by mincore
 // over a fresh read-only shared mapping (the vmtouch view): nothing is read.
@@ -123,5 +127,34 @@ int populate_read(uint64_t addr, uint64_t nbytes);
 // (a weight written in place, copy-on-write) are kept. Returns the bytes
 // advised, or -errno.
 int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes);
+
+// Reads a span of a file mapping into the page cache in large I/Os, without
+// relying on faults: madvise(MADV_WILLNEED) from the first page not yet
+// resident to the span's end, then mincore to see how far the kernel went,
+// and again from there. The kernel reads at most max(read_ahead_kb, the
+// device's io_pages) per call and silently drops the rest (mm/readahead.c
+// force_page_cache_ra), a cap that differs per device and per open file: it
+// is measured here, not guessed. mincore counts a page as soon as it is in the
+// page cache, I/O still in flight included, so nothing waits for the disk.
+// Readahead reads only what is asked (no read-around): nothing beyond the
+// span's first and last page is read. Where a call reads nothing (readahead
+// off, memory short) the next starts `step` bytes further; those pages are
+// left to the faults. Returns the number of MADV_WILLNEED calls made.
+uint64_t read_ahead(uint64_t addr, uint64_t nbytes, uint64_t step = 128 * 1024);
+
+// Faults the span's pages in by reading one byte of each (under the SIGBUS
+// guard): what MADV_POPULATE_READ does, for kernels before 5.14. Returns 0, or
+// EFAULT with the faulting address in *fault_addr where a page cannot be read.
+int touch_pages(uint64_t addr, uint64_t nbytes, uint64_t* fault_addr);
+
+// The run-time probe of how a fault reads a file (see mapoffload/_manager/
+// kernel.py): maps [offset, offset+window) of fd read-only; if any of its pages
+// is resident, stops there (a warm window tells nothing). Otherwise sets
+// MADV_HUGEPAGE (with `hugepage`) + MADV_RANDOM, faults the first page in
+// (MADV_POPULATE_READ, or a guarded read where the kernel lacks it) and counts
+// the window's resident bytes. Returns (resident before, resident after) in
+// bytes; after is 0 when the window was warm. Throws OsError when the window
+// cannot be mapped.
+std::pair<uint64_t, uint64_t> probe_fault_window(int fd, uint64_t offset, uint64_t window, bool hugepage);
 
 }  // namespace mapoffload

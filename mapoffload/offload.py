@@ -171,6 +171,12 @@ class LayerwiseOffloadManager:
         weights outside the layers that every forward reads (a head). Decides
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
+    kernel_caps
+        What to assume of the kernel's page-cache behaviour instead of
+        measuring it (``_manager/kernel.py``): text as for the variable
+        ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``,
+        ``"no-populate-read"``, ``"no-pageout"``, ...), which it replaces.
+        Default: the variable, then a run-time probe per device.
 
     Notes
     -----
@@ -195,6 +201,7 @@ class LayerwiseOffloadManager:
         local_ranks: int | None = None,
         cpu_twin: bool = False,
         page_cache_bytes: int | None = None,
+        kernel_caps: str | None = None,
     ) -> None:
         import torch
 
@@ -244,7 +251,7 @@ class LayerwiseOffloadManager:
                 raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
         self.copier = copier
         self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
-        self._pages = LayerPages(self._stores)  # opens the files behind the mapped weights now
+        self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
         self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
             self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
             copy_on_compute_stream=copy_on_compute_stream)

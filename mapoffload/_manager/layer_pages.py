@@ -17,7 +17,7 @@ from typing import Any
 from .._log import logger
 from .._native import _core
 from .mapped_file import MappedFiles
-from .pages import EDGE_CHUNK, PageWorker, check_extents, file_extents, folio_edges, layer_spans
+from .pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from .residency import ResidencyPlan
 from .stores import MAPPED, LayerStore
 
@@ -31,12 +31,14 @@ class LayerPages:
     ----------
     stores
         The manager's layer stores (weights with their host tensors).
+    kernel_caps
+        What to assume of the kernel instead of probing it (``kernel.py``).
     """
 
-    def __init__(self, stores: list[LayerStore]) -> None:
+    def __init__(self, stores: list[LayerStore], kernel_caps: str | None = None) -> None:
         self._stores = stores
         self.files = MappedFiles()  # the files behind the spans, held open
-        self.worker = PageWorker()
+        self.worker = PageWorker(kernel_caps)
         self.plan: ResidencyPlan | None = None
         self._spans: dict[int, Any] = {}
         self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
@@ -53,13 +55,13 @@ class LayerPages:
         spans = self._spans.get(i)
         if spans is None:
             spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
-            # The manager reads these pages itself (populate, 2 MiB folios): a
-            # fault's read-around would bring a neighbouring layer back in,
-            # unmapped, where letting it go cannot reach it.
-            _core.advise_random(spans, True)
+            self._extents[i] = file_extents(spans, self.files)
+            # The manager reads these pages itself: a fault's read-around would
+            # bring a neighbouring layer back in, unmapped, where letting it go
+            # cannot reach it. MADV_RANDOM (+ MADV_HUGEPAGE), by kernel capability.
+            self.worker.advise(spans, self._extents[i])
             self._advised.append(spans)
             self._spans[i] = spans
-            self._extents[i] = file_extents(spans, self.files)
             self._edges[i] = folio_edges(spans)
         return spans
 
@@ -114,7 +116,7 @@ class LayerPages:
         if not self._read_ahead(i):
             return None
         what = f"layer {i} ({self._stores[i].name})"
-        return self.worker.read_in(self.spans(i), what, self._edges[i])
+        return self.worker.read_in(self.spans(i), what, self._edges[i], self._extents[i])
 
     def check(self, i: int) -> None:
         """Raise ``MappingFaultError`` when a file behind layer ``i`` no longer holds its bytes."""
@@ -129,7 +131,8 @@ class LayerPages:
         order the in-place path gets from the worker's queue: a streamed layer
         is read only after the one before it went, so no more than the plan's
         ``1 + depth`` are ever in the page cache. The layer's file-window
-        edges are read first into small folios (``pages.folio_edges``).
+        edges are read first into small folios (``pages.folio_edges``), or,
+        where faults read 4 KiB pages, the whole layer ahead in large I/Os.
         """
         self.spans(i)
         pending, self._letting_go = self._letting_go, None
@@ -138,8 +141,12 @@ class LayerPages:
                 pending.result()
             except Exception:
                 logger.debug("letting a layer go failed", exc_info=True)
-        if len(self._edges[i]):
-            _core.advise_willneed(self._edges[i], EDGE_CHUNK)
+        self.worker.before_copy(self.spans(i), self._edges[i], self._extents[i])
+
+    def before_cached_copy(self, i: int) -> None:
+        """Before a copier reads cached layer ``i``: read it ahead where faults read 4 KiB pages."""
+        if self._stores[i].bytes_in(MAPPED):
+            self.worker.before_copy(self.spans(i), None, self._extents[i])
 
     # -- letting go ------------------------------------------------------------------------
     def let_go(self, i: int) -> Future | None:

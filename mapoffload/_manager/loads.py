@@ -139,6 +139,8 @@ class DeviceCopies:
         self._pages.spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
         if self._pages.streams(i):
             self._pages.before_streamed_read(i)
+        else:
+            self._pages.before_cached_copy(i)
         store = self._stores[i]
         buffers = {dtype: self._pool.take(n) for dtype, n in store.dev_bytes.items()}
         spans = store.spans()

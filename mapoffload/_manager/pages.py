@@ -3,6 +3,13 @@ read a layer's mapped pages in before it runs (``MADV_POPULATE_READ``, in
 2 MiB folios), let a streamed layer's pages go after it ran (``MADV_PAGEOUT``,
 checked with ``mincore`` and completed when the kernel left pages behind).
 
+The advice follows what the kernel can do (``kernel.py``, measured at run
+time, per device): where a fault does not read a whole 2 MiB window (kernels
+before 5.18), a layer is read ahead whole in large I/Os (``read_ahead``) and
+only then mapped, instead of faulted in 4 KiB at a time; without
+``MADV_POPULATE_READ`` its pages are touched a byte each under the SIGBUS
+guard; without ``MADV_PAGEOUT`` a let-go is ``POSIX_FADV_DONTNEED`` only.
+
 One worker thread per manager runs the native calls (``madvise``; the GIL
 is released while the kernel works) in the order they were asked for, so a
 streamed layer is let go before the next one is read under a tight budget.
@@ -11,10 +18,12 @@ streamed layer is let go before the next one is read under a tight budget.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._log import logger
+from .kernel import KernelCaps, kernel_caps, overrides
 from .mapped_file import MappedFile, MappedFiles
 from .._native import _core
 
@@ -136,15 +145,24 @@ def folio_edges(spans: _core.SpanArray) -> _core.SpanArray:
     return _core.SpanArray(addrs, sizes)
 
 
-def read_in(spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None) -> None:
+def read_in(spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None,
+            caps: KernelCaps | None = None) -> int:
     """Read the span's pages in and map them (``MADV_POPULATE_READ``).
 
-    The spans are ``MADV_HUGEPAGE`` + ``MADV_RANDOM`` (the manager sets it):
-    each fault reads the aligned 2 MiB folio that holds it, no more, so this
-    reads in 2 MiB I/Os into large folios. ``edges`` (:func:`folio_edges`)
-    are read first with ``MADV_WILLNEED``, into small folios of exactly the
-    span's bytes: a fault that finds its page present reads nothing more, so
-    no large folio reaches into a neighbouring layer.
+    Where faults read whole 2 MiB windows (``caps.large_folios``; None: as
+    if), the spans are ``MADV_HUGEPAGE`` + ``MADV_RANDOM`` (the manager sets
+    it): each fault reads the aligned 2 MiB folio that holds it, no more, so
+    this reads in 2 MiB I/Os into large folios. ``edges``
+    (:func:`folio_edges`) are read first with ``MADV_WILLNEED``, into small
+    folios of exactly the span's bytes: a fault that finds its page present
+    reads nothing more, so no large folio reaches into a neighbouring layer.
+
+    Where a fault reads its own 4 KiB page only, the faults are not relied
+    on: the spans are read ahead whole first (``_core.read_ahead``:
+    ``MADV_WILLNEED`` calls as large as the kernel takes, exactly the span's
+    pages), so that populating only maps pages already in the cache. Without
+    ``MADV_POPULATE_READ`` a byte of each page is read under the SIGBUS guard.
+    Returns the ``MADV_WILLNEED`` calls the read-ahead made (0 on the fault path).
 
     Raises
     ------
@@ -152,14 +170,41 @@ def read_in(spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArra
         A page cannot be read (the file was truncated under its mapping): the
         forward would die of SIGBUS on it, so it is refused before it runs.
     """
-    if edges is not None and len(edges):
-        _core.advise_willneed(edges, EDGE_CHUNK)
-    err, addr = _core.populate_read(spans)
+    calls = 0
+    if caps is None or caps.large_folios:
+        if edges is not None and len(edges):
+            _core.advise_willneed(edges, EDGE_CHUNK)
+    else:
+        calls = _core.read_ahead(spans)
+    if caps is None or caps.populate_read:
+        err, addr = _core.populate_read(spans)
+        if err == errno.EINVAL:
+            logger.debug("MADV_POPULATE_READ refused (EINVAL); a byte of each page is read instead")
+            err, addr = _core.touch_pages(spans)
+    else:
+        err, addr = _core.touch_pages(spans)
     if err == errno.EFAULT:
         raise _fault_error(addr, what)
     if err:
-        # An old kernel (EINVAL): the compute's own faults read the pages.
-        logger.debug("MADV_POPULATE_READ refused (errno %d); the forward faults the pages in", err)
+        # Not a missing page: the compute's own faults read the pages.
+        logger.debug("reading pages in failed (errno %d); the forward faults the pages in", err)
+    return calls
+
+
+def before_copy(spans: _core.SpanArray, edges: _core.SpanArray | None, caps: KernelCaps | None) -> int:
+    """Before the copier reads a layer's mapped pages (it faults them in itself).
+
+    With window faults: the file-window edges are read first into small
+    folios (see :func:`read_in`). Without: the whole layer is read ahead in
+    large I/Os, so that the copier's faults find its pages in the cache
+    instead of reading them 4 KiB at a time. Returns the ``MADV_WILLNEED``
+    calls of the read-ahead.
+    """
+    if caps is None or caps.large_folios:
+        if edges is not None and len(edges):
+            _core.advise_willneed(edges, EDGE_CHUNK)
+        return 0
+    return _core.read_ahead(spans)
 
 
 def inner_pages(spans: _core.SpanArray) -> _core.SpanArray:
@@ -181,6 +226,19 @@ def inner_pages(spans: _core.SpanArray) -> _core.SpanArray:
     return _core.SpanArray(addrs, sizes)
 
 
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_once(line: str) -> None:
+    """An info line, once per process (every manager on the same kernel and device would repeat it)."""
+    with _logged_lock:
+        if line in _logged:
+            return
+        _logged.add(line)
+    logger.info("%s", line)
+
+
 # How a let-go ended (PageWorker.let_go_counts):
 PAGEOUT = "pageout"  # MADV_COLD + MADV_PAGEOUT took every page
 DRAINED = "drained"  # pages were left; after POSIX_FADV_DONTNEED (drains every CPU's batch), PAGEOUT took them
@@ -188,9 +246,10 @@ UNMAPPED = "unmapped"  # pages were still left; after unmapping them here (MADV_
 # clean file pages) POSIX_FADV_DONTNEED dropped them: another process had them mapped too (a replica)
 KEPT = "kept"  # the kernel kept some pages all the same (another process maps them still, say)
 REFUSED = "refused"  # MADV_PAGEOUT refused (a kernel before 5.4): pages stay until reclaim takes them
+DROPPED = "dropped"  # no MADV_PAGEOUT (kernel caps): POSIX_FADV_DONTNEED took every page
 
 
-def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int]:
+def let_go(spans: _core.SpanArray, extents: list[Extent] = (), caps: KernelCaps | None = None) -> tuple[str, int]:
     """Let a streamed layer's pages go and check (``mincore``) that they went.
 
     ``MADV_PAGEOUT`` can leave pages in place: a page read a moment ago may
@@ -204,10 +263,28 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int
     pages only) and the file's pages dropped again - the last process to
     let a layer go drops it. Returns how it ended (``PAGEOUT``, ``DRAINED``,
     ``UNMAPPED``, ``KEPT``, ``REFUSED``) and the bytes still resident.
+
+    Where the kernel has no ``MADV_PAGEOUT`` (``caps.pageout`` False), only
+    ``POSIX_FADV_DONTNEED`` is asked (``DROPPED`` when it took every page).
+    It drops no page that a process maps: this process's own clean pages
+    are unmapped first when pages are left; pages another process maps stay
+    (``KEPT``) until it lets them go or reclaim takes them.
     """
     inner = inner_pages(spans)
     if not len(inner):
         return PAGEOUT, 0
+    if caps is not None and not caps.pageout:
+        for e in extents:
+            if e.file is not None:
+                e.file.drop(e.first, e.end)
+        left = sum(_core.resident_bytes(inner))
+        if left and _core.unmap_file_pages(inner) > 0:
+            # The pages this process maps: unmapped (clean file pages only), they can be dropped.
+            for e in extents:
+                if e.file is not None:
+                    e.file.drop(e.first, e.end)
+            left = sum(_core.resident_bytes(inner))
+        return (KEPT, left) if left else (DROPPED, 0)
     err = _core.advise_pageout(inner)
     if err:
         logger.debug("MADV_PAGEOUT refused (errno %d) for %d bytes", err, inner.total_bytes)
@@ -215,6 +292,7 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int
     left = sum(_core.resident_bytes(inner))
     if not left:
         return PAGEOUT, 0
+
     def drop() -> bool:
         dropped = False
         for e in extents:
@@ -243,6 +321,14 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = ()) -> tuple[str, int
 class PageWorker:
     """A single worker thread for page-cache calls; made again after a fork.
 
+    Parameters
+    ----------
+    kernel_caps
+        What to assume of the kernel instead of finding it out (text as for
+        ``MAPOFFLOAD_KERNEL_CAPS``, e.g. ``"no-large-folios"``, or a whole
+        :class:`~mapoffload._manager.kernel.KernelCaps`); None: the variable,
+        then the run-time probe. Validated here.
+
     Attributes
     ----------
     let_go_counts
@@ -250,14 +336,62 @@ class PageWorker:
         mechanism the kernel needed.
     kept_bytes
         Bytes the kernel kept resident after let-gos, summed.
+    read_ahead_calls
+        ``MADV_WILLNEED`` calls made to read layers ahead where faults read
+        4 KiB pages (0 where they read 2 MiB windows).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_caps: str | KernelCaps | None = None) -> None:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        # How each let-go ended (PAGEOUT, DRAINED, KEPT, REFUSED), and the bytes kept in all.
+        # How each let-go ended (PAGEOUT, DRAINED, KEPT, REFUSED, DROPPED), and the bytes kept in all.
         self.let_go_counts: dict[str, int] = {}
         self.kept_bytes = 0
+        self.read_ahead_calls = 0
+        self._given = kernel_caps if isinstance(kernel_caps, KernelCaps) else overrides(kernel_caps)
+        self._caps: dict[int | None, KernelCaps] = {}  # device (st_dev) -> its capabilities
+
+    def caps(self, extents: list[Extent] = ()) -> KernelCaps:
+        """The kernel capabilities for the file system of a layer's files (probed once per device)."""
+        fd = next((e.file.fd for e in extents if e.file is not None and e.file.fd >= 0), None)
+        dev = None
+        if fd is not None:
+            try:
+                dev = os.fstat(fd).st_dev
+            except OSError:
+                fd = None
+        caps = self._caps.get(dev)
+        if caps is None:
+            caps = kernel_caps(fd, self._given)
+            self._caps[dev] = caps
+            _log_once(f"page-cache advice: {caps.advice()}; {caps.describe()}")
+        return caps
+
+    def advise(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> KernelCaps | None:
+        """Set a layer's spans ``MADV_RANDOM`` (+ ``MADV_HUGEPAGE`` where faults read 2 MiB windows).
+
+        Returns the capabilities that chose it; None for a layer with no
+        mapped bytes (nothing is probed for it).
+        """
+        if not len(spans):
+            return None
+        caps = self.caps(extents)
+        # The manager reads these pages itself (populate, 2 MiB folios, or a
+        # read-ahead first): a fault's read-around would bring a neighbouring
+        # layer back in, unmapped, where letting it go cannot reach it.
+        _core.advise_random(spans, True, caps.large_folios)
+        return caps
+
+    def read_in(self, spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None,
+                extents: list[Extent] = ()) -> Future:
+        return self._executor().submit(self._read_in, spans, what, edges, self.caps(extents))
+
+    def _read_in(self, spans: _core.SpanArray, what: str, edges: _core.SpanArray | None, caps: KernelCaps) -> None:
+        self.read_ahead_calls += read_in(spans, what, edges, caps)
+
+    def before_copy(self, spans: _core.SpanArray, edges: _core.SpanArray | None, extents: list[Extent] = ()) -> None:
+        """On the calling thread, before the copier reads a layer: see :func:`before_copy`."""
+        self.read_ahead_calls += before_copy(spans, edges, self.caps(extents))
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -265,15 +399,11 @@ class PageWorker:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-pages")
             return self._pool
 
-    def read_in(self, spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None
-                ) -> Future:
-        return self._executor().submit(read_in, spans, what, edges)
-
     def let_go(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> Future:
-        return self._executor().submit(self._let_go, spans, extents)
+        return self._executor().submit(self._let_go, spans, extents, self.caps(extents))
 
-    def _let_go(self, spans: _core.SpanArray, extents: list[Extent]) -> None:
-        how, left = let_go(spans, extents)
+    def _let_go(self, spans: _core.SpanArray, extents: list[Extent], caps: KernelCaps | None = None) -> None:
+        how, left = let_go(spans, extents, caps)
         self.let_go_counts[how] = self.let_go_counts.get(how, 0) + 1
         self.kept_bytes += left
 
