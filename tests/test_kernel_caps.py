@@ -322,7 +322,7 @@ def test_without_pageout_a_let_go_is_fadvise_only(layer_file, spy):
     # With MADV_PAGEOUT (this kernel has it) the mapped layer goes.
     if kernel.advice_supported()["pageout"]:
         how, left = pages.let_go(layer_file.spans, layer_file.extents, kernel_caps(layer_file.fd))
-        assert left <= 2 * PAGE, (how, left)
+        assert left <= 2 * (2 << 20), (how, left)  # at most a large folio at each end, shared with neighbours
 
 
 # -- the manager ---------------------------------------------------------------------------------
