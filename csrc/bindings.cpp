@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "direct_read.hpp"
 #include "maps.hpp"
 #include "residency.hpp"
 #include "py_helpers.hpp"
@@ -77,6 +78,24 @@ std::vector<uint8_t> holds_all(const MapsTable& t, const SpanArray& s) {
   return out;
 }
 
+std::vector<ReadRange> make_ranges(const py::object& fds, const py::object& offsets, const py::object& lengths,
+                                   const py::object& dsts) {
+  std::vector<uint64_t> f = to_u64_vector(fds, "fds"), o = to_u64_vector(offsets, "offsets"),
+                        n = to_u64_vector(lengths, "lengths"), d = to_u64_vector(dsts, "dsts");
+  if (f.size() != o.size() || f.size() != n.size() || f.size() != d.size())
+    throw py::value_error("fds, offsets, lengths and dsts differ in length: " + std::to_string(f.size()) + ", " +
+                          std::to_string(o.size()) + ", " + std::to_string(n.size()) + ", " +
+                          std::to_string(d.size()));
+  std::vector<ReadRange> out(f.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    if (f[i] > static_cast<uint64_t>(INT32_MAX)) throw py::value_error("fds: not a descriptor: " + std::to_string(f[i]));
+    if (o[i] > static_cast<uint64_t>(INT64_MAX) || n[i] > static_cast<uint64_t>(INT64_MAX) - o[i])
+      throw py::value_error("range " + std::to_string(i) + ": offset + length beyond a file's size");
+    out[i] = {static_cast<int>(f[i]), o[i], n[i], d[i]};
+  }
+  return out;
+}
+
 MapsTable with_mounts(MapsTable t, const std::string& mountinfo_path) {
   // The mount table only refines classes (tmpfs vs disk); without it the path
   // rules still apply.
@@ -103,6 +122,47 @@ PYBIND11_MODULE(_core, m) {
   });
 
   m.def("page_size", [] { return page_size(); });
+
+  // Reading around the page cache (csrc/direct_read.hpp).
+  m.attr("DIRECT_ALIGN") = kDirectAlign;
+  m.def("direct_span", &direct_span, py::arg("offset"), py::arg("length"),
+        "Bytes read_ranges writes at a range's destination: the DIRECT_ALIGN-aligned superset of "
+        "[offset, offset + length); the byte at `offset` lands at dst + offset % DIRECT_ALIGN.");
+  m.def("open_for_reading", [](int fd, bool direct) {
+    ReadFile f;
+    {
+      py::gil_scoped_release nogil;
+      f = open_for_reading(fd, direct);
+    }
+    return py::make_tuple(f.fd, read_path_name(f.path), f.why);
+  }, py::arg("fd"), py::arg("direct") = true,
+     "(new fd, 'direct' | 'buffered', why) : the inode behind fd reopened through /proc/self/fd (it "
+     "follows the open file, not its path), with O_DIRECT where the filesystem takes it. The caller closes "
+     "the new fd. tmpfs/ramfs are read buffered on purpose; why says why a file is buffered ('' if direct).");
+  m.def("read_ranges", [](const py::object& fds, const py::object& offsets, const py::object& lengths,
+                          const py::object& dsts, uint64_t io_bytes, unsigned threads, const py::object& paths) {
+    std::vector<ReadRange> ranges = make_ranges(fds, offsets, lengths, dsts);
+    std::vector<std::string> names;
+    if (!paths.is_none())
+      for (const py::handle& p : paths) names.push_back(fs_path(py::reinterpret_borrow<py::object>(p)));
+    std::vector<RangeResult> res;
+    {
+      py::gil_scoped_release nogil;
+      res = read_ranges(ranges, names, io_bytes, threads);
+    }
+    py::list out(res.size());
+    for (size_t i = 0; i < res.size(); ++i) out[i] = py::make_tuple(read_path_name(res[i].path), res[i].bytes_read);
+    return out;
+  }, py::arg("fds"), py::arg("offsets"), py::arg("lengths"), py::arg("dsts"), py::kw_only(),
+     py::arg("io_bytes") = uint64_t{4} << 20, py::arg("threads") = 2u, py::arg("paths") = py::none(),
+     "Read file bytes [offset, offset + length) of each fd to dsts[i] + offset % DIRECT_ALIGN (dsts "
+     "DIRECT_ALIGN-aligned, direct_span bytes each, not overlapping), with the GIL released, in I/Os of "
+     "io_bytes on `threads` threads. O_DIRECT fds (open_for_reading) read around the page cache; others, and "
+     "O_DIRECT fds the filesystem refuses (they lose O_DIRECT), read with pread, then POSIX_FADV_DONTNEED. "
+     "Returns ('direct' | 'buffered', bytes transferred) per range. A file that ends before its range raises "
+     "MappingFaultError naming it; other I/O errors OSError.");
+  m.def("_inject_direct_errors", &inject_direct_errors, py::arg("open_errno") = 0, py::arg("pread_errno") = 0,
+        "Tests: make the O_DIRECT open / O_DIRECT preads fail with these errnos until called with zeros.");
   bind_copier(m);
 
   py::class_<SpanArray>(m, "SpanArray", "Byte spans (address, nbytes) as native arrays.")

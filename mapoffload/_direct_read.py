@@ -1,0 +1,565 @@
+"""Reading file bytes around the page cache into bounded, reused buffers.
+
+Under a memory cap too tight for the streaming window, reading streamed
+layers through their mapping (``MADV_POPULATE_READ``, then ``MADV_PAGEOUT``)
+makes the kernel read much of the checkpoint twice: readahead and reclaim
+evict pages of the layer in use, whose next touch reads them again. A
+:class:`DirectReader` reads "the bytes ``[first, end)`` of file F" with
+``O_DIRECT`` straight into one of a few page-aligned CPU buffers: nothing
+passes through the page cache, so nothing of it is evicted or read twice, and
+the memory it uses is the buffers, bounded and reused from one forward to the
+next.
+
+Where a filesystem has no ``O_DIRECT`` (ramfs, overlay or FUSE setups,
+tmpfs before Linux 6.6; tmpfs is read buffered on purpose everywhere: its
+pages are the file), the same call reads with ``pread`` and drops the pages
+after it (``POSIX_FADV_DONTNEED``); :attr:`DirectFile.method` and
+:attr:`DirectBuffer.methods` say which path was taken.
+
+Layout: the byte at file offset ``x`` lands at a buffer address congruent to
+``x`` modulo :data:`DIRECT_ALIGN` (4096), whichever path was taken, so a
+tensor aligned in the file is aligned in the buffer and views of its dtype
+bind to the buffer without a copy (:meth:`DirectBuffer.view`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ._log import format_bytes, logger
+from ._native import _core
+
+__all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader"]
+
+DIRECT_ALIGN: int = _core.DIRECT_ALIGN
+_GROW_QUANTUM = 2 << 20  # buffers grow to the next multiple: layers of nearly one size share one capacity
+
+
+def _round_up(n: int, q: int) -> int:
+    return -(-n // q) * q
+
+
+class DirectFile:
+    """One file opened for reading around the page cache.
+
+    Attributes
+    ----------
+    path
+        The file's name, for messages (what the caller said, or what
+        ``/proc/self/fd`` said when it was opened).
+    fd
+        The reader's own descriptor on the inode (reopened through
+        ``/proc/self/fd``, so it is the inode the caller held, whatever the
+        path names since).
+    method
+        ``"direct"`` (``O_DIRECT``) or ``"buffered"`` (``pread``, then
+        ``POSIX_FADV_DONTNEED``). A direct file whose reads the filesystem
+        refuses turns buffered on the first one.
+    why
+        Why the file is read buffered (``""`` when direct).
+    """
+
+    __slots__ = ("path", "fd", "method", "why", "key")
+
+    def __init__(self, path: str, fd: int, method: str, why: str, key: tuple[int, int]) -> None:
+        self.path, self.fd, self.method, self.why, self.key = path, fd, method, why, key
+
+    def size(self) -> int:
+        """The inode's size now (``fstat``)."""
+        return os.fstat(self.fd).st_size
+
+    def __repr__(self) -> str:
+        return f"DirectFile({self.path!r}, {self.method}{', ' + self.why if self.why else ''})"
+
+
+class _Slab:
+    """A page-aligned uint8 tensor of ``capacity`` bytes (over-allocated, then offset)."""
+
+    __slots__ = ("raw", "data", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        import torch
+
+        self.raw = torch.empty(capacity + DIRECT_ALIGN, dtype=torch.uint8)
+        lead = -self.raw.data_ptr() % DIRECT_ALIGN
+        self.data = self.raw[lead:lead + capacity]
+        self.capacity = capacity
+
+
+class DirectBuffer:
+    """A leased buffer holding the file bytes of one read.
+
+    Views of it (:meth:`tensor`, :meth:`view`) share its memory: once
+    :meth:`release` gives it back, the next read overwrites them. Release it
+    when the views are no longer used (a ``with`` block does). A buffer
+    dropped without ``release()`` is not reused: its memory stays with
+    whatever views are left, and the reader allocates another.
+
+    Attributes
+    ----------
+    data
+        The whole buffer (uint8; ``data.data_ptr()`` is DIRECT_ALIGN-aligned).
+    extents
+        ``(DirectFile, first, end)`` of each extent read.
+    offsets
+        Where each extent's ``first`` byte lies in ``data``.
+    methods
+        ``"direct"`` or ``"buffered"``: the path each extent took.
+    bytes_read
+        Bytes the reads transferred (direct reads read whole aligned blocks).
+    """
+
+    __slots__ = ("data", "extents", "offsets", "methods", "bytes_read", "_slab", "_reader", "_finalizer",
+                 "__weakref__")
+
+    def __init__(self, reader: DirectReader, slab: _Slab, extents: list[tuple[DirectFile, int, int]],
+                 offsets: list[int], methods: list[str], bytes_read: int) -> None:
+        self.data = slab.data
+        self.extents, self.offsets, self.methods, self.bytes_read = extents, offsets, methods, bytes_read
+        self._slab: _Slab | None = slab
+        self._reader = reader
+        self._finalizer = weakref.finalize(self, DirectReader._lost, weakref.ref(reader), slab.capacity)
+
+    @property
+    def offset(self) -> int:
+        """Where the first extent's ``first`` byte lies in :attr:`data`."""
+        return self.offsets[0]
+
+    @property
+    def method(self) -> str:
+        """``"direct"`` when every extent was read around the page cache, else ``"buffered"``."""
+        return "direct" if all(m == "direct" for m in self.methods) else "buffered"
+
+    @property
+    def released(self) -> bool:
+        return self._slab is None
+
+    def tensor(self, i: int = 0) -> Any:
+        """The bytes of extent ``i`` (uint8 view of :attr:`data`)."""
+        _, first, end = self.extents[i]
+        return self.view(first, end, i)
+
+    def view(self, start: int, stop: int, i: int = 0) -> Any:
+        """The file bytes ``[start, stop)`` of extent ``i``, as a uint8 view of the buffer.
+
+        The view's address is congruent to ``start`` modulo DIRECT_ALIGN:
+        ``.view(dtype)`` of a tensor stored aligned in the file works.
+        """
+        if self._slab is None:
+            raise RuntimeError("this DirectBuffer was released: its bytes may already be another read's")
+        _, first, end = self.extents[i]
+        if not first <= start <= stop <= end:
+            raise ValueError(f"[{start}, {stop}) is not within the extent read, [{first}, {end})")
+        base = self.offsets[i] + start - first
+        return self.data[base:base + stop - start]
+
+    def release(self) -> None:
+        """Give the buffer back to the reader for the next read. Idempotent."""
+        slab, self._slab = self._slab, None
+        if slab is not None:
+            self._finalizer.detach()
+            self._reader._give_back(slab)
+
+    def __enter__(self) -> DirectBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._slab is None else f"{format_bytes(self.data.numel())}"
+        return f"DirectBuffer({len(self.extents)} extent(s), {self.method}, {state})"
+
+
+_READERS: weakref.WeakSet[DirectReader] = weakref.WeakSet()
+
+
+class DirectReader:
+    """Reads file byte ranges around the page cache into a bounded pool of buffers.
+
+    Parameters
+    ----------
+    buffers
+        How many buffers may exist at once (leased or free). A read waits
+        for one to be released when all are leased: this bounds the memory
+        to ``buffers`` times the largest read.
+    buffer_bytes
+        Fixed capacity of each buffer; a larger read raises ValueError. None:
+        buffers grow to the largest read so far (to a multiple of 2 MiB) and
+        are reused from then on.
+    io_bytes
+        Largest single ``pread`` (a multiple of DIRECT_ALIGN).
+    threads
+        Reads in flight at once within one call (the calling thread and
+        ``threads - 1`` threads started for the call and joined before it
+        returns).
+    direct
+        False reads every file buffered (``pread`` + ``POSIX_FADV_DONTNEED``),
+        for comparison.
+
+    Notes
+    -----
+    Fork: the native reads start no thread that outlives a call; the
+    reader's one Python worker (for :meth:`read_async`) is forgotten in a
+    child, which makes its own on its first asynchronous read. A Future
+    obtained in the parent never completes in the child. Descriptors are
+    inherited (``O_CLOEXEC``: not across ``exec``).
+    """
+
+    def __init__(self, *, buffers: int = 2, buffer_bytes: int | None = None, io_bytes: int = 4 << 20,
+                 threads: int = 2, direct: bool = True) -> None:
+        if buffers < 1:
+            raise ValueError(f"buffers must be >= 1, not {buffers}")
+        if io_bytes < DIRECT_ALIGN or io_bytes % DIRECT_ALIGN:
+            raise ValueError(f"io_bytes must be a positive multiple of {DIRECT_ALIGN}, not {io_bytes}")
+        if not 1 <= threads <= 16:
+            raise ValueError(f"threads must be 1..16, not {threads}")
+        if buffer_bytes is not None and buffer_bytes < DIRECT_ALIGN:
+            raise ValueError(f"buffer_bytes must be >= {DIRECT_ALIGN}, not {buffer_bytes}")
+        self.buffers = buffers
+        self.buffer_bytes = None if buffer_bytes is None else _round_up(buffer_bytes, DIRECT_ALIGN)
+        self.io_bytes, self.threads, self.direct = io_bytes, threads, direct
+        self._cond = threading.Condition()
+        self._free: list[_Slab] = []
+        self._leased = 0  # slabs out (leased, or held by an asynchronous read in flight)
+        self._worker_leases = 0  # of those, held by the worker's read in flight (not handed over yet)
+        self._active = 0  # reads using descriptors now
+        self._closing = False  # close() began: no new reads are taken
+        self._closed = False
+        self._files: dict[tuple[int, int], DirectFile] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._stats = {"reads": 0, "wanted_bytes": 0, "direct_bytes": 0, "buffered_bytes": 0, "seconds": 0.0,
+                       "allocations": 0}
+        _READERS.add(self)
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def open(self, file: Any, path: str | None = None) -> DirectFile:
+        """The :class:`DirectFile` for ``file``; one per inode, opened on first use.
+
+        Parameters
+        ----------
+        file
+            A descriptor the caller holds open (an int, or an object with
+            ``fd`` and ``path`` attributes such as ``MappedFile``): it is
+            reopened through ``/proc/self/fd``, so the inode read is the one
+            the caller holds even after its path was renamed over. Or a path
+            (str, bytes, os.PathLike), opened now.
+        path
+            The name to use in messages (default: the object's ``path``, or
+            what ``/proc/self/fd`` says).
+        """
+        if isinstance(file, DirectFile) and self._files.get(file.key) is file:
+            return file
+        own = None
+        if isinstance(file, int):
+            fd = file
+        elif hasattr(file, "fd"):
+            fd = file.fd
+            path = path if path is not None else getattr(file, "path", None)
+        else:
+            own = fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            path = path if path is not None else os.fsdecode(file)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with self._cond:
+                self._check_open()
+                f = self._files.get(key)
+                if f is not None:
+                    return f
+            if path is None:
+                try:
+                    path = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    path = f"<fd {fd}>"
+            nfd, method, why = _core.open_for_reading(fd, self.direct)
+        finally:
+            if own is not None:
+                os.close(own)
+        f = DirectFile(path, nfd, method, why, key)
+        with self._cond:
+            closing = self._closing
+            other = None if closing else self._files.setdefault(key, f)
+        if other is not f:  # closed meanwhile, or another thread opened the inode first
+            os.close(nfd)
+            if closing:
+                self._check_open()
+            return other
+        if method != "direct":
+            logger.info("%s is read with plain reads, its pages dropped after them: %s", path, why)
+        else:
+            logger.debug("%s is read around the page cache (O_DIRECT)", path)
+        return f
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def read(self, file: Any, first: int, end: int, *, timeout: float | None = None) -> DirectBuffer:
+        """Read the bytes ``[first, end)`` of ``file`` into a free buffer.
+
+        Parameters
+        ----------
+        file
+            A :class:`DirectFile`, or anything :meth:`open` takes.
+        first, end
+            File offsets; any alignment.
+        timeout
+            Seconds to wait for a free buffer (None: as long as it takes).
+
+        Returns
+        -------
+        DirectBuffer
+            ``buf.data[buf.offset : buf.offset + end - first]`` are the bytes
+            (``buf.tensor()``); release it when done.
+
+        Raises
+        ------
+        MappingFaultError
+            The file ends before ``end`` (truncated): names the path and offsets.
+        TimeoutError
+            No buffer was released within ``timeout``.
+        """
+        return self.read_extents([(file, first, end)], timeout=timeout)
+
+    def read_extents(self, extents: Sequence[tuple[Any, int, int]], *, timeout: float | None = None
+                     ) -> DirectBuffer:
+        """Read several ``(file, first, end)`` extents into one buffer (a layer across two shards).
+
+        Each extent starts at its own DIRECT_ALIGN-aligned slot of the buffer
+        (:attr:`DirectBuffer.offsets`); the reads run in one native call.
+        """
+        with self._cond:
+            self._check_open()
+        files = [(self.open(f), int(a), int(b)) for f, a, b in extents]
+        return self._read(files, timeout, worker=False)
+
+    def read_async(self, file: Any, first: int, end: int, *, timeout: float | None = None
+                   ) -> Future[DirectBuffer]:
+        """:meth:`read` on the reader's worker thread; the Future's result is the buffer.
+
+        Reads run one after another in the order asked (each with its own
+        ``threads`` I/Os in flight), so a prefetch queue reads in order.
+        """
+        return self.read_extents_async([(file, first, end)], timeout=timeout)
+
+    def read_extents_async(self, extents: Sequence[tuple[Any, int, int]], *, timeout: float | None = None
+                           ) -> Future[DirectBuffer]:
+        """:meth:`read_extents` on the reader's worker thread."""
+        files = [(self.open(f), int(a), int(b)) for f, a, b in extents]
+        return self._executor().submit(self._read_on_worker, files, timeout)
+
+    def _read_on_worker(self, files: list[tuple[DirectFile, int, int]], timeout: float | None) -> DirectBuffer:
+        try:
+            return self._read(files, timeout, worker=True)
+        finally:
+            with self._cond:
+                self._worker_leases -= 1  # handed over in the Future, or given back
+
+    def _read(self, files: list[tuple[DirectFile, int, int]], timeout: float | None, worker: bool
+              ) -> DirectBuffer:
+        for f, a, b in files:
+            if not 0 <= a <= b:
+                raise ValueError(f"{f.path}: bad extent [{a}, {b})")
+        spans = [_core.direct_span(a, b - a) for _, a, b in files]
+        slab = self._acquire(max(sum(spans), DIRECT_ALIGN), timeout, worker)
+        try:
+            return self._read_into(slab, files, spans)
+        except BaseException:
+            self._give_back(slab)
+            raise
+
+    def _read_into(self, slab: _Slab, files: list[tuple[DirectFile, int, int]], spans: list[int]) -> DirectBuffer:
+        base = slab.data.data_ptr()
+        dsts, offsets, slot = [], [], 0
+        for (_, a, _), n in zip(files, spans):
+            dsts.append(base + slot)
+            offsets.append(slot + a % DIRECT_ALIGN)
+            slot += n
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("this DirectReader is closed")
+            self._active += 1
+        t0 = time.perf_counter()
+        try:
+            res = _core.read_ranges([f.fd for f, _, _ in files], [a for _, a, _ in files],
+                                    [b - a for _, a, b in files], dsts, io_bytes=self.io_bytes,
+                                    threads=self.threads, paths=[f.path for f, _, _ in files])
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+        seconds = time.perf_counter() - t0
+        methods = [m for m, _ in res]
+        for (f, _, _), m in zip(files, methods):
+            if m != f.method:  # the filesystem refused a direct read: the descriptor lost O_DIRECT
+                f.method, f.why = m, "the filesystem refused an O_DIRECT read"
+                logger.info("%s: the filesystem refused an O_DIRECT read; plain reads from now on", f.path)
+        with self._cond:
+            s = self._stats
+            s["reads"] += 1
+            s["wanted_bytes"] += sum(b - a for _, a, b in files)
+            for m, n in res:
+                s["direct_bytes" if m == "direct" else "buffered_bytes"] += n
+            s["seconds"] += seconds
+        return DirectBuffer(self, slab, files, offsets, methods, sum(n for _, n in res))
+
+    # --- buffers --------------------------------------------------------------------------------
+
+    def _acquire(self, need: int, timeout: float | None, worker: bool = False) -> _Slab:
+        if self.buffer_bytes is not None and need > self.buffer_bytes:
+            raise ValueError(f"a read of {need} bytes (aligned) does not fit buffers of {self.buffer_bytes} bytes")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("this DirectReader is closed")
+                if self._free:
+                    # The smallest free buffer that fits, else the largest (it grows).
+                    fits = [s for s in self._free if s.capacity >= need]
+                    slab = min(fits, key=lambda s: s.capacity) if fits else max(self._free, key=lambda s: s.capacity)
+                    self._free.remove(slab)
+                    break
+                if self._leased < self.buffers:
+                    slab = None
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no DirectReader buffer was released within {timeout} s "
+                                       f"({self.buffers} leased)")
+                self._cond.wait(left)
+            self._leased += 1
+            self._worker_leases += worker  # the worker's counter falls in _read_on_worker
+        try:
+            if slab is None or slab.capacity < need:
+                cap = self.buffer_bytes or _round_up(need, _GROW_QUANTUM)
+                if slab is not None:
+                    logger.debug("DirectReader buffer grows from %s to %s", format_bytes(slab.capacity),
+                                 format_bytes(cap))
+                slab = None  # let the old one go before the new one is made
+                slab = _Slab(cap)
+                with self._cond:
+                    self._stats["allocations"] += 1
+        except BaseException:
+            with self._cond:
+                self._leased -= 1
+                self._cond.notify_all()
+            raise
+        return slab
+
+    def _give_back(self, slab: _Slab) -> None:
+        with self._cond:
+            self._leased -= 1
+            if not self._closed:
+                self._free.append(slab)
+            self._cond.notify_all()
+
+    @staticmethod
+    def _lost(reader_ref: weakref.ref, capacity: int) -> None:
+        """A DirectBuffer was dropped without release(): its slot is free, its memory is not reused."""
+        reader = reader_ref()
+        if reader is None:
+            return
+        logger.debug("a DirectBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
+        with reader._cond:
+            reader._leased -= 1
+            reader._cond.notify_all()
+
+    # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the free buffers the reader keeps (leased ones are the callers')."""
+        with self._cond:
+            return sum(s.capacity for s in self._free)
+
+    @property
+    def leased(self) -> int:
+        """Buffers out now (leased, or being read into)."""
+        with self._cond:
+            return self._leased
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``reads``, ``wanted_bytes``, ``direct_bytes`` and ``buffered_bytes`` (bytes the
+        reads transferred by each path), ``seconds`` in native reads, buffer ``allocations``."""
+        with self._cond:
+            return dict(self._stats)
+
+    def files(self) -> list[DirectFile]:
+        """The files opened so far."""
+        with self._cond:
+            return list(self._files.values())
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise RuntimeError("this DirectReader is closed")
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._cond:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-direct")
+            return self._pool
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's threads do not exist here: a lock one of them held
+        # stays held, and the worker's read in flight never finishes.
+        self._cond = threading.Condition()
+        self._pool = None
+        self._leased -= self._worker_leases  # the worker's buffer in flight is unreachable here
+        self._worker_leases = 0
+        self._active = 0
+
+    def close(self) -> None:
+        """Finish asynchronous reads, wait for reads in flight, close the descriptors, drop the free
+        buffers. Leased buffers stay valid for their holders. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True  # open(), read*() and read*_async() refuse from here on
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # reads queued before close() still run
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # reads waiting for a buffer raise
+            while self._active:
+                self._cond.wait()
+            files, self._files = list(self._files.values()), {}
+            self._free = []
+        for f in files:
+            fd, f.fd = f.fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Nothing can be reading (a read holds the reader); the worker, if
+        # any, is idle. Close the descriptors without waiting for anything.
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            for f in self._files.values():
+                if f.fd >= 0:
+                    os.close(f.fd)
+                    f.fd = -1
+        except Exception:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    for reader in list(_READERS):
+        reader._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
