@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ._log import format_bytes, logger
 from ._manager.coordinator import coordinator
 from ._manager.layer_pages import LayerPages
-from ._manager.loads import DeviceCopies, InPlace, Loaded
+from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround
 from ._manager.residency import ResidencyPlan
 from ._manager.rest import RestGuard
 from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
@@ -54,6 +54,22 @@ if TYPE_CHECKING:
 __all__ = ["LayerwiseOffloadManager"]
 
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
+STREAM_READS = ("auto", "mapping", "direct")
+# A warm forward reading more than this times what the plan streams (and the
+# weights read every forward) is the kernel re-reading evicted pages.
+READ_AROUND_RATIO = 1.2
+
+
+def _process_read_bytes() -> int | None:
+    """Bytes this process had read from storage (``/proc/self/io`` read_bytes); None where unreadable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -> Copier:
@@ -171,6 +187,15 @@ class LayerwiseOffloadManager:
         weights outside the layers that every forward reads (a head). Decides
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
+    stream_reads
+        How streamed layers are read on the CPU (``device="cpu"``):
+        ``"mapping"`` (read in through the mapping, let go after use),
+        ``"direct"`` (read around the page cache, ``O_DIRECT``, into
+        ``1 + depth`` reused buffers; cached layers stay on the mapping), or
+        ``"auto"``: the mapping, until two warm forwards in a row read more
+        than 1.2x what the plan streams (the kernel evicting the layer in use
+        under a tight cap) - then direct. ``stream_reads_why`` says what was
+        measured.
     kernel_caps
         What to assume of the kernel's page-cache behaviour instead of
         measuring it (``_manager/kernel.py``): text as for the variable
@@ -202,6 +227,7 @@ class LayerwiseOffloadManager:
         cpu_twin: bool = False,
         page_cache_bytes: int | None = None,
         kernel_caps: str | None = None,
+        stream_reads: str = "auto",
     ) -> None:
         import torch
 
@@ -244,6 +270,8 @@ class LayerwiseOffloadManager:
                        local_ranks=self.local_ranks, direct=in_place)
         if page_cache_bytes is not None and page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
+        if stream_reads not in STREAM_READS:
+            raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
         owns_copier = copier is None
         if not in_place:
             copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
@@ -259,6 +287,11 @@ class LayerwiseOffloadManager:
         # The page-cache plan is the process's (every manager under one budget).
         self._page_cache_given = page_cache_bytes
         self.residency: ResidencyPlan | None = None
+        self._stream_reads = stream_reads if in_place else "mapping"
+        self.stream_reads_why = "" if in_place else "the device path copies each layer through its mapping"
+        self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
+        self._forwards = 0
+        self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
         self._loaded: dict[int, Loaded] = {}
         self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
         self._hooks: list = []
@@ -269,6 +302,8 @@ class LayerwiseOffloadManager:
         self._engaged = False
         self._closed = False
         coordinator().join(self)  # plans the page cache for every manager, this one included
+        if self._stream_reads == "direct":
+            self._read_around("stream_reads='direct'")
         self._engage()
         _MANAGERS.add(self)
         me = weakref.ref(self)
@@ -493,7 +528,44 @@ class LayerwiseOffloadManager:
     def _before_forward(self, module, args) -> None:
         """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
         coordinator().follow_cap()
+        self._choose_stream_reads()
         self._rest.check()
+
+    @property
+    def stream_reads(self) -> str:
+        """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
+        return "direct" if isinstance(self._loads, ReadAround) else "mapping"
+
+    def _read_around(self, why: str) -> None:
+        """From the next layer on, read streamed layers around the page cache (in-place path only)."""
+        if isinstance(self._loads, ReadAround) or not isinstance(self._loads, InPlace):
+            return
+        depth = self.residency.depth if self.residency is not None else self.prefetch_layers
+        self._loads = ReadAround(self._stores, self._pages, buffers=1 + depth)
+        self.stream_reads_why = why
+        logger.info("%s: streamed layers are read around the page cache (O_DIRECT) from now on: %s",
+                    self._stack_name, why)
+
+    def _choose_stream_reads(self) -> None:
+        """``stream_reads="auto"``: at a forward's start, measure what the last one read; switch when it thrashed."""
+        if self._stream_reads != "auto" or self.stream_reads == "direct":
+            return
+        now = _process_read_bytes()
+        last, self._reads_at_forward = self._reads_at_forward, now
+        if now is None or last is None:
+            return
+        self._forwards += 1
+        plan = self.residency
+        if self._forwards < 2 or plan is None or not plan.streamed:
+            return  # the first forward reads the cached set in too
+        expected = sum(m.residency.streamed_bytes for m in coordinator().managers() if m.residency is not None)
+        expected += coordinator().always_bytes
+        read = now - last
+        self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
+        self.stream_reads_why = (f"the last forward read {format_bytes(read)}, the plan streams "
+                                 f"{format_bytes(expected)} ({read / max(expected, 1):.2f}x)")
+        if self._excess >= 2:
+            self._read_around(self.stream_reads_why + f", twice in a row over {READ_AROUND_RATIO}x")
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
@@ -602,7 +674,7 @@ class LayerwiseOffloadManager:
     def _make_post_hook(self, i: int):
         def post_hook(module, args, output):
             self._finish_layer(i)
-            if self._loads.copies:
+            if self._loads.recycles(i):
                 self._refuse_recorded_graph(i, output)
 
         return _eager(post_hook)
@@ -622,11 +694,18 @@ class LayerwiseOffloadManager:
         if not torch.is_grad_enabled():
             return
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+            if self._loads.copies:
+                raise RuntimeError(
+                    f"layer {i} ({self._stores[i].name}) recorded autograd through the device pipeline: gradients "
+                    "would be computed from device buffers that later layers overwrite. Run it under "
+                    "torch.no_grad() or torch.inference_mode(), or take input gradients with device='cpu' "
+                    "(computes from the host stores, exact)"
+                )
             raise RuntimeError(
-                f"layer {i} ({self._stores[i].name}) recorded autograd through the device pipeline: gradients "
-                "would be computed from device buffers that later layers overwrite. Run it under "
-                "torch.no_grad() or torch.inference_mode(), or take input gradients with device='cpu' "
-                "(computes from the host stores, exact)"
+                f"layer {i} ({self._stores[i].name}) recorded autograd through a buffer it was read into around "
+                "the page cache (stream_reads='direct'), which the next streamed layer overwrites. Run it under "
+                "torch.no_grad() or torch.inference_mode(), or take input gradients with stream_reads='mapping' "
+                "(computes from the mapping, exact)"
             )
 
     # -- host weights ------------------------------------------------------------------------
@@ -720,6 +799,7 @@ class LayerwiseOffloadManager:
                 w.store = STRIDED
                 store.invalidate()
                 self._pages.forget(store.index)
+                self._loads.forget(store.index)
             else:
                 w.host.copy_(value)
             if self.is_loaded(store.index):

@@ -212,6 +212,7 @@ def _run_peers(tmp_path, files: list) -> list[dict]:
     env = dict(os.environ, MAPOFFLOAD_PEERS_DIR=str(tmp_path / "peers"), **{ENV_HOST_AVAILABLE_GIB: "1.2"})
     go = str(tmp_path / "go")
     procs = [subprocess.Popen([sys.executable, "-c", PEER, str(f), go, str(tmp_path / f"out{k}.json")], env=env,
+                              cwd=str(tmp_path),  # not the source folder: it would shadow the installed package
                               stderr=subprocess.PIPE, text=True) for k, f in enumerate(files)]
     try:
         import time

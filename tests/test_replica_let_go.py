@@ -68,6 +68,7 @@ def test_the_last_replica_to_let_go_drops_the_shared_pages(layer_file):
     if sum(_core.resident_bytes(spans)) < SIZE:
         pytest.skip("the pages did not stay resident (tmpfs or memory pressure)")
     child = subprocess.Popen([sys.executable, "-c", CHILD, layer_file], stdin=subprocess.PIPE,
+                             cwd=os.path.dirname(layer_file),  # not the source folder: it shadows the package
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"

@@ -65,6 +65,11 @@ class LayerPages:
             self._edges[i] = folio_edges(spans)
         return spans
 
+    def extents(self, i: int) -> list:
+        """``Extent`` (file held open, path, first, end) of each file layer ``i``'s mapped weights read."""
+        self.spans(i)
+        return self._extents[i]
+
     def forget(self, i: int) -> None:
         """Layer ``i``'s stores changed (a mapped weight became owned): measure its spans again."""
         self._spans.pop(i, None)

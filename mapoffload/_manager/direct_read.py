@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ._log import format_bytes, logger
-from ._native import _core
+from .._log import format_bytes, logger
+from .._native import _core
 
 __all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader"]
 

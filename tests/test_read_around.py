@@ -1,0 +1,115 @@
+"""Streamed layers read around the page cache (``stream_reads="direct"``):
+outputs equal, the streamed layers never enter the page cache, a warm
+forward reads the streamed bytes once; ``"auto"`` switches after two warm
+forwards that read more than the plan streams, and not otherwise."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mapoffload import LayerwiseOffloadManager, MappingFaultError, drop_page_cache
+
+from test_offload_direct import ckpt, drain, io_read_bytes, layer_resident, mapped  # noqa: F401 (ckpt: a fixture)
+
+# The module (mapoffload.offload is also the name of the Hugging Face entry point).
+offload_module = importlib.import_module("mapoffload.offload")
+
+
+def _layer(model) -> int:
+    return model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
+
+
+def test_direct_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
+    path, x, want = ckpt
+    model = mapped(path)
+    layer = _layer(model)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
+                                 stream_reads="direct") as mgr:
+        assert mgr.stream_reads == "direct"
+        plan = mgr.residency
+        assert plan.streamed and plan.cached
+        mgr.register_forward_hooks()
+        drop_page_cache(path)
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # cold: the cached set is read in
+            before = io_read_bytes()
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+            read = (io_read_bytes() - before) / 2
+        drain(mgr)
+        # Streamed layers never went through the page cache: what is resident of
+        # them are bytes in a large folio with a cached neighbour (at most one
+        # 2 MiB folio at each end of the cached set).
+        streamed_resident = [layer_resident(mgr, i) for i in plan.streamed]
+        assert sum(streamed_resident) <= 2 * (2 << 20), streamed_resident
+        for i in plan.cached:
+            assert layer_resident(mgr, i) > 0
+        # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
+        assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 2 * 4096 + 65536, read
+        assert mgr._loads.reader.stats()["direct_bytes"] > 0
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # the model is whole again
+
+
+def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
+    path, x, want = ckpt
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
+                                 stream_reads="direct") as mgr:
+        mgr.load_all_layers()  # every layer at once: two buffers, the rest through the mapping
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        mgr.release_all()
+
+
+def test_autograd_through_a_reused_buffer_is_refused(ckpt):
+    path, x, _ = ckpt
+    model = mapped(path)
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen weights, input gradients (attribution)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
+                                 stream_reads="direct") as mgr:
+        mgr.register_forward_hooks()
+        xg = x.clone().requires_grad_(True)
+        with pytest.raises(RuntimeError, match="stream_reads='mapping'"):
+            model(xg)
+
+
+def test_a_truncated_file_is_an_exception(ckpt, tmp_path):
+    import shutil
+
+    path, x, _ = ckpt
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(path, copy)
+    model = mapped(copy)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
+                                 stream_reads="direct") as mgr:
+        mgr.register_forward_hooks()
+        last = max(mgr.residency.streamed)
+        size = copy.stat().st_size
+        with open(copy, "r+b") as f:
+            f.truncate(size - _layer(model) // 2)
+        with torch.no_grad(), pytest.raises(MappingFaultError):
+            model(x)
+        assert last in mgr.residency.streamed
+
+
+@pytest.mark.parametrize("reads, switched", [([10, 30, 30], True), ([10, 30, 10, 30], False), ([10, 11, 11], False)])
+def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypatch, reads, switched):
+    """reads: bytes each forward read, in units of what the plan streams (the first is the cold one)."""
+    path, x, want = ckpt
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
+        assert mgr.stream_reads == "mapping"
+        unit = mgr.residency.streamed_bytes / 10
+        counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
+        monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(len(reads) + 1):
+                assert torch.equal(model(x), want)
+        assert mgr.stream_reads == ("direct" if switched else "mapping"), mgr.stream_reads_why
+        assert "the plan streams" in mgr.stream_reads_why
