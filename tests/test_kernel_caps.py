@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import logging
 import os
 
@@ -317,10 +318,6 @@ def test_without_pageout_a_let_go_is_fadvise_only(layer_file, spy):
     how, left = pages.let_go(layer_file.spans, layer_file.extents, caps)
     assert how == KEPT and left > 0
     assert "advise_pageout" not in spy.names()
-    # With MADV_PAGEOUT (this kernel has it) the mapped layer goes.
-    if kernel.advice_supported()["pageout"]:
-        how, left = pages.let_go(layer_file.spans, layer_file.extents, kernel_caps(layer_file.fd))
-        assert left <= 2 * PAGE, (how, left)
 
 
 # -- the manager ---------------------------------------------------------------------------------
@@ -350,5 +347,10 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
         counts = mgr._pages.let_go_counts
         assert streamed and sum(counts.values()) >= len(streamed), counts
         mgr.close()
+        del model, mgr
+        gc.collect()  # no mapping of the file left for the next drop to miss
     assert reads["large-folios"] == 0
-    assert reads["no-large-folios"] >= LAYERS, reads  # every layer read ahead at least once
+    # Streamed layers are let go after each forward: the second reads each of
+    # them ahead again (the first may find some warm: the weights outside the
+    # layers are read with read-around, neighbouring layers' bytes among it).
+    assert reads["no-large-folios"] >= len(streamed), reads
