@@ -139,7 +139,13 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes);
 // Readahead reads only what is asked (no read-around): nothing beyond the
 // span's first and last page is read. Where a call reads nothing (readahead
 // off, memory short) the next starts `step` bytes further; those pages are
-// left to the faults. Returns the number of MADV_WILLNEED calls made.
+// left to the faults. Where the thread's read bytes are not kept, or a file
+// system reads without submitting block I/O from this thread (NFS, FUSE),
+// only completed reads show progress: the calls then move on by `step`, and
+// the reads are `step`-sized. A span across two VMAs has the cap applied per
+// VMA, so counting its submitted bytes can skip pages of the first: those are
+// left to the faults (a layer's span lies in one VMA unless two mappings sit
+// side by side in the address space). Returns the MADV_WILLNEED calls made.
 uint64_t read_ahead(uint64_t addr, uint64_t nbytes, uint64_t step = 128 * 1024);
 
 // Faults the span's pages in by reading one byte of each (under the SIGBUS

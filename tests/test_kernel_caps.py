@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import logging
 import os
 
@@ -352,5 +353,10 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
         counts = mgr._pages.worker.let_go_counts
         assert streamed and sum(counts.values()) >= len(streamed), counts
         mgr.close()
+        del model, mgr
+        gc.collect()  # no mapping of the file left for the next drop to miss
     assert reads["large-folios"] == 0
-    assert reads["no-large-folios"] >= LAYERS, reads  # every layer read ahead at least once
+    # Streamed layers are let go after each forward: the second reads each of
+    # them ahead again (the first may find some warm: the weights outside the
+    # layers are read with read-around, neighbouring layers' bytes among it).
+    assert reads["no-large-folios"] >= len(streamed), reads

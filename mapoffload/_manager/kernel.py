@@ -189,12 +189,18 @@ def advice_supported() -> dict[str, bool]:
 
 
 def _probe_offsets(size: int) -> list[int]:
-    """Up to PROBE_CANDIDATES whole 2 MiB windows of a file, spread over it, last first."""
+    """Up to PROBE_CANDIDATES whole 2 MiB windows of a file, spread over it.
+
+    Local ranks probing the same file at once start at different windows
+    (by process id): one's drop or read never lands in the window another
+    is measuring.
+    """
     n = size // WINDOW
     if n <= 0:
         return []
     picks = sorted({(n - 1) * k // max(1, PROBE_CANDIDATES - 1) for k in range(PROBE_CANDIDATES)}, reverse=True)
-    return [k * WINDOW for k in picks]
+    r = os.getpid() % len(picks)
+    return [k * WINDOW for k in picks[r:] + picks[:r]]
 
 
 def measure_window_faults(fd: int) -> tuple[bool | None, str]:
