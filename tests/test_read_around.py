@@ -12,7 +12,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, MappingFaultError, drop_page_cache
 
-from test_offload_direct import ckpt, drain, io_read_bytes, layer_resident, mapped  # noqa: F401 (ckpt: a fixture)
+from test_offload_direct import ckpt, drain, io_read_bytes, layer_resident, mapped  # noqa: F401,F811 (ckpt: a fixture)
 
 # The module (mapoffload.offload is also the name of the Hugging Face entry point).
 offload_module = importlib.import_module("mapoffload.offload")

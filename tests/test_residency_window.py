@@ -15,7 +15,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 from mapoffload._native import _core
-from mapoffload._manager.pages import DRAINED, KEPT, PAGEOUT
+from mapoffload._manager.pages import DRAINED, EDGE_CHUNK, KEPT, PAGEOUT
 
 from test_offload_direct import LAYERS, ckpt, drain, mapped  # noqa: F401 (ckpt is a fixture)
 
@@ -67,8 +67,12 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
     for p in probes:
         p.remove()
     assert len(samples) == FORWARDS * LAYERS
+    # Reading a streamed layer's edges (the bytes it shares a 2 MiB file
+    # window with) can bring in up to one edge read (EDGE_CHUNK) of the next
+    # layer while the page worker is still letting the last one go (seen
+    # once in CI: 128 KiB of layer 7 at layer 5 with depth 2).
     for f, i, res in samples[LAYERS:]:
-        assert sum(res) <= plan.budget + shared, (
+        assert sum(res) <= plan.budget + shared + EDGE_CHUNK, (
             f"forward {f}, layer {i}: {sum(res)} resident bytes of layers, budget {plan.budget}: {res}"
         )
         # Never more streamed layers in the page cache than the one computing and `depth` ahead.
