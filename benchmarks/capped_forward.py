@@ -16,7 +16,12 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
   transformers  AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE), eval()
   mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
                 (its layers streamed by the layerwise manager; the handle's
-                summary() is in the JSON, handle.close() at the end)
+                summary() is in the JSON, handle.close() at the end;
+                stream_reads="auto": streamed layers read through the
+                mapping until two warm forwards read > 1.2x the plan, then
+                around the page cache - the JSON's stream_reads says which)
+  mapoffload-direct  the same with stream_reads="direct" (O_DIRECT from the
+                start; issue 18's tight caps)
 
 Each child runs in a memory cgroup of its own (made by the parent under its own
 cgroup, without a limit; v1 memory.limit_in_bytes or v2 memory.max). The child
@@ -110,7 +115,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload", "mapoffload-fp8")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8")
 MIB = 1 << 20
 MB = 1e6
 NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
@@ -244,6 +249,8 @@ def child(args: argparse.Namespace) -> None:
     if args.contender == "transformers":  # on an fp8 folder: transformers' dequantizing load
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
+    elif args.contender == "mapoffload-direct":  # streamed layers read around the page cache from the start
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="direct")
     else:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
     row["load_s"] = time.perf_counter() - t0
@@ -272,6 +279,7 @@ def child(args: argparse.Namespace) -> None:
             row["forward_major_faults"].append(_major_faults() - mf0)
     torch.save(logits.clone(), args.out)
     if handle is not None:
+        row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
         handle.close()
     row["anon_peak"] = sampler.stop()
     row["anon_samples"] = sampler.samples
@@ -487,6 +495,8 @@ def main(argv=None) -> int:
         ap.error(f"bad caps {bad}: none or a percentage")
     if not args.fp8:
         chosen = [c for c in chosen if c != "mapoffload-fp8"]
+    else:
+        chosen = [c for c in chosen if c != "mapoffload-direct"]
     plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
     if ("transformers", "none") not in plan:
         plan.insert(0, ("transformers", "none"))

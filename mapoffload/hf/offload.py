@@ -172,6 +172,7 @@ def offload(
     host_store: str | None = None,
     available_bytes: int | None = None,
     device_free_bytes: int | None = None,
+    stream_reads: str = "auto",
 ) -> OffloadHandle:
     """Stream a model's block lists to ``device`` and place the rest there.
 
@@ -198,6 +199,9 @@ def offload(
         allows, mapped when copies would not fit).
     available_bytes, device_free_bytes
         Host budget and free device bytes to plan against (default: measured).
+    stream_reads
+        On the CPU, how streamed layers are read (``"auto"``, ``"mapping"``,
+        ``"direct"``; see :class:`~mapoffload.LayerwiseOffloadManager`).
 
     Returns
     -------
@@ -229,7 +233,7 @@ def offload(
         for path, stack in _resolve_layers(model, layers):
             m = LayerwiseOffloadManager(
                 model, stack, device=dev, prefetch_layers=prefetch_layers, host_store=host_store,
-                available_bytes=available,
+                available_bytes=available, stream_reads=stream_reads,
             )
             m.register_forward_hooks()
             handle.managers[path] = m

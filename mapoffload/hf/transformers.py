@@ -213,6 +213,7 @@ def from_pretrained(
     layers: Any = "auto",
     rest: str = "auto",
     prefetch_layers: int = 1,
+    stream_reads: str = "auto",
     host_store: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     fp8: str = "keep",
@@ -249,7 +250,7 @@ def from_pretrained(
     strict
         Missing, unexpected or mismatched keys raise :class:`KeyMismatchError`
         instead of a warning (transformers itself initialises missing ones).
-    layers, rest, prefetch_layers, host_store
+    layers, rest, prefetch_layers, host_store, stream_reads
         Passed to :func:`mapoffload.offload`.
     cache_dir
         Where converted tensors are written (default: beside the checkpoint
@@ -286,6 +287,6 @@ def from_pretrained(
     object.__setattr__(model, "mapoffload_report", report)
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,
-                         host_store=host_store)
+                         host_store=host_store, stream_reads=stream_reads)
     object.__setattr__(model, "mapoffload_handle", handle)
     return model
