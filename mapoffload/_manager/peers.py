@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .._log import logger
 __all__ = ["Peer", "PeerRegistry", "overlap_bytes"]
 
 ENV_PEERS_DIR = "MAPOFFLOAD_PEERS_DIR"
+RECORD_MAX_BYTES = 1 << 20  # a record names a few ranges per file; anything larger is not one
 
 
 def _start_time(pid: int) -> str | None:
@@ -69,6 +71,53 @@ def overlap_bytes(a: tuple[tuple[int, int, int, int], ...], b: tuple[tuple[int, 
     return total
 
 
+def _count(value) -> int:
+    """A byte count or pid from a record: a JSON integer in [0, 2**63) (ValueError otherwise)."""
+    if type(value) is not int or not 0 <= value < 1 << 63:
+        raise ValueError(f"not a count: {value!r}")
+    return value
+
+
+def _read_record(path: str) -> dict:
+    """A record's JSON, read only from a regular file of bounded size (no FIFO, device or link).
+
+    Raises OSError or ValueError for anything else: a FIFO would block the
+    plan (and the coordinator's lock) forever, ``/dev/zero`` would be read
+    without end.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > RECORD_MAX_BYTES:
+            raise ValueError("not a regular file of a record's size")
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > RECORD_MAX_BYTES:
+        raise ValueError("larger than a record")
+    try:
+        rec = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(rec, dict):
+        raise ValueError("not a record")
+    return rec
+
+
+def _peer(rec: dict) -> Peer:
+    """A validated record (ValueError, KeyError or TypeError when any field is not what it should be)."""
+    pid = _count(rec["pid"])
+    ranges = []
+    for r in rec["ranges"]:
+        if not isinstance(r, list) or len(r) != 4:
+            raise ValueError(f"not a range: {r!r}")
+        dev, ino, first, end = (_count(x) for x in r)
+        if end < first:
+            raise ValueError(f"not a range: {r!r}")
+        ranges.append((dev, ino, first, end))
+    return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]))
+
+
 class PeerRegistry:
     """This process's record among its peers', in a folder shared by one cgroup."""
 
@@ -85,7 +134,10 @@ class PeerRegistry:
     def publish(self, ranges, mapped_bytes: int, resident_bytes: int, window_bytes: int) -> None:
         """Write (replace) this process's record. Failures are logged, never raised: peers are an optimisation."""
         pid = os.getpid()
-        record = {"pid": pid, "start": _start_time(pid), "ranges": [list(r) for r in ranges],
+        start = _start_time(pid)
+        if start is None:
+            return  # /proc unreadable: a record without a start time could never be told from a dead one
+        record = {"pid": pid, "start": start, "ranges": [list(r) for r in ranges],
                   "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes)}
         try:
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -119,16 +171,15 @@ class PeerRegistry:
                 continue
             path = os.path.join(self.folder, name)
             try:
-                with open(path) as f:
-                    rec = json.load(f)
-                pid = int(rec["pid"])
-                if pid == me:
+                rec = _read_record(path)
+                peer = _peer(rec)
+                if peer.pid == me:
                     continue
-                if _start_time(pid) != rec.get("start"):
+                start = _start_time(peer.pid)
+                if start is None or start != rec.get("start"):
                     os.unlink(path)  # gone, or the pid belongs to someone else now
                     continue
-                ranges = tuple(tuple(int(x) for x in r) for r in rec["ranges"])
-                out.append(Peer(pid, ranges, int(rec["mapped"]), int(rec["resident"]), int(rec["window"])))
+                out.append(peer)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 logger.debug("ignored page-cache record %s: %s", path, e)
         return out

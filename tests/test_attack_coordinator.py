@@ -1,0 +1,192 @@
+"""Attack pass on the page-cache coordinator and its peers (issue 18).
+
+Each test is a reproduced defect, written before its fix: records in the
+peers' folder that are garbage, hostile or not files; a folder another user
+could write; a peer in another pid namespace; managers collected without
+close(); a forked child; a plan interrupted half-way; close() when the plan
+of the others fails; a process whose measured managers all closed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+from mapoffload._manager import coordinator as coordinator_module
+from mapoffload._manager import peers as peers_module
+from mapoffload._manager.peers import PeerRegistry
+from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+
+from test_residency_plan import _v2
+
+MIB = 1 << 20
+WIDTH = 512  # 1 MiB a layer (fp32, no bias)
+LAYERS = 8
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    ref = Stack()
+    path = tmp_path_factory.mktemp("attack-coord") / "stack.safetensors"
+    save_file(ref.state_dict(), path)
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        want = ref(x)
+    return path, x, want
+
+
+def mapped(path) -> Stack:
+    with empty_weights():
+        model = Stack()
+    load_checkpoint(model, path, keep_mapping=True)
+    return model
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    """A fake cgroup v2 cap; the peers' folder of this test only; a coordinator without history."""
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path / "cg"))
+    monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path / "peers"))
+    coord = coordinator_module.coordinator()
+    monkeypatch.setattr(coord, "_registry", None)
+    monkeypatch.setattr(coord, "_published", None)
+
+    def set_cap(mib: int) -> None:
+        _v2(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
+
+    set_cap(200)
+    return set_cap
+
+
+@pytest.fixture
+def live_pid():
+    """A live process of this user that is no peer (a record may claim it)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        yield proc.pid
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def _records(folder) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return []
+
+
+# -- records: garbage never breaks a plan -------------------------------------------------------
+
+def _garbage(pid: int, start: str, mine: int) -> dict[str, str]:
+    good = {"pid": pid, "start": start, "ranges": [], "mapped": 1, "resident": 1, "window": 0}
+
+    def rec(**kw) -> str:
+        return json.dumps(dict(good, **kw))
+
+    return {
+        "infinite-pid": rec(pid=0).replace('"pid": 0', '"pid": 1e999'),
+        "infinite-mapped": rec().replace('"mapped": 1', '"mapped": 1e999'),
+        "short-range": rec(ranges=[[1, 2]]),
+        "range-of-text": rec(ranges=[["a", "b", "c", "d"]]),
+        "range-not-a-list": rec(ranges=[7]),
+        "minus-our-bytes": rec(mapped=-mine),  # mine + others == 0
+        "negative": rec(mapped=-5, resident=-7, window=-1),
+        "not-a-dict": json.dumps([1, 2, 3]),
+        "boolean-pid": rec(pid=True),
+        "huge-resident": rec(resident=10 ** 400),
+        "nested-too-deep": "[" * 200_000 + "]" * 200_000,
+        "not-utf8": b"\xff\xfe{".decode("latin-1"),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_garbage(1, "1", 1)))
+def test_a_garbage_record_never_breaks_a_plan(ckpt, cap, live_pid, kind):
+    path, x, want = ckpt
+    folder = PeerRegistry().folder
+    os.makedirs(folder, mode=0o700)
+    start = peers_module._start_time(live_pid)
+    with open(os.path.join(folder, f"{live_pid}.json"), "w") as f:
+        f.write(_garbage(live_pid, start, LAYERS * MIB)[kind])
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:  # plans, reading the record
+        coord = coordinator_module.coordinator()
+        assert coord.ranks == [] and coord.replicas == []
+        assert coord.room == coord.budget.usable  # not split with a record that says nothing
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+
+
+def test_a_record_without_a_start_time_is_no_live_peer(tmp_path):
+    reg = PeerRegistry(str(tmp_path / "peers"))
+    os.makedirs(reg.folder, mode=0o700)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    for pid in (dead, 0, -1):
+        # /proc/PID/stat does not exist: its start time reads as None, as the record's does.
+        with open(os.path.join(reg.folder, f"x{pid}.json"), "w") as f:
+            json.dump({"pid": pid, "start": None, "ranges": [], "mapped": 1, "resident": 1, "window": 0}, f)
+    assert reg.peers() == []
+
+
+READ_PEERS = textwrap.dedent(
+    """
+    import json, sys
+    from mapoffload._manager.peers import PeerRegistry
+    print(json.dumps([p.pid for p in PeerRegistry(sys.argv[1]).peers()]))
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "symlink-to-a-record", "directory"])
+def test_a_record_that_is_not_a_regular_file_is_skipped(tmp_path, live_pid, kind):
+    folder = tmp_path / "peers"
+    folder.mkdir(mode=0o700)
+    record = {"pid": live_pid, "start": peers_module._start_time(live_pid), "ranges": [], "mapped": 1,
+              "resident": 1, "window": 0}
+    target = folder / f"{live_pid}.json"
+    if kind == "fifo":
+        os.mkfifo(target)  # opening it waits for a writer forever
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", target)  # reading it never ends
+    elif kind == "symlink-to-a-record":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text(json.dumps(record))
+        os.symlink(elsewhere, target)
+    else:
+        target.mkdir()
+
+    def limit():  # a runaway read of /dev/zero stops here, not in the machine's memory
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    out = subprocess.run([sys.executable, "-c", READ_PEERS, str(folder)], capture_output=True, text=True,
+                         timeout=120, preexec_fn=limit)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == []
