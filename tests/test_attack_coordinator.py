@@ -190,3 +190,51 @@ def test_a_record_that_is_not_a_regular_file_is_skipped(tmp_path, live_pid, kind
                          timeout=120, preexec_fn=limit)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == []
+
+
+# -- the folder: this user's alone ---------------------------------------------------------------
+
+def _planted(folder, pid: int) -> str:
+    """A well-formed record of a live process (a rank that would take half the budget)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{pid}.json")
+    with open(path, "w") as f:
+        json.dump({"pid": pid, "start": peers_module._start_time(pid), "ranges": [[1, 2, 0, 1 << 40]],
+                   "mapped": 1 << 40, "resident": 0, "window": 0}, f)
+    return path
+
+
+@pytest.mark.parametrize("how", ["writable-by-all", "a-link", "another-users"])
+def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeypatch, live_pid, how):
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(base))
+    top = base / f"mapoffload-peers-{os.getuid()}"
+    key = os.path.basename(PeerRegistry().folder)
+    if how == "writable-by-all":  # made beforehand by someone else's umask, or on purpose
+        top.mkdir()
+        os.chmod(top, 0o777)
+        planted = _planted(top / key, live_pid)
+    elif how == "a-link":  # pointing where we would write files and remove "stale" ones
+        elsewhere = tmp_path / "elsewhere"
+        planted = _planted(elsewhere / key, live_pid)
+        dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+        stale = elsewhere / key / f"{dead}.json"
+        stale.write_text(json.dumps({"pid": dead, "start": "1", "ranges": [], "mapped": 1, "resident": 1,
+                                     "window": 0}))
+        os.symlink(elsewhere, top)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("making a folder of another user needs root")
+        top.mkdir(mode=0o755)
+        planted = _planted(top / key, live_pid)
+        for p in (top, top / key, planted):
+            os.chown(p, 12345, 12345)
+    there = os.path.dirname(planted)
+    before = sorted(os.listdir(there))
+    reg = PeerRegistry()
+    assert reg.peers() == []
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    reg.withdraw()
+    assert sorted(os.listdir(there)) == before  # nothing of ours written there, nothing removed

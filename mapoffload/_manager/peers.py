@@ -118,15 +118,58 @@ def _peer(rec: dict) -> Peer:
     return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]))
 
 
+def _private(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user that no other user can write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 class PeerRegistry:
-    """This process's record among its peers', in a folder shared by one cgroup."""
+    """This process's record among its peers', in a folder shared by one cgroup.
+
+    The folder and the per-user folder above it are made ``0o700`` and used
+    only while they are directories of this user that nobody else can write:
+    ``/dev/shm`` is writable by everyone, and a folder made there beforehand
+    by another user (or a link to somewhere else) would let them feed this
+    process records, or make it write and remove files where they point.
+    """
 
     def __init__(self, folder: str | None = None) -> None:
         if folder is None:
             base = os.environ.get(ENV_PEERS_DIR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            folder = os.path.join(base, f"mapoffload-peers-{os.getuid()}", _cgroup_key())
+            top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
+            folder = os.path.join(top, _cgroup_key())
+            self._levels = (top, folder)
+        else:
+            self._levels = (folder,)
         self.folder = folder
         self._mine: str | None = None
+        self._refused = False
+
+    def _safe(self, make: bool = False) -> bool:
+        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``."""
+        if make:
+            try:
+                os.makedirs(os.path.dirname(self._levels[0]), exist_ok=True)
+                for level in self._levels:
+                    try:
+                        os.mkdir(level, 0o700)
+                    except FileExistsError:
+                        pass
+            except OSError as e:
+                logger.debug("could not make the page-cache peers' folder %s: %s", self.folder, e)
+                return False
+        for level in self._levels:
+            if not _private(level):
+                if not self._refused and os.path.lexists(level):
+                    self._refused = True
+                    logger.warning("%s is not a folder of this user that only it can write: page-cache records "
+                                   "of other processes are not read there, nor this one's written", level)
+                return False
+        return True
 
     def _path(self, pid: int) -> str:
         return os.path.join(self.folder, f"{pid}.json")
@@ -139,10 +182,12 @@ class PeerRegistry:
             return  # /proc unreadable: a record without a start time could never be told from a dead one
         record = {"pid": pid, "start": start, "ranges": [list(r) for r in ranges],
                   "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes)}
+        if not self._safe(make=True):
+            return
         try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
             tmp = self._path(pid) + ".tmp"
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, self._path(pid))
             self._mine = self._path(pid)
@@ -152,7 +197,7 @@ class PeerRegistry:
     def withdraw(self) -> None:
         """Remove this process's record (the last manager closed)."""
         mine, self._mine = self._mine, None
-        if mine is not None and mine == self._path(os.getpid()):
+        if mine is not None and mine == self._path(os.getpid()) and self._safe():
             try:
                 os.unlink(mine)
             except OSError:
@@ -162,6 +207,8 @@ class PeerRegistry:
         """The live other processes' records (stale ones are removed)."""
         me = os.getpid()
         out: list[Peer] = []
+        if not self._safe():
+            return out
         try:
             names = os.listdir(self.folder)
         except OSError:
