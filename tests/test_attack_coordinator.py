@@ -238,3 +238,49 @@ def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeyp
     reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
     reg.withdraw()
     assert sorted(os.listdir(there)) == before  # nothing of ours written there, nothing removed
+
+
+# -- a peer in another pid namespace --------------------------------------------------------------
+
+IN_NAMESPACE = textwrap.dedent(
+    """
+    import os, sys
+    from mapoffload._manager.peers import PeerRegistry
+    reg = PeerRegistry()
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    print(os.getpid(), reg.folder, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_a_peer_in_another_pid_namespace_is_neither_removed_nor_counted(tmp_path, monkeypatch):
+    # Containers of one pod share /dev/shm, and with a cgroup namespace each reads
+    # /proc/self/cgroup as "0::/": their records met in one folder, where a pid
+    # means another process (or none) - live records were removed as stale.
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare")
+    monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path))
+    child = None
+    for flags in (["--pid", "--fork", "--mount-proc"], ["--user", "--map-root-user", "--pid", "--fork",
+                                                         "--mount-proc"]):
+        proc = subprocess.Popen([unshare, *flags, sys.executable, "-c", IN_NAMESPACE], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stdout.readline().split()
+        if line:
+            child = proc
+            break
+        proc.wait(timeout=60)
+    if child is None:
+        pytest.skip("cannot make a pid namespace here")
+    try:
+        pid, folder = int(line[0]), line[1]
+        record = os.path.join(folder, f"{pid}.json")
+        assert os.path.exists(record)
+        reg = PeerRegistry()
+        assert all(p.pid != pid for p in reg.peers())
+        assert os.path.exists(record)  # its owner lives: nobody here may take it for stale
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)

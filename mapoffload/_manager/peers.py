@@ -9,7 +9,8 @@ plans. A record whose process is gone (or whose pid was reused: the start
 time differs) is ignored and removed.
 
 Processes are peers when they share the tightest memory cgroup (they draw
-on one cap) - the record folder is named after it.
+on one cap) - the record folder is named after it - and a pid namespace
+(where a record's pid names its writer).
 """
 
 from __future__ import annotations
@@ -40,11 +41,24 @@ def _start_time(pid: int) -> str | None:
 
 
 def _cgroup_key() -> str:
+    """The folder's name: this process's cgroup, as seen from its cgroup and pid namespaces.
+
+    A record's pid and start time mean something only to processes of the
+    same pid namespace (elsewhere the pid is another process, or none, and a
+    live peer's record would be removed as stale), and ``/proc/self/cgroup``
+    names the same cgroup only within one cgroup namespace (every container
+    with its own reads ``0::/``): both namespaces are part of the key.
+    """
     try:
         with open("/proc/self/cgroup") as f:
             text = f.read()
     except OSError:
         text = ""
+    for ns in ("pid", "cgroup"):
+        try:
+            text += "\n" + os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            pass
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
