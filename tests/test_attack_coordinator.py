@@ -71,6 +71,7 @@ def cap(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path / "cg"))
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path / "peers"))
+    gc.collect()  # managers other tests left unreachable are gone, not members
     coord = coordinator_module.coordinator()
     monkeypatch.setattr(coord, "_registry", None)
     monkeypatch.setattr(coord, "_published", None)
@@ -284,3 +285,112 @@ def test_a_peer_in_another_pid_namespace_is_neither_removed_nor_counted(tmp_path
     finally:
         child.stdin.close()
         child.wait(timeout=60)
+
+
+# -- members: collected, forked, interrupted, failing --------------------------------------------
+
+TIGHT = 90  # MiB of cap: about 13 MiB of page cache, one 8 MiB stack fits, two do not
+TIGHTER = 78  # about 1.5 MiB: a stack streams
+
+
+def _forward(model, x, want) -> None:
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def test_a_manager_collected_without_close_leaves_its_share_to_the_others(ckpt, cap):
+    path, x, want = ckpt
+    cap(TIGHT)
+    other = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")  # first: cached first
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        assert mgr.residency.streamed  # the other's layers take the room
+        del other
+        gc.collect()  # never closed; its model dropped or kept, it is gone
+        _forward(model, x, want)
+        assert not mgr.residency.streamed, mgr.residency  # the next forward planned without it
+        assert "1 stack share" in coordinator_module.coordinator().describe()
+
+
+def test_the_record_goes_with_the_last_manager_collected(ckpt, cap):
+    path, _, _ = ckpt
+    mgr = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
+    folder = coordinator_module.coordinator()._peers().folder
+    assert _records(folder) == [f"{os.getpid()}.json"]
+    del mgr
+    gc.collect()
+    # Nothing of this process maps those bytes now: peers must not split the budget with it.
+    assert _records(folder) == []
+
+
+FORKED = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    torch.set_num_threads(1)  # GNU OpenMP's pool does not survive fork
+    sys.path.insert(0, sys.argv[2])
+    from test_attack_coordinator import Stack, mapped, WIDTH
+    from mapoffload import LayerwiseOffloadManager
+    from mapoffload._manager.coordinator import coordinator
+
+    model = mapped(sys.argv[1])
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr.register_forward_hooks()
+    x = torch.ones(1, WIDTH)
+    with torch.no_grad():
+        want = model(x)
+    folder = coordinator()._peers().folder
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        with torch.no_grad():
+            ok = all(torch.equal(model(x), want) for _ in range(2))
+        seen = {"ok": ok, "records": sorted(os.listdir(folder)), "replicas": coordinator().replicas}
+        mgr.close()
+        seen["after_close"] = sorted(os.listdir(folder))
+        os.write(w, json.dumps(seen).encode())
+        os._exit(0)
+    os.close(w)
+    assert os.waitpid(pid, 0)[1] == 0
+    child = json.loads(os.read(r, 1 << 16))
+    print(json.dumps({"parent": os.getpid(), "child": pid, "seen": child, "records": sorted(os.listdir(folder))}))
+    mgr.close()
+    """
+)
+
+
+def test_a_forked_child_that_forwards_publishes_its_own_record(ckpt, tmp_path):
+    path, _, _ = ckpt
+    env = dict(os.environ, **{peers_module.ENV_PEERS_DIR: str(tmp_path / "peers"), ENV_HOST_AVAILABLE_GIB: "1.2"})
+    out = subprocess.run([sys.executable, "-c", FORKED, str(path), os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    parent, child, seen = f"{got['parent']}.json", f"{got['child']}.json", got["seen"]
+    assert seen["ok"]
+    # The child maps the parent's bytes (the same pages): a replica, with a record of its own.
+    assert seen["records"] == sorted([parent, child]) and seen["replicas"] == [got["parent"]]
+    # Its close took its own record back, never the parent's.
+    assert seen["after_close"] == [parent] and got["records"] == [parent]
+
+
+def test_a_plan_interrupted_half_way_is_made_again_at_the_next_forward(ckpt, cap, monkeypatch):
+    path, x, want = ckpt
+    cap(TIGHT)
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        assert not mgr.residency.streamed
+        cap(TIGHTER)
+        real = coordinator_module.plan_shared
+
+        def interrupted(*args, **kwargs):  # Ctrl-C while the plan measured the layers
+            monkeypatch.setattr(coordinator_module, "plan_shared", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(coordinator_module, "plan_shared", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _forward(model, x, want)
+        _forward(model, x, want)
+        assert mgr.residency.streamed, mgr.residency  # the changed cap is followed all the same

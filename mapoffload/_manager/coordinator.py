@@ -87,6 +87,10 @@ class PageCacheCoordinator:
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
+        # Plan again at the next forward whatever the cap and the peers say:
+        # a member was collected without close(), the last plan was cut short,
+        # or this is a forked child (whose record is still to be published).
+        self._stale = False
 
     # -- membership --------------------------------------------------------------------------
     def managers(self) -> list[LayerwiseOffloadManager]:
@@ -97,8 +101,17 @@ class PageCacheCoordinator:
         """Register a manager and plan again for all."""
         with self._lock:
             self._members = [r for r in self._members if r() is not None and r() is not manager]
-            self._members.append(weakref.ref(manager))
+            self._members.append(weakref.ref(manager, self._collected))
             self._plan()
+
+    def _collected(self, ref: weakref.ref) -> None:
+        """A member was garbage-collected without close(): the others plan without it at their next forward."""
+        self._stale = True
+        with self._lock:
+            self._members = [r for r in self._members if r is not ref and r() is not None]
+            if not self._members:
+                self._published = None
+                self._peers().withdraw()  # nothing of this process maps those bytes now
 
     def leave(self, manager: LayerwiseOffloadManager) -> None:
         """Unregister a manager; the others share what it leaves."""
@@ -116,6 +129,7 @@ class PageCacheCoordinator:
     def after_fork_in_child(self) -> None:
         self._lock = threading.RLock()
         self._published = None  # the record is the parent's; publish our own at our next plan
+        self._stale = True  # which is the next forward's (the cap and the folder did not change)
 
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> None:
@@ -133,10 +147,12 @@ class PageCacheCoordinator:
         if not any(m._page_cache_given is None for m in self.managers()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
-        if cap == self._cap and stamp == self._peers_stamp:
+        if not self._stale and cap == self._cap and stamp == self._peers_stamp:
             return
         with self._lock:
-            if cap != self._cap:
+            if self._stale:
+                logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
+            elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
             else:
@@ -155,6 +171,14 @@ class PageCacheCoordinator:
             return None
 
     def _plan(self) -> None:
+        self._stale = False
+        try:
+            self._plan_all()
+        except BaseException:
+            self._stale = True  # cut short (Ctrl-C, a failure): the next forward plans again
+            raise
+
+    def _plan_all(self) -> None:
         from ..budget import page_cache_budget
         from ..regions import resident_bytes
 
