@@ -394,3 +394,20 @@ def test_a_plan_interrupted_half_way_is_made_again_at_the_next_forward(ckpt, cap
             _forward(model, x, want)
         _forward(model, x, want)
         assert mgr.residency.streamed, mgr.residency  # the changed cap is followed all the same
+
+
+def test_a_manager_whose_first_plan_failed_is_no_member(ckpt, cap, monkeypatch):
+    path, _, _ = ckpt
+    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu") as mgr:
+        real = coordinator_module.plan_shared
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("plan failed")
+
+        monkeypatch.setattr(coordinator_module, "plan_shared", broken)
+        with pytest.raises(RuntimeError, match="plan failed") as failed:
+            LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
+        monkeypatch.setattr(coordinator_module, "plan_shared", real)
+        # The traceback keeps the half-made manager alive: it must not be planned for.
+        assert failed.value is not None
+        assert coordinator_module.coordinator().managers() == [mgr]

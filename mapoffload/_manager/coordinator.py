@@ -98,11 +98,15 @@ class PageCacheCoordinator:
         return [m for m in (r() for r in self._members) if m is not None]
 
     def join(self, manager: LayerwiseOffloadManager) -> None:
-        """Register a manager and plan again for all."""
+        """Register a manager and plan again for all (a manager whose plan failed is not registered)."""
         with self._lock:
             self._members = [r for r in self._members if r() is not None and r() is not manager]
             self._members.append(weakref.ref(manager, self._collected))
-            self._plan()
+            try:
+                self._plan()
+            except BaseException:
+                self._members = [r for r in self._members if r() is not None and r() is not manager]
+                raise
 
     def _collected(self, ref: weakref.ref) -> None:
         """A member was garbage-collected without close(): the others plan without it at their next forward."""
