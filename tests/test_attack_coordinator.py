@@ -411,3 +411,14 @@ def test_a_manager_whose_first_plan_failed_is_no_member(ckpt, cap, monkeypatch):
         # The traceback keeps the half-made manager alive: it must not be planned for.
         assert failed.value is not None
         assert coordinator_module.coordinator().managers() == [mgr]
+
+
+def test_the_record_goes_when_no_measured_manager_is_left(ckpt, cap):
+    path, _, _ = ckpt
+    measured = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
+    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", page_cache_bytes=4 * MIB):
+        folder = coordinator_module.coordinator()._peers().folder
+        assert _records(folder) == [f"{os.getpid()}.json"]
+        measured.close()
+        # The record named the closed manager's bytes; what is left plans on its own share.
+        assert _records(folder) == []

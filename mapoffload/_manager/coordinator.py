@@ -113,9 +113,9 @@ class PageCacheCoordinator:
         self._stale = True
         with self._lock:
             self._members = [r for r in self._members if r is not ref and r() is not None]
-            if not self._members:
+            if not any(m._page_cache_given is None for m in self.managers()):
                 self._published = None
-                self._peers().withdraw()  # nothing of this process maps those bytes now
+                self._peers().withdraw()  # no measured manager maps those bytes now
 
     def leave(self, manager: LayerwiseOffloadManager) -> None:
         """Unregister a manager; the others share what it leaves."""
@@ -193,6 +193,10 @@ class PageCacheCoordinator:
             plan = plan_residency(m._pages.mapped_sizes(), m._page_cache_given, prefetch_layers=m.prefetch_layers)
             m._apply_residency(plan, f"page cache for these layers: {format_bytes(m._page_cache_given)} (given)")
         if not measured:
+            if self._published is not None:
+                # The record named measured managers' bytes: none is left to share them.
+                self._published = None
+                self._peers().withdraw()
             return
         always = _always_read(measured)
         self.always_bytes = sum(n for _, n in always)
