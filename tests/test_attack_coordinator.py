@@ -413,6 +413,34 @@ def test_a_manager_whose_first_plan_failed_is_no_member(ckpt, cap, monkeypatch):
         assert coordinator_module.coordinator().managers() == [mgr]
 
 
+def test_close_finishes_when_the_plan_for_the_others_fails(ckpt, cap, monkeypatch):
+    path, x, want = ckpt
+    cap(TIGHT)
+    first_model = mapped(path)
+    first = LayerwiseOffloadManager(first_model, "blocks", device="cpu")
+    first.register_forward_hooks()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        _forward(first_model, x, want)
+        _forward(model, x, want)
+        assert first._pages.worker._pool is not None  # a page worker (read-ins, let-gos) runs
+        real = coordinator_module.plan_shared
+
+        def interrupted(*args, **kwargs):
+            monkeypatch.setattr(coordinator_module, "plan_shared", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(coordinator_module, "plan_shared", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            first.close()
+        # Its page worker stopped, its files closed, all the same.
+        assert first._pages.worker._pool is None and first._pages.files._files == {}
+        # The others plan without it at their next forward.
+        _forward(model, x, want)
+        assert not mgr.residency.streamed, mgr.residency
+
+
 def test_the_record_goes_when_no_measured_manager_is_left(ckpt, cap):
     path, _, _ = ckpt
     measured = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
