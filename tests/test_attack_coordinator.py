@@ -450,3 +450,27 @@ def test_the_record_goes_when_no_measured_manager_is_left(ckpt, cap):
         measured.close()
         # The record named the closed manager's bytes; what is left plans on its own share.
         assert _records(folder) == []
+
+
+def test_a_peer_that_publishes_while_we_plan_is_seen_at_the_next_forward(ckpt, cap, live_pid):
+    # Two ranks start together: the other's record lands after this plan read
+    # the folder and before it published its own. The folder's stamp was taken
+    # after that publish, so it already "knew" the other's record - and no
+    # forward ever planned with it (found as a flaky two-rank test).
+    path, x, want = ckpt
+    registry = coordinator_module.coordinator()._peers()
+    real = registry.publish
+
+    def publish_after_the_peer(*args, **kwargs):
+        registry.publish = real
+        _planted(registry.folder, live_pid)  # the other rank: 1 TiB of other bytes
+        real(*args, **kwargs)
+
+    registry.publish = publish_after_the_peer
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        coord = coordinator_module.coordinator()
+        assert coord.ranks == []  # read before it was there
+        mgr.register_forward_hooks()
+        _forward(model, x, want)
+        assert coord.ranks == [live_pid]

@@ -80,7 +80,7 @@ class PageCacheCoordinator:
         self._members: list[weakref.ref] = []
         self._registry = registry
         self._cap: int | None = None
-        self._peers_stamp: int | None = None
+        self._peers_stamp: tuple | None = None
         self._published: tuple | None = None
         self.budget: PageCacheBudget | None = None
         self.room = 0
@@ -144,9 +144,9 @@ class PageCacheCoordinator:
     def follow_cap(self) -> None:
         """Plan again when the cgroup's cap or a peer's record changed since the last plan.
 
-        Cheap enough for every forward: a few small cgroup files and one
-        ``stat`` of the peers' folder; the plan (a ``mincore`` over the
-        layers) runs only on a change.
+        Cheap enough for every forward: a few small cgroup files and a
+        listing of the peers' folder (a ``stat`` per record); the plan (a
+        ``mincore`` over the layers) runs only on a change.
         """
         if not any(m._page_cache_given is None for m in self.managers()):
             return
@@ -168,11 +168,8 @@ class PageCacheCoordinator:
             self._registry = PeerRegistry()
         return self._registry
 
-    def _peers_stamp_now(self) -> int | None:
-        try:
-            return os.stat(self._peers().folder).st_mtime_ns
-        except OSError:
-            return None
+    def _peers_stamp_now(self) -> tuple:
+        return self._peers().stamp()
 
     def _plan(self) -> None:
         self._stale = False
@@ -222,8 +219,11 @@ class PageCacheCoordinator:
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""
-        peers = self._peers().peers()
+        # The stamp before the read: a record landing after it (before or after
+        # our own publish) changes the stamp again, and the next forward plans
+        # with it. (Our own record is not in the stamp.)
         self._peers_stamp = self._peers_stamp_now()
+        peers = self._peers().peers()
         self.replicas, self.ranks = [], []
         if not peers or not mine:
             return room, 1
@@ -251,7 +251,6 @@ class PageCacheCoordinator:
             return  # unchanged: peers need not plan again
         self._peers().publish(ranges, mapped, cached, window)
         self._published = key
-        self._peers_stamp = self._peers_stamp_now()
 
     # -- what it shows -----------------------------------------------------------------------
     def layer_residency(self) -> list[tuple[str, list[int]]]:

@@ -217,6 +217,31 @@ class PeerRegistry:
             except OSError:
                 pass
 
+    def stamp(self) -> tuple:
+        """What the other processes' records are now, cheaply: ``(name, inode, size, mtime)`` of each.
+
+        Every publish replaces a record with a new file (a new inode), so a
+        record that changed changes the stamp even where the folder's and the
+        file's times are coarse (a tick of a few ms before Linux 6.13); this
+        process's own record is left out, so its own publish changes nothing
+        (nor its making the folder: no folder reads as an empty one).
+        """
+        mine = f"{os.getpid()}.json"
+        out = []
+        try:
+            with os.scandir(self.folder) as entries:
+                for e in entries:
+                    if not e.name.endswith(".json") or e.name == mine:
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            return ()
+        return tuple(sorted(out))
+
     def peers(self) -> list[Peer]:
         """The live other processes' records (stale ones are removed)."""
         me = os.getpid()
