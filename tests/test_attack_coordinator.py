@@ -205,18 +205,14 @@ def _planted(folder, pid: int) -> str:
     return path
 
 
-@pytest.mark.parametrize("how", ["writable-by-all", "a-link", "another-users"])
+@pytest.mark.parametrize("how", ["a-link", "another-users"])
 def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeypatch, live_pid, how):
     base = tmp_path / "shm"
     base.mkdir()
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(base))
     top = base / f"mapoffload-peers-{os.getuid()}"
     key = os.path.basename(PeerRegistry().folder)
-    if how == "writable-by-all":  # made beforehand by someone else's umask, or on purpose
-        top.mkdir()
-        os.chmod(top, 0o777)
-        planted = _planted(top / key, live_pid)
-    elif how == "a-link":  # pointing where we would write files and remove "stale" ones
+    if how == "a-link":  # pointing where we would write files and remove "stale" ones
         elsewhere = tmp_path / "elsewhere"
         planted = _planted(elsewhere / key, live_pid)
         dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -225,10 +221,11 @@ def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeyp
         stale.write_text(json.dumps({"pid": dead, "start": "1", "ranges": [], "mapped": 1, "resident": 1,
                                      "window": 0}))
         os.symlink(elsewhere, top)
-    else:
+    else:  # made beforehand in /dev/shm by another user
         if os.geteuid() != 0:
             pytest.skip("making a folder of another user needs root")
-        top.mkdir(mode=0o755)
+        top.mkdir(mode=0o777)
+        os.chmod(top, 0o777)
         planted = _planted(top / key, live_pid)
         for p in (top, top / key, planted):
             os.chown(p, 12345, 12345)
@@ -239,6 +236,31 @@ def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeyp
     reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
     reg.withdraw()
     assert sorted(os.listdir(there)) == before  # nothing of ours written there, nothing removed
+
+
+def test_our_folder_that_others_could_write_is_closed_and_their_records_not_read(tmp_path, monkeypatch,
+                                                                                live_pid):
+    # An earlier version made the per-user folder with the umask's mode (0o775
+    # under a umask of 002): it is ours, so it is made 0o700; a record in it
+    # that another user wrote meanwhile is not read.
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(base))
+    reg = PeerRegistry()
+    top = os.path.dirname(reg.folder)
+    os.makedirs(reg.folder)
+    for level in (top, reg.folder):
+        os.chmod(level, 0o777)
+    planted = _planted(reg.folder, live_pid)
+    if os.geteuid() == 0:
+        os.chown(planted, 12345, 12345)
+        assert reg.peers() == []
+    else:
+        assert [p.pid for p in reg.peers()] == [live_pid]  # ours: read (it cannot be made another's here)
+    assert all(os.stat(level).st_mode & 0o777 == 0o700 for level in (top, reg.folder))
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    assert f"{os.getpid()}.json" in os.listdir(reg.folder)
+    reg.withdraw()
 
 
 # -- a peer in another pid namespace --------------------------------------------------------------

@@ -104,6 +104,8 @@ def _read_record(path: str) -> dict:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > RECORD_MAX_BYTES:
             raise ValueError("not a regular file of a record's size")
+        if st.st_uid != os.geteuid():
+            raise ValueError("written by another user")
         data = os.read(fd, RECORD_MAX_BYTES + 1)
     finally:
         os.close(fd)
@@ -133,12 +135,27 @@ def _peer(rec: dict) -> Peer:
 
 
 def _private(path: str) -> bool:
-    """Whether ``path`` is a directory (not a link) of this user that no other user can write."""
+    """Whether ``path`` is a directory (not a link) of this user that no other user can write.
+
+    One of this user's that others may write (made by an earlier version
+    under a umask of 002) is made ``0o700`` - through the opened directory,
+    so that it is the one checked.
+    """
     try:
-        st = os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            return False
+        if st.st_mode & 0o022:
+            os.fchmod(fd, 0o700)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class PeerRegistry:
