@@ -162,7 +162,8 @@ class PeerRegistry:
     """This process's record among its peers', in a folder shared by one cgroup.
 
     The folder and the per-user folder above it are made ``0o700`` and used
-    only while they are directories of this user that nobody else can write:
+    only while they are directories (not links) of this user, made ``0o700``
+    again where others could write them; only this user's records are read:
     ``/dev/shm`` is writable by everyone, and a folder made there beforehand
     by another user (or a link to somewhere else) would let them feed this
     process records, or make it write and remove files where they point.
