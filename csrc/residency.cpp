@@ -185,6 +185,12 @@ int advise_random(uint64_t addr, uint64_t nbytes, bool on, bool hugepage) {
 
 int populate_read(uint64_t addr, uint64_t nbytes) { return advise_pages(addr, nbytes, MADV_POPULATE_READ); }
 
+// Pages whose pagemap entries are read at once before their droppable runs are
+// advised: a page written (turned anonymous) between the read and the advice
+// would be dropped with its write, so the two stay as close as the syscalls
+// allow (see residency.hpp).
+constexpr uint64_t kUnmapBatchPages = 64;
+
 int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
   if (addr == 0 || nbytes == 0) return 0;
   if (addr + nbytes < addr) return -EINVAL;
@@ -194,7 +200,7 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
   const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return -errno;
   constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
-  std::vector<uint64_t> entries(4096);
+  std::vector<uint64_t> entries(kUnmapBatchPages);
   int64_t advised = 0;
   int err = 0;
   uint64_t run = 0;  // first page of the current run of droppable pages (0: none)
@@ -226,8 +232,8 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
       else if (run == 0)
         run = a;
     }
+    flush(a);  // at once: the entries just read are what it may drop
   }
-  if (err == 0) flush(a);
   close(fd);
   return err ? -err : advised;
 }

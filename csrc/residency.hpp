@@ -126,6 +126,13 @@ int populate_read(uint64_t addr, uint64_t nbytes);
 // (MADV_PAGEOUT skips a page more than one process maps). Anonymous pages
 // (a weight written in place, copy-on-write) are kept. Returns the bytes
 // advised, or -errno.
+// Not atomic: a page written by another thread between the read of its
+// pagemap entry and the advice is dropped with the write (the kernel offers
+// no "drop only if still a file page"). The entries are read 64 pages at a
+// time and their runs advised at once, which narrows that window to a few
+// microseconds; the caller must still know that nobody writes the span (the
+// manager never writes a mapped weight; a streamed layer is let go after it
+// ran).
 int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes);
 
 // Reads a span of a file mapping into the page cache in large I/Os, without

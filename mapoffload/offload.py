@@ -828,12 +828,14 @@ class LayerwiseOffloadManager:
             self._closed = True
         finally:
             self._leave_layer()
-        coordinator().leave(self)  # the other managers share what these layers leave
-        self._loads.close()
-        self._pages.close()
-        for s in self._stores:
-            for w in s.weights:
-                w.param.__dict__.pop("_mapoffload_manager", None)
+        try:
+            coordinator().leave(self)  # the other managers share what these layers leave
+        finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
+            self._loads.close()
+            self._pages.close()
+            for s in self._stores:
+                for w in s.weights:
+                    w.param.__dict__.pop("_mapoffload_manager", None)
 
     def __enter__(self) -> LayerwiseOffloadManager:
         return self

@@ -199,7 +199,11 @@ PEER = textwrap.dedent(
     json.dump({"pid": os.getpid(), "ranks": c.ranks, "replicas": c.replicas, "room": c.room,
                "usable": c.budget.usable, "cached": mgr.residency.cached_bytes,
                "window": (1 + mgr.residency.depth) * max(mgr.residency.layer_bytes)
-                         if mgr.residency.streamed else 0}, open(out, "w"))
+                         if mgr.residency.streamed else 0}, open(out + ".tmp", "w"))
+    os.replace(out + ".tmp", out)
+    # Closing withdraws the record: not before every peer has planned with it.
+    while not os.path.exists(go + ".close"):
+        time.sleep(0.02)
     mgr.close()
     """
 )
@@ -225,6 +229,13 @@ def _run_peers(tmp_path, files: list) -> list[dict]:
                 [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
             time.sleep(0.05)
         open(go, "w").close()
+        deadline = time.monotonic() + 120
+        outs = [tmp_path / f"out{k}.json" for k in range(len(procs))]
+        while not all(o.exists() for o in outs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
+            time.sleep(0.05)
+        open(go + ".close", "w").close()
         for p in procs:
             assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
     finally:

@@ -80,13 +80,17 @@ class PageCacheCoordinator:
         self._members: list[weakref.ref] = []
         self._registry = registry
         self._cap: int | None = None
-        self._peers_stamp: int | None = None
+        self._peers_stamp: tuple | None = None
         self._published: tuple | None = None
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
+        # Plan again at the next forward whatever the cap and the peers say:
+        # a member was collected without close(), the last plan was cut short,
+        # or this is a forked child (whose record is still to be published).
+        self._stale = False
 
     # -- membership --------------------------------------------------------------------------
     def managers(self) -> list[LayerwiseOffloadManager]:
@@ -94,11 +98,24 @@ class PageCacheCoordinator:
         return [m for m in (r() for r in self._members) if m is not None]
 
     def join(self, manager: LayerwiseOffloadManager) -> None:
-        """Register a manager and plan again for all."""
+        """Register a manager and plan again for all (a manager whose plan failed is not registered)."""
         with self._lock:
             self._members = [r for r in self._members if r() is not None and r() is not manager]
-            self._members.append(weakref.ref(manager))
-            self._plan()
+            self._members.append(weakref.ref(manager, self._collected))
+            try:
+                self._plan()
+            except BaseException:
+                self._members = [r for r in self._members if r() is not None and r() is not manager]
+                raise
+
+    def _collected(self, ref: weakref.ref) -> None:
+        """A member was garbage-collected without close(): the others plan without it at their next forward."""
+        self._stale = True
+        with self._lock:
+            self._members = [r for r in self._members if r is not ref and r() is not None]
+            if not any(m._page_cache_given is None for m in self.managers()):
+                self._published = None
+                self._peers().withdraw()  # no measured manager maps those bytes now
 
     def leave(self, manager: LayerwiseOffloadManager) -> None:
         """Unregister a manager; the others share what it leaves."""
@@ -116,6 +133,7 @@ class PageCacheCoordinator:
     def after_fork_in_child(self) -> None:
         self._lock = threading.RLock()
         self._published = None  # the record is the parent's; publish our own at our next plan
+        self._stale = True  # which is the next forward's (the cap and the folder did not change)
 
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> None:
@@ -126,17 +144,19 @@ class PageCacheCoordinator:
     def follow_cap(self) -> None:
         """Plan again when the cgroup's cap or a peer's record changed since the last plan.
 
-        Cheap enough for every forward: a few small cgroup files and one
-        ``stat`` of the peers' folder; the plan (a ``mincore`` over the
-        layers) runs only on a change.
+        Cheap enough for every forward: a few small cgroup files and a
+        listing of the peers' folder (a ``stat`` per record); the plan (a
+        ``mincore`` over the layers) runs only on a change.
         """
         if not any(m._page_cache_given is None for m in self.managers()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
-        if cap == self._cap and stamp == self._peers_stamp:
+        if not self._stale and cap == self._cap and stamp == self._peers_stamp:
             return
         with self._lock:
-            if cap != self._cap:
+            if self._stale:
+                logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
+            elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
             else:
@@ -148,13 +168,18 @@ class PageCacheCoordinator:
             self._registry = PeerRegistry()
         return self._registry
 
-    def _peers_stamp_now(self) -> int | None:
-        try:
-            return os.stat(self._peers().folder).st_mtime_ns
-        except OSError:
-            return None
+    def _peers_stamp_now(self) -> tuple:
+        return self._peers().stamp()
 
     def _plan(self) -> None:
+        self._stale = False
+        try:
+            self._plan_all()
+        except BaseException:
+            self._stale = True  # cut short (Ctrl-C, a failure): the next forward plans again
+            raise
+
+    def _plan_all(self) -> None:
         from ..budget import page_cache_budget
         from ..regions import resident_bytes
 
@@ -165,6 +190,10 @@ class PageCacheCoordinator:
             plan = plan_residency(m._pages.mapped_sizes(), m._page_cache_given, prefetch_layers=m.prefetch_layers)
             m._apply_residency(plan, f"page cache for these layers: {format_bytes(m._page_cache_given)} (given)")
         if not measured:
+            if self._published is not None:
+                # The record named measured managers' bytes: none is left to share them.
+                self._published = None
+                self._peers().withdraw()
             return
         always = _always_read(measured)
         self.always_bytes = sum(n for _, n in always)
@@ -190,8 +219,11 @@ class PageCacheCoordinator:
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""
-        peers = self._peers().peers()
+        # The stamp before the read: a record landing after it (before or after
+        # our own publish) changes the stamp again, and the next forward plans
+        # with it. (Our own record is not in the stamp.)
         self._peers_stamp = self._peers_stamp_now()
+        peers = self._peers().peers()
         self.replicas, self.ranks = [], []
         if not peers or not mine:
             return room, 1
@@ -219,7 +251,6 @@ class PageCacheCoordinator:
             return  # unchanged: peers need not plan again
         self._peers().publish(ranges, mapped, cached, window)
         self._published = key
-        self._peers_stamp = self._peers_stamp_now()
 
     # -- what it shows -----------------------------------------------------------------------
     def layer_residency(self) -> list[tuple[str, list[int]]]:

@@ -9,7 +9,8 @@ plans. A record whose process is gone (or whose pid was reused: the start
 time differs) is ignored and removed.
 
 Processes are peers when they share the tightest memory cgroup (they draw
-on one cap) - the record folder is named after it.
+on one cap) - the record folder is named after it - and a pid namespace
+(where a record's pid names its writer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from .._log import logger
 __all__ = ["Peer", "PeerRegistry", "overlap_bytes"]
 
 ENV_PEERS_DIR = "MAPOFFLOAD_PEERS_DIR"
+RECORD_MAX_BYTES = 1 << 20  # a record names a few ranges per file; anything larger is not one
 
 
 def _start_time(pid: int) -> str | None:
@@ -38,11 +41,24 @@ def _start_time(pid: int) -> str | None:
 
 
 def _cgroup_key() -> str:
+    """The folder's name: this process's cgroup, as seen from its cgroup and pid namespaces.
+
+    A record's pid and start time mean something only to processes of the
+    same pid namespace (elsewhere the pid is another process, or none, and a
+    live peer's record would be removed as stale), and ``/proc/self/cgroup``
+    names the same cgroup only within one cgroup namespace (every container
+    with its own reads ``0::/``): both namespaces are part of the key.
+    """
     try:
         with open("/proc/self/cgroup") as f:
             text = f.read()
     except OSError:
         text = ""
+    for ns in ("pid", "cgroup"):
+        try:
+            text += "\n" + os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            pass
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -69,15 +85,123 @@ def overlap_bytes(a: tuple[tuple[int, int, int, int], ...], b: tuple[tuple[int, 
     return total
 
 
+def _count(value) -> int:
+    """A byte count or pid from a record: a JSON integer in [0, 2**63) (ValueError otherwise)."""
+    if type(value) is not int or not 0 <= value < 1 << 63:
+        raise ValueError(f"not a count: {value!r}")
+    return value
+
+
+def _read_record(path: str) -> dict:
+    """A record's JSON, read only from a regular file of bounded size (no FIFO, device or link).
+
+    Raises OSError or ValueError for anything else: a FIFO would block the
+    plan (and the coordinator's lock) forever, ``/dev/zero`` would be read
+    without end.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > RECORD_MAX_BYTES:
+            raise ValueError("not a regular file of a record's size")
+        if st.st_uid != os.geteuid():
+            raise ValueError("written by another user")
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > RECORD_MAX_BYTES:
+        raise ValueError("larger than a record")
+    try:
+        rec = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(rec, dict):
+        raise ValueError("not a record")
+    return rec
+
+
+def _peer(rec: dict) -> Peer:
+    """A validated record (ValueError, KeyError or TypeError when any field is not what it should be)."""
+    pid = _count(rec["pid"])
+    ranges = []
+    for r in rec["ranges"]:
+        if not isinstance(r, list) or len(r) != 4:
+            raise ValueError(f"not a range: {r!r}")
+        dev, ino, first, end = (_count(x) for x in r)
+        if end < first:
+            raise ValueError(f"not a range: {r!r}")
+        ranges.append((dev, ino, first, end))
+    return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]))
+
+
+def _private(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user that no other user can write.
+
+    One of this user's that others may write (made by an earlier version
+    under a umask of 002) is made ``0o700`` - through the opened directory,
+    so that it is the one checked.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            return False
+        if st.st_mode & 0o022:
+            os.fchmod(fd, 0o700)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class PeerRegistry:
-    """This process's record among its peers', in a folder shared by one cgroup."""
+    """This process's record among its peers', in a folder shared by one cgroup.
+
+    The folder and the per-user folder above it are made ``0o700`` and used
+    only while they are directories (not links) of this user, made ``0o700``
+    again where others could write them; only this user's records are read:
+    ``/dev/shm`` is writable by everyone, and a folder made there beforehand
+    by another user (or a link to somewhere else) would let them feed this
+    process records, or make it write and remove files where they point.
+    """
 
     def __init__(self, folder: str | None = None) -> None:
         if folder is None:
             base = os.environ.get(ENV_PEERS_DIR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            folder = os.path.join(base, f"mapoffload-peers-{os.getuid()}", _cgroup_key())
+            top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
+            folder = os.path.join(top, _cgroup_key())
+            self._levels = (top, folder)
+        else:
+            self._levels = (folder,)
         self.folder = folder
         self._mine: str | None = None
+        self._refused = False
+
+    def _safe(self, make: bool = False) -> bool:
+        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``."""
+        if make:
+            try:
+                os.makedirs(os.path.dirname(self._levels[0]), exist_ok=True)
+                for level in self._levels:
+                    try:
+                        os.mkdir(level, 0o700)
+                    except FileExistsError:
+                        pass
+            except OSError as e:
+                logger.debug("could not make the page-cache peers' folder %s: %s", self.folder, e)
+                return False
+        for level in self._levels:
+            if not _private(level):
+                if not self._refused and os.path.lexists(level):
+                    self._refused = True
+                    logger.warning("%s is not a folder of this user that only it can write: page-cache records "
+                                   "of other processes are not read there, nor this one's written", level)
+                return False
+        return True
 
     def _path(self, pid: int) -> str:
         return os.path.join(self.folder, f"{pid}.json")
@@ -85,12 +209,17 @@ class PeerRegistry:
     def publish(self, ranges, mapped_bytes: int, resident_bytes: int, window_bytes: int) -> None:
         """Write (replace) this process's record. Failures are logged, never raised: peers are an optimisation."""
         pid = os.getpid()
-        record = {"pid": pid, "start": _start_time(pid), "ranges": [list(r) for r in ranges],
+        start = _start_time(pid)
+        if start is None:
+            return  # /proc unreadable: a record without a start time could never be told from a dead one
+        record = {"pid": pid, "start": start, "ranges": [list(r) for r in ranges],
                   "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes)}
+        if not self._safe(make=True):
+            return
         try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
             tmp = self._path(pid) + ".tmp"
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, self._path(pid))
             self._mine = self._path(pid)
@@ -100,16 +229,43 @@ class PeerRegistry:
     def withdraw(self) -> None:
         """Remove this process's record (the last manager closed)."""
         mine, self._mine = self._mine, None
-        if mine is not None and mine == self._path(os.getpid()):
+        if mine is not None and mine == self._path(os.getpid()) and self._safe():
             try:
                 os.unlink(mine)
             except OSError:
                 pass
 
+    def stamp(self) -> tuple:
+        """What the other processes' records are now, cheaply: ``(name, inode, size, mtime)`` of each.
+
+        Every publish replaces a record with a new file (a new inode), so a
+        record that changed changes the stamp even where the folder's and the
+        file's times are coarse (a tick of a few ms before Linux 6.13); this
+        process's own record is left out, so its own publish changes nothing
+        (nor its making the folder: no folder reads as an empty one).
+        """
+        mine = f"{os.getpid()}.json"
+        out = []
+        try:
+            with os.scandir(self.folder) as entries:
+                for e in entries:
+                    if not e.name.endswith(".json") or e.name == mine:
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            return ()
+        return tuple(sorted(out))
+
     def peers(self) -> list[Peer]:
         """The live other processes' records (stale ones are removed)."""
         me = os.getpid()
         out: list[Peer] = []
+        if not self._safe():
+            return out
         try:
             names = os.listdir(self.folder)
         except OSError:
@@ -119,16 +275,15 @@ class PeerRegistry:
                 continue
             path = os.path.join(self.folder, name)
             try:
-                with open(path) as f:
-                    rec = json.load(f)
-                pid = int(rec["pid"])
-                if pid == me:
+                rec = _read_record(path)
+                peer = _peer(rec)
+                if peer.pid == me:
                     continue
-                if _start_time(pid) != rec.get("start"):
+                start = _start_time(peer.pid)
+                if start is None or start != rec.get("start"):
                     os.unlink(path)  # gone, or the pid belongs to someone else now
                     continue
-                ranges = tuple(tuple(int(x) for x in r) for r in rec["ranges"])
-                out.append(Peer(pid, ranges, int(rec["mapped"]), int(rec["resident"]), int(rec["window"])))
+                out.append(peer)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 logger.debug("ignored page-cache record %s: %s", path, e)
         return out
