@@ -279,38 +279,57 @@ class LayerwiseOffloadManager:
                 raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
         self.copier = copier
         self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
-        self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
-        self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
-            self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
-            copy_on_compute_stream=copy_on_compute_stream)
-        self._rest = RestGuard(model, self.layers, self._pages.files)  # the mapped weights outside the layers
-        # The page-cache plan is the process's (every manager under one budget).
-        self._page_cache_given = page_cache_bytes
-        self.residency: ResidencyPlan | None = None
-        self._stream_reads = stream_reads if in_place else "mapping"
-        self.stream_reads_why = "" if in_place else "the device path copies each layer through its mapping"
-        self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
-        self._forwards = 0
-        self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
-        self._loaded: dict[int, Loaded] = {}
-        self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
-        self._hooks: list = []
-        self._turn = threading.Condition()
-        self._held = threading.local()  # .layers: the turns this thread holds, innermost last
-        self._owner: threading.Thread | None = None
-        self._depth = 0
-        self._engaged = False
-        self._closed = False
-        coordinator().join(self)  # plans the page cache for every manager, this one included
-        if self._stream_reads == "direct":
-            self._read_around("stream_reads='direct'")
-        self._engage()
+        self._pages = self._loads = None
+        try:
+            self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
+            self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
+                self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
+                copy_on_compute_stream=copy_on_compute_stream)
+            self._rest = RestGuard(model, self.layers, self._pages.files)  # the mapped weights outside the layers
+            # The page-cache plan is the process's (every manager under one budget).
+            self._page_cache_given = page_cache_bytes
+            self.residency: ResidencyPlan | None = None
+            self._stream_reads = stream_reads if in_place else "mapping"
+            self.stream_reads_why = "" if in_place else "the device path copies each layer through its mapping"
+            self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
+            self._forwards = 0
+            self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
+            self._loaded: dict[int, Loaded] = {}
+            self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
+            self._hooks: list = []
+            self._turn = threading.Condition()
+            self._held = threading.local()  # .layers: the turns this thread holds, innermost last
+            self._owner: threading.Thread | None = None
+            self._depth = 0
+            self._engaged = False
+            self._closed = False
+            coordinator().join(self)  # plans the page cache for every manager, this one included
+            if self._stream_reads == "direct":
+                self._read_around("stream_reads='direct'")
+            self._engage()
+        except BaseException:
+            # Nothing half-made stays behind: the plan, threads, files, an owned copier.
+            self._abandon(copier if owns_copier else None)
+            raise
         _MANAGERS.add(self)
         me = weakref.ref(self)
         for s in self._stores:
             for w in s.weights:
                 w.param._mapoffload_manager = me  # a second manager on these weights is refused
                 w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
+
+    def _abandon(self, owned_copier) -> None:
+        """A constructor that failed: leave the coordinator, close what was opened."""
+        try:
+            coordinator().leave(self)
+        except Exception:
+            logger.debug("leaving the page-cache plan after a failed start", exc_info=True)
+        if self._loads is not None:
+            self._loads.close()
+        elif owned_copier is not None:
+            owned_copier.close()
+        if self._pages is not None:
+            self._pages.close()
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:

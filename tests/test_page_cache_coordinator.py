@@ -281,3 +281,27 @@ def test_a_dead_peers_record_is_ignored_and_removed(tmp_path):
         f.write("{not json")
     assert reg.peers() == []
     assert not os.path.exists(os.path.join(reg.folder, f"{dead}.json"))
+
+
+def test_a_failed_start_leaves_nothing_behind(ckpt, cap, monkeypatch):
+    path, x, want = ckpt
+    cap(100)
+    model = mapped(path)
+    made = []
+    real = LayerwiseOffloadManager._engage
+
+    def interrupted(self):
+        made.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LayerwiseOffloadManager, "_engage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LayerwiseOffloadManager(model, "enc", device="cpu")
+    monkeypatch.setattr(LayerwiseOffloadManager, "_engage", real)
+    (mgr,) = made
+    assert mgr not in coordinator_module.coordinator().managers()  # out of the shared plan
+    assert mgr._pages.files._files == {}  # its files closed
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # the model untouched
+    with LayerwiseOffloadManager(model, "enc", device="cpu"):  # and can be offloaded again
+        pass
