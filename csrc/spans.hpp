@@ -35,7 +35,8 @@ bool strided_extent_bytes(const int64_t* sizes, const int64_t* strides, size_t n
 // methods mutate the sequence cannot free the others). is_cpu is read only
 // when check_device is true (see regions.py for when it may be skipped); a
 // tensor is asked is_contiguous() and, only when it is not, its shape,
-// stride() and itemsize. Tensors without storage (sparse, XLA) and tensors
+// stride() and itemsize, through the C functions behind torch's descriptors
+// (resolved once per type). Tensors without storage (sparse, XLA) and tensors
 // whose data_ptr() is 0 give (0, 0). Raises TypeError naming the index of the
 // first item that is not an instance of tensor_type, ValueError/OverflowError
 // for a layout without a 64-bit extent. Must be called with the GIL held.
