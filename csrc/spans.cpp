@@ -101,6 +101,10 @@ class Accessor {
     }
   }
 
+  // True when reading it calls torch's C function directly (no Python code
+  // of the type's own).
+  bool direct() const { return kind_ != Kind::none && kind_ != Kind::generic_call && kind_ != Kind::generic_get; }
+
   // New reference to t.name() or t.name; nullptr with an error set.
   PyObject* operator()(PyObject* obj) const {
     switch (kind_) {
@@ -167,6 +171,7 @@ class Accessor {
 struct TypeAccess {
   PyTypeObject* type = nullptr;  // owned
   Accessor is_cpu, nbytes, data_ptr, is_contiguous, shape, stride, itemsize;
+  bool direct = false;  // every accessor is a C function of torch's
 
   TypeAccess() = default;
   TypeAccess(const TypeAccess&) = delete;
@@ -174,6 +179,7 @@ struct TypeAccess {
   ~TypeAccess() { reset(); }
   void reset() {
     for (Accessor* a : {&is_cpu, &nbytes, &data_ptr, &is_contiguous, &shape, &stride, &itemsize}) a->reset();
+    direct = false;
     PyObject* t = reinterpret_cast<PyObject*>(type);
     type = nullptr;
     Py_XDECREF(t);
@@ -198,6 +204,8 @@ struct TypeAccess {
       }
       s.a->bind(attr, t, s.method);
     }
+    direct = true;
+    for (const Slot& s : slots) direct = direct && s.a->direct();
     Py_INCREF(tp);
     type = t;
     return true;
@@ -210,9 +218,13 @@ struct AccessCache {
   TypeAccess ways[kWays];
   size_t next = 0;
 
-  const TypeAccess* get(PyTypeObject* t) {
+  const TypeAccess* find(PyTypeObject* t) const {
     for (const TypeAccess& w : ways)
       if (w.type == t) return &w;
+    return nullptr;
+  }
+  const TypeAccess* get(PyTypeObject* t) {
+    if (const TypeAccess* w = find(t)) return w;
     TypeAccess& w = ways[next];
     next = (next + 1) % kWays;
     return w.resolve(t) ? &w : nullptr;
@@ -321,44 +333,231 @@ bool check_type(PyObject* tensor_type) {
   return false;
 }
 
+// ---------------------------------------------------------------------------
+// Reading a list without copying it first.
+//
+// Python code run while a list is read may mutate it and free the items not
+// read yet. Such code runs only through an item's accessors: a subclass that
+// overrides data_ptr(), a __torch_function__ (a subclass's, or a mode's), a
+// warning hook, a finalizer run by a garbage collection that an exception
+// object's allocation started. A torch.Tensor or torch.nn.Parameter (torch's
+// C code treats both as exact tensors: it looks for no __torch_function__ on
+// them) whose accessors are torch's own C functions, with no torch function
+// mode active, runs none of it unless it raises or warns. So a list is read
+// in place while its items are such tensors, and the moment an item is not,
+// the items from there on are held (a reference each) before anything is
+// asked of it: what is extracted is the list as it was when the call began.
+// Items read in place are checked against the list's item pointers as they
+// were when the call began, and each is held while it is read: Python code
+// that runs where none was expected (a hook on a warning, a finalizer) can
+// neither free an item under the read nor slip another one in; the call
+// raises RuntimeError instead.
+// ---------------------------------------------------------------------------
+
+// torch.Tensor, torch.nn.Parameter and torch._C._is_torch_function_mode_enabled,
+// looked up once torch is imported (the caller passes torch.Tensor, so it is)
+// and kept for the process.
+struct TorchRefs {
+  PyObject* tensor = nullptr;
+  PyObject* parameter = nullptr;
+  PyObject* mode_enabled = nullptr;
+};
+
+PyObject* module_attr(const char* module, const char* name) {
+  PyObject* m_name = PyUnicode_FromString(module);
+  PyObject* m = m_name ? PyImport_GetModule(m_name) : nullptr;  // never imports
+  Py_XDECREF(m_name);
+  PyObject* attr = m ? PyObject_GetAttrString(m, name) : nullptr;
+  Py_XDECREF(m);
+  return attr;
+}
+
+const TorchRefs& torch_refs() {
+  static TorchRefs r;
+  if (!r.tensor) {
+    PyObject* tensor = module_attr("torch", "Tensor");
+    PyObject* parameter = module_attr("torch.nn.parameter", "Parameter");
+    PyObject* mode = module_attr("torch._C", "_is_torch_function_mode_enabled");
+    PyErr_Clear();
+    if (tensor && PyType_Check(tensor) && parameter && PyType_Check(parameter) && mode) {
+      r.tensor = tensor;
+      r.parameter = parameter;
+      r.mode_enabled = mode;
+    } else {
+      Py_XDECREF(tensor);
+      Py_XDECREF(parameter);
+      Py_XDECREF(mode);
+    }
+  }
+  return r;
+}
+
+// The types whose items may be read in place in this call (none when a torch
+// function mode is active, or torch is not there to ask).
+struct InPlaceTypes {
+  PyTypeObject* tensor = nullptr;
+  PyTypeObject* parameter = nullptr;
+  bool has(PyTypeObject* t) const { return t && (t == tensor || t == parameter); }
+};
+
+InPlaceTypes in_place_types() {
+  InPlaceTypes out;
+  const TorchRefs& r = torch_refs();
+  if (!r.tensor) return out;
+  PyObject* on = PyObject_CallNoArgs(r.mode_enabled);
+  const int modes = on ? PyObject_IsTrue(on) : -1;
+  Py_XDECREF(on);
+  if (modes != 0) {
+    PyErr_Clear();
+    return out;
+  }
+  out.tensor = reinterpret_cast<PyTypeObject*>(r.tensor);
+  out.parameter = reinterpret_cast<PyTypeObject*>(r.parameter);
+  return out;
+}
+
+// The items of the sequence being read (see above). A tuple cannot change and
+// holds its items: it is read in place. A list is read in place until pin(),
+// checked against a copy of its item pointers taken first (no references:
+// 8 bytes an item, one memcpy): an item that is not the one the list held
+// when the call began is never read. Any other sequence is copied into a
+// tuple first.
+class Items {
+ public:
+  Items() = default;
+  Items(const Items&) = delete;
+  Items& operator=(const Items&) = delete;
+  ~Items() {
+    if (pinned_)
+      for (size_t k = released_; k < items_.size(); ++k) Py_DECREF(items_[k]);
+    Py_XDECREF(tuple_);
+  }
+
+  bool take(PyObject* seq) {
+#ifndef Py_GIL_DISABLED
+    // (Without a GIL another thread may change a list at any time: copied then.)
+    if (PyList_Check(seq)) {
+      list_ = seq;
+      PyObject** first = &PyList_GET_ITEM(seq, 0);
+      items_.assign(first, first + PyList_GET_SIZE(seq));
+      return true;
+    }
+#endif
+    if (!PyTuple_Check(seq)) {
+      tuple_ = PySequence_Tuple(seq);
+      if (!tuple_) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+          PyErr_Clear();
+          PyErr_Format(PyExc_TypeError, "expected a sequence of tensors, got %s", Py_TYPE(seq)->tp_name);
+        }
+        return false;
+      }
+      seq = tuple_;
+    }
+    tuple_items_ = &PyTuple_GET_ITEM(seq, 0);
+    tuple_size_ = PyTuple_GET_SIZE(seq);
+    return true;
+  }
+
+  Py_ssize_t size() const { return tuple_items_ ? tuple_size_ : static_cast<Py_ssize_t>(items_.size()); }
+  bool in_place() const { return list_ && !pinned_; }
+
+  // Item i (borrowed), or nullptr with RuntimeError when a list read in
+  // place no longer holds it (Python code ran where none was expected).
+  PyObject* get(Py_ssize_t i) const {
+    if (tuple_items_) return tuple_items_[i];
+    PyObject* o = items_[static_cast<size_t>(i)];
+    if (!pinned_ && !still_holds(i, o)) return changed();
+    return o;
+  }
+
+  // From item i on, hold references to the items (the list as it was when
+  // the call began: checked).
+  bool pin(Py_ssize_t i) {
+    if (!in_place()) return true;
+    for (size_t k = static_cast<size_t>(i); k < items_.size(); ++k)
+      if (!still_holds(static_cast<Py_ssize_t>(k), items_[k])) {
+        changed();
+        return false;
+      }
+    for (size_t k = static_cast<size_t>(i); k < items_.size(); ++k) Py_INCREF(items_[k]);
+    released_ = static_cast<size_t>(i);
+    pinned_ = true;
+    return true;
+  }
+
+  // Done with item i (in order): drops the reference pin() took to it.
+  void done(Py_ssize_t i) {
+    if (pinned_ && static_cast<size_t>(i) == released_) Py_DECREF(items_[released_++]);
+  }
+
+ private:
+  bool still_holds(Py_ssize_t i, PyObject* o) const {
+    return i < PyList_GET_SIZE(list_) && PyList_GET_ITEM(list_, i) == o;
+  }
+  static PyObject* changed() {
+    PyErr_SetString(PyExc_RuntimeError, "the list of tensors changed while it was read");
+    return nullptr;
+  }
+
+  PyObject* list_ = nullptr;               // borrowed: the caller holds it
+  std::vector<PyObject*> items_;           // the list's items when the call began; owned after pin()
+  size_t released_ = 0;                    // after pin(): references owned for [released_, size)
+  bool pinned_ = false;
+  PyObject* const* tuple_items_ = nullptr;  // a tuple's items
+  Py_ssize_t tuple_size_ = 0;
+  PyObject* tuple_ = nullptr;              // owned copy of another sequence
+};
+
 }  // namespace
 
 bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, bool check_device, SpanArray& out) {
   if (!check_type(tensor_type)) return false;
   PyTypeObject* base = reinterpret_cast<PyTypeObject*>(tensor_type);
-  // A tuple owns its items and cannot change: a list is copied into one (one
-  // reference per item), so Python code run by data_ptr() & co. can mutate
-  // the caller's list without freeing what the loop reads.
-  PyObject* items = PySequence_Tuple(seq);
-  if (!items) {
-    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-      PyErr_Clear();
-      PyErr_Format(PyExc_TypeError, "expected a sequence of tensors, got %s", Py_TYPE(seq)->tp_name);
-    }
-    return false;
-  }
-  const Py_ssize_t len = PyTuple_GET_SIZE(items);
+  Items items;
+  if (!items.take(seq)) return false;
+  AccessCache cache;
+  // Everything that may run Python code, before the first item is read.
+  const InPlaceTypes in_place = items.in_place() ? in_place_types() : InPlaceTypes{};
+  for (PyTypeObject* t : {in_place.tensor, in_place.parameter})
+    if (t && !cache.get(t)) return false;
+
+  const Py_ssize_t len = items.size();
   out.addr.clear();
   out.nbytes.clear();
   out.addr.reserve(static_cast<size_t>(len));  // no zero fill: every slot is written once
   out.nbytes.reserve(static_cast<size_t>(len));
-  AccessCache cache;
   std::vector<int64_t> sizes, strides;
   bool ok = true;
   for (Py_ssize_t i = 0; i < len && ok; ++i) {
-    PyObject* t = PyTuple_GET_ITEM(items, i);
+    PyObject* t = items.get(i);
+    if (!t) {
+      ok = false;
+      break;
+    }
     if (!PyObject_TypeCheck(t, base)) {
       PyErr_Format(PyExc_TypeError, "item %zd is %s, not a torch.Tensor", i, Py_TYPE(t)->tp_name);
       ok = false;
       break;
     }
-    const TypeAccess* a = cache.get(Py_TYPE(t));
+    const TypeAccess* a = cache.find(Py_TYPE(t));
+    if (items.in_place() && !(a && a->direct && in_place.has(Py_TYPE(t)))) {
+      // This item may run Python code: hold the rest of the list as it is now.
+      if (!items.pin(i)) {
+        ok = false;
+        break;
+      }
+      t = items.get(i);
+    }
+    if (!a) a = cache.get(Py_TYPE(t));
     uint64_t addr = 0, nbytes = 0;
+    Py_INCREF(t);
     ok = a && extent_of(t, *a, check_device, i, sizes, strides, addr, nbytes);
+    Py_DECREF(t);
     out.addr.push_back(addr);
     out.nbytes.push_back(nbytes);
+    items.done(i);
   }
-  Py_DECREF(items);
   return ok;
 }
 

@@ -300,3 +300,109 @@ def test_a_non_tensor_after_many_tensors_names_its_index():
         assert type(bad).__name__ in str(info.value)
         with pytest.raises(TypeError, match="item 17"):
             MappedRegions().classify(items)
+
+
+def test_a_list_read_in_place_is_still_read_as_it_was_when_the_call_began():
+    proc = run_python(
+        """
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from mapoffload import MappedRegions, tensor_spans
+
+        victims = []
+
+        class Evil(torch.Tensor):
+            def data_ptr(self):
+                victims.clear()  # frees the items not read yet
+                victims.extend([None] * 7)
+                return super().data_ptr()
+
+        class Sneaky(torch.Tensor):
+            # torch's own C accessors, but a Python __torch_function__ that
+            # torch calls from inside them.
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                victims.clear()
+                victims.extend([None] * 7)
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        def fresh(evil_at, kind=Evil, params=False):
+            items = [torch.full((k % 5 + 1,), 1.0) for k in range(200)]
+            if params:  # torch.nn.Parameter: read in place as plain tensors are
+                items = [torch.nn.Parameter(t, requires_grad=k % 2 == 0) for k, t in enumerate(items)]
+            if evil_at is not None:
+                items[evil_at] = torch.zeros(3).as_subclass(kind)
+            want = [t.nbytes for t in items]  # (Sneaky's nbytes mutates victims too)
+            victims[:] = items
+            return want
+
+        # An item that runs Python code after 100 read in place: the rest is
+        # snapshotted before it is asked anything.
+        for kind in (Evil, Sneaky):
+            for params in (False, True):
+                for evil_at in (0, 1, 100, 199, None):
+                    want = fresh(evil_at, kind, params)
+                    assert tensor_spans(victims).sizes == want, (kind, params, evil_at)
+                    fresh(evil_at, kind, params)
+                    assert len(MappedRegions().classify(victims)) == 200
+
+        # A torch function mode runs Python code for exact tensors too: read as
+        # a snapshot from the start.
+        class Mutate(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                victims.clear()
+                victims.extend([None] * 7)
+                return func(*args, **(kwargs or {}))
+
+        want = fresh(None)
+        with Mutate():
+            got = tensor_spans(victims).sizes
+        assert got == want, got[:5]
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    ["v.clear(); v.extend([None] * 3)", "v[40:] = [torch.ones(2) for _ in range(20)]"],
+    ids=["shrunk", "replaced"],
+)
+def test_python_code_run_where_none_was_expected_cannot_free_items_under_the_read(mutate):
+    # A warning torch raises from data_ptr() (once a process) runs the
+    # warnings hook, Python, in the middle of an exact tensor's read. The list
+    # changed: an error, never a read past its end, of a freed item, or of an
+    # item the list did not hold when the call began.
+    if not hasattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr"):
+        pytest.skip("this torch cannot make data_ptr() warn")
+    proc = run_python(
+        f"""
+        import warnings
+        import torch
+        from mapoffload import tensor_spans
+
+        warnings.simplefilter("always")
+        victims = [torch.zeros(4) for _ in range(60)]
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(victims[30])
+        ran = []
+
+        def hook(*args, **kwargs):
+            v = victims
+            {mutate}
+            ran.append(True)
+
+        warnings.showwarning = hook
+        try:
+            tensor_spans(victims)
+        except RuntimeError as exc:
+            assert "changed while it was read" in str(exc), exc
+        else:
+            raise AssertionError("read a list that changed under the read")
+        assert ran
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
