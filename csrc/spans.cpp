@@ -253,7 +253,7 @@ bool take_u64(PyObject* value, uint64_t& out) {
 
 bool take_bool(PyObject* value, int& out) {
   if (!value) return false;
-  out = PyObject_IsTrue(value);
+  out = value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
   Py_DECREF(value);
   return out >= 0;
 }
