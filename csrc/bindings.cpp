@@ -74,7 +74,8 @@ SpanArray extract(const py::object& seq, const py::object& tensor_type, bool che
 std::vector<uint8_t> holds_all(const MapsTable& t, const SpanArray& s) {
   std::vector<uint8_t> out(s.size());
   py::gil_scoped_release nogil;
-  for (size_t i = 0; i < s.size(); ++i) out[i] = t.holds_span(s.addr[i], s.nbytes[i]);
+  size_t hint = 0;
+  for (size_t i = 0; i < s.size(); ++i) out[i] = t.holds_span(s.addr[i], s.nbytes[i], hint);
   return out;
 }
 

@@ -326,11 +326,17 @@ long MapsTable::find(uint64_t addr) const {
   return addr < end[i] ? static_cast<long>(i) : -1;
 }
 
-bool MapsTable::holds_span(uint64_t addr, uint64_t nbytes) const {
+bool MapsTable::holds_span(uint64_t addr, uint64_t nbytes, size_t& hint) const {
   if (addr == 0 || nbytes == 0) return false;
   if (addr + nbytes < addr) return false;  // wraps the address space
-  long i = find(addr);
-  if (i < 0 || cls[i] != static_cast<uint8_t>(VmaClass::file)) return false;
+  size_t i = hint;
+  if (i >= size() || addr < start[i] || addr >= end[i]) {
+    long found = find(addr);
+    if (found < 0) return false;
+    i = static_cast<size_t>(found);
+    hint = i;
+  }
+  if (cls[i] != static_cast<uint8_t>(VmaClass::file)) return false;
   return addr + nbytes <= run_end[i];
 }
 

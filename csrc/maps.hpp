@@ -75,7 +75,14 @@ struct MapsTable {
   // Index of the VMA holding `addr`, or -1.
   long find(uint64_t addr) const;
   // True when every byte of [addr, addr+nbytes) lies in file VMAs of one run.
-  bool holds_span(uint64_t addr, uint64_t nbytes) const;
+  bool holds_span(uint64_t addr, uint64_t nbytes) const {
+    size_t hint = 0;
+    return holds_span(addr, nbytes, hint);
+  }
+  // The same, for spans asked in a row: `hint` is the VMA the previous span
+  // started in (0 at first), checked before searching (a model's tensors come
+  // in file order, so most spans start in the VMA of the one before).
+  bool holds_span(uint64_t addr, uint64_t nbytes, size_t& hint) const;
   SpanClass span_class(uint64_t addr, uint64_t nbytes) const;
   // Indices of VMAs that overlap [addr, addr+nbytes), appended to out.
   void touching(uint64_t addr, uint64_t nbytes, std::vector<uint32_t>& out) const;

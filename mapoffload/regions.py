@@ -111,13 +111,19 @@ def tensor_extent(tensor: torch.Tensor) -> tuple[int, int]:
 def tensor_spans(tensors: Sequence[torch.Tensor]) -> _core.SpanArray:
     """:func:`tensor_extent` of every tensor, extracted in one native call.
 
-    The sequence is read once, up front: items whose methods change it do
-    not change what is extracted.
+    What is extracted is the sequence as it was when the call began: items
+    whose methods change it do not change what is extracted (a list of plain
+    tensors is read in place, without a copy, because no Python code can run
+    while it is read; from the first item that could run some, the rest of the
+    list is held as it was).
 
     Raises
     ------
     TypeError
         If an item is not a tensor (the message names its index).
+    RuntimeError
+        If a list read in place changed anyway (Python code run by a hook on a
+        warning torch raised from an accessor, or by a finalizer).
     """
     return _core.extract_spans(tensors, _tensor_type())
 

@@ -212,3 +212,197 @@ def test_residency_with_a_stale_or_missing_maps_snapshot(tmp_path):
     finally:
         munmap(base, PAGE)
         munmap(base + 2 * PAGE, PAGE)
+
+
+# --- the fast path: torch's C accessors called directly, lists read in place ---
+
+
+class _Shifted(torch.Tensor):
+    """Overrides data_ptr in Python: its own answer is the one extracted."""
+
+    def data_ptr(self):
+        return super().data_ptr() + 4
+
+
+class _Plain(torch.Tensor):
+    """A subclass without overrides (a Python __torch_function__ runs)."""
+
+
+def _zoo():
+    """One of each kind of item, many times, in a fixed shuffled order."""
+    import random
+
+    rows = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    makers = [
+        lambda: torch.zeros(5),                                   # contiguous
+        lambda: rows[:, 1],                                       # column: not contiguous, extent > nbytes
+        lambda: rows.t(),                                         # dense, not contiguous: extent == nbytes
+        lambda: torch.zeros(1).expand(1000),                      # stride 0: extent < nbytes
+        lambda: torch.zeros(3, 1, dtype=torch.float64).expand(3, 7),
+        lambda: rows[::2, ::3],                                   # gaps in both dimensions
+        lambda: torch.tensor(3, dtype=torch.int16),               # 0-d
+        lambda: torch.empty(0),                                   # empty
+        lambda: rows[:, 1:1],                                     # empty view with a real data_ptr
+        lambda: torch.empty(4, device="meta"),
+        lambda: torch.nn.Parameter(torch.ones(3), requires_grad=False),
+        lambda: torch.ones(6).as_subclass(_Shifted),
+        lambda: rows[:, 2].as_subclass(_Shifted),                 # override and strided
+        lambda: torch.ones(6).as_subclass(_Plain),
+        lambda: torch.zeros(3).to_sparse(),                       # no storage
+    ]
+    rng = random.Random(7)
+    return [makers[rng.randrange(len(makers))]() for _ in range(400)], rows
+
+
+def _expected(t):
+    # The reference, through the item's own accessors (an override counts).
+    if t.layout != torch.strided:
+        return (0, 0)  # sparse: no storage, no host bytes
+    return ref.extent(t)
+
+
+def test_fast_path_matches_the_reference_on_every_kind_of_item():
+    items, rows = _zoo()
+    # A column view reads as not contiguous and its extent is not numel *
+    # itemsize: a fast path that trusted nbytes would be caught here.
+    col = rows[:, 1]
+    assert not col.is_contiguous() and ref.extent(col)[1] != col.nbytes
+    expected = [_expected(t) for t in items]
+    assert len(set(expected)) > 50
+    for seq in (items, tuple(items), iter(items)):
+        spans = tensor_spans(seq)  # type: ignore[arg-type]
+        assert list(zip(spans.addrs, spans.sizes)) == expected
+    spans = tensor_spans(items[::-1])
+    assert list(zip(spans.addrs, spans.sizes)) == expected[::-1]
+    for check_device in (True, False):
+        spans = _core.extract_spans(items, torch.Tensor, check_device)
+        assert list(zip(spans.addrs, spans.sizes)) == expected
+    assert [tensor_extent(t) for t in items] == expected
+
+
+def test_overridden_data_ptr_is_the_answer():
+    t = torch.ones(6).as_subclass(_Shifted)
+    plain = torch.ones(6)
+    spans = tensor_spans([plain] * 20 + [t] + [plain] * 20)
+    assert spans.addrs[20] == t.data_ptr() == torch.Tensor.data_ptr(t) + 4
+    assert spans.addrs[:20] == [plain.data_ptr()] * 20 == spans.addrs[21:]
+    assert tensor_extent(t) == (t.data_ptr(), 24)
+
+
+def test_a_non_tensor_after_many_tensors_names_its_index():
+    # A non-tensor after tensors read through the fast path is a TypeError
+    # naming it, never read as a tensor.
+    for bad in (3, None, "x", object(), 2**80, [1, 2], torch.float32):
+        items = [torch.zeros(2) for _ in range(30)]
+        items.insert(17, bad)
+        with pytest.raises(TypeError, match=r"item 17 is \S+, not a torch.Tensor") as info:
+            tensor_spans(items)
+        assert type(bad).__name__ in str(info.value)
+        with pytest.raises(TypeError, match="item 17"):
+            MappedRegions().classify(items)
+
+
+def test_a_list_read_in_place_is_still_read_as_it_was_when_the_call_began():
+    proc = run_python(
+        """
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from mapoffload import MappedRegions, tensor_spans
+
+        victims = []
+
+        class Evil(torch.Tensor):
+            def data_ptr(self):
+                victims.clear()  # frees the items not read yet
+                victims.extend([None] * 7)
+                return super().data_ptr()
+
+        class Sneaky(torch.Tensor):
+            # torch's own C accessors, but a Python __torch_function__ that
+            # torch calls from inside them.
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                victims.clear()
+                victims.extend([None] * 7)
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        def fresh(evil_at, kind=Evil, params=False):
+            items = [torch.full((k % 5 + 1,), 1.0) for k in range(200)]
+            if params:  # torch.nn.Parameter: read in place as plain tensors are
+                items = [torch.nn.Parameter(t, requires_grad=k % 2 == 0) for k, t in enumerate(items)]
+            if evil_at is not None:
+                items[evil_at] = torch.zeros(3).as_subclass(kind)
+            want = [t.nbytes for t in items]  # (Sneaky's nbytes mutates victims too)
+            victims[:] = items
+            return want
+
+        # An item that runs Python code after 100 read in place: the rest is
+        # snapshotted before it is asked anything.
+        for kind in (Evil, Sneaky):
+            for params in (False, True):
+                for evil_at in (0, 1, 100, 199, None):
+                    want = fresh(evil_at, kind, params)
+                    assert tensor_spans(victims).sizes == want, (kind, params, evil_at)
+                    fresh(evil_at, kind, params)
+                    assert len(MappedRegions().classify(victims)) == 200
+
+        # A torch function mode runs Python code for exact tensors too: read as
+        # a snapshot from the start.
+        class Mutate(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                victims.clear()
+                victims.extend([None] * 7)
+                return func(*args, **(kwargs or {}))
+
+        want = fresh(None)
+        with Mutate():
+            got = tensor_spans(victims).sizes
+        assert got == want, got[:5]
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    ["v.clear(); v.extend([None] * 3)", "v[40:] = [torch.ones(2) for _ in range(20)]"],
+    ids=["shrunk", "replaced"],
+)
+def test_python_code_run_where_none_was_expected_cannot_free_items_under_the_read(mutate):
+    # A warning torch raises from data_ptr() (once a process) runs the
+    # warnings hook, Python, in the middle of an exact tensor's read. The list
+    # changed: an error, never a read past its end, of a freed item, or of an
+    # item the list did not hold when the call began.
+    if not hasattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr"):
+        pytest.skip("this torch cannot make data_ptr() warn")
+    proc = run_python(
+        f"""
+        import warnings
+        import torch
+        from mapoffload import tensor_spans
+
+        warnings.simplefilter("always")
+        victims = [torch.zeros(4) for _ in range(60)]
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(victims[30])
+        ran = []
+
+        def hook(*args, **kwargs):
+            v = victims
+            {mutate}
+            ran.append(True)
+
+        warnings.showwarning = hook
+        try:
+            tensor_spans(victims)
+        except RuntimeError as exc:
+            assert "changed while it was read" in str(exc), exc
+        else:
+            raise AssertionError("read a list that changed under the read")
+        assert ran
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
