@@ -298,6 +298,12 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("spans"), py::arg("maps_path") = "/proc/self/maps",
      "Bytes of each span on pages resident in RAM now (mincore). Unmapped holes are skipped "
      "through a maps snapshot read from maps_path on first need.");
+  m.def("fd_range_resident_bytes", [](int fd, uint64_t first, uint64_t end) {
+    py::gil_scoped_release nogil;
+    return fd_range_resident_bytes(fd, first, end);
+  }, py::arg("fd"), py::arg("first"), py::arg("end"),
+     "Resident bytes of the file bytes [first, end) behind fd (mincore over a temporary mapping; reads "
+     "nothing), or -errno.");
   m.def("file_resident_bytes", [](const py::object& path) {
     std::string p = fs_path(path);
     py::gil_scoped_release nogil;

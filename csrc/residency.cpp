@@ -124,6 +124,17 @@ void advise_willneed(uint64_t addr, uint64_t nbytes, uint64_t chunk) {
   }
 }
 
+int64_t fd_range_resident_bytes(int fd, uint64_t first, uint64_t end) {
+  if (end <= first) return 0;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(first, ps);
+  void* p = mmap(nullptr, end - lo, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(lo));
+  if (p == MAP_FAILED) return -errno;
+  const uint64_t res = resident_bytes(reinterpret_cast<uint64_t>(p) + (first - lo), end - first);
+  munmap(p, end - lo);
+  return static_cast<int64_t>(res);
+}
+
 std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path) {
   // O_NONBLOCK: opening a FIFO without a writer would otherwise wait forever.
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);

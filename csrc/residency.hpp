@@ -109,6 +109,10 @@ int advise_random(uint64_t addr, uint64_t nbytes, bool on, bool hugepage = true)
 // file cannot be opened or mapped.
 std::pair<uint64_t, uint64_t> file_resident_bytes(const std::string& path);
 
+// Resident bytes of the file bytes [first, end) behind an open descriptor
+// (a temporary read-only mapping, mincore; reads nothing). -errno on failure.
+int64_t fd_range_resident_bytes(int fd, uint64_t first, uint64_t end);
+
 // True when the page holding addr is resident (one mincore call).
 bool page_resident(uint64_t addr);
 

@@ -81,6 +81,10 @@ def test_computes_from_the_mapping_without_a_copy(ckpt):
     ptrs = [p.data_ptr() for p in hosts]
     with torch.no_grad():
         model(x)  # warm up torch's own allocations
+    # The hooks run eagerly under torch.compile (torch.compiler.disable), which
+    # imports TorchDynamo once per process (~66 MiB, README): not the weights.
+    importlib.import_module("torch._dynamo")
+
     anon0 = rss_anon_bytes()
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=2) as mgr:
         assert mgr.copier is None and mgr.mapped_bytes == sum(p.nbytes for p in hosts)
@@ -119,7 +123,8 @@ def test_a_forward_reads_the_streamed_layers_once_and_keeps_the_cached_ones(ckpt
     model = mapped(path)
     layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
     # Room for 6 layers: 2 for the streaming window, 4 cached.
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
+                                  stream_reads="mapping")  # the page-cache path
     plan = mgr.residency
     assert plan.readahead and plan.cached == (0, 1, 2, 3) and plan.streamed == tuple(range(4, LAYERS))
     mgr.register_forward_hooks()

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint
 from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager.residency import plan_residency, plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
@@ -305,3 +305,28 @@ def test_a_failed_start_leaves_nothing_behind(ckpt, cap, monkeypatch):
         assert torch.equal(model(x), want)  # the model untouched
     with LayerwiseOffloadManager(model, "enc", device="cpu"):  # and can be offloaded again
         pass
+
+
+def test_a_peers_resident_bytes_are_measured_here_not_taken_from_its_record(tmp_path):
+    """A record's resident number is from when it was written; the plan measures the peer's files now."""
+    from mapoffload._manager.peers import Peer, measure_resident
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    os.sync()
+    st = os.stat(path)
+    peer = Peer(1, ((st.st_dev, st.st_ino, 4096, 3 << 20),), 3 << 20, resident_bytes=123, window_bytes=0,
+                paths=((st.st_dev, st.st_ino, str(path)),))
+    with open(path, "rb") as f:
+        f.read()  # all cached
+    assert measure_resident(peer) == (3 << 20) - 4096
+    drop_page_cache(path)
+    assert measure_resident(peer) == 0
+    # A path that names another file now (or none) is not believed: the record's number is used.
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x" * 8192)
+    wrong = Peer(1, peer.ranges, peer.mapped_bytes, 123, 0, ((st.st_dev, st.st_ino, str(other)),))
+    assert measure_resident(wrong) is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert measure_resident(Peer(1, peer.ranges, 1, 1, 0, ((st.st_dev, st.st_ino, str(fifo)),))) is None

@@ -6,6 +6,7 @@ forwards that read more than the plan streams, and not otherwise."""
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -65,17 +66,57 @@ def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
         mgr.release_all()
 
 
-def test_autograd_through_a_reused_buffer_is_refused(ckpt):
+def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exact(ckpt):
     path, x, _ = ckpt
-    model = mapped(path)
-    for p in model.parameters():
-        p.requires_grad_(False)  # frozen weights, input gradients (attribution)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                 stream_reads="direct") as mgr:
-        mgr.register_forward_hooks()
-        xg = x.clone().requires_grad_(True)
-        with pytest.raises(RuntimeError, match="stream_reads='mapping'"):
-            model(xg)
+    grads = []
+    for mode in ("mapping", "direct"):
+        model = mapped(path)
+        for p in model.parameters():
+            p.requires_grad_(False)  # frozen weights, input gradients (attribution)
+        with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
+                                     stream_reads=mode) as mgr:
+            mgr.register_forward_hooks()
+            xg = x.clone().requires_grad_(True)
+            model(xg).sum().backward()
+            grads.append(xg.grad)
+            if mode == "direct":
+                assert mgr._loads.reader.stats()["reads"] == 0  # nothing went through a reused buffer
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_path):
+    import shutil
+
+    path, x, want = ckpt
+    places = {"disk": path}
+    if os.path.isdir("/dev/shm"):
+        shm = os.path.join("/dev/shm", f"mapoffload-test-{os.getpid()}.safetensors")
+        shutil.copy(path, shm)
+        places["tmpfs"] = shm
+    try:
+        for where, p in places.items():
+            model = mapped(p)
+            with LayerwiseOffloadManager(model, "blocks", device="cpu",
+                                         page_cache_bytes=6 * _layer(model) + 4096) as mgr:
+                assert mgr.stream_reads == "mapping"  # decided at the first forward
+                mgr.register_forward_hooks()
+                with torch.no_grad():
+                    assert torch.equal(model(x), want)
+                    assert torch.equal(model(x), want)
+                if where == "disk":
+                    assert mgr.stream_reads == "direct", mgr.stream_reads_why
+                    assert "O_DIRECT" in mgr.stream_reads_why
+                else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
+                    assert mgr.stream_reads == "mapping", mgr.stream_reads_why
+            # Nothing streams: nothing to decide.
+            with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=1 << 40) as mgr:
+                mgr.register_forward_hooks()
+                with torch.no_grad():
+                    model(x)
+                assert mgr.stream_reads == "mapping"
+    finally:
+        if "tmpfs" in places:
+            os.unlink(places["tmpfs"])
 
 
 def test_a_truncated_file_is_an_exception(ckpt, tmp_path):
@@ -104,6 +145,8 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
         assert mgr.stream_reads == "mapping"
+        # As on a file system without O_DIRECT: the reads decide.
+        monkeypatch.setattr(mgr, "_probe_direct", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
         monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))

@@ -236,7 +236,7 @@ class PageCacheCoordinator:
             else:
                 self.ranks.append(p.pid)
                 # What it holds was "other memory" in our measure: it is its share of the budget.
-                room += p.resident_bytes
+                room += _peer_resident(p)
                 others += p.mapped_bytes
         if others:
             room = room * mine // (mine + others)
@@ -249,7 +249,8 @@ class PageCacheCoordinator:
         key = (ranges, mapped, window)
         if key == self._published:
             return  # unchanged: peers need not plan again
-        self._peers().publish(ranges, mapped, cached, window)
+        paths = {ident: path for m in measured for ident, _, _, path in m._pages.file_ranges()}
+        self._peers().publish(ranges, mapped, cached, window, paths)
         self._published = key
 
     # -- what it shows -----------------------------------------------------------------------
@@ -284,7 +285,7 @@ def _ranges(measured) -> tuple[tuple[int, int, int, int], ...]:
     """(dev, inode, first, end) of every file range the managers' mapped layers read, merged per file."""
     per_file: dict[tuple[int, int], list[list[int]]] = {}
     for m in measured:
-        for ident, first, end in m._pages.file_ranges():
+        for ident, first, end, _ in m._pages.file_ranges():
             per_file.setdefault(ident, []).append([first, end])
     out = []
     for (dev, ino), spans in sorted(per_file.items()):
@@ -297,6 +298,19 @@ def _ranges(measured) -> tuple[tuple[int, int, int, int], ...]:
                 merged.append([a, b])
         out.extend((dev, ino, a, b) for a, b in merged)
     return tuple(out)
+
+
+def _peer_resident(peer) -> int:
+    """What a peer holds of its ranges now, measured here (mincore); its record's number where it cannot be.
+
+    A record's own number is from when it was written: records are written
+    again only when what they map changes, so it goes stale as the peer
+    streams.
+    """
+    from .peers import measure_resident
+
+    found = measure_resident(peer)
+    return peer.resident_bytes if found is None else min(found, peer.mapped_bytes)
 
 
 def _always_read(measured) -> list[tuple[object, int]]:

@@ -84,8 +84,8 @@ class LayerPages:
         """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
         return [sum(_core.resident_bytes(self.spans(i))) for i in range(len(self._stores))]
 
-    def file_ranges(self) -> list[tuple[tuple[int, int], int, int]]:
-        """``((device, inode), first, end)`` of every file range the layers' mapped weights read."""
+    def file_ranges(self) -> list[tuple[tuple[int, int], int, int, str]]:
+        """``((device, inode), first, end, path)`` of every file range the layers' mapped weights read."""
         import os
 
         out = []
@@ -95,7 +95,7 @@ class LayerPages:
                 if e.file is None or e.file.fd < 0:
                     continue
                 st = os.fstat(e.file.fd)
-                out.append(((st.st_dev, st.st_ino), e.first, e.end))
+                out.append(((st.st_dev, st.st_ino), e.first, e.end, e.path))
         return out
 
     def streams(self, i: int) -> bool:

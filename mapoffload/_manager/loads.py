@@ -226,8 +226,8 @@ class ReadAround(InPlace):
     ``1 + depth`` of them: the plan's window, now anonymous instead of page
     cache) and its weights bind to views of the buffer; cached layers compute
     from their mapping as in :class:`InPlace`. A layer that finds no buffer
-    free (more layers loaded than the window: ``load_all_layers``) is read
-    through its mapping instead, never waited for.
+    free (more layers loaded than the window: ``load_all_layers``), or that
+    runs with autograd recording, is read through its mapping instead.
     """
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, buffers: int) -> None:
@@ -261,7 +261,12 @@ class ReadAround(InPlace):
         # Counted here, not by the reader: its count grows only once the worker
         # takes a buffer, and a read that waits for one the compute thread
         # would release only after waiting for that read never ends.
-        if not self._pages.streams(i) or self._outstanding >= self.reader.buffers or not self._layout(i):
+        import torch
+
+        # Under autograd the layer computes from its mapping (exact gradients:
+        # a buffer reused by the next layer cannot be saved for a backward).
+        if (not self._pages.streams(i) or torch.is_grad_enabled() or self._outstanding >= self.reader.buffers
+                or not self._layout(i)):
             return super().start(i)
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]
         loaded = Loaded({"direct": None}, _DirectRead(self.reader.read_extents_async(extents)))
@@ -305,10 +310,6 @@ class ReadAround(InPlace):
         # with this layer's bytes (the weights outside the layers fault with
         # read-around; the mapping path before a switch): let those go too.
         self._pages.let_go(i)
-
-    def recycles(self, i: int) -> bool:
-        """Whether layer ``i`` computes from a buffer that is reused after it (autograd must not keep it)."""
-        return self._pages.streams(i)
 
     def drop_in_flight(self, loaded: Loaded) -> None:
         if "direct" in loaded.buffers:

@@ -71,6 +71,7 @@ class Peer:
     mapped_bytes: int
     resident_bytes: int
     window_bytes: int
+    paths: tuple[tuple[int, int, str], ...] = ()  # (dev, inode, path) of each file, to measure it here
 
 
 def overlap_bytes(a: tuple[tuple[int, int, int, int], ...], b: tuple[tuple[int, int, int, int], ...]) -> int:
@@ -131,7 +132,45 @@ def _peer(rec: dict) -> Peer:
         if end < first:
             raise ValueError(f"not a range: {r!r}")
         ranges.append((dev, ino, first, end))
-    return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]))
+    paths = []
+    for r in rec.get("paths", []):
+        if not isinstance(r, list) or len(r) != 3 or not isinstance(r[2], str):
+            raise ValueError(f"not a path entry: {r!r}")
+        paths.append((_count(r[0]), _count(r[1]), r[2]))
+    return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]),
+                tuple(paths))
+
+
+def measure_resident(peer: Peer) -> int | None:
+    """Bytes of the peer's ranges resident in the page cache now (mincore, measured here).
+
+    Each path is opened without blocking and used only when it is a regular
+    file with the record's device and inode (a path is a peer's word, checked
+    like the rest of its record). None when any file cannot be measured.
+    """
+    from .._native import _core
+
+    paths = {(dev, ino): path for dev, ino, path in peer.paths}
+    total = 0
+    for dev, ino, first, end in peer.ranges:
+        path = paths.get((dev, ino))
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino) or end > st.st_size:
+                return None
+            got = _core.fd_range_resident_bytes(fd, first, end)
+        finally:
+            os.close(fd)
+        if got < 0:
+            return None
+        total += got
+    return total
 
 
 def _private(path: str) -> bool:
@@ -206,14 +245,16 @@ class PeerRegistry:
     def _path(self, pid: int) -> str:
         return os.path.join(self.folder, f"{pid}.json")
 
-    def publish(self, ranges, mapped_bytes: int, resident_bytes: int, window_bytes: int) -> None:
+    def publish(self, ranges, mapped_bytes: int, resident_bytes: int, window_bytes: int,
+                paths: dict | None = None) -> None:
         """Write (replace) this process's record. Failures are logged, never raised: peers are an optimisation."""
         pid = os.getpid()
         start = _start_time(pid)
         if start is None:
             return  # /proc unreadable: a record without a start time could never be told from a dead one
         record = {"pid": pid, "start": start, "ranges": [list(r) for r in ranges],
-                  "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes)}
+                  "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes),
+                  "paths": [[dev, ino, path] for (dev, ino), path in sorted((paths or {}).items())]}
         if not self._safe(make=True):
             return
         try:
