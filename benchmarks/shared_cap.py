@@ -11,7 +11,8 @@ pair maps the whole model once. Replicas: both map the one whole file.
 
 Each child loads with keep_mapping=True, starts a LayerwiseOffloadManager on
 the CPU and waits; the parent then sets the cap (the cgroup's usage with both
-children idle, plus 50 % of the unique bytes the pair maps), and both run
+children idle, less the weights' pages cached by then, plus 50 % of the
+unique bytes the pair maps), and both run
 --forwards forwards at once. Per forward each child records its read_bytes
 (/proc/self/io) and, at every layer, the resident bytes of each of its layers
 (mincore): the residency trace.
@@ -100,7 +101,8 @@ CHILD = textwrap.dedent(
             secs.append(time.perf_counter() - t0)
     c = coordinator()
     json.dump({"pid": os.getpid(), "reads": reads, "secs": secs, "trace": trace, "plan": mgr.residency.describe(),
-               "budget": mgr.residency.budget, "ranks": c.ranks, "replicas": c.replicas}, open(out, "w"))
+               "budget": mgr.residency.budget, "ranks": c.ranks, "replicas": c.replicas,
+               "page_cache": str(c.budget), "stream_reads": [mgr.stream_reads, mgr.stream_reads_why]}, open(out, "w"))
     mgr.close()
     """
 )
@@ -158,7 +160,12 @@ def run_pair(pair: str, coordinated: bool, paths: dict, args, work: str) -> dict
                     p.kill()
                 return {"pair": pair, "coordinated": coordinated, "error": [p.stderr.read()[-1500:] for p in procs]}
             time.sleep(0.05)
-        base = _cg_usage(cg)
+        # The usage besides the weights' own cached pages (loading may have read
+        # some): the cap leaves the weights half of what the pair maps.
+        from mapoffload import _core
+
+        weights_cached = sum(_core.file_resident_bytes(f)[0] for f in set(files))
+        base = _cg_usage(cg) - weights_cached
         cap = base + unique // 2
         _cg_set_cap(cg, cap)
         budget = cap - base
@@ -183,7 +190,8 @@ def run_pair(pair: str, coordinated: bool, paths: dict, args, work: str) -> dict
         "reads_warm_mean": sum(warm) / len(warm), "ratio": (sum(warm) / len(warm)) / max(bound, 1),
         "forward_s": [max(o["secs"][f] for o in outs) for f in range(args.forwards)],
         "trace": trace, "peak_trace_over_budget": max(trace[len(trace) // args.forwards:]) / budget,
-        "plans": [o["plan"] for o in outs], "peers": [{"ranks": o["ranks"], "replicas": o["replicas"]} for o in outs],
+        "plans": [o["plan"] for o in outs], "page_cache": [o["page_cache"] for o in outs],
+        "stream_reads": [o["stream_reads"] for o in outs], "peers": [{"ranks": o["ranks"], "replicas": o["replicas"]} for o in outs],
     }
 
 
@@ -257,6 +265,7 @@ def main(argv=None) -> int:
     for r in results:
         if "plans" in r:
             print(f"{r['pair']} {'coordinated' if r['coordinated'] else 'alone'}: " + " | ".join(r["plans"]))
+            print("    " + " | ".join(r["page_cache"]))
         elif "error" in r:
             print(f"{r['pair']}: failed: {r['error']}")
     if args.figure:
