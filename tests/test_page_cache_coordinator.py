@@ -330,3 +330,23 @@ def test_a_peers_resident_bytes_are_measured_here_not_taken_from_its_record(tmp_
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert measure_resident(Peer(1, peer.ranges, 1, 1, 0, ((st.st_dev, st.st_ino, str(fifo)),))) is None
+
+
+def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
+    """The O_DIRECT buffers hold the streaming window in anonymous memory: the measure counts them as
+    other memory, the plan reserves the window itself - so they are added back, once."""
+    path, x, want = ckpt
+    cap(79)  # a few MiB of page cache for 6 layers of 1 MiB: most stream
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "enc", device="cpu", page_cache_bytes=None, stream_reads="direct") as enc:
+        enc.register_forward_hooks()
+        coord = coordinator_module.coordinator()
+        if not enc.residency.streamed:
+            pytest.skip("nothing streams under this budget")
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        held = enc._loads.reader.held_bytes
+        assert held > 0
+        enc.replan()
+        assert coord.window_buffers >= held
+        assert coord.room == max(0, coord.budget.usable - coord.always_bytes + coord.window_buffers) or coord.ranks

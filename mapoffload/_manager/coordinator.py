@@ -84,6 +84,7 @@ class PageCacheCoordinator:
         self._published: tuple | None = None
         self.budget: PageCacheBudget | None = None
         self.room = 0
+        self.window_buffers = 0
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
@@ -203,6 +204,10 @@ class PageCacheCoordinator:
         budget = page_cache_budget(cached, root=CGROUP_ROOT)
         self.budget = budget
         room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
+        # Read-around buffers hold the streaming window in anonymous memory, which
+        # the measure counted as "other"; the plan reserves that window itself.
+        self.window_buffers = sum(m._loads.window_bytes for m in measured)
+        room += self.window_buffers
         sizes = [m._pages.mapped_sizes() for m in measured]
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
@@ -236,7 +241,7 @@ class PageCacheCoordinator:
             else:
                 self.ranks.append(p.pid)
                 # What it holds was "other memory" in our measure: it is its share of the budget.
-                room += _peer_resident(p)
+                room += _peer_resident(p) + p.buffer_bytes  # its cache and its read-around buffers
                 others += p.mapped_bytes
         if others:
             room = room * mine // (mine + others)
@@ -246,11 +251,11 @@ class PageCacheCoordinator:
         ranges = _ranges(measured)
         window = max(((1 + p.depth) * max(p.layer_bytes, default=0) for p in plans if p.streamed), default=0)
         mapped = sum(sum(p.layer_bytes) for p in plans)
-        key = (ranges, mapped, window)
+        key = (ranges, mapped, window, self.window_buffers)
         if key == self._published:
             return  # unchanged: peers need not plan again
         paths = {ident: path for m in measured for ident, _, _, path in m._pages.file_ranges()}
-        self._peers().publish(ranges, mapped, cached, window, paths)
+        self._peers().publish(ranges, mapped, cached, window, paths, buffers=self.window_buffers)
         self._published = key
 
     # -- what it shows -----------------------------------------------------------------------

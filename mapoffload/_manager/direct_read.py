@@ -227,6 +227,7 @@ class DirectReader:
         self.io_bytes, self.threads, self.direct = io_bytes, threads, direct
         self._cond = threading.Condition()
         self._free: list[_Slab] = []
+        self._slab_bytes = 0  # bytes of the buffers made and not lost (free or leased)
         self._leased = 0  # slabs out (leased, or held by an asynchronous read in flight)
         self._worker_leases = 0  # of those, held by the worker's read in flight (not handed over yet)
         self._active = 0  # reads using descriptors now
@@ -441,10 +442,12 @@ class DirectReader:
                 if slab is not None:
                     logger.debug("DirectReader buffer grows from %s to %s", format_bytes(slab.capacity),
                                  format_bytes(cap))
+                old = 0 if slab is None else slab.capacity
                 slab = None  # let the old one go before the new one is made
                 slab = _Slab(cap)
                 with self._cond:
                     self._stats["allocations"] += 1
+                    self._slab_bytes += cap - old
         except BaseException:
             with self._cond:
                 self._leased -= 1
@@ -468,9 +471,16 @@ class DirectReader:
         logger.debug("a DirectBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
         with reader._cond:
             reader._leased -= 1
+            reader._slab_bytes -= capacity  # its holders' now, not the reader's
             reader._cond.notify_all()
 
     # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the reader made and still owns, free or leased (anonymous memory)."""
+        with self._cond:
+            return self._slab_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -531,6 +541,7 @@ class DirectReader:
             while self._active:
                 self._cond.wait()
             files, self._files = list(self._files.values()), {}
+            self._slab_bytes -= sum(s.capacity for s in self._free)
             self._free = []
         for f in files:
             fd, f.fd = f.fd, -1

@@ -105,6 +105,11 @@ class InPlace:
         """Whether layer ``i`` computes from memory reused after it (autograd must not keep it)."""
         return False
 
+    @property
+    def window_bytes(self) -> int:
+        """Anonymous memory holding the streaming window instead of the page cache (read-around buffers)."""
+        return 0
+
     def forget(self, i: int) -> None:
         """Layer ``i``'s stores changed (a mapped weight became owned)."""
 
@@ -196,6 +201,10 @@ class DeviceCopies:
 
     def recycles(self, i: int) -> bool:
         return True
+
+    @property
+    def window_bytes(self) -> int:
+        return 0
 
     def forget(self, i: int) -> None:
         pass
@@ -317,6 +326,10 @@ class ReadAround(InPlace):
 
     def forget(self, i: int) -> None:
         self._where.pop(i, None)
+
+    @property
+    def window_bytes(self) -> int:
+        return self.reader.held_bytes
 
     def close(self) -> None:
         self.reader.close()

@@ -72,6 +72,7 @@ class Peer:
     resident_bytes: int
     window_bytes: int
     paths: tuple[tuple[int, int, str], ...] = ()  # (dev, inode, path) of each file, to measure it here
+    buffer_bytes: int = 0  # anonymous read-around buffers holding its streaming window
 
 
 def overlap_bytes(a: tuple[tuple[int, int, int, int], ...], b: tuple[tuple[int, int, int, int], ...]) -> int:
@@ -138,7 +139,7 @@ def _peer(rec: dict) -> Peer:
             raise ValueError(f"not a path entry: {r!r}")
         paths.append((_count(r[0]), _count(r[1]), r[2]))
     return Peer(pid, tuple(ranges), _count(rec["mapped"]), _count(rec["resident"]), _count(rec["window"]),
-                tuple(paths))
+                tuple(paths), _count(rec.get("buffers", 0)))
 
 
 def measure_resident(peer: Peer) -> int | None:
@@ -246,7 +247,7 @@ class PeerRegistry:
         return os.path.join(self.folder, f"{pid}.json")
 
     def publish(self, ranges, mapped_bytes: int, resident_bytes: int, window_bytes: int,
-                paths: dict | None = None) -> None:
+                paths: dict | None = None, buffers: int = 0) -> None:
         """Write (replace) this process's record. Failures are logged, never raised: peers are an optimisation."""
         pid = os.getpid()
         start = _start_time(pid)
@@ -254,7 +255,8 @@ class PeerRegistry:
             return  # /proc unreadable: a record without a start time could never be told from a dead one
         record = {"pid": pid, "start": start, "ranges": [list(r) for r in ranges],
                   "mapped": int(mapped_bytes), "resident": int(resident_bytes), "window": int(window_bytes),
-                  "paths": [[dev, ino, path] for (dev, ino), path in sorted((paths or {}).items())]}
+                  "paths": [[dev, ino, path] for (dev, ino), path in sorted((paths or {}).items())],
+                  "buffers": int(buffers)}
         if not self._safe(make=True):
             return
         try:
