@@ -188,7 +188,7 @@ def test_a_record_that_is_not_a_regular_file_is_skipped(tmp_path, live_pid, kind
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
     out = subprocess.run([sys.executable, "-c", READ_PEERS, str(folder)], capture_output=True, text=True,
-                         timeout=120, preexec_fn=limit)
+                         timeout=120, preexec_fn=limit, cwd=str(tmp_path))  # not the source folder
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == []
 
@@ -289,7 +289,7 @@ def test_a_peer_in_another_pid_namespace_is_neither_removed_nor_counted(tmp_path
     for flags in (["--pid", "--fork", "--mount-proc"], ["--user", "--map-root-user", "--pid", "--fork",
                                                          "--mount-proc"]):
         proc = subprocess.Popen([unshare, *flags, sys.executable, "-c", IN_NAMESPACE], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
         line = proc.stdout.readline().split()
         if line:
             child = proc
@@ -386,7 +386,7 @@ def test_a_forked_child_that_forwards_publishes_its_own_record(ckpt, tmp_path):
     path, _, _ = ckpt
     env = dict(os.environ, **{peers_module.ENV_PEERS_DIR: str(tmp_path / "peers"), ENV_HOST_AVAILABLE_GIB: "1.2"})
     out = subprocess.run([sys.executable, "-c", FORKED, str(path), os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     parent, child, seen = f"{got['parent']}.json", f"{got['child']}.json", got["seen"]
