@@ -245,6 +245,7 @@ class ReadAround(InPlace):
         super().__init__(stores, pages)
         self.reader = DirectReader(buffers=max(1, buffers))
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
+        self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
         self._outstanding = 0  # direct loads started and not released: at most one per buffer
 
     def _layout(self, i: int) -> list:
@@ -264,6 +265,7 @@ class ReadAround(InPlace):
                     return []  # a weight whose file is not held open: read this layer through its mapping
                 where.append((w, index[path], table.offsets[k] + a - table.starts[k]))
             self._where[i] = where
+            self._placed.update((id(w), (k, off)) for w, k, off in where)
         return where
 
     def start(self, i: int) -> Loaded:
@@ -290,20 +292,13 @@ class ReadAround(InPlace):
 
     def value(self, w: Weight, loaded: Loaded) -> torch.Tensor:
         buf = loaded.buffers.get("direct")
-        if buf is None or w.store != MAPPED:
+        placed = self._placed.get(id(w))
+        if buf is None or w.store != MAPPED or placed is None:
             return w.host
-        for w2, k, offset in self._where[self._index_of(w)]:
-            if w2 is w:
-                pos = buf.offsets[k] + offset - buf.extents[k][1]  # in the buffer, from its first byte
-                base = buf.data.view(w.dtype)  # a view itself: as_strided counts from its storage's start
-                return base.as_strided(w.shape, w.stride, base.storage_offset() + pos // w.dtype.itemsize)
-        return w.host
-
-    def _index_of(self, w: Weight) -> int:
-        for i, s in enumerate(self._stores):
-            if any(x is w for x in s.weights):
-                return i
-        raise KeyError(w)
+        k, offset = placed
+        pos = buf.offsets[k] + offset - buf.extents[k][1]  # in the buffer, from its first byte
+        base = buf.data.view(w.dtype)  # a view itself: as_strided counts from its storage's start
+        return base.as_strided(w.shape, w.stride, base.storage_offset() + pos // w.dtype.itemsize)
 
     def release(self, i: int, loaded: Loaded) -> None:
         if "direct" not in loaded.buffers:
@@ -325,7 +320,8 @@ class ReadAround(InPlace):
             self._outstanding -= 1  # the parent's read: its buffer is the parent's worker's
 
     def forget(self, i: int) -> None:
-        self._where.pop(i, None)
+        for w, _, _ in self._where.pop(i, ()):
+            self._placed.pop(id(w), None)
 
     @property
     def window_bytes(self) -> int:
