@@ -285,3 +285,24 @@ def test_fp8_moe_conversion_is_reused_exactly(tmp_path, fp8):
     assert again.mapoffload_report.conversion_reused and again.mapoffload_report.missing_keys == []
     names = sorted(n for n, _, _ in fp8_weights(first))
     assert sorted(n for n, _, _ in fp8_weights(again)) == names and (fp8 == "keep") == bool(names)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "t5", "clip", "bert", "qwen2_vl"])
+def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
+    """Every streamed layer read with O_DIRECT into reused buffers (page_cache_bytes=0): outputs equal
+    transformers' on architectures the read-around path was not built around."""
+    cls, kind = build(arch, str(tmp_path))
+    ref = cls.from_pretrained(str(tmp_path)).eval()
+    x = inputs(kind, ref.config)
+    expected = _forward(ref, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", stream_reads="direct")
+    managers = list(model.mapoffload_handle.managers.values())
+    for m in managers:
+        m.replan(page_cache_bytes=0)
+    assert torch.equal(expected, _forward(model, x))
+    assert torch.equal(expected, _forward(model, x))  # the buffers reused
+    read = sum(m._loads.reader.stats()["reads"] for m in managers if m.stream_reads == "direct")
+    assert read > 0, [m.stream_reads_why for m in managers]
+    model.mapoffload_handle.close()
