@@ -588,16 +588,13 @@ class LayerwiseOffloadManager:
                       "(reads at the bound, no page-cache work on the compute path)")
 
     def _choose_stream_reads(self) -> None:
-        """``stream_reads="auto"``: at a forward's start, measure what the last one read; switch when it thrashed."""
+        """``stream_reads="auto"``, at a forward's start: direct once layers stream and their files take
+        ``O_DIRECT``; else measure what the last forward read, and read around the cache when it thrashed."""
         if self._stream_reads != "auto" or self.stream_reads == "direct":
             return
-        now = _process_read_bytes()
-        last, self._reads_at_forward = self._reads_at_forward, now
-        if now is None or last is None:
-            return
-        self._forwards += 1
         plan = self.residency
         if plan is None or not plan.streamed:
+            self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
             return
         if self._direct_capable is None:
             self._direct_capable, why = self._probe_direct()
@@ -605,6 +602,11 @@ class LayerwiseOffloadManager:
                 self._read_around(why)
                 return
             self.stream_reads_why = why
+        now = _process_read_bytes()
+        last, self._reads_at_forward = self._reads_at_forward, now
+        if now is None or last is None:
+            return
+        self._forwards += 1
         if self._forwards < 2:
             return  # the first forward reads the cached set in too
         expected = sum(m.residency.streamed_bytes for m in coordinator().managers() if m.residency is not None)
