@@ -79,3 +79,18 @@ class AnonSampler(threading.Thread):
         self.join()
         self.peak = max(self.peak, self.read())
         return self.peak
+
+
+def drop_caches(paths) -> bool:
+    """sync + drop the whole page cache (root); where not permitted, only ``paths``' pages. True: all dropped."""
+    from mapoffload import drop_page_cache
+
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        for path in paths:
+            drop_page_cache(path)
+        return False

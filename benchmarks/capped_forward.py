@@ -293,19 +293,10 @@ def child(args: argparse.Namespace) -> None:
 
 def _drop_caches(folder: str) -> bool:
     """sync + drop_caches; where not permitted, only the checkpoint files."""
+    from _common import drop_caches
     from hf_load import _checkpoint_files
 
-    from mapoffload import drop_page_cache
-
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        return True
-    except OSError:
-        for path in _checkpoint_files(folder):
-            drop_page_cache(path)
-        return False
+    return drop_caches(_checkpoint_files(folder))
 
 
 def disk_bandwidth(folder: str) -> dict:

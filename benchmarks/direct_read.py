@@ -260,18 +260,9 @@ def sweep_child(args: argparse.Namespace) -> None:
 
 
 def _drop(path: str) -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        return True
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return False
+    from _common import drop_caches
+
+    return drop_caches([path])
 
 
 def _run_child(extra: list[str], args: argparse.Namespace, cgroup: str | None) -> tuple[int | None, str, str]:
