@@ -3,8 +3,10 @@ must run against the installed package, not the source folder."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
 import tempfile
 
 import pytest
@@ -12,7 +14,17 @@ import pytest
 # Page-cache peers (other processes under this cgroup: mapoffload._manager.peers)
 # are this session's own and its children's: another test run on the same
 # machine must not become a rank that splits the budget of this one.
-os.environ.setdefault("MAPOFFLOAD_PEERS_DIR", tempfile.mkdtemp(prefix="mapoffload-peers-tests-"))
+if "MAPOFFLOAD_PEERS_DIR" not in os.environ:
+    _peers_dir = tempfile.mkdtemp(prefix="mapoffload-peers-tests-")
+    os.environ["MAPOFFLOAD_PEERS_DIR"] = _peers_dir
+    _session_pid = os.getpid()
+
+    def _remove_peers_dir() -> None:
+        # The session made it and removes it; a forked child running atexit must not.
+        if os.getpid() == _session_pid:
+            shutil.rmtree(_peers_dir, ignore_errors=True)
+
+    atexit.register(_remove_peers_dir)
 
 # Without a GPU, the copier's CUDA path runs on the stand-in runtime
 # (tests/fakecuda): set MAPOFFLOAD_CUDART before anything loads a runtime.
