@@ -282,7 +282,7 @@ class LayerwiseOffloadManager:
                 raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
         self.copier = copier
         self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
-        self._pages = self._loads = None
+        self._pages = self._loads = self._rest = None
         try:
             self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
             self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
@@ -334,6 +334,8 @@ class LayerwiseOffloadManager:
             owned_copier.close()
         if self._pages is not None:
             self._pages.close()
+        if self._rest is not None:
+            self._rest.close()
 
     # -- accounting ----------------------------------------------------------------------
     def _sum(self, pred) -> int:
@@ -884,6 +886,7 @@ class LayerwiseOffloadManager:
         finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
             self._loads.close()
             self._pages.close()
+            self._rest.close()  # the lookup tables' advice
             for s in self._stores:
                 for w in s.weights:
                     w.param.__dict__.pop("_mapoffload_manager", None)

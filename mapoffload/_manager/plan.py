@@ -119,16 +119,8 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
     return stores, unmanaged
 
 
-def always_read_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[tuple[torch.Tensor, int]]:
-    """The mapped parameters outside the layers that every forward reads whole, with their bytes.
-
-    A head, norms, a tied embedding used as the head: their pages are in use
-    each forward and share the page cache with the layers. An embedding
-    table held only by ``nn.Embedding`` modules is left out: a lookup reads
-    a few rows of it, not the table.
-    """
-    import torch
-
+def _outside_params(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[dict[int, torch.Tensor], dict[int, list]]:
+    """CPU parameters of the modules outside ``layers`` (by id), and the modules holding each."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     holders: dict[int, list] = {}
     params: dict[int, torch.Tensor] = {}
@@ -139,11 +131,46 @@ def always_read_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -
             if p is not None and p.device.type == "cpu" and not isinstance(p, OffloadedWeight):
                 holders.setdefault(id(p), []).append(m)
                 params[id(p)] = p
-    read_whole = [p for k, p in params.items() if not all(isinstance(m, torch.nn.Embedding) for m in holders[k])]
+    return params, holders
+
+
+def _is_lookup(module: torch.nn.Module) -> bool:
+    import torch
+
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+
+
+def always_read_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[tuple[torch.Tensor, int]]:
+    """The mapped parameters outside the layers that every forward reads whole, with their bytes.
+
+    A head, norms, a tied embedding used as the head: their pages are in use
+    each forward and share the page cache with the layers. An embedding
+    table held only by ``nn.Embedding`` modules is left out: a lookup reads
+    a few rows of it, not the table (:func:`lookup_tables`).
+    """
+    params, holders = _outside_params(model, layers)
+    read_whole = [p for k, p in params.items() if not all(_is_lookup(m) for m in holders[k])]
     if not read_whole:
         return []
     on_mapping = MappedRegions().classify([p.data for p in read_whole])
     return [(p.data, describe(p.data)[0]) for p, m in zip(read_whole, on_mapping) if m]
+
+
+def lookup_tables(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The mapped parameters outside the layers that only ``nn.Embedding``/``EmbeddingBag`` modules hold.
+
+    A forward reads a few rows of each (one per token), never the table: a
+    fault's read-around there (the device's ``read_ahead_kb``, 8 MiB on some
+    disks) reads megabytes per row, and under a tight cap, where the table is
+    not kept cached, the whole table or more every forward. A tied table,
+    also held by a head, is read whole and is not one.
+    """
+    params, holders = _outside_params(model, layers)
+    tables = [p for k, p in params.items() if all(_is_lookup(m) for m in holders[k])]
+    if not tables:
+        return []
+    on_mapping = MappedRegions().classify([p.data for p in tables])
+    return [p.data for p, m in zip(tables, on_mapping) if m]
 
 
 def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> int:
