@@ -17,9 +17,11 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
   mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
                 (its layers streamed by the layerwise manager; the handle's
                 summary() is in the JSON, handle.close() at the end;
-                stream_reads="auto": streamed layers read through the
-                mapping until two warm forwards read > 1.2x the plan, then
-                around the page cache - the JSON's stream_reads says which)
+                stream_reads="auto": streamed layers read around the page
+                cache (O_DIRECT) from the first forward that streams where
+                the files take it, else through the mapping until two warm
+                forwards read > 1.2x the plan - the JSON's stream_reads says
+                which)
   mapoffload-direct  the same with stream_reads="direct" (O_DIRECT from the
                 start; issue 18's tight caps)
 
