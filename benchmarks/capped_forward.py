@@ -271,6 +271,7 @@ def child(args: argparse.Namespace) -> None:
 
     for key in ("forward_s", "forward_cpu_s", "forward_read_bytes", "forward_major_faults"):
         row[key] = []
+    row["forward_read_parts"] = _count_part_reads(model)  # where each forward's reads go (JSON only)
     with torch.inference_mode():
         for _ in range(args.forwards):
             io0, mf0, c0, t0 = _proc_io()["read_bytes"], _major_faults(), time.process_time(), time.perf_counter()
@@ -288,6 +289,30 @@ def child(args: argparse.Namespace) -> None:
     if args.cgroup:
         row["cgroup_peak"] = _cg_peak(args.cgroup)
     print("ROW " + json.dumps(row), flush=True)
+
+
+def _count_part_reads(model) -> dict[str, list[int]]:
+    """Bytes read (/proc/self/io) by the embedding lookup, the layers and the head, per forward."""
+    layers = model.model.layers
+    parts = {"embedding": (model.get_input_embeddings(),) * 2, "layers": (layers[0], layers[-1]),
+             "head": (model.get_output_embeddings(),) * 2}
+    reads: dict[str, list[int]] = {name: [] for name in parts}
+
+    def counter(name: str, first, last) -> None:
+        start = [0]
+
+        def before(*_):
+            start[0] = _proc_io()["read_bytes"]
+
+        def after(*_):
+            reads[name].append(_proc_io()["read_bytes"] - start[0])
+
+        first.register_forward_pre_hook(before)
+        last.register_forward_hook(after)
+
+    for name, (first, last) in parts.items():
+        counter(name, first, last)
+    return reads
 
 
 # --- the launcher ------------------------------------------------------------------------------
