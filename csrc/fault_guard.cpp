@@ -86,7 +86,13 @@ void install_fault_guard() {
   sigaction(SIGBUS, &sa, nullptr);
 }
 
-bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr) {
+namespace {
+
+// Runs body() with a SIGBUS in [src, src + n) turned into a false return (the
+// faulting address in *fault_addr). The jump lands in this frame, which stays
+// live while body runs; body keeps no state across it.
+template <class Body>
+bool guarded(const void* src, size_t n, uint64_t* fault_addr, Body&& body) {
   if (n == 0) return true;
   Guard& g = t_guard;
   g.lo = reinterpret_cast<uintptr_t>(src);
@@ -96,28 +102,25 @@ bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr) 
     return false;
   }
   g.active = 1;
-  std::memcpy(dst, src, n);
+  body();
   g.active = 0;
   return true;
 }
 
+}  // namespace
+
+bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr) {
+  return guarded(src, n, fault_addr, [&] { std::memcpy(dst, src, n); });
+}
+
 bool guarded_touch(const void* src, size_t n, size_t stride, uint64_t* fault_addr) {
-  if (n == 0) return true;
   if (stride == 0) stride = 1;
-  Guard& g = t_guard;
-  g.lo = reinterpret_cast<uintptr_t>(src);
-  g.hi = g.lo + n;
-  if (sigsetjmp(g.env, 1) != 0) {
-    if (fault_addr) *fault_addr = g.fault;
-    return false;
-  }
-  g.active = 1;
-  const volatile unsigned char* p = static_cast<const volatile unsigned char*>(src);
-  unsigned char sink = 0;
-  for (size_t off = 0; off < n; off += stride) sink ^= p[off];
-  g.active = 0;
-  (void)sink;
-  return true;
+  return guarded(src, n, fault_addr, [&] {
+    const volatile unsigned char* p = static_cast<const volatile unsigned char*>(src);
+    unsigned char sink = 0;
+    for (size_t off = 0; off < n; off += stride) sink ^= p[off];
+    (void)sink;
+  });
 }
 
 }  // namespace mapoffload
