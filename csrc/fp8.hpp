@@ -66,8 +66,9 @@ struct Fp8Job {
 // output that overlaps the codes or the scales.
 void check_fp8_job(const Fp8Job& job);
 
-// Threads the job runs on: `threads` (0: min(2, hardware)), at most the
-// hardware's and the rows', and one for fewer than 256 Ki elements.
+// Threads the job runs on: `threads` (0: min(2, hardware)), at most 64 and
+// the rows, and one per 128 Ki elements at most (512 Ki with the SIMD
+// lookup): one below 256 Ki (1 Mi).
 unsigned fp8_job_threads(const Fp8Job& job);
 
 // Runs a checked job (call check_fp8_job first). Rows are split across
