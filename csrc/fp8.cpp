@@ -119,10 +119,8 @@ void dequantize_rows(const Chunk& ch, const Convert& convert) {
           for (unsigned c = 0; c < 256; ++c) t[c] = convert(value[c] * s);
         }
         if (simd) {
-          // Block column by block column: its table stays in registers.
-          for (uint64_t sc = g0; sc < g1; ++sc)
-            lookup_table(tables + (sc - g0) * kTable, sizeof(T), codes + r * j.cols + sc * bn,
-                          out + r * j.cols + sc * bn, band_end - r, bn, j.cols);
+          lookup_rows(tables, sizeof(T), g1 - g0, codes + r * j.cols + g0 * bn, out + r * j.cols + g0 * bn,
+                      band_end - r, bn, j.cols);
           continue;
         }
         for (uint64_t rr = r; rr < band_end; ++rr) {
