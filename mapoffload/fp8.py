@@ -55,7 +55,7 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
     CPU tensors, contiguous, into bfloat16, float16 or float32: one pass of
     the native kernel (``_core.dequantize_fp8``: a float32 multiply per
     element, rounded as torch rounds, on ``torch.get_num_threads()`` threads
-    with the GIL released). Anything else (CUDA, strided, other dtypes):
+    — ``MAPOFFLOAD_FP8_THREADS`` overrides — with the GIL released). Anything else (CUDA, strided, other dtypes):
     torch's ops, a band of block rows at a time into ``out`` (allocated when
     None), so the float32 temporaries stay small.
     """
@@ -161,11 +161,14 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     scale_lead = s.numel() // (srows * scols)
     if scale_lead not in (1, lead) or s.numel() != scale_lead * srows * scols:
         return False
+    from ._env import env_number
     from ._native import _core
 
+    threads = env_number("MAPOFFLOAD_FP8_THREADS", low=1, high=64, integer=True)
     _core.dequantize_fp8(codes.data_ptr(), s.data_ptr(), out.data_ptr(), lead=lead, rows=rows, cols=cols,
                          scale_lead=scale_lead, srows=srows, scols=scols, fp8_format=fmt, out_dtype=kind,
-                         bf16_nan=nan if out.dtype == torch.bfloat16 else 0x7FC0, threads=torch.get_num_threads())
+                         bf16_nan=nan if out.dtype == torch.bfloat16 else 0x7FC0,
+                         threads=int(threads) if threads is not None else torch.get_num_threads())
     return True
 
 

@@ -346,3 +346,16 @@ def test_tracing_takes_the_torch_path(calls):
         calls.clear()
         got = torch.compile(lin, backend="eager")(x)
     assert torch.equal(got, want) and calls == []
+
+
+def test_threads_follow_torch_unless_the_variable_says(calls, monkeypatch):
+    from mapoffload._env import EnvSettingError
+
+    codes, scale = _codes((256, 256)), _scales((2, 2))
+    dequantize_fp8(codes, scale, dtype=torch.bfloat16)
+    monkeypatch.setenv("MAPOFFLOAD_FP8_THREADS", "3")
+    dequantize_fp8(codes, scale, dtype=torch.bfloat16)
+    assert [c["threads"] for c in calls] == [torch.get_num_threads(), 3]
+    monkeypatch.setenv("MAPOFFLOAD_FP8_THREADS", "0")
+    with pytest.raises(EnvSettingError, match="MAPOFFLOAD_FP8_THREADS"):
+        dequantize_fp8(codes, scale, dtype=torch.bfloat16)
