@@ -7,7 +7,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -82,11 +86,11 @@ struct ToF32 {
   float operator()(float f) const { return f; }
 };
 
-// One thread's share: rows [r0, r1) of the lead*rows rows.
+// A piece of the work: rows [r0, r1) of the lead*rows rows.
 struct Chunk {
   const Fp8Job* job = nullptr;
   uint64_t r0 = 0, r1 = 0;
-  void* tables = nullptr;  // kTableGroupBytes of scratch, this chunk's own (64-byte aligned)
+  void* tables = nullptr;  // kTableGroupBytes of scratch, the running thread's own (64-byte aligned)
   bool ok = true;
   uint64_t fault = 0;
 };
@@ -303,25 +307,71 @@ unsigned fp8_job_threads(const Fp8Job& j) {
   return static_cast<unsigned>(std::max<uint64_t>(1, t));
 }
 
+namespace {
+
+// The rows are handed out in pieces of about this many elements, to whichever
+// thread asks first: a helper that starts late (its core busy: torch's
+// OpenMP workers spin there for a while after each parallel region) takes
+// fewer or none, and the caller never waits for one that has not started.
+constexpr uint64_t kPieceElements = 256 * 1024;
+
+// What the caller and its helpers share. Helpers are detached and hold it
+// (shared_ptr) until they return; they touch the job's memory only while they
+// hold a piece, and the caller returns only when every piece is done.
+struct Team {
+  Fp8Job job;
+  uint64_t total_rows = 0, piece_rows = 0, pieces = 0;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> stop{false};  // a fault: the pieces left are skipped
+  std::mutex mu;
+  std::condition_variable all_done;
+  uint64_t done = 0;       // under mu
+  uint64_t fault = 0;      // under mu: the first faulting address, 0 if none
+  bool faulted = false;    // under mu
+
+  void work(void* tables) {
+    for (;;) {
+      const uint64_t p = next.fetch_add(1, std::memory_order_relaxed);
+      if (p >= pieces) return;
+      Chunk ch;
+      ch.job = &job;
+      ch.r0 = p * piece_rows;
+      ch.r1 = std::min(total_rows, ch.r0 + piece_rows);
+      ch.tables = tables;
+      if (!stop.load(std::memory_order_relaxed)) guarded_chunk(ch);
+      std::lock_guard<std::mutex> lock(mu);
+      if (!ch.ok && !faulted) {
+        faulted = true;
+        fault = ch.fault;
+        stop.store(true, std::memory_order_relaxed);
+      }
+      if (++done == pieces) all_done.notify_all();
+    }
+  }
+};
+
+}  // namespace
+
 void dequantize_fp8(const Fp8Job& j) {
   install_fault_guard();
   lut(j.format);  // built before any helper starts
   const unsigned threads = fp8_job_threads(j);
-  const uint64_t total = j.lead * j.rows;
-  std::vector<Chunk> chunks(threads);
-  std::vector<unsigned char> scratch(threads * kTableGroupBytes + 64);
-  unsigned char* base = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
-  for (unsigned t = 0; t < threads; ++t) {
-    chunks[t].job = &j;
-    chunks[t].r0 = total * t / threads;
-    chunks[t].r1 = total * (t + 1) / threads;
-    chunks[t].tables = base + t * kTableGroupBytes;
+  auto team = std::make_shared<Team>();
+  team->job = j;
+  team->total_rows = j.lead * j.rows;
+  if (threads == 1) {
+    team->piece_rows = team->total_rows;
+  } else {
+    // Whole bands where a piece holds several: each band's tables built once.
+    const uint64_t bm = j.rows / j.srows;
+    uint64_t rows = std::max<uint64_t>(1, kPieceElements / j.cols);
+    if (rows >= bm) rows -= rows % bm;
+    team->piece_rows = rows;
   }
-  std::vector<std::thread> helpers;
-  helpers.reserve(threads - 1);
-  try {
-    for (unsigned t = 1; t < threads; ++t)
-      helpers.emplace_back([&chunks, t] {
+  team->pieces = (team->total_rows + team->piece_rows - 1) / team->piece_rows;
+  for (uint64_t t = 1; t < threads && t < team->pieces; ++t) {
+    try {
+      std::thread([team] {
         // Asynchronous signals (Ctrl-C) go to the threads that handle them;
         // the synchronous ones must stay deliverable (a blocked SIGBUS from a
         // fault kills the process instead of reaching the guard).
@@ -329,19 +379,25 @@ void dequantize_fp8(const Fp8Job& j) {
         sigfillset(&mask);
         for (int sig : {SIGBUS, SIGSEGV, SIGFPE, SIGILL}) sigdelset(&mask, sig);
         pthread_sigmask(SIG_BLOCK, &mask, nullptr);
-        guarded_chunk(chunks[t]);
-      });
-  } catch (const std::system_error&) {
-    // A thread could not be started: this one does the rest below.
+        alignas(64) unsigned char tables[kTableGroupBytes];
+        team->work(tables);
+      }).detach();
+    } catch (const std::system_error&) {
+      break;  // a thread could not be started: the ones there are do the work
+    }
   }
-  guarded_chunk(chunks[0]);
-  for (size_t t = helpers.size() + 1; t < threads; ++t) guarded_chunk(chunks[t]);
-  for (std::thread& h : helpers) h.join();
-  for (const Chunk& ch : chunks) {
-    if (ch.ok) continue;
+  {
+    alignas(64) unsigned char tables[kTableGroupBytes];
+    team->work(tables);
+  }
+  std::unique_lock<std::mutex> lock(team->mu);
+  team->all_done.wait(lock, [&] { return team->done == team->pieces; });
+  if (team->faulted) {
     const ReadRange c = codes_range(j), s = scale_range(j);
-    const ReadRange in = (ch.fault >= s.lo && ch.fault < s.hi) ? s : c;
-    throw mapping_fault(in.lo, in.hi - in.lo, ch.fault);
+    const ReadRange in = (team->fault >= s.lo && team->fault < s.hi) ? s : c;
+    const uint64_t fault = team->fault;
+    lock.unlock();
+    throw mapping_fault(in.lo, in.hi - in.lo, fault);
   }
 }
 

@@ -71,9 +71,12 @@ void check_fp8_job(const Fp8Job& job);
 // lookup): one below 256 Ki (1 Mi).
 unsigned fp8_job_threads(const Fp8Job& job);
 
-// Runs a checked job (call check_fp8_job first). Rows are split across
-// threads. A SIGBUS while reading the codes or the scales (their file was
-// truncated under the mapping) throws MappingFault (copy_job.hpp).
+// Runs a checked job (call check_fp8_job first) on the calling thread and
+// fp8_job_threads(job) - 1 helpers, which take pieces of ~256 Ki elements as
+// they come (a helper that starts late takes fewer; the caller never waits for
+// one that has not started). A SIGBUS while reading the codes or the scales
+// (their file was truncated under the mapping) throws MappingFault
+// (copy_job.hpp).
 void dequantize_fp8(const Fp8Job& job);
 
 }  // namespace mapoffload
