@@ -130,9 +130,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _tracing() -> bool:
-    """torch.compile / export tracing: torch's ops trace, a native call on raw memory does not."""
+    """torch.compile / export / torch.jit.trace at work: torch's ops are recorded,
+    a native call on raw memory is not (a trace would keep an empty buffer)."""
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(is_compiling is not None and is_compiling())
+    return bool(is_compiling is not None and is_compiling()) or torch.jit.is_tracing()
 
 
 def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, srows: int, scols: int) -> bool:

@@ -359,3 +359,16 @@ def test_threads_follow_torch_unless_the_variable_says(calls, monkeypatch):
     monkeypatch.setenv("MAPOFFLOAD_FP8_THREADS", "0")
     with pytest.raises(EnvSettingError, match="MAPOFFLOAD_FP8_THREADS"):
         dequantize_fp8(codes, scale, dtype=torch.bfloat16)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_trace_records_the_torch_path(calls):
+    codes = _codes((128, 256))
+    codes = torch.where(codes.float().isnan(), 0, codes.view(torch.uint8)).to(torch.uint8).view(E4M3)
+    scale = _scales((1, 2))
+    traced = torch.jit.trace(lambda c, s: dequantize_fp8(c, s, dtype=torch.float32) * 1, (codes, scale),
+                             check_trace=False)
+    assert calls == []
+    other = _codes((128, 256), seed=5)
+    other = torch.where(other.float().isnan(), 0, other.view(torch.uint8)).to(torch.uint8).view(E4M3)
+    assert torch.equal(traced(other, scale), reference(other, scale, torch.float32))
