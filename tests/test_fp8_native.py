@@ -361,7 +361,7 @@ def test_threads_follow_torch_unless_the_variable_says(calls, monkeypatch):
         dequantize_fp8(codes, scale, dtype=torch.bfloat16)
 
 
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:.*torch.jit.trace. is deprecated:DeprecationWarning")
 def test_jit_trace_records_the_torch_path(calls):
     codes = _codes((128, 256))
     codes = torch.where(codes.float().isnan(), 0, codes.view(torch.uint8)).to(torch.uint8).view(E4M3)
