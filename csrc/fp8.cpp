@@ -36,10 +36,14 @@ constexpr uint64_t kTableMinElements = 1024;
 // Tables of one band are built a group of scale columns at a time, so that
 // the group's tables stay in L1 (32 KiB).
 constexpr size_t kTableGroupBytes = 32 * 1024;
-// Elements a thread must have to be worth starting (~20-50 us to start and
-// join): the SIMD lookup does ~5-7 elements a ns, the portable loop ~2.
+// Elements a thread must have to be worth starting: starting one and waking
+// an idle core costs tens of us (more in a VM), and its share of the output
+// lands in the other core's cache. Measured on 2 vCPUs (fp8_dequant.py): a
+// 1024 x 1024 weight (~140 us with the SIMD lookup) took longer on two
+// threads than on one, a 3584 x 1024 one less. The SIMD lookup does ~7
+// elements a ns, the portable loop ~2.
 constexpr uint64_t kMinElementsPerThread = 128 * 1024;
-constexpr uint64_t kMinElementsPerSimdThread = 512 * 1024;
+constexpr uint64_t kMinElementsPerSimdThread = 1024 * 1024;
 constexpr unsigned kMaxThreads = 64;
 
 float f32_of(uint32_t bits) {

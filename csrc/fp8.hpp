@@ -67,8 +67,8 @@ struct Fp8Job {
 void check_fp8_job(const Fp8Job& job);
 
 // Threads the job runs on: `threads` (0: min(2, hardware)), at most 64 and
-// the rows, and one per 128 Ki elements at most (512 Ki with the SIMD
-// lookup): one below 256 Ki (1 Mi).
+// the rows, and one per 128 Ki elements at most (1 Mi with the SIMD
+// lookup): one below 256 Ki (2 Mi).
 unsigned fp8_job_threads(const Fp8Job& job);
 
 // Runs a checked job (call check_fp8_job first) on the calling thread and
