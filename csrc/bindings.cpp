@@ -7,6 +7,8 @@
 #include <cstring>
 
 #include "direct_read.hpp"
+#include "fp8.hpp"
+#include "fp8_lookup.hpp"
 #include "maps.hpp"
 #include "residency.hpp"
 #include "py_helpers.hpp"
@@ -162,6 +164,35 @@ PYBIND11_MODULE(_core, m) {
      "O_DIRECT fds the filesystem refuses (they lose O_DIRECT), read with pread, then POSIX_FADV_DONTNEED. "
      "Returns ('direct' | 'buffered', bytes transferred) per range. A file that ends before its range raises "
      "MappingFaultError naming it; other I/O errors OSError.");
+  // Fused FP8 dequantization (csrc/fp8.hpp).
+  m.def("dequantize_fp8", [](uint64_t codes, uint64_t scale, uint64_t out, uint64_t lead, uint64_t rows,
+                             uint64_t cols, uint64_t scale_lead, uint64_t srows, uint64_t scols,
+                             const std::string& fp8_format, const std::string& out_dtype, unsigned bf16_nan,
+                             unsigned threads, bool simd) {
+    if (bf16_nan > 0xFFFF) throw py::value_error("bf16_nan must be a 16-bit pattern, not " + std::to_string(bf16_nan));
+    Fp8Job j;
+    j.codes = codes, j.scale = scale, j.out = out;
+    j.lead = lead, j.rows = rows, j.cols = cols, j.scale_lead = scale_lead, j.srows = srows, j.scols = scols;
+    j.format = parse_fp8_format(fp8_format);
+    j.out_dtype = parse_fp8_out(out_dtype);
+    j.bf16_nan = static_cast<uint16_t>(bf16_nan);
+    j.threads = threads;
+    j.simd = simd;
+    check_fp8_job(j);
+    py::gil_scoped_release nogil;
+    dequantize_fp8(j);
+  }, py::arg("codes"), py::arg("scale"), py::arg("out"), py::kw_only(), py::arg("lead"), py::arg("rows"),
+     py::arg("cols"), py::arg("scale_lead"), py::arg("srows"), py::arg("scols"), py::arg("fp8_format"),
+     py::arg("out_dtype"), py::arg("bf16_nan") = 0x7FC0u, py::arg("threads") = 0u, py::arg("simd") = true,
+     "out[e,i,j] = round(value(codes[e,i,j]) * scale[e or 0, i/(rows/srows), j/(cols/scols)]) for lead x rows x "
+     "cols fp8 codes (bytes, row-major, fp8_format 'e4m3fn' | 'e5m2') and float32 scales (row-major), into out "
+     "('bfloat16' | 'float16' | 'float32', row-major): one float32 multiply, rounded to nearest even; every NaN "
+     "becomes bf16_nan in bfloat16. Addresses are data_ptr() ints; the GIL is released; rows are split across "
+     "`threads` threads (0: min(2, hardware)), one below 256 Ki elements (2 Mi with the SIMD lookup). Bad sizes, addresses or overlaps raise "
+     "ValueError; a SIGBUS reading the codes or scales (a truncated mapped file) MappingFaultError. simd=False "
+     "runs the portable loop where the CPU has a SIMD one (fp8_simd()); the bits are the same.");
+  m.def("fp8_simd", &fp8_lookup_isa,
+        "The SIMD table lookup dequantize_fp8 uses on this CPU: 'avx512vbmi', or '' (the portable loop).");
   m.def("_inject_direct_errors", &inject_direct_errors, py::arg("open_errno") = 0, py::arg("pread_errno") = 0,
         "Tests: make the O_DIRECT open / O_DIRECT preads fail with these errnos until called with zeros.");
   bind_copier(m);

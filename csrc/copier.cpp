@@ -36,8 +36,8 @@ constexpr uint64_t kPopulateMin = 64 * 1024;
 // share a large one (CPU) and a failure is reported close to where it was.
 constexpr uint64_t kDirectUnitBytes = 64ull << 20;
 
-// The exception for a SIGBUS while reading [span_src, span_src+span_bytes):
-// names the mapped file and the byte range in it, from a fresh maps snapshot.
+}  // namespace
+
 MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t fault) {
   const std::string addrs = "mapped at " + hex(span_src) + "-" + hex(span_src + span_bytes);
   try {
@@ -60,6 +60,8 @@ MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t faul
                           ": the file behind the mapping was truncated or is unreadable",
                       "");
 }
+
+namespace {
 
 // Makes the copier's device current for a scope and restores the caller's
 // (torch tracks the current device per thread).

@@ -34,6 +34,11 @@ class MappingFault : public std::runtime_error {
   std::string path_;  // the mapped file, "" when unknown
 };
 
+// The MappingFault for a SIGBUS at `fault` while reading [span_src,
+// span_src+span_bytes): names the mapped file and the byte range in it, from a
+// fresh maps snapshot (copier.cpp).
+MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t fault);
+
 // A sticky error breaks the copier for good: written once, read lock-free
 // (no mutex, so a fork can never find it locked).
 class Health {

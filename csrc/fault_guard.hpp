@@ -35,4 +35,10 @@ bool guarded_memcpy(void* dst, const void* src, size_t n, uint64_t* fault_addr);
 // false and stores the faulting address. Call install_fault_guard() first.
 bool guarded_touch(const void* src, size_t n, size_t stride, uint64_t* fault_addr);
 
+// fn(ctx), where a fault while reading [lo, lo+n) leaves fn and returns false
+// with the faulting address stored. A fault leaves fn by siglongjmp: fn must
+// own nothing that needs a destructor or a lock. Call install_fault_guard()
+// first.
+bool guarded_call(const void* lo, size_t n, void (*fn)(void*), void* ctx, uint64_t* fault_addr);
+
 }  // namespace mapoffload

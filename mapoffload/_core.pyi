@@ -27,6 +27,24 @@ def read_ranges(
     paths: Sequence[_Path] | None = None,
 ) -> list[tuple[str, int]]: ...
 def _inject_direct_errors(open_errno: int = 0, pread_errno: int = 0) -> None: ...
+def dequantize_fp8(
+    codes: int,
+    scale: int,
+    out: int,
+    *,
+    lead: int,
+    rows: int,
+    cols: int,
+    scale_lead: int,
+    srows: int,
+    scols: int,
+    fp8_format: str,
+    out_dtype: str,
+    bf16_nan: int = 0x7FC0,
+    threads: int = 0,
+    simd: bool = True,
+) -> None: ...
+def fp8_simd() -> str: ...
 
 class SpanArray:
     def __init__(self, addrs: _U64s, sizes: _U64s) -> None: ...

@@ -52,7 +52,11 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
     (``weight_scale_inv``: ``[..., rows/bm, cols/bn]``, a scalar for one block),
     in ``dtype``; bit for bit what transformers' ``Fp8Dequantize`` computes.
 
-    Computed a band of block rows at a time into ``out`` (allocated when
+    CPU tensors, contiguous, into bfloat16, float16 or float32: one pass of
+    the native kernel (``_core.dequantize_fp8``: a float32 multiply per
+    element, rounded as torch rounds, on ``torch.get_num_threads()`` threads
+    — ``MAPOFFLOAD_FP8_THREADS`` overrides — with the GIL released). Anything else (CUDA, strided, other dtypes):
+    torch's ops, a band of block rows at a time into ``out`` (allocated when
     None), so the float32 temporaries stay small.
     """
     if not is_fp8(codes):
@@ -64,6 +68,8 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     elif out.shape != codes.shape or out.dtype != dtype:
         raise ValueError(f"out must be {tuple(codes.shape)} {dtype}, not {tuple(out.shape)} {out.dtype}")
+    if _dequantize_native(codes, scale, out, srows, scols):
+        return out
     s = (scale if scale.dim() >= 2 else scale.reshape(1, 1)).to(torch.float32)
     q = codes.reshape(-1, srows, bm, scols, bn)
     s = s.reshape(-1, srows, scols).unsqueeze(-1).unsqueeze(2)
@@ -76,6 +82,95 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
             band = slice(r, min(r + step, srows))
             o[e, band].copy_(q[e, band].to(torch.float32) * s[min(e, s.shape[0] - 1), band])
     return out
+
+
+# --- the native kernel --------------------------------------------------------------------------
+
+_NATIVE_FORMATS = {getattr(torch, n): f for n, f in (("float8_e4m3fn", "e4m3fn"), ("float8_e5m2", "e5m2"))
+                   if hasattr(torch, n)}
+_NATIVE_OUTS = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# NaN float32 patterns a product can have: NaN codes widened (payloads), x86's default NaN.
+_NAN_PROBES = (0x7FC00000, 0xFFC00000, 0x7FF00000, 0xFFF00000, 0x7FE00000, 0x7FA00000, 0x7F800001, 0xFFE00000)
+_native_rules: dict[torch.dtype, int | None] | None = None
+
+
+def _f16_nan(bits: int) -> int:
+    """float16 bits of a NaN float32, as the kernel writes them: sign and top of the payload kept, quiet."""
+    return ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+
+
+def _native_nan_rules() -> dict[torch.dtype, int | None]:
+    """For each output dtype, what torch's CPU conversion of a NaN float32 writes,
+    in the kernel's terms: the bfloat16 pattern of every NaN (0xFFFF from
+    torch's AVX2/AVX-512 kernels, 0x7FC0 from c10::BFloat16), 0 where float16
+    keeps the payload as the kernel does; None where torch does something the
+    kernel does not (that dtype then takes the torch path). Probed once, with
+    the op the torch path uses (``copy_`` from float32), long enough to run
+    vectorized and tail elements."""
+    global _native_rules
+    if _native_rules is None:
+        probe = torch.tensor(_NAN_PROBES, dtype=torch.int64).to(torch.int32)  # wraps to the bit patterns
+        f = probe.view(torch.float32).repeat(9)
+        bits = [b & 0xFFFFFFFF for b in probe.tolist()] * 9
+        got = {}
+        for dtype in (torch.bfloat16, torch.float16):
+            out = torch.empty(f.shape, dtype=dtype)
+            out.copy_(f)
+            got[dtype] = [v & 0xFFFF for v in out.view(torch.int16).tolist()]
+        bf16 = set(got[torch.bfloat16])
+        _native_rules = {
+            torch.bfloat16: bf16.pop() if len(bf16) == 1 else None,
+            torch.float16: 0 if got[torch.float16] == [_f16_nan(b) for b in bits] else None,
+            torch.float32: 0,
+        }
+    return _native_rules
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tracing() -> bool:
+    """torch.compile / export / torch.jit.trace at work: torch's ops are recorded,
+    a native call on raw memory is not (a trace would keep an empty buffer)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling()) or torch.jit.is_tracing()
+
+
+def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, srows: int, scols: int) -> bool:
+    """Run the native kernel when it applies (plain CPU tensors with memory,
+    contiguous, a dtype it writes, no autograd on the scale, not tracing);
+    True when it ran."""
+    fmt = _NATIVE_FORMATS.get(codes.dtype)
+    kind = _NATIVE_OUTS.get(out.dtype)
+    if fmt is None or kind is None or codes.numel() == 0:
+        return False
+    # Subclasses (FakeTensor, FunctionalTensor, wrappers) may have no memory behind data_ptr().
+    if not all(type(t) in _PLAIN for t in (codes, scale, out)) or _tracing():
+        return False
+    if codes.device.type != "cpu" or scale.device.type != "cpu" or out.device.type != "cpu":
+        return False
+    if not (codes.is_contiguous() and out.is_contiguous()) or out.requires_grad:
+        return False
+    if (scale.requires_grad and torch.is_grad_enabled()) or (scale.dim() < 2 and scale.numel() != 1):
+        return False  # the second: the torch path's reshape refuses it
+    nan = _native_nan_rules()[out.dtype]
+    if nan is None:
+        return False
+    s = scale.to(torch.float32).contiguous()
+    rows, cols = codes.shape[-2:]
+    lead = codes.numel() // (rows * cols)
+    scale_lead = s.numel() // (srows * scols)
+    if scale_lead not in (1, lead) or s.numel() != scale_lead * srows * scols:
+        return False
+    from ._env import env_number
+    from ._native import _core
+
+    threads = env_number("MAPOFFLOAD_FP8_THREADS", low=1, high=64, integer=True)
+    _core.dequantize_fp8(codes.data_ptr(), s.data_ptr(), out.data_ptr(), lead=lead, rows=rows, cols=cols,
+                         scale_lead=scale_lead, srows=srows, scols=scols, fp8_format=fmt, out_dtype=kind,
+                         bf16_nan=nan if out.dtype == torch.bfloat16 else 0x7FC0,
+                         threads=int(threads) if threads is not None else torch.get_num_threads())
+    return True
 
 
 class Fp8Dequantize(torch.nn.Module):
