@@ -125,20 +125,10 @@ bool guarded_touch(const void* src, size_t n, size_t stride, uint64_t* fault_add
 
 bool guarded_call(const void* lo, size_t n, void (*fn)(void*), void* ctx, uint64_t* fault_addr) {
   if (n == 0) {
-    fn(ctx);
+    fn(ctx);  // nothing to guard: run it all the same
     return true;
   }
-  Guard& g = t_guard;
-  g.lo = reinterpret_cast<uintptr_t>(lo);
-  g.hi = g.lo + n;
-  if (sigsetjmp(g.env, 1) != 0) {
-    if (fault_addr) *fault_addr = g.fault;
-    return false;
-  }
-  g.active = 1;
-  fn(ctx);
-  g.active = 0;
-  return true;
+  return guarded(lo, n, fault_addr, [&] { fn(ctx); });
 }
 
 }  // namespace mapoffload
