@@ -55,3 +55,16 @@ def test_mapoffload_offload_stays_the_function_whatever_is_imported_first(first)
             "mapoffload.offload\n"
             "assert mapoffload.LayerwiseOffloadManager.__module__ == 'mapoffload.offload'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_diffusers_without_accelerate_names_it(monkeypatch):
+    # diffusers imports set_module_tensor_to_device from accelerate only when it is
+    # installed; the hooks used to fail with an AttributeError from diffusers' module.
+    pytest.importorskip("diffusers")
+    from diffusers.models import model_loading_utils as mlu
+
+    from mapoffload.hf._drive import diffusers_hooks
+
+    monkeypatch.delattr(mlu, "set_module_tensor_to_device", raising=False)
+    with pytest.raises(ImportError, match=r"accelerate.*mapoffload\[diffusers\]"):
+        diffusers_hooks()

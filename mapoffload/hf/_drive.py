@@ -404,6 +404,13 @@ def diffusers_hooks() -> list[tuple[Any, str, Any]]:
     from diffusers.models import model_loading_utils as mlu
     from diffusers.models import modeling_utils as dmu
 
+    if not hasattr(mlu, "set_module_tensor_to_device"):
+        # diffusers imports it from accelerate when accelerate is installed, and
+        # without it loads whole state dicts into memory: nothing to keep mapped.
+        raise ImportError(
+            "mapoffload's diffusers loading needs accelerate (diffusers sets each tensor through "
+            "accelerate's set_module_tensor_to_device): pip install \"mapoffload[diffusers]\" or pip install accelerate"
+        )
     hooks = [(mlu, "set_module_tensor_to_device", _wrap_set_tensor)]
     for owner in (mlu, dmu):
         if hasattr(owner, "load_model_dict_into_meta"):
