@@ -10,11 +10,11 @@ void host_register(void* ptr, size_t nbytes, int device) {
   const CudaApi& api = cuda_api();
   DeviceScope scope(device);  // a context is made for this device, not for whatever the thread had
   // Portable: pinned for every context, whichever device copies from it.
-  MAPOFFLOAD_CUDA_CHECK(api.HostRegister(ptr, nbytes, kCudaHostRegisterPortable));
+  check_cuda(api.HostRegister(ptr, nbytes, kCudaHostRegisterPortable), "cudaHostRegister", __FILE__, __LINE__);
 }
 
 void host_unregister(void* ptr) {
-  MAPOFFLOAD_CUDA_CHECK(cuda_api().HostUnregister(ptr));
+  check_cuda(cuda_api().HostUnregister(ptr), "cudaHostUnregister", __FILE__, __LINE__);
 }
 
 HostPin::HostPin(uint64_t ptr, uint64_t nbytes, int device) : ptr_(ptr), nbytes_(nbytes), pid_(getpid()) {

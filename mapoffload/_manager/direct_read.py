@@ -202,7 +202,8 @@ class DirectBuffer:
         slab, self._slab = self._slab, None
         if slab is not None:
             self._finalizer.detach()
-            self._reader._give_back(slab)
+            reader, self._reader = self._reader, None  # a released buffer does not keep its reader alive
+            reader._give_back(slab)
 
     def __enter__(self) -> DirectBuffer:
         return self
