@@ -344,6 +344,7 @@ def test_cuda_direct_reads_match_the_mapping_path(ckpt):
     outs = {}
     for mode in ("mapping", "direct"):
         model = mapped(path)
+        model.mix.cuda()  # the weights outside the blocks: on the device (the manager streams the blocks only)
         room = 6 * _layer(model) + 4096
         with LayerwiseOffloadManager(model, "blocks", device="cuda", host_store="mapped", prefetch_layers=2,
                                      page_cache_bytes=room, stream_reads=mode) as mgr:
