@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 
 #include "copier.hpp"
+#include "host_pin.hpp"
 #include "py_helpers.hpp"
 
 namespace mapoffload {
@@ -105,6 +106,17 @@ std::vector<CopySpan> make_copy_spans(const py::object& dst, const py::object& s
   return out;
 }
 
+// A registration and the object owning its memory: unregistered first, then
+// the owner let go, so the memory is never freed while it is still locked.
+struct PyHostPin {
+  std::unique_ptr<HostPin> pin;
+  py::object owner;
+  ~PyHostPin() {
+    py::gil_scoped_release nogil;  // cudaHostUnregister may wait for the device
+    pin.reset();
+  }
+};
+
 }  // namespace
 
 void bind_copier(py::module_& m) {
@@ -131,6 +143,47 @@ void bind_copier(py::module_& m) {
   m.def("cuda_available", &cuda_available, "True when libcudart loads and reports a device.");
   m.def("cuda_runtime_library", [] { return cuda_api().library; },
         "The libcudart that was opened (raises CudaError when none can be).");
+
+  m.def("host_register", [](uint64_t ptr, uint64_t nbytes, int device) {
+         if (!ptr || !nbytes) throw py::value_error("host_register: null address or zero bytes");
+         py::gil_scoped_release nogil;
+         host_register(reinterpret_cast<void*>(ptr), static_cast<size_t>(nbytes), device);
+       },
+       py::arg("ptr"), py::arg("nbytes"), py::kw_only(), py::arg("device") = -1,
+       "Page-lock host memory with the CUDA runtime (cudaHostRegister, portable; `device` made current "
+       "first when >= 0). Raises CudaError.");
+  m.def("host_unregister", [](uint64_t ptr) {
+         py::gil_scoped_release nogil;
+         host_unregister(reinterpret_cast<void*>(ptr));
+       },
+       py::arg("ptr"), "cudaHostUnregister(ptr). Raises CudaError.");
+
+  py::class_<PyHostPin>(m, "HostPin",
+                        "Host memory page-locked with the CUDA runtime for as long as this object lives "
+                        "(cudaHostRegister, then cudaHostUnregister once: unregister() or collection). "
+                        "`owner` (the tensor whose memory it is) is held until then. In a forked child it "
+                        "unregisters nothing: page locks are not inherited.")
+      .def(py::init([](uint64_t ptr, uint64_t nbytes, int device, py::object owner) {
+             if (!ptr || !nbytes) throw py::value_error("HostPin: null address or zero bytes");
+             auto p = std::make_unique<PyHostPin>();
+             {
+               py::gil_scoped_release nogil;
+               p->pin = std::make_unique<HostPin>(ptr, nbytes, device);
+             }
+             p->owner = std::move(owner);
+             return p;
+           }),
+           py::arg("ptr"), py::arg("nbytes"), py::kw_only(), py::arg("device") = -1, py::arg("owner") = py::none())
+      .def("unregister", [](PyHostPin& p) {
+             {
+               py::gil_scoped_release nogil;
+               p.pin->unregister();
+             }
+           },
+           "Unregister now (idempotent; a no-op in a forked child). Raises CudaError when the runtime refuses.")
+      .def_property_readonly("registered", [](const PyHostPin& p) { return p.pin->registered(); })
+      .def_property_readonly("ptr", [](const PyHostPin& p) { return p.pin->ptr(); })
+      .def_property_readonly("nbytes", [](const PyHostPin& p) { return p.pin->nbytes(); });
 
   py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob")
       .def("wait", [](CopyJob& j) {

@@ -61,28 +61,6 @@ MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t faul
                       "");
 }
 
-namespace {
-
-// Makes the copier's device current for a scope and restores the caller's
-// (torch tracks the current device per thread).
-struct DeviceScope {
-  int prev = -1;
-  explicit DeviceScope(int dev) {
-    if (dev < 0) return;
-    const CudaApi& api = cuda_api();
-    int cur = -1;
-    MAPOFFLOAD_CUDA_CHECK(api.GetDevice(&cur));
-    if (cur != dev) {
-      MAPOFFLOAD_CUDA_CHECK(api.SetDevice(dev));
-      prev = cur;
-    }
-  }
-  ~DeviceScope() {
-    if (prev >= 0) cuda_api().SetDevice(prev);
-  }
-};
-
-}  // namespace
 
 // --- validation -----------------------------------------------------------------
 

@@ -64,6 +64,8 @@ CudaApi load() {
   get_symbol(lib, api.GetDevice, "cudaGetDevice");
   get_symbol(lib, api.HostAlloc, "cudaHostAlloc");
   get_symbol(lib, api.FreeHost, "cudaFreeHost");
+  get_symbol(lib, api.HostRegister, "cudaHostRegister");
+  get_symbol(lib, api.HostUnregister, "cudaHostUnregister");
   get_symbol(lib, api.MemcpyAsync, "cudaMemcpyAsync");
   get_symbol(lib, api.EventCreateWithFlags, "cudaEventCreateWithFlags");
   get_symbol(lib, api.EventRecord, "cudaEventRecord");
@@ -107,6 +109,21 @@ void check_cuda(cudaError_t err, const char* call, const char* file, int line) {
   } catch (...) {
   }
   throw CudaError(call, err, what, file, line);
+}
+
+DeviceScope::DeviceScope(int dev) {
+  if (dev < 0) return;
+  const CudaApi& api = cuda_api();
+  int cur = -1;
+  MAPOFFLOAD_CUDA_CHECK(api.GetDevice(&cur));
+  if (cur != dev) {
+    MAPOFFLOAD_CUDA_CHECK(api.SetDevice(dev));
+    prev = cur;
+  }
+}
+
+DeviceScope::~DeviceScope() {
+  if (prev >= 0) cuda_api().SetDevice(prev);
 }
 
 }  // namespace mapoffload

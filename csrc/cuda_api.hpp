@@ -21,6 +21,7 @@ constexpr cudaError_t kCudaSuccess = 0;
 constexpr int kCudaMemcpyHostToDevice = 1;
 constexpr unsigned kCudaHostAllocPortable = 1;
 constexpr unsigned kCudaEventDisableTiming = 2;
+constexpr unsigned kCudaHostRegisterPortable = 1;
 
 // A failed CUDA runtime call: the call, the CUDA error string, file and line.
 class CudaError : public std::runtime_error {
@@ -38,6 +39,8 @@ struct CudaApi {
   cudaError_t (*GetDevice)(int*);
   cudaError_t (*HostAlloc)(void**, size_t, unsigned);
   cudaError_t (*FreeHost)(void*);
+  cudaError_t (*HostRegister)(void*, size_t, unsigned);
+  cudaError_t (*HostUnregister)(void*);
   cudaError_t (*MemcpyAsync)(void*, const void*, size_t, int, cudaStream_t);
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t*, unsigned);
   cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
@@ -59,6 +62,16 @@ const CudaApi& cuda_api();
 bool cuda_available();
 
 void check_cuda(cudaError_t err, const char* call, const char* file, int line);
+
+// Makes device `dev` current for a scope and restores the caller's (torch
+// tracks the current device per thread). dev < 0: leaves it as it is.
+struct DeviceScope {
+  int prev = -1;
+  explicit DeviceScope(int dev);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+};
 
 }  // namespace mapoffload
 

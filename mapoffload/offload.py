@@ -5,7 +5,9 @@ Each layer's weights are held on the host in the store the budget allows
 ``_manager/stores.py``), copied into per-layer device buffers through the native
 copier on a copy stream, and released after the layer ran. The manager
 sequences layers and hooks; how a layer is made ready is one of two load
-paths (``_manager/loads.py``: in place, or device copies).
+paths (``_manager/loads.py``: in place, or device copies), each of which can
+read the streamed layers around the page cache (``stream_reads``:
+``ReadAround``, ``_manager/device_read_around.py``).
 
 With ``device="cpu"`` a layer computes from its host store directly: there
 is nothing to copy it to, and a second copy in anonymous memory would only
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._log import format_bytes, logger
 from ._manager.coordinator import coordinator
+from ._manager.device_read_around import DeviceReadAround
 from ._manager.layer_pages import LayerPages
 from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround
 from ._manager.residency import ResidencyPlan
@@ -188,17 +191,24 @@ class LayerwiseOffloadManager:
         the residency plan (``residency``): which layers stay cached across
         forwards and which are read once per forward and let go after use.
     stream_reads
-        How streamed layers are read on the CPU (``device="cpu"``):
-        ``"mapping"`` (read in through the mapping, let go after use),
-        ``"direct"`` (read around the page cache, ``O_DIRECT``, into
-        ``1 + depth`` reused buffers; cached layers stay on the mapping, and
-        a layer run with autograd recording reads through its mapping), or
-        ``"auto"``: direct as soon as the plan streams layers and their files
-        take ``O_DIRECT`` (measured: a forward 3.7x faster than through the
-        mapping at base + 50 %, reads at the bound; docs/benchmarks.md);
-        where they do not (tmpfs, some overlays), the mapping, until two warm
-        forwards in a row read more than 1.2x what the plan streams - then
-        buffered reads around the cache. ``stream_reads_why`` says why.
+        How streamed layers are read: ``"mapping"`` (through the mapping -
+        read in, or copied from it - and let go after use), ``"direct"``
+        (read around the page cache, ``O_DIRECT``, into ``1 + depth`` reused
+        buffers; cached layers stay on the mapping), or ``"auto"``: direct as
+        soon as the plan streams layers and their files take ``O_DIRECT``
+        (measured on the CPU: a forward 3.7x faster than through the mapping
+        at base + 50 %, reads at the bound; docs/benchmarks.md); where they
+        do not (tmpfs, some overlays), the mapping, until two warm forwards
+        in a row read more than 1.2x what the plan streams - then buffered
+        reads around the cache. ``stream_reads_why`` says why. In place
+        (``device="cpu"``) a layer computes from its buffer, and one run with
+        autograd recording reads through its mapping instead (exact
+        gradients). On the device path (CUDA, the CPU twin) the layer is
+        copied from the buffer into its device buffers: on CUDA the buffers
+        are page-locked (``cudaHostRegister``) and the copies DMA straight
+        from them (disk -> pinned buffer -> device, no page cache, no
+        staging slot); a buffer is read into again only once the copies from
+        it are done.
     kernel_caps
         What to assume of the kernel's page-cache behaviour instead of
         measuring it (``_manager/kernel.py``): text as for the variable
@@ -292,8 +302,8 @@ class LayerwiseOffloadManager:
             # The page-cache plan is the process's (every manager under one budget).
             self._page_cache_given = page_cache_bytes
             self.residency: ResidencyPlan | None = None
-            self._stream_reads = stream_reads if in_place else "mapping"
-            self.stream_reads_why = "" if in_place else "the device path copies each layer through its mapping"
+            self._stream_reads = stream_reads
+            self.stream_reads_why = ""
             self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
             self._forwards = 0
             self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
@@ -559,17 +569,27 @@ class LayerwiseOffloadManager:
     @property
     def stream_reads(self) -> str:
         """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
-        return "direct" if isinstance(self._loads, ReadAround) else "mapping"
+        return "direct" if isinstance(self._loads, (ReadAround, DeviceReadAround)) else "mapping"
 
     def _read_around(self, why: str) -> None:
-        """From the next layer on, read streamed layers around the page cache (in-place path only)."""
-        if isinstance(self._loads, ReadAround) or not isinstance(self._loads, InPlace):
+        """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
+
+        In place they compute from the buffers they are read into; on the
+        device path (and its CPU twin) they are copied from them into the
+        device buffers - on CUDA by DMA, the buffers being pinned.
+        """
+        if self.stream_reads == "direct":
             return
         depth = self.residency.depth if self.residency is not None else self.prefetch_layers
-        self._loads = ReadAround(self._stores, self._pages, buffers=1 + depth)
+        if isinstance(self._loads, InPlace):
+            self._loads = ReadAround(self._stores, self._pages, buffers=1 + depth)
+            where = "read around the page cache (O_DIRECT)"
+        else:
+            self._loads = DeviceReadAround(self._loads, buffers=1 + depth)
+            where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
+                     if self._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
         self.stream_reads_why = why
-        logger.info("%s: streamed layers are read around the page cache (O_DIRECT) from now on: %s",
-                    self._stack_name, why)
+        logger.info("%s: streamed layers are %s from now on: %s", self._stack_name, where, why)
 
     def _probe_direct(self) -> tuple[bool, str]:
         """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""

@@ -20,6 +20,17 @@ Layout: the byte at file offset ``x`` lands at a buffer address congruent to
 ``x`` modulo :data:`DIRECT_ALIGN` (4096), whichever path was taken, so a
 tensor aligned in the file is aligned in the buffer and views of its dtype
 bind to the buffer without a copy (:meth:`DirectBuffer.view`).
+
+Pinning (``pin_device=``, the device path): each buffer is page-locked with
+the CUDA runtime when it is made (``cudaHostRegister`` through the native
+loader, :class:`mapoffload._core.HostPin`), so that a device copy DMAs
+straight from it. It stays registered while the reader keeps it and is
+unregistered before its memory can be freed: when the reader drops it
+(``close()``, a buffer grown, the reader collected), when a leased buffer
+comes back after ``close()``, or when a leased buffer is dropped without
+``release()``. A forked child unregisters nothing (page locks are not
+inherited). A refused registration leaves the buffer pageable (logged once;
+:attr:`DirectBuffer.pinned` says which).
 """
 
 from __future__ import annotations
@@ -79,9 +90,9 @@ class DirectFile:
 
 
 class _Slab:
-    """A page-aligned uint8 tensor of ``capacity`` bytes (over-allocated, then offset)."""
+    """A page-aligned uint8 tensor of ``capacity`` bytes (over-allocated, then offset), pinned or not."""
 
-    __slots__ = ("raw", "data", "capacity")
+    __slots__ = ("raw", "data", "capacity", "pin")
 
     def __init__(self, capacity: int) -> None:
         import torch
@@ -90,6 +101,27 @@ class _Slab:
         lead = -self.raw.data_ptr() % DIRECT_ALIGN
         self.data = self.raw[lead:lead + capacity]
         self.capacity = capacity
+        self.pin: Any = None  # a HostPin while page-locked (it holds ``raw``: unregistered before it is freed)
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None and self.pin.registered
+
+    def lock(self, device: int) -> None:
+        """Page-lock the buffer for ``device`` (raises CudaError when the runtime refuses)."""
+        self.pin = _core.HostPin(self.data.data_ptr(), self.capacity, device=device, owner=self.raw)
+
+    def unpin(self) -> int:
+        """Unregister now (before the memory can go); the bytes that were pinned."""
+        pin, self.pin = self.pin, None
+        if pin is None:
+            return 0
+        pinned = pin.registered
+        try:
+            pin.unregister()
+        except Exception:
+            logger.debug("cudaHostUnregister of a read-around buffer failed", exc_info=True)
+        return self.capacity if pinned else 0
 
 
 class DirectBuffer:
@@ -113,18 +145,24 @@ class DirectBuffer:
         ``"direct"`` or ``"buffered"``: the path each extent took.
     bytes_read
         Bytes the reads transferred (direct reads read whole aligned blocks).
+    pinned
+        The buffer is page-locked with the CUDA runtime (a reader made with
+        ``pin_device``): a device copy may DMA straight from it.
     """
 
-    __slots__ = ("data", "extents", "offsets", "methods", "bytes_read", "_slab", "_reader", "_finalizer",
+    __slots__ = ("data", "extents", "offsets", "methods", "bytes_read", "pinned", "_slab", "_reader", "_finalizer",
                  "__weakref__")
 
     def __init__(self, reader: DirectReader, slab: _Slab, extents: list[tuple[DirectFile, int, int]],
                  offsets: list[int], methods: list[str], bytes_read: int) -> None:
         self.data = slab.data
         self.extents, self.offsets, self.methods, self.bytes_read = extents, offsets, methods, bytes_read
+        self.pinned = slab.pinned
         self._slab: _Slab | None = slab
         self._reader = reader
-        self._finalizer = weakref.finalize(self, DirectReader._lost, weakref.ref(reader), slab.capacity)
+        # Dropped without release(): the slab goes with it (its HostPin unregisters, then lets go of the memory).
+        self._finalizer = weakref.finalize(self, DirectReader._lost, weakref.ref(reader), slab.capacity,
+                                           slab.capacity if self.pinned else 0)
 
     @property
     def offset(self) -> int:
@@ -164,7 +202,8 @@ class DirectBuffer:
         slab, self._slab = self._slab, None
         if slab is not None:
             self._finalizer.detach()
-            self._reader._give_back(slab)
+            reader, self._reader = self._reader, None  # a released buffer does not keep its reader alive
+            reader._give_back(slab)
 
     def __enter__(self) -> DirectBuffer:
         return self
@@ -202,6 +241,10 @@ class DirectReader:
     direct
         False reads every file buffered (``pread`` + ``POSIX_FADV_DONTNEED``),
         for comparison.
+    pin_device
+        A CUDA device index: page-lock each buffer for it when it is made
+        (``cudaHostRegister``, see the module's notes), so that device copies
+        DMA straight from the buffers. None (default): pageable buffers.
 
     Notes
     -----
@@ -213,7 +256,7 @@ class DirectReader:
     """
 
     def __init__(self, *, buffers: int = 2, buffer_bytes: int | None = None, io_bytes: int = 4 << 20,
-                 threads: int = 2, direct: bool = True) -> None:
+                 threads: int = 2, direct: bool = True, pin_device: int | None = None) -> None:
         if buffers < 1:
             raise ValueError(f"buffers must be >= 1, not {buffers}")
         if io_bytes < DIRECT_ALIGN or io_bytes % DIRECT_ALIGN:
@@ -225,6 +268,9 @@ class DirectReader:
         self.buffers = buffers
         self.buffer_bytes = None if buffer_bytes is None else _round_up(buffer_bytes, DIRECT_ALIGN)
         self.io_bytes, self.threads, self.direct = io_bytes, threads, direct
+        self.pin_device = pin_device
+        self.pin_why = ""  # why buffers are not pinned (a refused registration), once one was
+        self._pinned_bytes = 0  # of the buffers the reader made and still owns
         self._cond = threading.Condition()
         self._free: list[_Slab] = []
         self._slab_bytes = 0  # bytes of the buffers made and not lost (free or leased)
@@ -236,7 +282,7 @@ class DirectReader:
         self._files: dict[tuple[int, int], DirectFile] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stats = {"reads": 0, "wanted_bytes": 0, "direct_bytes": 0, "buffered_bytes": 0, "seconds": 0.0,
-                       "allocations": 0}
+                       "allocations": 0, "pin_failures": 0}
         _READERS.add(self)
 
     # --- files -----------------------------------------------------------------------------------
@@ -443,11 +489,16 @@ class DirectReader:
                     logger.debug("DirectReader buffer grows from %s to %s", format_bytes(slab.capacity),
                                  format_bytes(cap))
                 old = 0 if slab is None else slab.capacity
+                unpinned = 0 if slab is None else slab.unpin()  # free: no copy reads it
                 slab = None  # let the old one go before the new one is made
+                with self._cond:
+                    self._slab_bytes -= old
+                    self._pinned_bytes -= unpinned
                 slab = _Slab(cap)
                 with self._cond:
                     self._stats["allocations"] += 1
-                    self._slab_bytes += cap - old
+                    self._slab_bytes += cap
+                self._pin(slab)
         except BaseException:
             with self._cond:
                 self._leased -= 1
@@ -455,15 +506,39 @@ class DirectReader:
             raise
         return slab
 
+    def _pin(self, slab: _Slab) -> None:
+        """Page-lock a new buffer for ``pin_device`` (a refusal leaves it pageable, logged once)."""
+        if self.pin_device is None:
+            return
+        try:
+            slab.lock(self.pin_device)
+        except Exception as e:
+            with self._cond:
+                first = not self._stats["pin_failures"]
+                self._stats["pin_failures"] += 1
+                self.pin_why = f"cudaHostRegister refused: {e}"
+            log = logger.warning if first else logger.debug
+            log("a read-around buffer of %s could not be page-locked (%s): copies from it are staged",
+                format_bytes(slab.capacity), e)
+            return
+        with self._cond:
+            self._pinned_bytes += slab.capacity
+
     def _give_back(self, slab: _Slab) -> None:
         with self._cond:
             self._leased -= 1
-            if not self._closed:
+            closed = self._closed
+            if not closed:
                 self._free.append(slab)
             self._cond.notify_all()
+        if closed:  # dropped: unregistered now, whoever still holds a view of it
+            unpinned = slab.unpin()
+            with self._cond:
+                self._slab_bytes -= slab.capacity
+                self._pinned_bytes -= unpinned
 
     @staticmethod
-    def _lost(reader_ref: weakref.ref, capacity: int) -> None:
+    def _lost(reader_ref: weakref.ref, capacity: int, pinned: int) -> None:
         """A DirectBuffer was dropped without release(): its slot is free, its memory is not reused."""
         reader = reader_ref()
         if reader is None:
@@ -472,6 +547,7 @@ class DirectReader:
         with reader._cond:
             reader._leased -= 1
             reader._slab_bytes -= capacity  # its holders' now, not the reader's
+            reader._pinned_bytes -= pinned  # unregistered with its slab
             reader._cond.notify_all()
 
     # --- state ----------------------------------------------------------------------------------
@@ -481,6 +557,12 @@ class DirectReader:
         """Bytes of every buffer the reader made and still owns, free or leased (anonymous memory)."""
         with self._cond:
             return self._slab_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the buffers the reader owns that are page-locked now (``pin_device``)."""
+        with self._cond:
+            return self._pinned_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -496,7 +578,8 @@ class DirectReader:
 
     def stats(self) -> dict[str, float]:
         """Counters: ``reads``, ``wanted_bytes``, ``direct_bytes`` and ``buffered_bytes`` (bytes the
-        reads transferred by each path), ``seconds`` in native reads, buffer ``allocations``."""
+        reads transferred by each path), ``seconds`` in native reads, buffer ``allocations``,
+        ``pin_failures`` (registrations the CUDA runtime refused)."""
         with self._cond:
             return dict(self._stats)
 
@@ -524,10 +607,12 @@ class DirectReader:
         self._leased -= self._worker_leases  # the worker's buffer in flight is unreachable here
         self._worker_leases = 0
         self._active = 0
+        self._pinned_bytes = 0  # page locks are the parent's: nothing is pinned here (HostPin knows)
 
     def close(self) -> None:
-        """Finish asynchronous reads, wait for reads in flight, close the descriptors, drop the free
-        buffers. Leased buffers stay valid for their holders. Idempotent."""
+        """Finish asynchronous reads, wait for reads in flight, close the descriptors, drop (and
+        unregister) the free buffers. Leased buffers stay valid for their holders, and are dropped
+        when released. Idempotent."""
         with self._cond:
             if self._closing:
                 return
@@ -541,8 +626,11 @@ class DirectReader:
             while self._active:
                 self._cond.wait()
             files, self._files = list(self._files.values()), {}
-            self._slab_bytes -= sum(s.capacity for s in self._free)
-            self._free = []
+            free, self._free = self._free, []
+            self._slab_bytes -= sum(s.capacity for s in free)
+        unpinned = sum(s.unpin() for s in free)  # now, whoever still holds a view of them
+        with self._cond:
+            self._pinned_bytes -= unpinned
         for f in files:
             fd, f.fd = f.fd, -1
             if fd >= 0:

@@ -12,7 +12,10 @@ Both answer ``start(i)`` (begin loading layer ``i``: a :class:`Loaded`),
 ``ready(i, loaded)`` (wait until it can compute; raises on a failed read),
 ``value(w, loaded)`` (the tensor weight ``w`` computes with) and
 ``release(i, loaded)``. ``ReadAround`` is ``InPlace`` with the streamed
-layers read around the page cache (``O_DIRECT``) into reused buffers. The manager sequences them; the page cache is
+layers read around the page cache (``O_DIRECT``) into reused buffers;
+``DeviceReadAround`` (``device_read_around.py``) is ``DeviceCopies`` with
+the same reads, copied from those buffers (pinned on CUDA). The manager
+sequences them; the page cache is
 :class:`~mapoffload._manager.layer_pages.LayerPages`'.
 """
 
@@ -30,18 +33,19 @@ if TYPE_CHECKING:
 
     from ..copier import Copier
 
-__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround"]
+__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround", "file_places"]
 
 
 class Loaded:
     """One layer being loaded or loaded: its buffers per dtype, the work in flight."""
 
-    __slots__ = ("buffers", "handle", "ready")
+    __slots__ = ("buffers", "handle", "ready", "read")
 
-    def __init__(self, buffers: dict, handle: Any) -> None:
+    def __init__(self, buffers: dict, handle: Any, read: Any = None) -> None:
         self.buffers = buffers
         self.handle = handle  # a CopyHandle, a page read (``wait()``), or None
         self.ready = False  # bound: its parameters hold the real weights
+        self.read = read  # DeviceReadAround: the read its copies come from, kept until release
 
 
 class _PagesRead:
@@ -251,19 +255,9 @@ class ReadAround(InPlace):
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
         if where is None:
-            table = _core_snapshot()
-            extents = self._pages.extents(i)
-            index = {e.path: k for k, e in enumerate(extents)}
-            where = []
-            for w in self._stores[i].weights:
-                if w.store != MAPPED:
-                    continue
-                a = w.host.data_ptr()
-                k = table.find(a)
-                path = table.paths[k] if k >= 0 else None
-                if path not in index or extents[index[path]].file is None:
-                    return []  # a weight whose file is not held open: read this layer through its mapping
-                where.append((w, index[path], table.offsets[k] + a - table.starts[k]))
+            where = file_places(self._stores[i], self._pages.extents(i))
+            if not where:
+                return []  # a weight whose file is not held open: read this layer through its mapping
             self._where[i] = where
             self._placed.update((id(w), (k, off)) for w, k, off in where)
         return where
@@ -349,7 +343,25 @@ class _DirectRead:
             return None
 
 
-def _core_snapshot():
+def file_places(store: LayerStore, extents: list) -> list[tuple[Weight, int, int]]:
+    """``(weight, extent index, byte offset in its file)`` of each mapped weight of a layer.
+
+    ``extents`` are the layer's (``LayerPages.extents``). Empty when a mapped
+    weight's file is not among them or not held open: such a layer cannot be
+    read around its mapping.
+    """
     from .._native import _core
 
-    return _core.snapshot()
+    table = _core.snapshot()
+    index = {e.path: k for k, e in enumerate(extents)}
+    where = []
+    for w in store.weights:
+        if w.store != MAPPED:
+            continue
+        a = w.host.data_ptr()
+        k = table.find(a)
+        path = table.paths[k] if k >= 0 else None
+        if path not in index or extents[index[path]].file is None:
+            return []
+        where.append((w, index[path], table.offsets[k] + a - table.starts[k]))
+    return where

@@ -200,8 +200,9 @@ def offload(
     available_bytes, device_free_bytes
         Host budget and free device bytes to plan against (default: measured).
     stream_reads
-        On the CPU, how streamed layers are read (``"auto"``, ``"mapping"``,
-        ``"direct"``; see :class:`~mapoffload.LayerwiseOffloadManager`).
+        How streamed layers are read (``"auto"``, ``"mapping"``,
+        ``"direct"``: around the page cache, on CUDA into pinned buffers
+        copied by DMA; see :class:`~mapoffload.LayerwiseOffloadManager`).
 
     Returns
     -------
