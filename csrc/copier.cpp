@@ -61,7 +61,6 @@ MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t faul
                       "");
 }
 
-
 // --- validation -----------------------------------------------------------------
 
 void validate_spans(const std::vector<CopySpan>& spans) {
