@@ -346,22 +346,28 @@ class _DirectRead:
 def file_places(store: LayerStore, extents: list) -> list[tuple[Weight, int, int]]:
     """``(weight, extent index, byte offset in its file)`` of each mapped weight of a layer.
 
-    ``extents`` are the layer's (``LayerPages.extents``). Empty when a mapped
-    weight's file is not among them or not held open: such a layer cannot be
-    read around its mapping.
+    ``extents`` are the layer's (``LayerPages.extents``: byte runs, several
+    per file where its tensors are apart). Empty when a mapped weight's
+    bytes are in none of them or its file is not held open: such a layer
+    cannot be read around its mapping.
     """
     from .._native import _core
 
     table = _core.snapshot()
-    index = {e.path: k for k, e in enumerate(extents)}
+    runs: dict[str, list[tuple[int, int, int]]] = {}
+    for k, e in enumerate(extents):
+        runs.setdefault(e.path, []).append((e.first, e.end, k))
     where = []
     for w in store.weights:
-        if w.store != MAPPED:
-            continue
+        if w.store != MAPPED or w.nbytes == 0:
+            continue  # an empty weight reads nothing: it stays on its mapping
         a = w.host.data_ptr()
-        k = table.find(a)
-        path = table.paths[k] if k >= 0 else None
-        if path not in index or extents[index[path]].file is None:
+        t = table.find(a)
+        if t < 0:
             return []
-        where.append((w, index[path], table.offsets[k] + a - table.starts[k]))
+        offset = table.offsets[t] + a - table.starts[t]
+        k = next((k for first, end, k in runs.get(table.paths[t], ()) if first <= offset < end), None)
+        if k is None or extents[k].file is None:
+            return []
+        where.append((w, k, offset))
     return where

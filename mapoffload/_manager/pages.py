@@ -68,8 +68,20 @@ def _fault_error(addr: int, what: str) -> OSError:
     )
 
 
+PAGE_BYTES = 4096
+
+
 def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
-    """The byte range in each file behind ``spans``, one entry per file.
+    """The byte runs in each file behind ``spans``: one per run of bytes no other bytes interrupt.
+
+    Spans whose file bytes share or touch a page are one run; a gap of a
+    page or more splits them. A layer's tensors are not always together in
+    its file: safetensors orders them by dtype first, so an fp8 layer's
+    float32 scales sit with every other layer's scales at the file's start,
+    its bf16 norms in the middle, its codes at the end. One range from the
+    first to the last would hold most of the file: a let-go dropping it
+    dropped the cached layers, a read around the cache read it all (issue 17
+    at base + 50 %: 1.1 GB read a forward for 73 MiB streamed).
 
     Each file is held open (``files``) from here on, so that later checks
     and page drops reach the inode that is mapped, whatever the path names
@@ -77,18 +89,28 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
     """
     table = _core.snapshot()
     paths, offsets, starts, devs, inodes = table.paths, table.offsets, table.starts, table.devs, table.inodes
-    out: dict[str, Extent] = {}
+    by_path: dict[str, list[list[int]]] = {}
+    ident: dict[str, tuple[int, int]] = {}
     for a, n in zip(spans.addrs, spans.sizes):
         k = table.find(a)
         if k < 0 or not paths[k].startswith("/"):
             continue
         first = offsets[k] + a - starts[k]
-        e = out.get(paths[k])
-        if e is None:
-            out[paths[k]] = Extent(files.get(paths[k], devs[k], inodes[k]), paths[k], first, first + n)
-        else:
-            e.first, e.end = min(e.first, first), max(e.end, first + n)
-    return list(out.values())
+        by_path.setdefault(paths[k], []).append([first, first + n])
+        ident[paths[k]] = (devs[k], inodes[k])
+    out: list[Extent] = []
+    for path, ranges in by_path.items():
+        f = files.get(path, *ident[path])
+        ranges.sort()
+        run = ranges[0]
+        for r in ranges[1:]:
+            if r[0] <= -(-run[1] // PAGE_BYTES) * PAGE_BYTES:  # in or right after run's last page
+                run[1] = max(run[1], r[1])
+            else:
+                out.append(Extent(f, path, run[0], run[1]))
+                run = r
+        out.append(Extent(f, path, run[0], run[1]))
+    return out
 
 
 def check_extents(extents: list[Extent], what: str) -> None:
