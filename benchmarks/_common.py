@@ -74,6 +74,12 @@ class AnonSampler(threading.Thread):
             self.peak = max(self.peak, self.read())
             self.samples += 1
 
+    def mark(self) -> int:
+        """The peak so far; from here on the peak starts again from the current value."""
+        peak = max(self.peak, self.read())
+        self.peak = self.read()
+        return peak
+
     def stop(self) -> int:
         self._stop_event.set()
         self.join()
