@@ -306,3 +306,29 @@ def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
     read = sum(m._loads.reader.stats()["reads"] for m in managers if m.stream_reads == "direct")
     assert read > 0, [m.stream_reads_why for m in managers]
     model.mapoffload_handle.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_the_device_path_reading_around_the_page_cache_computes_the_same(tmp_path, arch):
+    """The device pipeline's read-around (CPU twin: O_DIRECT into reader buffers, copied into
+    the twin's layer buffers), every layer streamed: outputs equal transformers'."""
+    from mapoffload import LayerwiseOffloadManager
+
+    cls, kind = build(arch, str(tmp_path))
+    ref = cls.from_pretrained(str(tmp_path)).eval()
+    x = inputs(kind, ref.config)
+    expected = _forward(ref, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", stream_reads="mapping")
+    model.mapoffload_handle.close()  # the model whole again, its weights on the mapping
+    mgr = LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True, host_store="mapped",
+                                  stream_reads="direct", page_cache_bytes=0)
+    try:
+        mgr.register_forward_hooks()
+        assert mgr.stream_reads == "direct" and len(mgr.residency.streamed) == len(mgr.layers)
+        assert torch.equal(expected, _forward(model, x))
+        assert torch.equal(expected, _forward(model, x))  # the reader's buffers reused
+        assert mgr._loads.reader.stats()["reads"] >= 2 * len(mgr.layers)
+    finally:
+        mgr.close()
