@@ -68,6 +68,8 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     elif out.shape != codes.shape or out.dtype != dtype:
         raise ValueError(f"out must be {tuple(codes.shape)} {dtype}, not {tuple(out.shape)} {out.dtype}")
+    if codes.numel() == 0:
+        return out  # nothing to write (and no band to reshape into: a size is 0)
     if _dequantize_native(codes, scale, out, srows, scols):
         return out
     s = (scale if scale.dim() >= 2 else scale.reshape(1, 1)).to(torch.float32)
@@ -157,6 +159,8 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     if nan is None:
         return False
     s = scale.to(torch.float32).contiguous()
+    if bool(s.isnan().any()):
+        return False  # a NaN code times a NaN scale keeps one payload: torch's operand order decides which
     rows, cols = codes.shape[-2:]
     lead = codes.numel() // (rows * cols)
     scale_lead = s.numel() // (srows * scols)

@@ -372,3 +372,23 @@ def test_jit_trace_records_the_torch_path(calls):
     other = _codes((128, 256), seed=5)
     other = torch.where(other.float().isnan(), 0, other.view(torch.uint8)).to(torch.uint8).view(E4M3)
     assert torch.equal(traced(other, scale), reference(other, scale, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("nan", [0x7FC00001, 0xFFC00000, 0x7F800001], ids=["payload", "negative", "signaling"])
+def test_a_nan_scale_times_nan_codes_is_torch_bit_for_bit(fmt, dtype, nan):
+    # Both operands NaN: which payload the product keeps is the multiply's
+    # operand order, torch's and not the kernel's to choose.
+    codes = all_codes(fmt, 128, 1024)
+    scale = torch.tensor([nan], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(1, 1).repeat(1, 4)
+    scale[0, 1] = 0.5
+    got = dequantize_fp8(codes, scale, dtype=dtype)
+    want = reference(codes, scale, dtype)
+    assert same_bits(got, want), first_difference(got, want, codes, lambda r: scale[0].tolist())
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (128, 0), (0, 0), (2, 0, 128)])
+def test_a_weight_with_no_rows_or_no_columns_is_empty(shape):
+    codes = torch.empty(shape, dtype=E4M3)
+    got = dequantize_fp8(codes, torch.ones(1, 1), dtype=torch.bfloat16)
+    assert got.shape == codes.shape and got.dtype == torch.bfloat16

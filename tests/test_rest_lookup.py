@@ -107,3 +107,62 @@ def test_a_cold_lookup_reads_its_rows_not_the_read_around(tmp_path):
         grew = resident_bytes([model.embed.weight])[0] - before
     # Four rows of 1 KiB: a page each, not megabytes of read-around each.
     assert 0 < grew <= 4 * 2 * 4096, grew
+
+
+class TwoStacks(nn.Module):
+    """An embedding outside two stacks, each a manager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(2))
+        self.more = nn.ModuleList(Block(WIDTH) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in (*self.blocks, *self.more):
+            x = b(x)
+        return x
+
+
+def test_two_managers_share_the_advice_until_the_last_closes(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "two.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in TwoStacks().state_dict().items()}, str(path))
+    for first in (0, 1):  # closed in either order
+        with empty_weights():
+            model = TwoStacks()
+        load_checkpoint(model, str(path), keep_mapping=True)
+        mgrs = [LayerwiseOffloadManager(model, name, device="cpu", stream_reads="mapping") for name in ("blocks", "more")]
+        try:
+            for m in mgrs:
+                m.register_forward_hooks()
+            with torch.inference_mode():
+                model(torch.tensor([[1, 2, 3]]))
+            assert "rr" in _vm_flags(_middle(model.embed.weight))
+            mgrs[first].close()
+            with torch.inference_mode():
+                model(torch.tensor([[4, 5]]))
+            assert "rr" in _vm_flags(_middle(model.embed.weight)), "the other manager still runs"
+        finally:
+            for m in mgrs:
+                m.close()
+        assert "rr" not in _vm_flags(_middle(model.embed.weight))
+        del model, mgrs
+
+
+def test_an_embedding_tied_to_a_head_after_the_first_forward_is_read_whole_again(tmp_path):
+    # The head's own weight is not one the guard watches (not on the CPU):
+    # tying it to the embedding adds no tensor, only a holder that reads it whole.
+    model, _ = _loaded(tmp_path)
+    model.head.to("meta")
+    with _manager(model) as mgr:
+        with torch.inference_mode():
+            model.embed(torch.tensor([[1, 2, 3]]))
+            mgr._rest.check()
+        assert "rr" in _vm_flags(_middle(model.embed.weight))
+        model.head.weight = model.embed.weight
+        with torch.inference_mode():
+            model(torch.tensor([[1, 2, 3]]))
+        assert "rr" not in _vm_flags(_middle(model.embed.weight))
+        assert mgr._rest.table_bytes == 0

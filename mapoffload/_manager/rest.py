@@ -40,20 +40,26 @@ def managed(t: torch.Tensor) -> bool:
     return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__
 
 
-def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """CPU parameters and buffers of the modules outside ``layers`` that no manager offloads, each once."""
+def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list[torch.Tensor], tuple]:
+    """CPU parameters and buffers of the modules outside ``layers`` that no manager offloads, each once;
+    and a key of where they are held (module and address of each place, a tensor held twice
+    counted twice: tying a head to an embedding changes it, though no tensor is added)."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     seen: set[int] = set()
     out = []
+    held = []
     for m in model.modules():
         if id(m) in inside:
             continue
         for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is None or id(t) in seen or managed(t) or t.device.type != "cpu" or t.numel() == 0:
+            if t is None or managed(t) or t.device.type != "cpu" or t.numel() == 0:
+                continue
+            held.append((id(m), t.data_ptr()))
+            if id(t) in seen:
                 continue
             seen.add(id(t))
             out.append(t.detach())
-    return out
+    return out, tuple(held)
 
 
 class RestGuard:
@@ -98,8 +104,7 @@ class RestGuard:
     def _refresh(self) -> None:
         from ..regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
 
-        tensors = outside_tensors(self._model, self._layers)
-        key = tuple(t.data_ptr() for t in tensors)
+        tensors, key = outside_tensors(self._model, self._layers)  # the lookup tables depend on their holders too
         if key == self._key:
             return
         on_mapping = MappedRegions().classify(tensors)
