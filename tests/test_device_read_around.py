@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 
 import pytest
@@ -363,3 +364,38 @@ def test_cuda_direct_reads_match_the_mapping_path(ckpt):
     for a, b in zip(outs["mapping"], outs["direct"]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-3, atol=1e-3)  # TF32 and other kernels than the CPU's
+
+
+def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monkeypatch):
+    # A KeyboardInterrupt in release()'s wait leaves that load holding its read-around
+    # buffer (the copies may still read it); the layer stays loaded and the next turn
+    # releases it. Were it lost, the count of loads holding a buffer would stay raised
+    # and, once at the number of buffers, every streamed layer would quietly go back
+    # to the mapping path.
+    from mapoffload._manager import device_read_around as dra
+
+    path, x, want = ckpt
+    model = mapped(path)
+    with _twin(model, depth=1) as mgr:
+        mgr.register_forward_hooks()
+        loads = mgr._loads
+        real_wait = dra._ReadThenCopy.wait
+        interrupts = {"left": 1}
+
+        def wait(job):
+            real_wait(job)  # the copies finish; the interrupt lands as release()'s wait returns
+            if interrupts["left"] and sys._getframe(1).f_code.co_name == "release":
+                interrupts["left"] -= 1
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(dra._ReadThenCopy, "wait", wait)
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+            model(x)
+        monkeypatch.setattr(dra._ReadThenCopy, "wait", real_wait)
+        reads = loads.reader.stats()["reads"]
+        for out in _forwards(model, x, 3):
+            assert torch.equal(out, want)
+        # Every streamed layer of the three forwards was still read around the cache (one
+        # more may be the interrupted forward's read-ahead, counted when its worker ran).
+        assert loads.reader.stats()["reads"] - reads >= 3 * len(mgr.residency.streamed)
+        assert loads._outstanding == 0 and loads.reader.leased == 0
