@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ._fp8_workspace import workspace
+
 __all__ = ["FP8_DTYPES", "Fp8Dequantize", "attach_fp8", "dequantize_fp8", "fp8_weights", "is_fp8", "quantize_fp8"]
 
 # Rows of the block grid dequantized per step: bounds the float32 temporaries
@@ -189,12 +191,18 @@ class Fp8Dequantize(torch.nn.Module):
         # again (an MoE's experts, indexed once per expert hit) is dequantized once.
         self._hold = False
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        workspace().own(self)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         memo = self._memo
         if memo is not None and memo[0] is codes and memo[1] is self.scale:
             return memo[2]
-        out = dequantize_fp8(codes, self.scale, dtype=self.dtype)
+        out = None
+        if codes.device.type == "cpu" and type(codes) in _PLAIN and not _tracing() and not (
+                self.scale.requires_grad and torch.is_grad_enabled()):
+            # A reused working buffer nothing else holds (_fp8_workspace), not fresh memory each time.
+            out = workspace().take(codes.shape, self.dtype)
+        out = dequantize_fp8(codes, self.scale, dtype=self.dtype, out=out)
         if self._hold:
             self._memo = (codes, self.scale, out)
         return out
