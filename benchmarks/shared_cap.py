@@ -32,6 +32,7 @@ install ".[bench]").
 
 Run (root, cgroups): python benchmarks/shared_cap.py [--layers 16] [--width 2048]
      [--forwards 4] [--dir /var/tmp] [--json out.json] [--figure trace.png]
+     [--stream-reads auto|mapping|direct] [--pairs ranks,replicas] [--modes coordinated,alone]
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ CHILD = textwrap.dedent(
     from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
     from mapoffload._manager.coordinator import coordinator
 
-    path, layers, rows, cols, go, out, forwards = sys.argv[1:8]
+    path, layers, rows, cols, go, out, forwards, stream_reads = sys.argv[1:9]
     layers, rows, cols, forwards = int(layers), int(rows), int(cols), int(forwards)
     torch.set_num_threads(1)
 
@@ -82,7 +83,7 @@ CHILD = textwrap.dedent(
     with empty_weights():
         model = Stack()
     load_checkpoint(model, path, keep_mapping=True)
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads=stream_reads)
     hosts = [t for _, t in sorted(mgr.iter_cpu_weights(), key=lambda kv: int(kv[0].split(".")[1]))]
     trace = []
     probes = [b.register_forward_pre_hook(lambda m, a, i=i: trace.append(
@@ -151,7 +152,7 @@ def run_pair(pair: str, coordinated: bool, paths: dict, args, work: str) -> dict
             script = f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$@"'
             procs.append(subprocess.Popen(
                 ["sh", "-c", script, sys.executable, CHILD, f, str(args.layers), str(rows), str(args.width), go,
-                 os.path.join(run, f"out{k}.json"), str(args.forwards)], env=env, cwd=run,
+                 os.path.join(run, f"out{k}.json"), str(args.forwards), args.stream_reads], env=env, cwd=run,
                 stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + args.timeout
         while sum(n.startswith("go.ready.") for n in os.listdir(run)) < 2:
@@ -228,6 +229,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None)
     ap.add_argument("--figure", default=None)
+    ap.add_argument("--stream-reads", default="auto", choices=["auto", "mapping", "direct"],
+                    help="the children's stream_reads (default auto: O_DIRECT where the files take it)")
+    ap.add_argument("--pairs", default="ranks,replicas", help="comma-separated: ranks, replicas")
+    ap.add_argument("--modes", default="coordinated,alone", help="comma-separated: coordinated, alone")
     args = ap.parse_args(argv)
 
     from _common import emit_json, machine, print_table
@@ -244,8 +249,10 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="mapoffload-shared-", dir=args.dir)
     try:
         paths = write_checkpoints(work, args.layers, args.width)
-        results = [run_pair(pair, coord, paths, args, work)
-                   for pair in ("ranks", "replicas") for coord in (True, False)]
+        modes = [m.strip() for m in args.modes.split(",")]
+        results = [run_pair(pair.strip(), coord, paths, args, work)
+                   for pair in args.pairs.split(",") for coord in (True, False)
+                   if ("coordinated" if coord else "alone") in modes]
     finally:
         import shutil
 

@@ -156,3 +156,59 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
                 assert torch.equal(model(x), want)
         assert mgr.stream_reads == ("direct" if switched else "mapping"), mgr.stream_reads_why
         assert "the plan streams" in mgr.stream_reads_why
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
+def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_bytes(ckpt, monkeypatch, tmp_path,
+                                                                                     twin):
+    # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
+    # pair's bound reading around, 0.68x through the page cache they share (shared_cap.py).
+    from mapoffload._manager import coordinator as coordinator_module
+
+    coord = coordinator_module.coordinator()
+    replicas: list[int] = []
+    share = type(coord)._share_with_peers
+
+    def with_replicas(self, measured, room, mine):
+        room, windows = share(self, measured, room, mine)
+        self.replicas = list(replicas)  # as if a peer record mapped these bytes
+        return room, windows + len(replicas)
+
+    monkeypatch.setattr(type(coord), "_share_with_peers", with_replicas)
+    # A measured budget (a given one plans without peers): a fake cgroup whose cap leaves
+    # room for part of the stack.
+    from test_residency_plan import _v2
+
+    monkeypatch.delenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", raising=False)
+    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.setattr(coord, "_registry", None)
+    _v2(tmp_path, 100 << 20, 10 << 20, 0, 0)
+    path, x, want = ckpt
+    model = mapped(path)
+    extra = {"cpu_twin": True, "host_store": "mapped"} if twin else {}
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **extra) as mgr:
+        assert mgr.residency.streamed and mgr.residency.cached, mgr.residency.describe()
+        mgr.register_forward_hooks()
+
+        def forward(note: str) -> None:
+            with torch.no_grad():
+                assert torch.equal(model(x), want), note
+
+        forward("alone")
+        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        reader = mgr._loads.reader
+        assert reader.held_bytes > 0
+        replicas.append(4242)
+        coord.replan()
+        reads = reader.stats()["reads"]
+        for _ in range(2):
+            forward("with a replica")
+        assert mgr.stream_reads == "mapping" and "replicas (pid 4242)" in mgr.stream_reads_why
+        assert reader.stats()["reads"] == reads  # nothing read around while paused
+        assert reader.held_bytes == 0 and mgr._loads.window_bytes == 0  # its buffers went
+        replicas.clear()
+        coord.replan()
+        forward("alone again")
+        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert reader.stats()["reads"] > reads

@@ -537,6 +537,21 @@ class DirectReader:
                 self._slab_bytes -= slab.capacity
                 self._pinned_bytes -= unpinned
 
+    def trim(self) -> int:
+        """Drop the free buffers (leased ones stay theirs); returns the bytes dropped.
+
+        The reader makes new ones when it reads again."""
+        with self._cond:
+            free, self._free = self._free, []
+        dropped = 0
+        for slab in free:
+            unpinned = slab.unpin()
+            with self._cond:
+                self._slab_bytes -= slab.capacity
+                self._pinned_bytes -= unpinned
+            dropped += slab.capacity
+        return dropped
+
     @staticmethod
     def _lost(reader_ref: weakref.ref, capacity: int, pinned: int) -> None:
         """A DirectBuffer was dropped without release(): its slot is free, its memory is not reused."""

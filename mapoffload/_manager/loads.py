@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ..copier import Copier
 
-__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround", "file_places"]
+__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround", "file_places", "pause_reads"]
 
 
 class Loaded:
@@ -251,6 +251,7 @@ class ReadAround(InPlace):
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
         self._outstanding = 0  # direct loads started and not released: at most one per buffer
+        self.paused = ""  # why streamed layers are read through the mapping for now ("": they are not)
 
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
@@ -270,8 +271,8 @@ class ReadAround(InPlace):
 
         # Under autograd the layer computes from its mapping (exact gradients:
         # a buffer reused by the next layer cannot be saved for a backward).
-        if (not self._pages.streams(i) or torch.is_grad_enabled() or self._outstanding >= self.reader.buffers
-                or not self._layout(i)):
+        if (self.paused or not self._pages.streams(i) or torch.is_grad_enabled()
+                or self._outstanding >= self.reader.buffers or not self._layout(i)):
             return super().start(i)
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]
         loaded = Loaded({"direct": None}, _DirectRead(self.reader.read_extents_async(extents)))
@@ -317,12 +318,31 @@ class ReadAround(InPlace):
         for w, _, _ in self._where.pop(i, ()):
             self._placed.pop(id(w), None)
 
+    def pause(self, why: str) -> None:
+        """Read streamed layers through the mapping until :meth:`resume` (see ``pause_reads``)."""
+        pause_reads(self, why)
+
+    def resume(self) -> None:
+        self.paused = ""
+
     @property
     def window_bytes(self) -> int:
-        return self.reader.held_bytes
+        return 0 if self.paused else self.reader.held_bytes
 
     def close(self) -> None:
         self.reader.close()
+
+
+def pause_reads(loads, why: str) -> None:
+    """Send a read-around path's streamed layers through the mapping (``why`` says why).
+
+    Loads already read around finish as they are. The reader's free buffers
+    go (they would hold the window in anonymous memory beside the page
+    cache that now holds it); a resumed path makes new ones. While paused
+    the window is not the buffers': ``window_bytes`` is 0.
+    """
+    loads.paused = why
+    loads.reader.trim()
 
 
 class _DirectRead:
