@@ -14,8 +14,9 @@ is nothing to copy it to, and a second copy in anonymous memory would only
 cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
 CPU buffers (the whole machinery runs and is tested without a GPU).
 
-Residency (``_manager/residency.py``, planned for every manager of the process by ``_manager/coordinator.py``): on every device, the layers' mapped pages
-are planned against the page cache the host leaves
+Residency (``_manager/residency.py``, planned for every manager of the
+process by ``_manager/coordinator.py``): on every device, the layers' mapped
+pages are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
 CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
@@ -201,7 +202,7 @@ class LayerwiseOffloadManager:
         the page-cache coordinator knows replicas (processes of this cgroup
         mapping the same bytes): then through the shared page cache, where
         one replica's read serves the other (two replicas streaming in step
-        read 0.68x the bound, against 1.31x each reading around); where they
+        read 0.72x the bound, against 1.25-1.31x each reading around); where they
         do not (tmpfs, some overlays), the mapping, until two warm forwards
         in a row read more than 1.2x what the plan streams - then buffered
         reads around the cache. ``stream_reads_why`` says why. In place

@@ -162,7 +162,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
 def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_bytes(ckpt, monkeypatch, tmp_path,
                                                                                      twin):
     # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
-    # pair's bound reading around, 0.68x through the page cache they share (shared_cap.py).
+    # pair's bound reading around, 0.72x through the page cache they share (shared_cap.py).
     from mapoffload._manager import coordinator as coordinator_module
 
     coord = coordinator_module.coordinator()
