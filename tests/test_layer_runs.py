@@ -9,6 +9,7 @@ forward for 73 MiB streamed)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -137,3 +138,42 @@ def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(
         quantum = 2 << 20
         per_buffer = -(-(layer + 4 * 4096) // quantum) * quantum
         assert mgr._loads.reader.held_bytes <= (1 + plan.depth) * per_buffer
+
+
+def test_a_span_across_two_files_mapped_side_by_side_is_cut_at_the_seam(tmp_path):
+    # Spans are merged by address: two files mapped back to back (mmap places new
+    # mappings next to old ones) could make one span, which the extent of the first
+    # file alone would have read past its mapping - other bytes, silently.
+    import ctypes
+    import mmap
+
+    from mapoffload._manager.mapped_file import MappedFiles
+    from mapoffload._manager.pages import file_extents, layer_spans
+
+    page = mmap.PAGESIZE
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"a" * 2 * page)
+    b.write_bytes(b"b" * 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    MAP_SHARED, MAP_FIXED, PROT_READ = 0x01, 0x10, 0x1
+    base = libc.mmap(None, 4 * page, PROT_READ, 0x22, -1, 0)  # an anonymous reservation of both
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    fds = [os.open(p, os.O_RDONLY) for p in (a, b)]
+    try:
+        for k, fd in enumerate(fds):
+            got = libc.mmap(base + 2 * k * page, 2 * page, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
+            assert got == base + 2 * k * page
+        files = MappedFiles()
+        try:
+            runs = file_extents(layer_spans([(base + page, 2 * page)]), files)  # the seam at base + 2 pages
+            assert sorted((os.path.basename(e.path), e.first, e.end) for e in runs) == [
+                ("a.bin", page, 2 * page), ("b.bin", 0, page)]
+        finally:
+            files.close()
+    finally:
+        libc.munmap(base, 4 * page)
+        for fd in fds:
+            os.close(fd)

@@ -88,16 +88,22 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
     by then.
     """
     table = _core.snapshot()
-    paths, offsets, starts, devs, inodes = table.paths, table.offsets, table.starts, table.devs, table.inodes
+    paths, offsets, starts, ends = table.paths, table.offsets, table.starts, table.ends
+    devs, inodes = table.devs, table.inodes
     by_path: dict[str, list[list[int]]] = {}
     ident: dict[str, tuple[int, int]] = {}
     for a, n in zip(spans.addrs, spans.sizes):
-        k = table.find(a)
-        if k < 0 or not paths[k].startswith("/"):
-            continue
-        first = offsets[k] + a - starts[k]
-        by_path.setdefault(paths[k], []).append([first, first + n])
-        ident[paths[k]] = (devs[k], inodes[k])
+        stop = a + n
+        while a < stop:  # a span merged across two mappings (two files side by side) is cut at the seam
+            k = table.find(a)
+            if k < 0:
+                break
+            upto = min(stop, ends[k])
+            if paths[k].startswith("/"):
+                first = offsets[k] + a - starts[k]
+                by_path.setdefault(paths[k], []).append([first, first + upto - a])
+                ident[paths[k]] = (devs[k], inodes[k])
+            a = upto
     out: list[Extent] = []
     for path, ranges in by_path.items():
         f = files.get(path, *ident[path])
