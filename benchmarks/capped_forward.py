@@ -24,6 +24,13 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 which)
   mapoffload-direct  the same with stream_reads="direct" (O_DIRECT from the
                 start; issue 18's tight caps)
+  twin-mapping, twin-direct  (not run by default) the device pipeline's CPU
+                twin over the layers (LayerwiseOffloadManager(cpu_twin=True,
+                host_store="mapped")): each layer copied through the copier
+                into CPU buffers, as a GPU run copies it - from the mapping,
+                or read around the page cache into the reader's buffers and
+                copied from them (stream_reads="direct"); the weights outside
+                the layers stay in place on the mapping
 
 Each child runs in a memory cgroup of its own (made by the parent under its own
 cgroup, without a limit; v1 memory.limit_in_bytes or v2 memory.max). The child
@@ -118,7 +125,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "twin-mapping", "twin-direct")
+DEFAULT_CONTENDERS = CONTENDERS[:4]
 MIB = 1 << 20
 MB = 1e6
 NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
@@ -254,6 +262,12 @@ def child(args: argparse.Namespace) -> None:
         model.eval()
     elif args.contender == "mapoffload-direct":  # streamed layers read around the page cache from the start
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="direct")
+    elif args.contender.startswith("twin-"):  # the device pipeline, its CPU twin, over the layers
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="mapping")
+        model.mapoffload_handle.close()  # the model whole again, its weights on the mapping
+        twin = mapoffload.LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True,
+                                                  host_store="mapped", stream_reads=args.contender[len("twin-"):])
+        twin.register_forward_hooks()
     else:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
     row["load_s"] = time.perf_counter() - t0
@@ -266,7 +280,7 @@ def child(args: argparse.Namespace) -> None:
         row["report_bytes_copied"] = report.bytes_copied
         row["report_bytes_fp8"] = report.bytes_fp8
         row["report_bytes_converted"] = report.bytes_converted
-    handle = getattr(model, "mapoffload_handle", None)
+    handle = None if args.contender.startswith("twin-") else getattr(model, "mapoffload_handle", None)
     if handle is not None:
         row["summary"] = str(handle.summary()).splitlines()
     print("LOAD " + json.dumps(row), flush=True)
@@ -286,6 +300,10 @@ def child(args: argparse.Namespace) -> None:
     if handle is not None:
         row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
         handle.close()
+    if args.contender.startswith("twin-"):
+        row["stream_reads"] = {"model.layers": [twin.stream_reads, twin.stream_reads_why]}
+        row["twin_plan"] = twin.residency.describe()
+        twin.close()
     row["anon_peak_forwards"] = sampler.stop()
     row["anon_peak"] = max(row["anon_peak_load"], row["anon_peak_forwards"])
     row["anon_samples"] = sampler.samples
@@ -478,7 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards", type=int, default=4)
     ap.add_argument("--caps", default="none,50,10",
                     help="comma list: none, or a percentage of the checkpoint's bytes above the baseline")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+    ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                     help="which to run (transformers without a cap always runs: its logits are the reference)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child")
@@ -518,7 +536,7 @@ def main(argv=None) -> int:
     if not args.fp8:
         chosen = [c for c in chosen if c != "mapoffload-fp8"]
     else:
-        chosen = [c for c in chosen if c != "mapoffload-direct"]
+        chosen = [c for c in chosen if c != "mapoffload-direct" and not c.startswith("twin-")]
     plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
     if ("transformers", "none") not in plan:
         plan.insert(0, ("transformers", "none"))
