@@ -46,7 +46,7 @@ from ._log import format_bytes, logger
 from ._manager.coordinator import coordinator
 from ._manager.device_read_around import DeviceReadAround
 from ._manager.layer_pages import LayerPages
-from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround
+from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround
 from ._manager.residency import ResidencyPlan
 from ._manager.rest import RestGuard
 from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
@@ -575,7 +575,7 @@ class LayerwiseOffloadManager:
     def stream_reads(self) -> str:
         """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
         loads = self._loads
-        return "direct" if isinstance(loads, (ReadAround, DeviceReadAround)) and not loads.paused else "mapping"
+        return "direct" if isinstance(loads, ReadsAround) and not loads.paused else "mapping"
 
     def _read_around(self, why: str) -> None:
         """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
@@ -586,7 +586,7 @@ class LayerwiseOffloadManager:
         """
         if self.stream_reads == "direct":
             return
-        if isinstance(self._loads, (ReadAround, DeviceReadAround)):  # paused: read around again
+        if isinstance(self._loads, ReadsAround):  # paused: read around again
             self._loads.resume()
             self.stream_reads_why = why
             logger.info("%s: streamed layers are read around the page cache again: %s", self._stack_name, why)
@@ -638,7 +638,7 @@ class LayerwiseOffloadManager:
             return
         if self.stream_reads == "direct":
             return
-        if isinstance(self._loads, (ReadAround, DeviceReadAround)):
+        if isinstance(self._loads, ReadsAround):
             self._read_around("no replica maps these bytes now")  # paused for replicas that are gone
             return
         plan = self.residency

@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
-from .loads import DeviceCopies, Loaded, file_places, pause_reads
+from .loads import DeviceCopies, Loaded, ReadsAround, file_places
 from .stores import CONSOLIDATED, MAPPED, LayerStore
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceReadAround"]
 
 
-class DeviceReadAround(DeviceCopies):
+class DeviceReadAround(ReadsAround, DeviceCopies):
     """:class:`DeviceCopies` with the streamed layers read around the page cache (see the module).
 
     Parameters
@@ -76,7 +76,6 @@ class DeviceReadAround(DeviceCopies):
         self.reader = DirectReader(buffers=max(1, buffers), pin_device=self.device.index if self._cuda else None)
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._outstanding = 0  # direct loads holding (or reading into) a buffer: at most one per buffer
-        self.paused = ""  # why streamed layers are copied from the mapping for now ("": they are not)
 
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
@@ -193,18 +192,6 @@ class DeviceReadAround(DeviceCopies):
 
     def forget(self, i: int) -> None:
         self._where.pop(i, None)
-
-    def pause(self, why: str) -> None:
-        """Copy streamed layers from the mapping until :meth:`resume` (see ``loads.pause_reads``)."""
-        pause_reads(self, why)
-
-    def resume(self) -> None:
-        self.paused = ""
-
-    @property
-    def window_bytes(self) -> int:
-        """The read-around buffers: the streaming window in anonymous (on CUDA pinned) memory."""
-        return 0 if self.paused else self.reader.held_bytes
 
     def close(self) -> None:
         try:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ..copier import Copier
 
-__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround", "file_places", "pause_reads"]
+__all__ = ["DeviceCopies", "InPlace", "Loaded", "ReadAround", "ReadsAround", "file_places"]
 
 
 class Loaded:
@@ -228,7 +228,35 @@ class DeviceCopies:
             self.copier.close()
 
 
-class ReadAround(InPlace):
+class ReadsAround:
+    """What the two read-around paths share (:class:`ReadAround`, ``DeviceReadAround``):
+    a reader whose buffers hold the streaming window, and a pause.
+
+    While paused (``paused`` says why: replicas share the page cache) the
+    streamed layers take the path underneath - through the mapping - and
+    loads already read around finish as they are. Pausing drops the
+    reader's free buffers (they would hold the window in anonymous memory
+    beside the page cache that now holds it); resumed, it makes new ones.
+    """
+
+    reader: Any
+    paused: str = ""
+
+    def pause(self, why: str) -> None:
+        """Read streamed layers through the mapping until :meth:`resume`."""
+        self.paused = why
+        self.reader.trim()
+
+    def resume(self) -> None:
+        self.paused = ""
+
+    @property
+    def window_bytes(self) -> int:
+        """The reader's buffers (the window in anonymous, on CUDA pinned, memory); 0 while paused."""
+        return 0 if self.paused else self.reader.held_bytes
+
+
+class ReadAround(ReadsAround, InPlace):
     """In place, with the streamed layers read around the page cache (``O_DIRECT``).
 
     Under a cap too tight for the streaming window, reading a streamed layer
@@ -251,7 +279,6 @@ class ReadAround(InPlace):
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
         self._outstanding = 0  # direct loads started and not released: at most one per buffer
-        self.paused = ""  # why streamed layers are read through the mapping for now ("": they are not)
 
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
@@ -318,31 +345,8 @@ class ReadAround(InPlace):
         for w, _, _ in self._where.pop(i, ()):
             self._placed.pop(id(w), None)
 
-    def pause(self, why: str) -> None:
-        """Read streamed layers through the mapping until :meth:`resume` (see ``pause_reads``)."""
-        pause_reads(self, why)
-
-    def resume(self) -> None:
-        self.paused = ""
-
-    @property
-    def window_bytes(self) -> int:
-        return 0 if self.paused else self.reader.held_bytes
-
     def close(self) -> None:
         self.reader.close()
-
-
-def pause_reads(loads, why: str) -> None:
-    """Send a read-around path's streamed layers through the mapping (``why`` says why).
-
-    Loads already read around finish as they are. The reader's free buffers
-    go (they would hold the window in anonymous memory beside the page
-    cache that now holds it); a resumed path makes new ones. While paused
-    the window is not the buffers': ``window_bytes`` is 0.
-    """
-    loads.paused = why
-    loads.reader.trim()
 
 
 class _DirectRead:
