@@ -16,11 +16,11 @@ import threading
 import pytest
 import torch
 
-from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError, drop_page_cache
+from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
 from mapoffload._manager.device_read_around import DeviceReadAround
 from mapoffload._manager.direct_read import DirectReader
 
-from test_offload_direct import LAYERS, ckpt, drain, io_read_bytes, layer_resident, mapped  # noqa: F401 (ckpt: a fixture)
+from test_offload_direct import LAYERS, ckpt, drain, layer_resident, mapped, warm_read_bytes  # noqa: F401 (ckpt: a fixture)
 
 
 def _layer(model) -> int:
@@ -81,13 +81,7 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
     with _twin(model, depth=1, cached=3) as mgr:
         plan = mgr.residency
         mgr.register_forward_hooks()
-        drop_page_cache(path)
-        with torch.no_grad():
-            assert torch.equal(model(x), want)  # cold: the cached set is read in
-            before = io_read_bytes()
-            for _ in range(2):
-                assert torch.equal(model(x), want)
-            read = (io_read_bytes() - before) / 2
+        read = warm_read_bytes(model, x, want, path)
         drain(mgr)
         # What is resident of the streamed layers: at most a 2 MiB folio shared with a cached neighbour.
         streamed_resident = [layer_resident(mgr, i) for i in plan.streamed]

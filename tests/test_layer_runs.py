@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint, resident_bytes
+from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
 
-from test_offload_direct import drain, io_read_bytes
+from test_offload_direct import drain, warm_read_bytes
 
 LAYERS, WIDTH = 10, 512  # 1 MiB of float32 weight and 1 KiB of float16 gain a layer
 
@@ -125,13 +125,7 @@ def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(
                                  stream_reads="direct") as mgr:
         plan = mgr.residency
         mgr.register_forward_hooks()
-        drop_page_cache(path)
-        with torch.no_grad():
-            assert torch.equal(model(x), want)  # cold: the cached set is read in
-            before = io_read_bytes()
-            for _ in range(2):
-                assert torch.equal(model(x), want)
-            read = (io_read_bytes() - before) / 2
+        read = warm_read_bytes(model, x, want, path)
         # Each run read in whole aligned blocks: a page more at each end of each run.
         assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 4 * 4096 + 65536, read
         # Buffers of the layer's runs (grown in 2 MiB steps), not of the file.

@@ -64,6 +64,18 @@ def io_read_bytes() -> int:
     return 0
 
 
+def warm_read_bytes(model, x: torch.Tensor, want: torch.Tensor, path, forwards: int = 2) -> float:
+    """Bytes one warm forward reads (mean of ``forwards``), after the file's pages were
+    dropped and a cold forward read the cached set in; every output checked against ``want``."""
+    drop_page_cache(path)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # cold: the cached set is read in
+        before = io_read_bytes()
+        for _ in range(forwards):
+            assert torch.equal(model(x), want)
+        return (io_read_bytes() - before) / forwards
+
+
 def drain(mgr: LayerwiseOffloadManager) -> None:
     """Wait until the page worker did what it was asked (letting go is asynchronous)."""
     mgr._pages.worker._executor().submit(lambda: None).result()

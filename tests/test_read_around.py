@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from mapoffload import LayerwiseOffloadManager, MappingFaultError, drop_page_cache
+from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
-from test_offload_direct import ckpt, drain, io_read_bytes, layer_resident, mapped  # noqa: F401,F811 (ckpt: a fixture)
+from test_offload_direct import ckpt, drain, layer_resident, mapped, warm_read_bytes  # noqa: F401,F811 (ckpt: a fixture)
 
 # The module (mapoffload.offload is also the name of the Hugging Face entry point).
 offload_module = importlib.import_module("mapoffload.offload")
@@ -33,13 +33,7 @@ def test_direct_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
         plan = mgr.residency
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
-        drop_page_cache(path)
-        with torch.no_grad():
-            assert torch.equal(model(x), want)  # cold: the cached set is read in
-            before = io_read_bytes()
-            for _ in range(2):
-                assert torch.equal(model(x), want)
-            read = (io_read_bytes() - before) / 2
+        read = warm_read_bytes(model, x, want, path)
         drain(mgr)
         # Streamed layers never went through the page cache: what is resident of
         # them are bytes in a large folio with a cached neighbour (at most one
