@@ -41,7 +41,11 @@ if TYPE_CHECKING:
 _LOCK = threading.RLock()
 FP8_PART = ":"  # "<weight>:fp8_codes" / "<weight>:fp8_scale" in a conversion folder
 SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers' switch for its loader threads
-TRIM_BYTES = 32 << 20  # made (and dropped) between two malloc_trim calls
+# Made (and dropped) between two malloc_trim calls. Measured on a 24-layer fp8 Llama
+# (transformers' dequantizing check of each kept weight): the load's anonymous peak
+# was +141 MiB at 32 MiB, +103 at 16, +81 at 8, +53 trimming after every tensor;
+# load time equal at 8 and 32 MiB, +13 % after every tensor.
+TRIM_BYTES = 8 << 20
 _STATE = threading.local()
 _INSTALLED: list[tuple[Any, str, Any]] = []  # (owner, name, original) of the hooks now in place
 
