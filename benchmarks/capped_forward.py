@@ -31,6 +31,14 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 or read around the page cache into the reader's buffers and
                 copied from them (stream_reads="direct"); the weights outside
                 the layers stay in place on the mapping
+  cuda-mapping, cuda-direct  (not run by default; needs a GPU) the same load
+                with device="cuda": layers streamed to the GPU through the
+                copier from the mapping, or read around the page cache into
+                page-locked reader buffers and copied from them by DMA
+                (stream_reads="direct"); the rest on the GPU. The CUDA
+                context is made before the baseline (its host memory is not
+                the model's); forward time is synchronised; logits are
+                compared by their max difference (GPU arithmetic differs)
 
 Each child runs in a memory cgroup of its own (made by the parent under its own
 cgroup, without a limit; v1 memory.limit_in_bytes or v2 memory.max). The child
@@ -93,6 +101,9 @@ contenders are
 
   transformers    from_pretrained of the fp8 folder: its dequantizing load (bf16)
   mapoffload      mapoffload.from_pretrained of the bf16 folder
+  cuda-mapping    (not by default; needs a GPU) the bf16 folder streamed to the GPU
+  cuda-fp8        (not by default; needs a GPU) the fp8 folder streamed to the GPU:
+                  the copier moves codes and scales, the GPU dequantizes
   mapoffload-fp8  mapoffload.from_pretrained of the fp8 folder (codes stay mapped,
                   dequantized as each layer runs)
 
@@ -125,7 +136,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "twin-mapping", "twin-direct")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "twin-mapping", "twin-direct",
+              "cuda-mapping", "cuda-direct", "cuda-fp8")
+FP8_PAIRS = (("mapoffload-fp8", "mapoffload"), ("cuda-fp8", "cuda-mapping"))  # --fp8: (fp8, its bf16 twin)
 DEFAULT_CONTENDERS = CONTENDERS[:4]
 MIB = 1 << 20
 MB = 1e6
@@ -237,9 +250,15 @@ def child(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    cuda = args.contender.startswith("cuda-")
+    if cuda:  # the context's host memory belongs to the baseline, not to the model
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
     transformers.logging.set_verbosity_error()
     dtype = getattr(torch, args.dtype)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    if cuda:
+        ids = ids.cuda()
 
     row: dict = {"contender": args.contender, "cap": args.cap, "threads": torch.get_num_threads(),
                  "loadavg_at_start": os.getloadavg()}  # the machine may be shared: noise shows here
@@ -268,6 +287,10 @@ def child(args: argparse.Namespace) -> None:
         twin = mapoffload.LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True,
                                                   host_store="mapped", stream_reads=args.contender[len("twin-"):])
         twin.register_forward_hooks()
+    elif cuda:  # the device pipeline on a GPU, from the mapping or read around the page cache
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cuda",
+                                           stream_reads="auto" if args.contender == "cuda-fp8"
+                                           else args.contender[len("cuda-"):])
     else:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
     row["load_s"] = time.perf_counter() - t0
@@ -292,11 +315,13 @@ def child(args: argparse.Namespace) -> None:
         for _ in range(args.forwards):
             io0, mf0, c0, t0 = _proc_io()["read_bytes"], _major_faults(), time.process_time(), time.perf_counter()
             logits = model(input_ids=ids).logits
+            if cuda:
+                torch.cuda.synchronize()
             row["forward_s"].append(time.perf_counter() - t0)
             row["forward_cpu_s"].append(time.process_time() - c0)  # all threads: tells waiting from computing
             row["forward_read_bytes"].append(_proc_io()["read_bytes"] - io0)
             row["forward_major_faults"].append(_major_faults() - mf0)
-    torch.save(logits.clone(), args.out)
+    torch.save(logits.cpu().clone(), args.out)
     if handle is not None:
         row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
         handle.close()
@@ -459,17 +484,18 @@ def _fp8_targets(results: list[dict], sizes: dict, args: argparse.Namespace) -> 
     by = {(r["contender"], r["cap"]): r for r in results if r["outcome"] == "yes"}
     layer = sizes["weight_bytes"] / max(args.layers, 1)  # a rough layer in bf16 (embeddings included)
     rows = []
-    for cap in dict.fromkeys(r["cap"] for r in results):
-        a, b = by.get(("mapoffload-fp8", cap)), by.get(("mapoffload", cap))
+    pairs = [(cap, fp8, bf16) for cap in dict.fromkeys(r["cap"] for r in results) for fp8, bf16 in FP8_PAIRS]
+    for cap, fp8_name, bf16_name in pairs:
+        a, b = by.get((fp8_name, cap)), by.get((bf16_name, cap))
         if not (a and b):
             continue
         load = a.get("anon_peak_load", a["anon_peak"]) - a["anon_baseline"]
         fwd = a.get("anon_peak_forwards", a["anon_peak"]) - a["anon_baseline"]
-        rows.append([cap, f"{a['read_bytes_per_forward'] / max(b['read_bytes_per_forward'], 1):.2f}",
+        rows.append([f"{fp8_name} / {bf16_name}", cap, f"{a['read_bytes_per_forward'] / max(b['read_bytes_per_forward'], 1):.2f}",
                      f"{a['forward_s_mean'] / b['forward_s_mean']:.2f}", f"{load / MIB:.0f} / {fwd / MIB:.0f}",
                      f"{(2 * layer + 64 * MIB) / MIB:.0f}", f"{a.get('logits_max_abs_diff', float('nan')):.3g}"])
     print()
-    print_table(["cap", "fp8 / bf16 read per fwd (<= 0.55)", "fp8 / bf16 fwd s (<= 0.65 at 50)",
+    print_table(["pair", "cap", "fp8 / bf16 read per fwd (<= 0.55)", "fp8 / bf16 fwd s (<= 0.65 at 50)",
                  "fp8 anon growth MiB (load / forwards)", "2 layers + 64 MiB", "fp8 logits vs transformers"], rows)
     made = figure(results, args.figure)
     print(f"figure: {made}" if made else "figure: matplotlib is not installed (pip install matplotlib)")
@@ -534,9 +560,9 @@ def main(argv=None) -> int:
     if bad := [c for c in caps if c != "none" and not (c.isdigit() and 0 < int(c) <= 1000)]:
         ap.error(f"bad caps {bad}: none or a percentage")
     if not args.fp8:
-        chosen = [c for c in chosen if c != "mapoffload-fp8"]
+        chosen = [c for c in chosen if c not in ("mapoffload-fp8", "cuda-fp8")]
     else:
-        chosen = [c for c in chosen if c != "mapoffload-direct" and not c.startswith("twin-")]
+        chosen = [c for c in chosen if c not in ("mapoffload-direct", "cuda-direct") and not c.startswith("twin-")]
     plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
     if ("transformers", "none") not in plan:
         plan.insert(0, ("transformers", "none"))
@@ -570,8 +596,9 @@ def main(argv=None) -> int:
             from _fp8 import quantize_folder
 
             fp8 = quantize_folder(folder, os.path.join(work, "model-fp8"))
-            folders["transformers"] = folders["mapoffload-fp8"] = os.path.join(work, "model-fp8")
-            folder_bytes["transformers"] = folder_bytes["mapoffload-fp8"] = fp8["checkpoint_bytes"]
+            for name in ("transformers", "mapoffload-fp8", "cuda-fp8"):
+                folders[name] = os.path.join(work, "model-fp8")
+                folder_bytes[name] = fp8["checkpoint_bytes"]
             sizes["fp8_checkpoint_bytes"] = fp8["checkpoint_bytes"]
             print(f"fp8: the same model in the fine-grained FP8 layout, {fp8['checkpoint_bytes'] / MIB:.1f} MiB "
                   f"({fp8['checkpoint_bytes'] / sizes['checkpoint_bytes']:.2f} x the bf16 checkpoint); "
@@ -595,7 +622,7 @@ def main(argv=None) -> int:
     ref = logits.get(("transformers", "none"))
     for r in results:
         got = logits.get((r["contender"], r["cap"]))
-        same_model = not args.fp8 or r["contender"] != "mapoffload"  # --fp8: bf16 is another model
+        same_model = not args.fp8 or r["contender"] not in ("mapoffload", "cuda-mapping")  # --fp8: bf16 is another model
         r["logits_equal"] = None if got is None or ref is None or not same_model else torch.equal(got, ref)
         if got is not None and ref is not None:
             r["logits_max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
