@@ -27,6 +27,7 @@ from ._log import format_bytes
 
 __all__ = [
     "ENV_HOST_AVAILABLE_GIB",
+    "ENV_PAGE_CACHE_MARGIN_MIB",
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
@@ -45,6 +46,8 @@ GIB_BYTES = 1 << 30
 # allocator slack are not in the weight total and cannot be spent on copies.
 HOST_COPY_RESERVE_BYTES = 4 * GIB_BYTES
 ENV_HOST_AVAILABLE_GIB = "MAPOFFLOAD_HOST_AVAILABLE_GIB"
+# Replaces the page-cache budget's default margin (64 MiB + 1/32 of the limit).
+ENV_PAGE_CACHE_MARGIN_MIB = "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB"
 # cgroup v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, about 2^63.
 _V1_UNLIMITED = 1 << 62
 
@@ -372,7 +375,16 @@ class PageCacheBudget:
 
 
 def _margin(limit: int) -> int:
-    """Headroom kept out of the plan: activations, allocator slack, code paged in mid-forward."""
+    """Headroom kept out of the plan: activations, allocator slack, code paged in mid-forward.
+
+    64 MiB + 1/32 of the limit, or ``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` MiB
+    where set: thinner where a forward's activations are known to be small
+    (each MiB given back is a MiB of weights that stays cached), thicker for
+    long prefills whose activations outgrow the default.
+    """
+    mib = env_number(ENV_PAGE_CACHE_MARGIN_MIB, low=0, high=1 << 20, unit="MiB")
+    if mib is not None:
+        return int(mib * (1 << 20))
     return 64 * (1 << 20) + limit // 32
 
 
@@ -414,7 +426,8 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
     memory and its other files' cache (``memory.stat``); the machine's
     available memory (psutil; it counts cached file pages as available); or
     with ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, X GiB less ``RssAnon``. Each
-    keeps a margin of 64 MiB plus 1/32 of its limit.
+    keeps a margin of 64 MiB plus 1/32 of its limit
+    (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` replaces it).
 
     Parameters
     ----------

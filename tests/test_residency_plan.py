@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, PageCacheBudget, page_cache_budget
+from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, PageCacheBudget, page_cache_budget
 from mapoffload._manager.residency import plan_residency
 
 from test_budget import write
@@ -110,3 +110,30 @@ def test_budget_override_and_uncapped(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "0.01")
     assert page_cache_budget(0, root=str(tmp_path)).usable == 0
     assert "usable" in str(b)
+
+
+@pytest.mark.parametrize("tree", [_v1, _v2])
+def test_margin_knob_replaces_the_default_margin(tmp_path, tree, monkeypatch):
+    cap = 1024 * MIB
+    tree(tmp_path, cap, 700 * MIB, 300 * MIB, 100 * MIB)
+    default = page_cache_budget(250 * MIB, root=str(tmp_path))
+    assert default.margin == 64 * MIB + cap // 32
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "16")
+    thin = page_cache_budget(250 * MIB, root=str(tmp_path))
+    assert thin.margin == 16 * MIB and thin.usable == default.usable + default.margin - 16 * MIB
+    assert "margin 16.00 MiB" in str(thin)
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "4096")  # long prefills: more room for activations
+    assert page_cache_budget(250 * MIB, root=str(tmp_path)).usable == 0
+    # The machine's budget and the host override take it too.
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "0")
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")
+    assert page_cache_budget(0, root=str(tmp_path / "none")).margin == 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "lots", "1048577"])
+def test_margin_knob_refuses_with_the_variable_and_range(tmp_path, monkeypatch, bad):
+    from mapoffload._env import EnvSettingError
+
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, bad)
+    with pytest.raises(EnvSettingError, match=rf"{ENV_PAGE_CACHE_MARGIN_MIB}=.*a number of MiB from 0 to 1048576"):
+        page_cache_budget(0, root=str(tmp_path))
