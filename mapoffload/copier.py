@@ -298,7 +298,7 @@ class Copier:
         the copy is done. ``direct`` flags spans whose source is pinned: DMA
         straight from it, no staging. ``wait_for``: a CUDA stream whose work
         already queued must finish before these copies start (a destination
-        recycled from it).
+        recycled from it); torch's default stream (handle 0) included.
 
         The addresses are trusted, as by ``ctypes.memmove``: only null and
         wrapping ranges are refused. A range that is not mapped (or a
@@ -314,7 +314,10 @@ class Copier:
         """
         job = self._native.submit(
             dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=direct,
-            wait_for=self._stream_handle(wait_for) if wait_for is not None else 0,
+            # None: no wait. A handle of 0 is torch's default stream (the
+            # legacy default stream), which a side stream does not wait for
+            # by itself: torch makes its streams non-blocking.
+            wait_for=self._stream_handle(wait_for) if wait_for is not None and self.device.type == "cuda" else None,
         )
         return CopyHandle(job, self)
 

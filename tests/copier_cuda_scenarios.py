@@ -186,15 +186,23 @@ def scenario_wait_stream(mode: str) -> None:
     x.free()
 
 
-def scenario_wait_for(mode: str, use_wait_for: bool) -> None:
-    """wait_for: a fill still pending on a compute stream lands before our copy."""
+def scenario_wait_for(mode: str, use_wait_for: bool, compute_kind: str = "stream") -> None:
+    """wait_for: a fill still pending on a compute stream lands before our copy.
+
+    compute_kind "default": the compute stream is the legacy default stream
+    (handle 0, torch's default stream) and the copy stream is non-blocking, as
+    torch makes its side streams: nothing but wait_for orders the copy after
+    the compute, and handle 0 must not read as "no stream"."""
     fake = _fake()
-    copy_stream, compute = fake.stream_create(), fake.stream_create()
+    if compute_kind == "default":
+        copy_stream, compute = fake.stream_create(nonblocking=True), 0
+    else:
+        copy_stream, compute = fake.stream_create(), fake.stream_create()
     c = _copier(mode)
     x = _Layout(fake, [2 * SLOT + 5], 5, pinned=[mode == "direct"])
     opened = hold_stream(fake, compute, timeout=3)
     fake.enqueue_fill(compute, x.dev, 0x11, x.sizes[0])  # pending "kernel" output
-    job = c.submit(x.dst, x.src, x.sizes, copy_stream, keepalive=x.keep, wait_for=compute if use_wait_for else 0)
+    job = c.submit(x.dst, x.src, x.sizes, copy_stream, keepalive=x.keep, wait_for=compute if use_wait_for else None)
     if use_wait_for:
         time.sleep(0.05)  # a copier ignoring wait_for would land its copy now
         assert not job.done()

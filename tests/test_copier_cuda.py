@@ -70,9 +70,10 @@ def test_wait_stream_orders_later_work_after_the_copies(mode):
     run_scenario("wait_stream", mode)
 
 
+@pytest.mark.parametrize("compute_kind", ["stream", "default"])
 @pytest.mark.parametrize("use_wait_for", [True, False])
-def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for):
-    run_scenario("wait_for", "staged", use_wait_for)
+def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for, compute_kind):
+    run_scenario("wait_for", "staged", use_wait_for, compute_kind)
 
 
 # (call, calls that succeed first, failures in a row, copier mode). Three failed
