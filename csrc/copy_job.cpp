@@ -187,7 +187,14 @@ bool CopyJob::done() {
       if (finished_) return true;
       st = cuda_api().EventQuery(event_);
     }
-    if (st == kCudaErrorNotReady) return false;
+    if (st == kCudaErrorNotReady) {
+      // Not an error, but the runtime stores it as this thread's last error
+      // all the same: left there, torch's next launch check on this thread
+      // (cudaGetLastError) raises "device not ready" from an unrelated
+      // kernel. torch clears it after its own queries; so must we.
+      cuda_api().GetLastError();
+      return false;
+    }
     if (st != kCudaSuccess) {
       // An asynchronous failure of the copies: the job is over, and wait()
       // reports it.

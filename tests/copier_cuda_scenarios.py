@@ -220,6 +220,45 @@ def scenario_wait_for(mode: str, use_wait_for: bool, compute_kind: str = "stream
     x.free()
 
 
+def scenario_no_stale_last_error(mode: str) -> None:
+    """A failed or not-ready CUDA call of ours leaves nothing in the calling
+    thread's last-error slot, where torch's next launch check
+    (cudaGetLastError) would raise it from an unrelated kernel."""
+    from mapoffload import _core
+
+    fake = _fake()
+    stream = fake.stream_create()
+    c = _copier(mode)
+    x = _Layout(fake, [SLOT], 10, pinned=[mode == "direct"])  # one unit
+    held = hold_stream(fake, stream, timeout=3)
+    job = c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+    job.wait_stream(stream)  # enqueued: the event is recorded, the stream held
+    assert not job.done()  # cudaEventQuery: cudaErrorNotReady
+    assert c.collect() == 1  # done() again, for the held job
+    assert fake.peek_at_last_error() == 0, "cudaErrorNotReady was left as this thread's last error"
+    held.set()
+    job.wait()
+    # A refused call that raises CudaError: the error travels as the exception only.
+    fake.fail("cudaEventCreateWithFlags", error=cudaErrorLaunchFailure)
+    try:
+        c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+        raise AssertionError("the injected failure did not raise")
+    except _core.CudaError:
+        pass
+    assert fake.peek_at_last_error() == 0, "a failed cudaEventCreateWithFlags was left as the last error"
+    buf = bytearray(2 * SLOT)
+    _core.host_register(_addr(buf), len(buf))
+    try:
+        _core.host_register(_addr(buf), len(buf))  # already registered
+        raise AssertionError("a second registration did not raise")
+    except _core.CudaError:
+        pass
+    assert fake.peek_at_last_error() == 0, "a refused cudaHostRegister was left as the last error"
+    _core.host_unregister(_addr(buf))
+    c.close()
+    x.free()
+
+
 def scenario_injected(call: str, after: int, times: int, sticky: bool, mode: str) -> None:
     """A CUDA call of the copier fails: a CudaError naming it, no hang, close() returns,
     nothing leaked (non-sticky); later jobs work (non-sticky) or fail fast (sticky)."""

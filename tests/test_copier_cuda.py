@@ -76,6 +76,11 @@ def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for, compute_ki
     run_scenario("wait_for", "staged", use_wait_for, compute_kind)
 
 
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_no_stale_cuda_error_is_left_for_torch(mode):
+    run_scenario("no_stale_last_error", mode)
+
+
 # (call, calls that succeed first, failures in a row, copier mode). Three failed
 # event waits in a row outnumber the two slots: a slot lost on each would hang.
 FAILURES = [
