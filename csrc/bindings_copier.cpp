@@ -197,6 +197,7 @@ void bind_copier(py::module_& m) {
       .def("done", &CopyJob::done, py::call_guard<py::gil_scoped_release>(),
            "Finished (non-blocking; never raises).")
       .def("enqueued", &CopyJob::enqueued, "Every copy has been handed to the stream (CPU: done).")
+      .def_property_readonly("device", &CopyJob::device, "The CUDA ordinal copied to, -1 for CPU destinations.")
       .def("wait_stream", [](CopyJob& j, uint64_t stream) {
              wait_interruptibly(j);
              py::gil_scoped_release nogil;

@@ -192,22 +192,22 @@ class CopyHandle:
         return self._job.enqueued()
 
     def wait_stream(self, stream: object | None = None) -> None:
-        """Make ``stream`` (default: torch's current stream) wait for these copies.
+        """Make ``stream`` (default: torch's current stream on the copies' device) wait for these copies.
 
         Blocks the host only until the copies are queued; re-raises a
-        failure. On the CPU it is :meth:`wait`.
+        failure. On the CPU it is :meth:`wait`. Handle 0 is a CUDA stream
+        like any other (the legacy default stream: torch's default one),
+        never a reason to wait on the host.
         """
-        handle = 0
+        device = self._job.device
+        if device < 0:  # CPU destinations: nothing orders them but the host
+            self._job.wait()
+            return
         if stream is None:
             import torch
 
-            if torch.cuda.is_available():
-                stream = torch.cuda.current_stream()
-        if stream is not None:
-            handle = int(getattr(stream, "cuda_stream", stream))
-        self._job.wait_stream(handle)
-        if not handle:
-            self._job.wait()
+            stream = torch.cuda.current_stream(device)
+        self._job.wait_stream(int(getattr(stream, "cuda_stream", stream)))
 
 
 class Copier:

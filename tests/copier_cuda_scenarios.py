@@ -220,6 +220,27 @@ def scenario_wait_for(mode: str, use_wait_for: bool, compute_kind: str = "stream
     x.free()
 
 
+def scenario_null_stream_device(mode: str) -> None:
+    """A copier on device 1 with the default stream (handle 0): every call that names
+    stream 0 runs with device 1 current, wait_stream from a thread whose current
+    device is 0 (torch leaves it so while a model runs on cuda:1) included."""
+    fake = _fake()
+    fake.set_device_count(2)
+    from mapoffload import _core
+
+    c = _core.Copier(device=1, mode=mode, threads=2, slot_bytes=SLOT, slots=2)
+    x = _Layout(fake, [2 * SLOT + 5, 77], 9, pinned=[mode == "direct"] * 2)
+    job = c.submit(x.dst, x.src, x.sizes, 0, keepalive=x.keep)
+    job.wait_stream(0)
+    job.wait()
+    assert x.landed() == x.expected()
+    c.close()
+    on0, on1 = fake.stat("null_stream_uses_dev0"), fake.stat("null_stream_uses_dev1")
+    assert on1 > 0, "the copier never named the default stream"
+    assert on0 == 0, f"{on0} calls named stream 0 with device 0 current: they ordered the wrong device"
+    x.free()
+
+
 def scenario_no_stale_last_error(mode: str) -> None:
     """A failed or not-ready CUDA call of ours leaves nothing in the calling
     thread's last-error slot, where torch's next launch check

@@ -77,6 +77,11 @@ def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for, compute_ki
 
 
 @pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_default_stream_calls_run_on_the_copier_device(mode):
+    run_scenario("null_stream_device", mode)
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
 def test_no_stale_cuda_error_is_left_for_torch(mode):
     run_scenario("no_stale_last_error", mode)
 
