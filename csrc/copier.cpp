@@ -446,8 +446,13 @@ size_t Copier::acquire_slot() {
       sync_->slot_cv.notify_all();
       health_->rethrow_if_broken();
     }
-    i = free_.back();
-    free_.pop_back();
+    // The slot given back longest ago: its copy was queued first, so it is
+    // the one most likely done. (The last one given back - a stack - is the
+    // one least likely done: every refill would wait for the copy just
+    // queued, leaving the rest of the ring unused and the host waiting on
+    // the DMA even for jobs that fit in the ring.)
+    i = free_.front();
+    free_.pop_front();
   }
   Slot& s = slots_[i];
   if (s.pending) {

@@ -175,7 +175,7 @@ class Copier {
 
   // Guarded by sync_->slot_mu.
   std::vector<Slot> slots_;
-  std::vector<size_t> free_;
+  std::deque<size_t> free_;  // FIFO: taken from the front, given back at the end
 
   // Held between fork_prepare and fork_parent/fork_child.
   std::vector<std::shared_ptr<CopyJob>> fork_jobs_;

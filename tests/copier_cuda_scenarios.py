@@ -220,6 +220,28 @@ def scenario_wait_for(mode: str, use_wait_for: bool, compute_kind: str = "stream
     x.free()
 
 
+def scenario_ring_fills_before_waiting() -> None:
+    """A job that fits the ring is handed to the stream whole while the stream is
+    held: a refill takes the slot given back longest ago, never waits for the
+    copy just queued out of another while free slots are left."""
+    fake = _fake()
+    stream = fake.stream_create()
+    c = _copier("staged", threads=1, slots=3)
+    x = _Layout(fake, [3 * SLOT], 11)  # three units, three slots
+    held = hold_stream(fake, stream, timeout=3)
+    job = c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+    deadline = time.monotonic() + 1
+    while not job.enqueued() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    enqueued = job.enqueued()
+    held.set()
+    job.wait()
+    assert enqueued, "the job waited for its own first copy although the ring had free slots"
+    assert x.landed() == x.expected()
+    c.close()
+    x.free()
+
+
 def scenario_null_stream_device(mode: str) -> None:
     """A copier on device 1 with the default stream (handle 0): every call that names
     stream 0 runs with device 1 current, wait_stream from a thread whose current

@@ -76,6 +76,10 @@ def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for, compute_ki
     run_scenario("wait_for", "staged", use_wait_for, compute_kind)
 
 
+def test_a_job_that_fits_the_ring_is_enqueued_without_waiting_for_the_device():
+    run_scenario("ring_fills_before_waiting")
+
+
 @pytest.mark.parametrize("mode", ["staged", "direct"])
 def test_default_stream_calls_run_on_the_copier_device(mode):
     run_scenario("null_stream_device", mode)
