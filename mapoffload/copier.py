@@ -45,6 +45,11 @@ MAX_SLOT_BYTES = _core.COPIER_MAX_SLOT_BYTES
 
 def cuda_available() -> bool:
     """True when the CUDA runtime loads (no toolkit needed) and has a device."""
+    # torch first: its import loads the libcudart it uses, which the native
+    # loader then finds (RTLD_NOLOAD) instead of opening another one from the
+    # system paths for the rest of the process.
+    import torch  # noqa: F401
+
     return _core.cuda_available()
 
 
