@@ -112,3 +112,20 @@ def test_prefetch_into_a_recycled_buffer_waits_for_the_compute_still_reading_it(
             got = model(xs).cpu()
         assert mgr.peak_device_bytes < 6 * mgr.layer_bytes(0)  # buffers were recycled
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_update_cpu_weights_waits_for_copies_still_reading_a_pinned_store():
+    model = _model(4)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        want = model(x)
+    with LayerwiseOffloadManager(model, model, device="cuda", host_store="pinned") as mgr:
+        assert mgr.pinned_bytes > 0
+        mgr.register_forward_hooks()
+        xs = x.cuda()
+        with torch.no_grad():
+            _hold(stream=mgr._loads._copy_stream)  # the layers' DMAs wait behind it
+            y = model(xs)  # the host runs through; the device has copied nothing yet
+            mgr.update_cpu_weights({n: torch.zeros_like(t) for n, t in mgr.iter_cpu_weights()})
+            got = y.cpu()
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), "a forward queued before the update read the update"
