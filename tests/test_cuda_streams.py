@@ -129,3 +129,22 @@ def test_update_cpu_weights_waits_for_copies_still_reading_a_pinned_store():
             mgr.update_cpu_weights({n: torch.zeros_like(t) for n, t in mgr.iter_cpu_weights()})
             got = y.cpu()
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), "a forward queued before the update read the update"
+
+
+def test_placing_a_mapped_weight_on_the_device_leaves_its_pages_clean(tmp_path):
+    """What ``offload(..., rest="device")`` (``hf/offload.py:_place_rest``) does with the
+    mapped weights outside the layers: ``tensor.to("cuda")``, a pageable H2D copy the
+    driver stages itself. It must read the private mapping, never pin it for write
+    (that would turn its pages anonymous, as seen on a unified-memory GPU)."""
+    from safetensors.torch import load_file, save_file
+
+    from mapoffload import cow_report
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(16 << 20)}, path)
+    t = load_file(path)["w"]
+    before = cow_report([t]).anonymous_bytes
+    d = t.to("cuda")
+    torch.cuda.synchronize()
+    assert cow_report([t]).anonymous_bytes == before, "the driver's pageable copy broke copy-on-write"
+    assert torch.equal(d.cpu(), t)
