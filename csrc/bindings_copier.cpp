@@ -31,8 +31,8 @@ class PyCopier {
     }
   }
 
-  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream, uint64_t wait_for,
-                                  py::object keepalive) {
+  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream,
+                                  std::optional<uint64_t> wait_for, py::object keepalive) {
     collect();
     std::shared_ptr<CopyJob> job;
     {
@@ -197,6 +197,7 @@ void bind_copier(py::module_& m) {
       .def("done", &CopyJob::done, py::call_guard<py::gil_scoped_release>(),
            "Finished (non-blocking; never raises).")
       .def("enqueued", &CopyJob::enqueued, "Every copy has been handed to the stream (CPU: done).")
+      .def_property_readonly("device", &CopyJob::device, "The CUDA ordinal copied to, -1 for CPU destinations.")
       .def("wait_stream", [](CopyJob& j, uint64_t stream) {
              wait_interruptibly(j);
              py::gil_scoped_release nogil;
@@ -233,12 +234,14 @@ void bind_copier(py::module_& m) {
            py::arg("device"), py::arg("mode"), py::arg("threads"), py::arg("slot_bytes"), py::arg("slots"),
            py::arg("readahead_units") = 0)
       .def("submit", [](PyCopier& c, const py::object& dst, const py::object& src, const py::object& sizes,
-                        uint64_t stream, py::object keepalive, const py::object& direct, uint64_t wait_for) {
+                        uint64_t stream, py::object keepalive, const py::object& direct,
+                        std::optional<uint64_t> wait_for) {
              return c.submit(make_copy_spans(dst, src, sizes, direct), stream, wait_for, std::move(keepalive));
            },
            py::arg("dst"), py::arg("src"), py::arg("sizes"), py::arg("stream") = 0, py::kw_only(),
-           py::arg("keepalive") = py::none(), py::arg("direct") = py::none(), py::arg("wait_for") = 0,
-           "Queue (dst, src, nbytes) spans; keepalive is held until the job is finished.")
+           py::arg("keepalive") = py::none(), py::arg("direct") = py::none(), py::arg("wait_for") = py::none(),
+           "Queue (dst, src, nbytes) spans; keepalive is held until the job is finished. wait_for: a stream "
+           "(0 included: the legacy default stream) whose queued work goes first; None: none.")
       .def("advise", [](PyCopier& c, const py::object& src, const py::object& sizes) {
              std::vector<uint64_t> s = to_u64_vector(src, "src"), n = to_u64_vector(sizes, "sizes");
              if (s.size() != n.size()) throw py::value_error("src and sizes differ in length");

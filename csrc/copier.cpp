@@ -298,7 +298,8 @@ std::vector<Copier::Unit> Copier::make_units(const std::vector<CopySpan>& spans,
   return units;
 }
 
-std::shared_ptr<CopyJob> Copier::submit(const std::vector<CopySpan>& spans, uint64_t stream, uint64_t wait_for) {
+std::shared_ptr<CopyJob> Copier::submit(const std::vector<CopySpan>& spans, uint64_t stream,
+                                        std::optional<uint64_t> wait_for) {
   validate_spans(spans);
   if (cuda() && in_child())
     throw std::runtime_error(
@@ -312,12 +313,12 @@ std::shared_ptr<CopyJob> Copier::submit(const std::vector<CopySpan>& spans, uint
     const CudaApi& api = cuda_api();
     try {
       MAPOFFLOAD_CUDA_CHECK(api.EventCreateWithFlags(&done_event, kCudaEventDisableTiming));
-      if (wait_for && wait_for != stream) {
+      if (wait_for && *wait_for != stream) {
         // The copies go after what is already queued on wait_for: the stream
         // waits on an event recorded there before any unit is queued.
         cudaEvent_t after = nullptr;
         MAPOFFLOAD_CUDA_CHECK(api.EventCreateWithFlags(&after, kCudaEventDisableTiming));
-        cudaError_t e1 = api.EventRecord(after, reinterpret_cast<cudaStream_t>(wait_for));
+        cudaError_t e1 = api.EventRecord(after, reinterpret_cast<cudaStream_t>(*wait_for));
         cudaError_t e2 = e1 ? e1 : api.StreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), after, 0);
         api.EventDestroy(after);  // released once the wait is satisfied
         MAPOFFLOAD_CUDA_CHECK(e1);
@@ -445,8 +446,13 @@ size_t Copier::acquire_slot() {
       sync_->slot_cv.notify_all();
       health_->rethrow_if_broken();
     }
-    i = free_.back();
-    free_.pop_back();
+    // The slot given back longest ago: its copy was queued first, so it is
+    // the one most likely done. (The last one given back - a stack - is the
+    // one least likely done: every refill would wait for the copy just
+    // queued, leaving the rest of the ring unused and the host waiting on
+    // the DMA even for jobs that fit in the ring.)
+    i = free_.front();
+    free_.pop_front();
   }
   Slot& s = slots_[i];
   if (s.pending) {

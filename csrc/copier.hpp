@@ -31,6 +31,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -86,9 +87,13 @@ class Copier {
 
   // Queues the spans (validated first); never blocks on the copy itself.
   // stream: cudaStream_t as an integer (ignored on CPU). wait_for: a stream
-  // whose work already queued must finish before these copies start (0:
-  // none), e.g. the compute stream that last used a recycled destination.
-  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream, uint64_t wait_for = 0);
+  // whose work already queued must finish before these copies start (none
+  // when empty), e.g. the compute stream that last used a recycled
+  // destination. 0 is a stream like any other there: the legacy default
+  // stream, torch's default compute stream, which does not order torch's
+  // side streams (they are non-blocking).
+  std::shared_ptr<CopyJob> submit(const std::vector<CopySpan>& spans, uint64_t stream,
+                                  std::optional<uint64_t> wait_for = std::nullopt);
   // Readahead hint for what comes next.
   void advise(const std::vector<CopySpan>& spans) const;
   // Stops the workers and frees the ring; always returns. cancel=false lets
@@ -170,7 +175,7 @@ class Copier {
 
   // Guarded by sync_->slot_mu.
   std::vector<Slot> slots_;
-  std::vector<size_t> free_;
+  std::deque<size_t> free_;  // FIFO: taken from the front, given back at the end
 
   // Held between fork_prepare and fork_parent/fork_child.
   std::vector<std::shared_ptr<CopyJob>> fork_jobs_;

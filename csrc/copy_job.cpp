@@ -84,6 +84,9 @@ void CopyJob::finish_unit(std::exception_ptr err) {
   std::exception_ptr record_err;
   if (event_ && device_ok() && !health_->broken()) {
     try {
+      // Stream 0 is the legacy default stream of the *current* device: the
+      // copier's, whichever thread records (a worker, or close() on the caller's).
+      DeviceScope scope(device_);
       MAPOFFLOAD_CUDA_CHECK(cuda_api().EventRecord(event_, reinterpret_cast<cudaStream_t>(stream_)));
       recorded = true;
     } catch (...) {
@@ -187,7 +190,14 @@ bool CopyJob::done() {
       if (finished_) return true;
       st = cuda_api().EventQuery(event_);
     }
-    if (st == kCudaErrorNotReady) return false;
+    if (st == kCudaErrorNotReady) {
+      // Not an error, but the runtime stores it as this thread's last error
+      // all the same: left there, torch's next launch check on this thread
+      // (cudaGetLastError) raises "device not ready" from an unrelated
+      // kernel. torch clears it after its own queries; so must we.
+      cuda_api().GetLastError();
+      return false;
+    }
     if (st != kCudaSuccess) {
       // An asynchronous failure of the copies: the job is over, and wait()
       // reports it.
@@ -218,6 +228,10 @@ void CopyJob::wait_stream(uint64_t stream) {
   if (error_) std::rethrow_exception(error_);
   if (!recorded_ || finished_ || !event_ || !device_ok()) return;
   try {
+    // Stream 0 names the legacy default stream of the current device: make
+    // the job's device current, or the caller's thread (torch leaves device 0
+    // current while a model runs on cuda:1) would make another device wait.
+    DeviceScope scope(device_);
     // Under the lock: the event cannot be given back meanwhile (a quick call).
     MAPOFFLOAD_CUDA_CHECK(cuda_api().StreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0));
   } catch (...) {

@@ -82,12 +82,15 @@ class CopyJob {
   // stay interruptible).
   bool wait_enqueued_for(std::chrono::milliseconds timeout);
   // Blocks until enqueued, rethrows the job's error, then makes `stream` wait
-  // on the device for the job's copies (cudaStreamWaitEvent). CPU: no-op.
+  // on the device for the job's copies (cudaStreamWaitEvent; stream 0 is the
+  // legacy default stream of the job's device). CPU: no-op.
   void wait_stream(uint64_t stream);
   // Blocks until finished and swallows errors (shutdown paths).
   void wait_quietly() noexcept;
 
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  // The CUDA ordinal the job copies to, or -1 for CPU destinations.
+  int device() const { return device_; }
   // Worker side: one unit processed (err: its failure). The last one records
   // the completion event.
   void finish_unit(std::exception_ptr err);

@@ -95,7 +95,9 @@ bool cuda_available() {
   try {
     const CudaApi& api = cuda_api();
     int n = 0;
-    return api.GetDeviceCount(&n) == kCudaSuccess && n > 0;
+    if (api.GetDeviceCount(&n) == kCudaSuccess) return n > 0;
+    api.GetLastError();  // "no device" is an answer here, not an error left for torch's next check
+    return false;
   } catch (const CudaError&) {
     return false;
   }
@@ -105,7 +107,13 @@ void check_cuda(cudaError_t err, const char* call, const char* file, int line) {
   if (err == kCudaSuccess) return;
   const char* what = "unknown error";
   try {
-    if (const char* s = cuda_api().GetErrorString(err)) what = s;
+    const CudaApi& api = cuda_api();
+    if (const char* s = api.GetErrorString(err)) what = s;
+    // The failure travels as the exception: take it out of this thread's
+    // last-error slot too. Left there, torch's next launch check on this
+    // thread (C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError) would raise it
+    // from an unrelated kernel. A sticky error stays (it cannot be cleared).
+    api.GetLastError();
   } catch (...) {
   }
   throw CudaError(call, err, what, file, line);

@@ -45,6 +45,11 @@ MAX_SLOT_BYTES = _core.COPIER_MAX_SLOT_BYTES
 
 def cuda_available() -> bool:
     """True when the CUDA runtime loads (no toolkit needed) and has a device."""
+    # torch first: its import loads the libcudart it uses, which the native
+    # loader then finds (RTLD_NOLOAD) instead of opening another one from the
+    # system paths for the rest of the process.
+    import torch  # noqa: F401
+
     return _core.cuda_available()
 
 
@@ -192,22 +197,22 @@ class CopyHandle:
         return self._job.enqueued()
 
     def wait_stream(self, stream: object | None = None) -> None:
-        """Make ``stream`` (default: torch's current stream) wait for these copies.
+        """Make ``stream`` (default: torch's current stream on the copies' device) wait for these copies.
 
         Blocks the host only until the copies are queued; re-raises a
-        failure. On the CPU it is :meth:`wait`.
+        failure. On the CPU it is :meth:`wait`. Handle 0 is a CUDA stream
+        like any other (the legacy default stream: torch's default one),
+        never a reason to wait on the host.
         """
-        handle = 0
+        device = self._job.device
+        if device < 0:  # CPU destinations: nothing orders them but the host
+            self._job.wait()
+            return
         if stream is None:
             import torch
 
-            if torch.cuda.is_available():
-                stream = torch.cuda.current_stream()
-        if stream is not None:
-            handle = int(getattr(stream, "cuda_stream", stream))
-        self._job.wait_stream(handle)
-        if not handle:
-            self._job.wait()
+            stream = torch.cuda.current_stream(device)
+        self._job.wait_stream(int(getattr(stream, "cuda_stream", stream)))
 
 
 class Copier:
@@ -298,7 +303,7 @@ class Copier:
         the copy is done. ``direct`` flags spans whose source is pinned: DMA
         straight from it, no staging. ``wait_for``: a CUDA stream whose work
         already queued must finish before these copies start (a destination
-        recycled from it).
+        recycled from it); torch's default stream (handle 0) included.
 
         The addresses are trusted, as by ``ctypes.memmove``: only null and
         wrapping ranges are refused. A range that is not mapped (or a
@@ -314,7 +319,10 @@ class Copier:
         """
         job = self._native.submit(
             dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=direct,
-            wait_for=self._stream_handle(wait_for) if wait_for is not None else 0,
+            # None: no wait. A handle of 0 is torch's default stream (the
+            # legacy default stream), which a side stream does not wait for
+            # by itself: torch makes its streams non-blocking.
+            wait_for=self._stream_handle(wait_for) if wait_for is not None and self.device.type == "cuda" else None,
         )
         return CopyHandle(job, self)
 

@@ -867,6 +867,7 @@ class LayerwiseOffloadManager:
         import torch
 
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        settled = False  # the device has finished every copy queued so far
         for name, value in items:
             store, w = self._weight(name)
             if not isinstance(value, torch.Tensor):
@@ -901,6 +902,15 @@ class LayerwiseOffloadManager:
                 self._pages.forget(store.index)
                 self._loads.forget(store.index)
             else:
+                if self._cuda and store.pinned and w.store == CONSOLIDATED and not settled:
+                    # A pinned store is copied by DMA straight from it, when the
+                    # device reaches the copy - not when it was queued: a copy
+                    # still pending (a released layer, a forward the host has
+                    # run ahead of) would read this write into a forward queued
+                    # before the update. Staged and strided sources were read
+                    # into the staging slots before their copies were queued.
+                    torch.cuda.synchronize(self.device)
+                    settled = True
                 w.host.copy_(value)
             if self.is_loaded(store.index):
                 if self._loads.copies:

@@ -186,15 +186,23 @@ def scenario_wait_stream(mode: str) -> None:
     x.free()
 
 
-def scenario_wait_for(mode: str, use_wait_for: bool) -> None:
-    """wait_for: a fill still pending on a compute stream lands before our copy."""
+def scenario_wait_for(mode: str, use_wait_for: bool, compute_kind: str = "stream") -> None:
+    """wait_for: a fill still pending on a compute stream lands before our copy.
+
+    compute_kind "default": the compute stream is the legacy default stream
+    (handle 0, torch's default stream) and the copy stream is non-blocking, as
+    torch makes its side streams: nothing but wait_for orders the copy after
+    the compute, and handle 0 must not read as "no stream"."""
     fake = _fake()
-    copy_stream, compute = fake.stream_create(), fake.stream_create()
+    if compute_kind == "default":
+        copy_stream, compute = fake.stream_create(nonblocking=True), 0
+    else:
+        copy_stream, compute = fake.stream_create(), fake.stream_create()
     c = _copier(mode)
     x = _Layout(fake, [2 * SLOT + 5], 5, pinned=[mode == "direct"])
     opened = hold_stream(fake, compute, timeout=3)
     fake.enqueue_fill(compute, x.dev, 0x11, x.sizes[0])  # pending "kernel" output
-    job = c.submit(x.dst, x.src, x.sizes, copy_stream, keepalive=x.keep, wait_for=compute if use_wait_for else 0)
+    job = c.submit(x.dst, x.src, x.sizes, copy_stream, keepalive=x.keep, wait_for=compute if use_wait_for else None)
     if use_wait_for:
         time.sleep(0.05)  # a copier ignoring wait_for would land its copy now
         assert not job.done()
@@ -208,6 +216,88 @@ def scenario_wait_for(mode: str, use_wait_for: bool) -> None:
     # Without wait_for the copy lands first and the late fill overwrites it:
     # the control case shows the scenario tells the two apart.
     assert got == (x.data[0] if use_wait_for else b"\x11" * x.sizes[0])
+    c.close()
+    x.free()
+
+
+def scenario_ring_fills_before_waiting() -> None:
+    """A job that fits the ring is handed to the stream whole while the stream is
+    held: a refill takes the slot given back longest ago, never waits for the
+    copy just queued out of another while free slots are left."""
+    fake = _fake()
+    stream = fake.stream_create()
+    c = _copier("staged", threads=1, slots=3)
+    x = _Layout(fake, [3 * SLOT], 11)  # three units, three slots
+    held = hold_stream(fake, stream, timeout=3)
+    job = c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+    deadline = time.monotonic() + 1
+    while not job.enqueued() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    enqueued = job.enqueued()
+    held.set()
+    job.wait()
+    assert enqueued, "the job waited for its own first copy although the ring had free slots"
+    assert x.landed() == x.expected()
+    c.close()
+    x.free()
+
+
+def scenario_null_stream_device(mode: str) -> None:
+    """A copier on device 1 with the default stream (handle 0): every call that names
+    stream 0 runs with device 1 current, wait_stream from a thread whose current
+    device is 0 (torch leaves it so while a model runs on cuda:1) included."""
+    fake = _fake()
+    fake.set_device_count(2)
+    from mapoffload import _core
+
+    c = _core.Copier(device=1, mode=mode, threads=2, slot_bytes=SLOT, slots=2)
+    x = _Layout(fake, [2 * SLOT + 5, 77], 9, pinned=[mode == "direct"] * 2)
+    job = c.submit(x.dst, x.src, x.sizes, 0, keepalive=x.keep)
+    job.wait_stream(0)
+    job.wait()
+    assert x.landed() == x.expected()
+    c.close()
+    on0, on1 = fake.stat("null_stream_uses_dev0"), fake.stat("null_stream_uses_dev1")
+    assert on1 > 0, "the copier never named the default stream"
+    assert on0 == 0, f"{on0} calls named stream 0 with device 0 current: they ordered the wrong device"
+    x.free()
+
+
+def scenario_no_stale_last_error(mode: str) -> None:
+    """A failed or not-ready CUDA call of ours leaves nothing in the calling
+    thread's last-error slot, where torch's next launch check
+    (cudaGetLastError) would raise it from an unrelated kernel."""
+    from mapoffload import _core
+
+    fake = _fake()
+    stream = fake.stream_create()
+    c = _copier(mode)
+    x = _Layout(fake, [SLOT], 10, pinned=[mode == "direct"])  # one unit
+    held = hold_stream(fake, stream, timeout=3)
+    job = c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+    job.wait_stream(stream)  # enqueued: the event is recorded, the stream held
+    assert not job.done()  # cudaEventQuery: cudaErrorNotReady
+    assert c.collect() == 1  # done() again, for the held job
+    assert fake.peek_at_last_error() == 0, "cudaErrorNotReady was left as this thread's last error"
+    held.set()
+    job.wait()
+    # A refused call that raises CudaError: the error travels as the exception only.
+    fake.fail("cudaEventCreateWithFlags", error=cudaErrorLaunchFailure)
+    try:
+        c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep)
+        raise AssertionError("the injected failure did not raise")
+    except _core.CudaError:
+        pass
+    assert fake.peek_at_last_error() == 0, "a failed cudaEventCreateWithFlags was left as the last error"
+    buf = bytearray(2 * SLOT)
+    _core.host_register(_addr(buf), len(buf))
+    try:
+        _core.host_register(_addr(buf), len(buf))  # already registered
+        raise AssertionError("a second registration did not raise")
+    except _core.CudaError:
+        pass
+    assert fake.peek_at_last_error() == 0, "a refused cudaHostRegister was left as the last error"
+    _core.host_unregister(_addr(buf))
     c.close()
     x.free()
 

@@ -287,7 +287,8 @@ class FakeCuda:
         """A counter: a CUDA function's calls since reset, or bytes_copied, copies, fills,
         host_ops, pageable_snapshots, pending_ops, max_pending_ops, live_pinned,
         live_pinned_bytes, live_registered, live_device, live_device_bytes,
-        live_events, live_streams, async_errors, injected_failures, sticky_error."""
+        live_events, live_streams, async_errors, injected_failures, sticky_error,
+        null_stream_uses_devN (calls naming the legacy default stream while device N was current)."""
         v = self.raw.fakecuda_stat(name.encode())
         if v == -1:
             raise KeyError(name)

@@ -70,9 +70,24 @@ def test_wait_stream_orders_later_work_after_the_copies(mode):
     run_scenario("wait_stream", mode)
 
 
+@pytest.mark.parametrize("compute_kind", ["stream", "default"])
 @pytest.mark.parametrize("use_wait_for", [True, False])
-def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for):
-    run_scenario("wait_for", "staged", use_wait_for)
+def test_wait_for_orders_the_copy_after_pending_compute(use_wait_for, compute_kind):
+    run_scenario("wait_for", "staged", use_wait_for, compute_kind)
+
+
+def test_a_job_that_fits_the_ring_is_enqueued_without_waiting_for_the_device():
+    run_scenario("ring_fills_before_waiting")
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_default_stream_calls_run_on_the_copier_device(mode):
+    run_scenario("null_stream_device", mode)
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_no_stale_cuda_error_is_left_for_torch(mode):
+    run_scenario("no_stale_last_error", mode)
 
 
 # (call, calls that succeed first, failures in a row, copier mode). Three failed

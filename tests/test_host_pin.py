@@ -186,3 +186,23 @@ def test_a_forked_child_unregisters_nothing(fake, data_file):
     held.release()
     r.close()
     assert _registered(fake) == 0
+
+
+def test_pinned_layer_stores_register_through_the_loader_and_survive_a_refusal(fake, caplog):
+    """The manager's pinned layer stores (``stores._pin_exact``): registered once,
+    unregistered when the buffer goes; a refusal leaves the buffer pageable (its
+    copies staged), logged, and no CUDA error behind for torch's next launch check."""
+    from mapoffload._manager import stores
+
+    buf, pinned = stores._pin_exact(3 * 4096 + 5, device=0)
+    assert pinned and _registered(fake) == 1
+    del buf
+    gc.collect()
+    assert _registered(fake) == 0
+    fake.fail("cudaHostRegister", error=cudaErrorMemoryAllocation)
+    with caplog.at_level(logging.DEBUG, logger="mapoffload"):
+        buf, pinned = stores._pin_exact(4096, device=0)
+    assert not pinned and _registered(fake) == 0
+    assert "could not be page-locked" in caplog.text
+    assert fake.peek_at_last_error() == 0
+    assert buf.numel() == 4096

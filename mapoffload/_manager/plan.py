@@ -233,7 +233,7 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
         pin = pin_allowed and (host_store == "pinned" or consolidated <= budget)
         if pin:
             budget -= consolidated
-        build_consolidated(store, pin)
+        build_consolidated(store, pin, device=device.index if cuda and device.index is not None else -1)
         for w in store.weights:
             if w.store == STRIDED:
                 build_strided(w)

@@ -135,33 +135,64 @@ def layout(layer: LayerStore) -> None:
     layer.invalidate()
 
 
-def _pin_exact(nbytes: int) -> torch.Tensor:
-    """A pageable buffer of exactly ``nbytes``, page-locked with cudaHostRegister.
+_pin_refusals = 0  # registrations the runtime refused (the first is a warning, the rest debug)
+
+
+def _unpin_quietly(pin: Any) -> None:
+    try:
+        pin.unregister()
+    except Exception:  # a finalizer does not raise: the runtime refused (a sticky error, or exit)
+        logger.debug("cudaHostUnregister of a pinned layer store failed", exc_info=True)
+
+
+def _pin_exact(nbytes: int, device: int = -1) -> tuple[torch.Tensor, bool]:
+    """A pageable buffer of exactly ``nbytes``, page-locked with cudaHostRegister; (buffer, pinned).
 
     torch's pinned caching allocator rounds sizes up to a power of two; for
-    multi-GiB layer stores that doubles the pinned memory.
+    multi-GiB layer stores that doubles the pinned memory. Registered through
+    the native loader (:class:`mapoffload._core.HostPin`: portable, ``device``
+    current, a refusal cleared from the thread's last CUDA error - torch's
+    ``cudart().cudaHostRegister`` leaves it there for torch's next launch
+    check to raise). A refusal leaves the buffer pageable (its layer's copies
+    are staged) rather than failing the manager. It is unregistered when the
+    buffer object goes, before its memory can.
     """
+    global _pin_refusals
     import torch
+
+    from .._native import _core
 
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {int(err)}")
-        weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr())
-    return buf
+    if not nbytes:
+        return buf, True
+    try:
+        pin = _core.HostPin(buf.data_ptr(), nbytes, device=device)
+    except _core.CudaError as e:
+        _pin_refusals += 1
+        log = logger.warning if _pin_refusals == 1 else logger.debug
+        log("a layer store of %s could not be page-locked (%s): its copies are staged", format_bytes(nbytes), e)
+        return buf, False
+    weakref.finalize(buf, _unpin_quietly, pin)
+    return buf, True
 
 
-def build_consolidated(layer: LayerStore, pin: bool) -> None:
-    """Copy the layer's consolidated weights into one exact-size buffer per dtype."""
+def build_consolidated(layer: LayerStore, pin: bool, *, device: int = -1) -> None:
+    """Copy the layer's consolidated weights into one exact-size buffer per dtype.
+
+    ``pin``: page-lock the buffers for CUDA ``device``; the layer is
+    ``pinned`` when every one of them was."""
     import torch
 
+    pinned = pin
     for dtype, end in layer._host_end.items():  # type: ignore[attr-defined]
         members = [w for w in layer.weights if w.store == CONSOLIDATED and w.dtype == dtype]
         if not members:
             continue
-        buf = _pin_exact(end) if pin else torch.empty(end, dtype=torch.uint8)
+        if pin:
+            buf, ok = _pin_exact(end, device)
+            pinned = pinned and ok
+        else:
+            buf = torch.empty(end, dtype=torch.uint8)
         for w in members:
             view = buf[w.host_offset : w.host_offset + w.nbytes].view(dtype).view(w.shape)
             view.copy_(w.param.data)
@@ -170,7 +201,7 @@ def build_consolidated(layer: LayerStore, pin: bool) -> None:
             # building the stores never holds two copies of the whole model.
             w.param.data = view
         layer.consolidated[dtype] = buf
-    layer.pinned = pin and bool(layer.consolidated)
+    layer.pinned = pinned and bool(layer.consolidated)
     layer.invalidate()
 
 

@@ -17,7 +17,9 @@
  *     queued on every blocking stream, and work queued on a blocking stream
  *     waits for the work already queued on stream 0 (streams created with
  *     cudaStreamNonBlocking opt out), as in CUDA's legacy semantics.
- *     cudaStreamPerThread (0x2) is treated as the legacy stream too;
+ *     cudaStreamPerThread (0x2) is treated as the legacy stream too. It is
+ *     one stream for every device; the calls that name it are counted per
+ *     device current at the call (null_stream_uses_devN);
  *   - pageable sources: cudaMemcpyAsync host->device from memory that is not
  *     pinned first waits for the stream to drain, then snapshots the source
  *     (as the real runtime stages pageable memory), so the caller may reuse
@@ -183,6 +185,12 @@ static long long g_bytes, g_copies, g_fills, g_host_ops, g_snapshots, g_async_er
 static long long g_pending, g_max_pending;
 static long long g_live_pinned, g_live_pinned_bytes, g_live_registered, g_live_device, g_live_device_bytes;
 static long long g_live_events, g_live_streams;
+/* Calls that named the legacy default stream (handle 0, 0x1, 0x2), by the
+ * calling thread's current device: in CUDA that handle means the current
+ * device's own default stream, so a call made with the wrong device current
+ * orders the wrong device. (One stream stands for all of them here.) */
+#define MAX_NULL_DEVICES 8
+static long long g_null_uses[MAX_NULL_DEVICES];
 
 static __thread int t_last;
 static __thread unsigned t_epoch;
@@ -351,6 +359,7 @@ static fc_stream* new_stream(int blocking, int is_default) {
 static fc_stream* resolve_stream(void* h, int* err) {
   *err = cudaSuccess;
   if ((uintptr_t)h <= 2) {
+    if (t_device >= 0 && t_device < MAX_NULL_DEVICES) g_null_uses[t_device]++;
     if (!g_default) g_default = new_stream(1, 1);
     if (!g_default) *err = cudaErrorMemoryAllocation;
     return g_default;
@@ -1109,6 +1118,7 @@ EXPORT void fakecuda_reset(void) {
   STORE(g_fork_check, 1);
   STORE(g_device_count, 1);
   memset(g_calls, 0, sizeof g_calls);
+  memset(g_null_uses, 0, sizeof g_null_uses);
   g_bytes = g_copies = g_fills = g_host_ops = g_snapshots = g_async_errors = g_injected = 0;
   g_max_pending = g_pending;
   memset(g_gate_open, 0, sizeof g_gate_open);
@@ -1287,6 +1297,9 @@ EXPORT long long fakecuda_stat(const char* name) {
   STAT("sticky_error", g_sticky)
   STAT("pid", g_pid)
 #undef STAT
+  else if (strncmp(name, "null_stream_uses_dev", 20) == 0 && name[20] >= '0' && name[20] < '0' + MAX_NULL_DEVICES &&
+           name[21] == 0)
+    v = g_null_uses[name[20] - '0'];
   pthread_mutex_unlock(&g_mu);
   return v;
 }
