@@ -6,11 +6,11 @@
 #
 #   OUT=/some/folder DEADLINE_S=360 bash benchmarks/device_checks.sh [STEP ...]
 #
-# STEP: env install tests prefetch offload capped fp8 racecheck (default: all
-# but racecheck, in that order). racecheck is opt-in: compute-sanitizer's
+# STEP: env install tests prefetch offload capped fp8 racecheck (default: all,
+# in that order; racecheck last, in what time is left: compute-sanitizer's
 # racecheck finds shared-memory hazards inside kernels, not missing
-# cross-stream or host/device ordering (what this project's device code can
-# get wrong); tests/test_cuda_streams.py checks that ordering directly. Each step writes OUT/<step>.log (at most 8 files: the device
+# cross-stream or host/device ordering, which tests/test_cuda_streams.py
+# checks directly). Each step writes OUT/<step>.log (at most 8 files: the device
 # tool returns no more); the benchmarks print their JSON in their log
 # ("JSON {...}"). A step that runs out of time is killed and logged as such,
 # and the next one still runs if time is left.
@@ -58,7 +58,7 @@ run_tests() {
 export -f env_info run_tests  # timeout runs programs: the functions run in a bash of their own
 export REPO PY BENCH_DIR
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install tests prefetch offload capped fp8)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install tests prefetch offload capped fp8 racecheck)
 for s in "${STEPS[@]}"; do
     case $s in
     env) step env 20 bash -c env_info ;;
