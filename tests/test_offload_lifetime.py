@@ -198,25 +198,25 @@ def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused
         assert torch.equal(run(model), expected(reference))
 
 
-def test_building_copied_stores_never_holds_two_copies_of_the_model():
-    import mapoffload._manager.stores as stores
+def test_building_copied_stores_never_holds_two_copies_of_the_model(monkeypatch):
+    import mapoffload._manager.plan as plan  # where the manager calls it from (imported by name there)
 
     torch.manual_seed(5)
     model = TinyModel(width=64, layers=4)
     old = {id(p): p.untyped_storage().data_ptr() for p in model.blocks.parameters()}
-    still_old = []
-    real = stores.build_consolidated
+    still_old, built = [], []
+    real = plan.build_consolidated
 
-    def watched(layer, pin):
-        real(layer, pin)
+    def watched(layer, pin, **kwargs):
+        real(layer, pin, **kwargs)
+        built.append(layer)
         # Right after its store is built, a layer's parameters hold the store,
         # not their old tensors: those are freed layer by layer, never all at once.
         still_old.extend(w.names[0] for w in layer.weights if w.param.untyped_storage().data_ptr() == old[id(w.param)])
 
-    stores.build_consolidated = watched
-    try:
-        mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="pageable")
-    finally:
-        stores.build_consolidated = real
+    monkeypatch.setattr(plan, "build_consolidated", watched)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="pageable")
+    monkeypatch.undo()
+    assert len(built) == 4  # the watcher saw every layer's store built (else this test checks nothing)
     assert still_old == []
     mgr.close()
