@@ -32,6 +32,7 @@ __all__ = [
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
     "PageCacheBudget",
+    "cgroup_limit_hits",
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
@@ -129,15 +130,16 @@ class _Version:
     cache: str  # the reclaimable file-cache field of memory.stat
     unlimited: int | None  # caps at or above this mean none (v1's sentinel)
     files: tuple[str, str]  # the file-cache fields of memory.stat (active, inactive)
+    hits: tuple[str, tuple[str, ...]]  # (file, its fields; () = the file is the count) counting hits of the caps
 
 
 _V2 = _Version(
     "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None,
-    ("active_file", "inactive_file"),
+    ("active_file", "inactive_file"), ("memory.events", ("max", "high")),
 )
 _V1 = _Version(
     "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED,
-    ("total_active_file", "total_inactive_file"),
+    ("total_active_file", "total_inactive_file"), ("memory.failcnt", ()),
 )
 
 
@@ -183,6 +185,39 @@ def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
         found = _tightest(_candidate_dirs(os.path.join(root, version.mount), path), version)
         if found:
             return found
+    return None
+
+
+def _capped(d: str, v: _Version) -> bool:
+    caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
+    return any(v.unlimited is None or c < v.unlimited for c in caps)
+
+
+def cgroup_limit_hits(*, root: str = "/") -> int | None:
+    """How many times the memory caps on this process's cgroup path were hit so far.
+
+    The sum over every capped cgroup from the leaf to the mount of v2
+    ``memory.events`` ``max`` + ``high`` (charges that met the cap and made
+    the kernel reclaim) or v1 ``memory.failcnt``. A count that grows during
+    a forward says usage reached the cap: the kernel reclaimed pages, the
+    weights' cached ones among them. None when no capped cgroup's count can
+    be read (uncapped, or the files are missing).
+    """
+    v2, v1 = _own_cgroup_paths(root)
+    for path, v in ((v2, _V2), (v1, _V1)):
+        if path is None:
+            continue
+        name, fields = v.hits
+        counts = []
+        for d in _candidate_dirs(os.path.join(root, v.mount), path):
+            if not _capped(d, v):
+                continue
+            f = os.path.join(d, name)
+            n = sum(_stat_field(f, k) or 0 for k in fields) if fields and os.path.exists(f) else _read_int(f)
+            if n is not None:
+                counts.append(n)
+        if counts:
+            return sum(counts)
     return None
 
 
@@ -357,6 +392,14 @@ class PageCacheBudget:
     thrashed). The checkpoint's own cached pages (``weights_cached``,
     measured by mincore) are not in ``other_bytes``: they are what the budget
     is for, so the answer does not shrink as the cache warms.
+
+    ``cache_margin`` is the thinner margin that pages the kernel can reclaim
+    (the cached set) may keep where a too-thin one can be seen: under a
+    cgroup whose cap hits are counted (:func:`cgroup_limit_hits`), a plan may
+    cache ``cache_extra`` more bytes of weights, and drops back to ``margin``
+    once the cap is hit during a forward. Anonymous memory the plan sizes
+    (read-around buffers) is never taken from it: too little room there is
+    the OOM killer, not a re-read.
     """
 
     usable: int
@@ -365,12 +408,19 @@ class PageCacheBudget:
     weights_cached: int
     margin: int
     source: str  # "cgroup", "machine" or the override's variable name
+    cache_margin: int | None = None  # None: the same as ``margin``
+
+    @property
+    def cache_extra(self) -> int:
+        """Bytes beyond ``usable`` that only cached (reclaimable) weights may fill."""
+        return 0 if self.cache_margin is None else max(0, self.margin - self.cache_margin)
 
     def __str__(self) -> str:
+        thin = f"; {format_bytes(self.cache_margin)} for the cached set" if self.cache_extra else ""
         return (
             f"page cache for the weights: {format_bytes(self.usable)} usable of a {format_bytes(self.limit)} "
             f"{self.source} limit (other memory {format_bytes(self.other_bytes)}, weights cached now "
-            f"{format_bytes(self.weights_cached)}, margin {format_bytes(self.margin)})"
+            f"{format_bytes(self.weights_cached)}, margin {format_bytes(self.margin)}{thin})"
         )
 
 
@@ -382,10 +432,27 @@ def _margin(limit: int) -> int:
     (each MiB given back is a MiB of weights that stays cached), thicker for
     long prefills whose activations outgrow the default.
     """
-    mib = env_number(ENV_PAGE_CACHE_MARGIN_MIB, low=0, high=1 << 20, unit="MiB")
+    mib = _margin_override()
     if mib is not None:
-        return int(mib * (1 << 20))
+        return mib
     return 64 * (1 << 20) + limit // 32
+
+
+def _margin_override() -> int | None:
+    mib = env_number(ENV_PAGE_CACHE_MARGIN_MIB, low=0, high=1 << 20, unit="MiB")
+    return None if mib is None else int(mib * (1 << 20))
+
+
+def _cache_margin(limit: int, root: str) -> int | None:
+    """The cached set's thinner margin under a cgroup whose cap hits are counted (None: no thinner one).
+
+    8 MiB + 1/1024 of the limit: the kernel's per-CPU charge batches and
+    what moves between two reads of the cgroup. None where the margin is
+    the user's (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``) or hits cannot be counted.
+    """
+    if _margin_override() is not None or cgroup_limit_hits(root=root) is None:
+        return None
+    return 8 * (1 << 20) + limit // 1024
 
 
 def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None:
@@ -409,7 +476,8 @@ def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None
             # cost this one nothing): either way they are not "other".
             other = (usage - files) + max(0, files - weights_cached)
             margin = _margin(cap)
-            found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup")
+            found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup",
+                                    _cache_margin(cap, root))
             if best is None or found.usable < best.usable:
                 best = found
         if best is not None:

@@ -15,6 +15,11 @@ one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
   stack;
 - a manager given ``page_cache_bytes`` keeps that share and the others plan
   around it;
+- under a cgroup that counts the hits of its cap, the cached set may fill
+  most of the budget's margin (``PageCacheBudget.cache_extra``: the kernel
+  can reclaim cached pages, so a margin too thin there costs re-reads, never
+  the OOM killer); the count is read at every forward, and once it grew the
+  plans keep the whole margin until the cap changes;
 - other processes under the same cap (local ranks, replicas) are read from
   their records (``peers.py``): ranks mapping other bytes split the budget by
   their mapped bytes, and what they hold now is added back to the measure;
@@ -45,6 +50,13 @@ __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
 
 CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
 REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
+
+
+def read_hits() -> int | None:
+    """How often the cgroup caps on this process were hit so far (None: not countable)."""
+    from ..budget import cgroup_limit_hits
+
+    return cgroup_limit_hits(root=CGROUP_ROOT)
 
 
 def read_cap() -> int | None:
@@ -88,6 +100,12 @@ class PageCacheCoordinator:
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
+        # The cached set's thin margin (budget.cache_extra): in use while the
+        # cgroup's cap-hit count has not grown since a plan used it.
+        self.cache_extra = 0
+        self.thin_margin_failed = False
+        self._hits: int | None = None
+        self._others = 0  # bytes the ranks under this cap map (the split's other side)
         # Plan again at the next forward whatever the cap and the peers say:
         # a member was collected without close(), the last plan was cut short,
         # or this is a forked child (whose record is still to be published).
@@ -152,14 +170,24 @@ class PageCacheCoordinator:
         if not any(m._page_cache_given is None for m in self.managers()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
-        if not self._stale and cap == self._cap and stamp == self._peers_stamp:
+        hits = read_hits() if self.cache_extra else None
+        thin_failed = hits is not None and self._hits is not None and hits > self._hits
+        if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed:
             return
         with self._lock:
+            if cap != self._cap:
+                self.thin_margin_failed = False  # a new cap: the thin margin is tried again
+            elif thin_failed:
+                self.thin_margin_failed = True
             if self._stale:
                 logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
             elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
+            elif thin_failed:
+                logger.info("the memory cap was hit %d time(s) since the last plan: the cached set keeps the "
+                            "whole margin from now on (%s of weights less cached)", hits - self._hits,
+                            format_bytes(self.cache_extra))
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
@@ -201,6 +229,8 @@ class PageCacheCoordinator:
         cached = sum(sum(m._pages.resident_bytes()) for m in measured)
         cached += sum(resident_bytes([t for t, _ in always])) if always else 0
         self._cap = read_cap()
+        # The count before the measure: a hit while planning is seen at the next forward.
+        self._hits = read_hits()
         budget = page_cache_budget(cached, root=CGROUP_ROOT)
         self.budget = budget
         room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
@@ -212,7 +242,12 @@ class PageCacheCoordinator:
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
         self.room = max(0, room)
-        plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows)
+        extra = 0 if self.thin_margin_failed or self._hits is None else budget.cache_extra
+        if extra and self.ranks:
+            extra = extra * mine // (mine + self._others)  # split as the room is
+        self.cache_extra = extra
+        plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
+                            cache_only=extra)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
         plans = [_with_always(p, self.always_bytes) for p in plans]
         why = str(budget)
@@ -230,6 +265,7 @@ class PageCacheCoordinator:
         self._peers_stamp = self._peers_stamp_now()
         peers = self._peers().peers()
         self.replicas, self.ranks = [], []
+        self._others = 0
         if not peers or not mine:
             return room, 1
         ranges = _ranges(measured)
@@ -245,6 +281,7 @@ class PageCacheCoordinator:
                 others += p.mapped_bytes
         if others:
             room = room * mine // (mine + others)
+        self._others = others
         return room, 1 + len(self.replicas)
 
     def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
@@ -269,8 +306,10 @@ class PageCacheCoordinator:
         plans = [m.residency for m in members if m.residency is not None]
         cached = sum(p.cached_bytes for p in plans)
         streamed = sum(p.streamed_bytes for p in plans)
-        text = (f"{len(members)} stack{'s' if len(members) != 1 else ''} share {format_bytes(self.room)} of page "
-                f"cache: {format_bytes(cached)} cached"
+        extra = f" (+{format_bytes(self.cache_extra)} for cached layers while the cap is not hit)" \
+            if self.cache_extra else ""
+        text = (f"{len(members)} stack{'s' if len(members) != 1 else ''} share {format_bytes(self.room)}{extra} of "
+                f"page cache: {format_bytes(cached)} cached"
                 + (f", {format_bytes(streamed)} streamed per forward" if streamed else "")
                 + f", {format_bytes(self.always_bytes)} read every forward outside the stacks")
         if self.ranks:

@@ -127,7 +127,8 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
 
 
 def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
-                prefetch_layers: list[int] | None = None, windows: int = 1) -> list[ResidencyPlan]:
+                prefetch_layers: list[int] | None = None, windows: int = 1,
+                cache_only: int = 0) -> list[ResidencyPlan]:
     """One plan for several stacks that share a page cache of ``budget`` bytes.
 
     ``members`` holds each stack's layer sizes, in the order their layers
@@ -140,6 +141,12 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     prefix that fits, stacks filled in order; a stack that ends up wholly
     cached needs no window, and the others get its room. With one member this
     is :func:`plan_residency`.
+
+    ``cache_only`` bytes beyond ``budget`` may hold cached layers but never
+    the streaming window: the window's depth is chosen within ``budget``
+    (read-around buffers are anonymous memory, which the kernel cannot
+    reclaim), the cached set fills what is left of both. Each plan's
+    ``budget`` is the room with ``cache_only`` in it.
     """
     n = len(members)
     prefetch = list(prefetch_layers) if prefetch_layers is not None else [1] * n
@@ -149,12 +156,16 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         raise ValueError("prefetch_layers must be >= 0")
     if windows < 1:
         raise ValueError(f"windows must be >= 1, not {windows}")
+    if cache_only < 0:
+        raise ValueError(f"cache_only must be >= 0, not {cache_only}")
     sizes = [tuple(int(b) for b in m) for m in members]
     if any(b < 0 for m in sizes for b in m):
         raise ValueError("layer sizes must be >= 0")
     room = max(0, int(budget) - int(always_bytes))
-    if sum(map(sum, sizes)) <= room:
-        return [ResidencyPlan(tuple(range(len(s))), (), True, s, room, always_bytes, p) for s, p in zip(sizes, prefetch)]
+    total = room + int(cache_only)
+    if sum(map(sum, sizes)) <= total:
+        return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p)
+                for s, p in zip(sizes, prefetch)]
     depths = []
     for s, p in zip(sizes, prefetch):
         largest = max(s, default=0)
@@ -162,7 +173,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
         window = max(((1 + depths[k]) * max(sizes[k]) for k in streaming), default=0) * windows
-        left = room - window
+        left = total - window
         cached: list[list[int]] = []
         for s in sizes:
             mine: list[int] = []
@@ -181,5 +192,5 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         kept = set(cached[k])
         streamed = tuple(i for i in range(len(s)) if i not in kept)
         depth = depths[k] if streamed else prefetch[k]
-        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, room, always_bytes, depth))
+        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, total, always_bytes, depth))
     return plans
