@@ -323,7 +323,14 @@ def child(args: argparse.Namespace) -> None:
             row["forward_major_faults"].append(_major_faults() - mf0)
     torch.save(logits.cpu().clone(), args.out)
     if handle is not None:
+        from mapoffload._manager.coordinator import coordinator
+
         row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
+        # The plan after the forwards (it may have changed: a cap hit gives the thin margin back).
+        row["page_cache_after"] = coordinator().describe()
+        row["thin_margin_failed"] = coordinator().thin_margin_failed
+        row["plans_after"] = {name: m.residency.describe() for name, m in handle.managers.items()
+                              if m.residency is not None}
         handle.close()
     if args.contender.startswith("twin-"):
         row["stream_reads"] = {"model.layers": [twin.stream_reads, twin.stream_reads_why]}

@@ -32,7 +32,6 @@ __all__ = [
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
     "PageCacheBudget",
-    "cgroup_limit_hits",
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
@@ -130,16 +129,15 @@ class _Version:
     cache: str  # the reclaimable file-cache field of memory.stat
     unlimited: int | None  # caps at or above this mean none (v1's sentinel)
     files: tuple[str, str]  # the file-cache fields of memory.stat (active, inactive)
-    hits: tuple[str, tuple[str, ...]]  # (file, its fields; () = the file is the count) counting hits of the caps
 
 
 _V2 = _Version(
     "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None,
-    ("active_file", "inactive_file"), ("memory.events", ("max", "high")),
+    ("active_file", "inactive_file"),
 )
 _V1 = _Version(
     "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED,
-    ("total_active_file", "total_inactive_file"), ("memory.failcnt", ()),
+    ("total_active_file", "total_inactive_file"),
 )
 
 
@@ -185,39 +183,6 @@ def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
         found = _tightest(_candidate_dirs(os.path.join(root, version.mount), path), version)
         if found:
             return found
-    return None
-
-
-def _capped(d: str, v: _Version) -> bool:
-    caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
-    return any(v.unlimited is None or c < v.unlimited for c in caps)
-
-
-def cgroup_limit_hits(*, root: str = "/") -> int | None:
-    """How many times the memory caps on this process's cgroup path were hit so far.
-
-    The sum over every capped cgroup from the leaf to the mount of v2
-    ``memory.events`` ``max`` + ``high`` (charges that met the cap and made
-    the kernel reclaim) or v1 ``memory.failcnt``. A count that grows during
-    a forward says usage reached the cap: the kernel reclaimed pages, the
-    weights' cached ones among them. None when no capped cgroup's count can
-    be read (uncapped, or the files are missing).
-    """
-    v2, v1 = _own_cgroup_paths(root)
-    for path, v in ((v2, _V2), (v1, _V1)):
-        if path is None:
-            continue
-        name, fields = v.hits
-        counts = []
-        for d in _candidate_dirs(os.path.join(root, v.mount), path):
-            if not _capped(d, v):
-                continue
-            f = os.path.join(d, name)
-            n = sum(_stat_field(f, k) or 0 for k in fields) if fields and os.path.exists(f) else _read_int(f)
-            if n is not None:
-                counts.append(n)
-        if counts:
-            return sum(counts)
     return None
 
 
@@ -394,12 +359,12 @@ class PageCacheBudget:
     is for, so the answer does not shrink as the cache warms.
 
     ``cache_margin`` is the thinner margin that pages the kernel can reclaim
-    (the cached set) may keep where a too-thin one can be seen: under a
-    cgroup whose cap hits are counted (:func:`cgroup_limit_hits`), a plan may
-    cache ``cache_extra`` more bytes of weights, and drops back to ``margin``
-    once the cap is hit during a forward. Anonymous memory the plan sizes
-    (read-around buffers) is never taken from it: too little room there is
-    the OOM killer, not a re-read.
+    (the cached set) may keep under a cgroup's cap: a plan may cache
+    ``cache_extra`` more bytes of weights, checks at every forward that its
+    cached layers stayed resident, and drops back to ``margin`` once they did
+    not (:class:`~mapoffload._manager.coordinator.PageCacheCoordinator`).
+    Anonymous memory the plan sizes (read-around buffers) is never taken
+    from it: too little room there is the OOM killer, not a re-read.
     """
 
     usable: int
@@ -443,14 +408,14 @@ def _margin_override() -> int | None:
     return None if mib is None else int(mib * (1 << 20))
 
 
-def _cache_margin(limit: int, root: str) -> int | None:
-    """The cached set's thinner margin under a cgroup whose cap hits are counted (None: no thinner one).
+def _cache_margin(limit: int) -> int | None:
+    """The cached set's thinner margin under a cgroup's cap (None: no thinner one).
 
     8 MiB + 1/1024 of the limit: the kernel's per-CPU charge batches and
     what moves between two reads of the cgroup. None where the margin is
-    the user's (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``) or hits cannot be counted.
+    the user's (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``).
     """
-    if _margin_override() is not None or cgroup_limit_hits(root=root) is None:
+    if _margin_override() is not None:
         return None
     return 8 * (1 << 20) + limit // 1024
 
@@ -477,7 +442,7 @@ def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None
             other = (usage - files) + max(0, files - weights_cached)
             margin = _margin(cap)
             found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup",
-                                    _cache_margin(cap, root))
+                                    _cache_margin(cap))
             if best is None or found.usable < best.usable:
                 best = found
         if best is not None:

@@ -28,7 +28,7 @@ from mapoffload._manager import peers as peers_module
 from mapoffload._manager.peers import PeerRegistry
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
-from test_residency_plan import _v2
+from test_residency_plan import _v2, pin_whole_margin
 
 MIB = 1 << 20
 WIDTH = 512  # 1 MiB a layer (fp32, no bias)
@@ -78,6 +78,7 @@ def cap(tmp_path, monkeypatch):
 
     def set_cap(mib: int) -> None:
         _v2(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
+        pin_whole_margin(monkeypatch, mib * MIB)
 
     set_cap(200)
     return set_cap

@@ -13,7 +13,7 @@ from mapoffload._manager import coordinator as coordinator_module
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from test_offload_direct import LAYERS, ckpt, mapped  # noqa: F401 (ckpt is a fixture)
-from test_residency_plan import _v2
+from test_residency_plan import _v2, pin_whole_margin
 
 MIB = 1 << 20
 
@@ -26,6 +26,7 @@ def fake_cgroup(tmp_path, monkeypatch):
     def cap(mib: int) -> None:
         # 10 MiB in use besides the weights, no file cache.
         _v2(tmp_path, mib * MIB, 10 * MIB, 0, 0)
+        pin_whole_margin(monkeypatch, mib * MIB)
 
     return cap
 

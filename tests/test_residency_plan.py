@@ -64,6 +64,12 @@ def _v1(root, cap, usage, active_file, inactive_file):
           f"cache 1\ntotal_active_file {active_file}\ntotal_inactive_file {inactive_file}\n")
 
 
+def pin_whole_margin(monkeypatch, cap: int) -> None:
+    """The default margin for ``cap`` as the user's (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``): no thin
+    share for the cached set (tests of the plan's other rules; test_thin_margin tests that share)."""
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, repr((64 * MIB + cap // 32) / MIB))
+
+
 def _v2(root, cap, usage, active_file, inactive_file, high="max"):
     write(root, "proc/self/cgroup", "0::/app\n")
     write(root, "sys/fs/cgroup/app/memory.max", str(cap))

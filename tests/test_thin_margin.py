@@ -1,7 +1,8 @@
-"""The cached set's thin margin: under a cgroup that counts the hits of its
-cap, cached (reclaimable) weights may fill most of the budget's margin, the
-streaming window never; once the count grows during a forward, the plan
-keeps the whole margin until the cap changes. Fake cgroup trees."""
+"""The cached set's thin margin: under a cgroup's cap, cached (reclaimable)
+weights may fill most of the budget's margin, the streaming window never;
+once the kernel took cached layers that a forward had read, the plan keeps
+the whole margin until the cap changes. Fake cgroup trees; the kernel's
+reclaim of a cached layer is done by hand (its pages unmapped and dropped)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,13 @@ import logging
 import pytest
 import torch
 
-from mapoffload import LayerwiseOffloadManager
+from mapoffload import LayerwiseOffloadManager, _core
 from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager.residency import plan_shared
-from mapoffload.budget import (
-    ENV_HOST_AVAILABLE_GIB,
-    ENV_PAGE_CACHE_MARGIN_MIB,
-    cgroup_limit_hits,
-    page_cache_budget,
-)
+from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
 
 from test_offload_direct import LAYERS, ckpt, mapped  # noqa: F401 (ckpt is a fixture)
-from test_residency_plan import _v1, _v2, write
+from test_residency_plan import _v2
 
 MIB = 1 << 20
 
@@ -44,36 +40,22 @@ def test_cache_only_room_holds_cached_layers_never_the_window():
         plan_shared([sizes], 40, cache_only=-1)
 
 
-# --- the count and the budget -----------------------------------------------------------------
+# --- the budget -------------------------------------------------------------------------------
 
 
-def test_hits_are_read_from_the_capped_cgroups_v2_events_and_v1_failcnt(tmp_path):
-    _v2(tmp_path, 512 * MIB, 10 * MIB, 0, 0)
-    assert cgroup_limit_hits(root=str(tmp_path)) is None  # no memory.events: not countable
-    write(tmp_path, "sys/fs/cgroup/app/memory.events", "low 0\nhigh 2\nmax 5\noom 0\noom_kill 0\n")
-    assert cgroup_limit_hits(root=str(tmp_path)) == 7
-    write(tmp_path, "sys/fs/cgroup/app/memory.max", "max")
-    write(tmp_path, "sys/fs/cgroup/app/memory.high", "max")
-    assert cgroup_limit_hits(root=str(tmp_path)) is None  # uncapped: nothing to hit
-
-    v1 = tmp_path / "v1"
-    _v1(v1, 512 * MIB, 10 * MIB, 0, 0)
-    write(v1, "sys/fs/cgroup/memory/app/memory.failcnt", "94\n")
-    assert cgroup_limit_hits(root=str(v1)) == 94
-
-
-def test_the_thin_margin_is_offered_only_where_hits_are_counted(tmp_path, monkeypatch):
+def test_the_thin_margin_is_offered_under_a_cgroup_cap_unless_the_margin_is_the_users(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     cap = 1024 * MIB
     _v2(tmp_path, cap, 100 * MIB, 0, 0)
-    assert page_cache_budget(0, root=str(tmp_path)).cache_extra == 0
-    write(tmp_path, "sys/fs/cgroup/app/memory.events", "high 0\nmax 0\n")
     b = page_cache_budget(0, root=str(tmp_path))
-    assert b.cache_margin == 8 * MIB + cap // 1024
+    assert b.source == "cgroup" and b.cache_margin == 8 * MIB + cap // 1024
     assert b.cache_extra == b.margin - b.cache_margin > 0
     assert "for the cached set" in str(b)
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "32")  # the user's margin is the margin, for all
+    assert page_cache_budget(0, root=str(tmp_path)).cache_extra == 0
+    monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB)
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")  # not a cgroup's cap: nothing checks a thinner one
     assert page_cache_budget(0, root=str(tmp_path)).cache_extra == 0
 
 
@@ -85,53 +67,76 @@ def fake_cgroup(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(coordinator_module.coordinator(), "thin_margin_failed", False)  # no history
 
-    def cgroup(cap_mib: int, hits: int | None) -> None:
+    def cgroup(cap_mib: int) -> None:
         _v2(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
-        events = tmp_path / "sys/fs/cgroup/app/memory.events"
-        if hits is None:
-            events.unlink(missing_ok=True)
-        else:
-            write(tmp_path, "sys/fs/cgroup/app/memory.events", f"low 0\nhigh 0\nmax {hits}\n")
 
     return cgroup
 
 
-def test_a_cap_hit_during_a_forward_gives_the_margin_back_until_the_cap_changes(ckpt, fake_cgroup, caplog):
-    path, x, want = ckpt
-    # 85 MiB: the whole margin (64 MiB + cap/32) leaves ~8 MiB for 12 layers of 2 MiB.
-    fake_cgroup(85, None)
-    model = mapped(path)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
-        whole = mgr.residency
-        assert len(whole.streamed) > LAYERS // 2, whole
-    coord = coordinator_module.coordinator()
-    assert coord.cache_extra == 0
+def _reclaim(mgr, i: int) -> None:
+    """What the kernel does to a cached layer under pressure: its pages out of RAM."""
+    import os
 
-    fake_cgroup(85, 3)  # the same cap, counted: the cached set takes the margin's thin share
+    os.sync()  # a checkpoint written just now: dirty pages stay in the cache
+    assert _core.unmap_file_pages(mgr._pages.spans(i)) > 0  # out of this process's page tables
+    for e in mgr._pages.extents(i):  # and out of the page cache
+        fd = os.open(e.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, e.first, e.end - e.first, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    assert sum(mgr._pages.resident_of([i])) < mgr._pages.mapped_sizes()[i] // 4
+
+
+def test_cached_layers_taken_by_the_kernel_give_the_margin_back_until_the_cap_changes(ckpt, fake_cgroup, caplog):
+    path, x, want = ckpt
+    # 85 MiB with 10 in use: the whole margin (64 MiB + cap/32) would leave ~8 MiB for
+    # 12 layers of 2 MiB; with the thin one (8 MiB + cap/1024) all of them fit.
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         assert coord.cache_extra > 0 and mgr.residency.streamed == (), mgr.residency
         mgr.register_forward_hooks()
         with torch.no_grad():
-            for _ in range(2):
+            for _ in range(3):  # the first reads the cached set; the later ones find it resident
                 assert torch.equal(model(x), want)
-        assert mgr.residency.streamed == ()  # no hit: the plan stands
+        assert not coord.thin_margin_failed and mgr.residency.streamed == ()
 
-        fake_cgroup(85, 4)  # the cap was hit during that forward
+        _reclaim(mgr, 3)  # the margin was too thin: the kernel took a cached layer
         with caplog.at_level(logging.INFO, logger="mapoffload"), torch.no_grad():
             assert torch.equal(model(x), want)
         assert coord.thin_margin_failed and coord.cache_extra == 0
-        assert mgr.residency.streamed == whole.streamed, mgr.residency
-        assert any("cached set keeps the whole margin" in r.getMessage() for r in caplog.records)
+        assert len(mgr.residency.streamed) > LAYERS // 2, mgr.residency  # the whole margin again
+        assert any("kernel took" in r.getMessage() and "whole margin" in r.getMessage() for r in caplog.records)
 
         plan = mgr.residency
-        fake_cgroup(85, 9)  # more hits: nothing more to give back, no new plan
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+        _reclaim(mgr, 0)  # nothing more to give back: no new plan
         with torch.no_grad():
             assert torch.equal(model(x), want)
         assert mgr.residency is plan
 
-        fake_cgroup(86, 9)  # a new cap: the thin margin is tried again
+        fake_cgroup(86)  # a new cap: the thin margin is tried again
         with torch.no_grad():
             assert torch.equal(model(x), want)
         assert not coord.thin_margin_failed and coord.cache_extra > 0 and mgr.residency.streamed == ()
+
+
+def test_a_cached_set_not_yet_read_is_not_a_loss(ckpt, fake_cgroup):
+    path, x, want = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        for i in range(LAYERS):  # cold: nothing of the cached set in RAM before the first forward
+            _reclaim(mgr, i)
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+        assert not coord.thin_margin_failed and coord.cache_extra > 0

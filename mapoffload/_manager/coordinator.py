@@ -15,10 +15,11 @@ one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
   stack;
 - a manager given ``page_cache_bytes`` keeps that share and the others plan
   around it;
-- under a cgroup that counts the hits of its cap, the cached set may fill
-  most of the budget's margin (``PageCacheBudget.cache_extra``: the kernel
-  can reclaim cached pages, so a margin too thin there costs re-reads, never
-  the OOM killer); the count is read at every forward, and once it grew the
+- under a cgroup's cap, the cached set may fill most of the budget's margin
+  (``PageCacheBudget.cache_extra``: the kernel can reclaim cached pages, so
+  a margin too thin there costs re-reads, never the OOM killer); at every
+  forward the cached layers a stack has read since its plan are checked
+  (``mincore``) to be still resident, and once the kernel took some, the
   plans keep the whole margin until the cap changes;
 - other processes under the same cap (local ranks, replicas) are read from
   their records (``peers.py``): ranks mapping other bytes split the budget by
@@ -50,13 +51,6 @@ __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
 
 CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
 REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
-
-
-def read_hits() -> int | None:
-    """How often the cgroup caps on this process were hit so far (None: not countable)."""
-    from ..budget import cgroup_limit_hits
-
-    return cgroup_limit_hits(root=CGROUP_ROOT)
 
 
 def read_cap() -> int | None:
@@ -101,10 +95,9 @@ class PageCacheCoordinator:
         self.replicas: list[int] = []
         self.ranks: list[int] = []
         # The cached set's thin margin (budget.cache_extra): in use while the
-        # cgroup's cap-hit count has not grown since a plan used it.
+        # cached layers stay resident from one forward to the next.
         self.cache_extra = 0
         self.thin_margin_failed = False
-        self._hits: int | None = None
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
         # Plan again at the next forward whatever the cap and the peers say:
         # a member was collected without close(), the last plan was cut short,
@@ -170,14 +163,12 @@ class PageCacheCoordinator:
         if not any(m._page_cache_given is None for m in self.managers()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
-        hits = read_hits() if self.cache_extra else None
-        thin_failed = hits is not None and self._hits is not None and hits > self._hits
+        lost = self._cached_lost() if self.cache_extra else 0
+        thin_failed = lost > 0
         if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed:
             return
         with self._lock:
-            if cap != self._cap:
-                self.thin_margin_failed = False  # a new cap: the thin margin is tried again
-            elif thin_failed:
+            if thin_failed and cap == self._cap:
                 self.thin_margin_failed = True
             if self._stale:
                 logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
@@ -185,12 +176,31 @@ class PageCacheCoordinator:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
             elif thin_failed:
-                logger.info("the memory cap was hit %d time(s) since the last plan: the cached set keeps the "
-                            "whole margin from now on (%s of weights less cached)", hits - self._hits,
+                logger.info("the kernel took %s of the cached layers under the cap: the cached set keeps the "
+                            "whole margin from now on (%s of weights less cached)", format_bytes(lost),
                             format_bytes(self.cache_extra))
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
+
+    def _cached_lost(self) -> int:
+        """Bytes of cached layers missing from RAM that a forward since their plan has read.
+
+        A stack's cached layers are read by its first forward after a plan;
+        from its second one on they must all be resident. Missing pages
+        beyond 1 MiB + 1 % of what a stack caches (the kernel's own slack:
+        pages of a layer's ends shared with streamed neighbours) count.
+        """
+        lost = 0
+        for m in self.managers():
+            plan = m.residency
+            if m._page_cache_given is not None or plan is None or not plan.cached or m._forwards_since_plan < 2:
+                continue
+            want = plan.cached_bytes
+            have = sum(m._pages.resident_of(plan.cached))
+            if want - have > (1 << 20) + want // 100:
+                lost += want - have
+        return lost
 
     def _peers(self) -> PeerRegistry:
         if self._registry is None:
@@ -228,9 +238,10 @@ class PageCacheCoordinator:
         self.always_bytes = sum(n for _, n in always)
         cached = sum(sum(m._pages.resident_bytes()) for m in measured)
         cached += sum(resident_bytes([t for t, _ in always])) if always else 0
-        self._cap = read_cap()
-        # The count before the measure: a hit while planning is seen at the next forward.
-        self._hits = read_hits()
+        cap = read_cap()
+        if cap != self._cap:
+            self.thin_margin_failed = False  # a new cap: the thin margin is tried again
+        self._cap = cap
         budget = page_cache_budget(cached, root=CGROUP_ROOT)
         self.budget = budget
         room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
@@ -242,7 +253,7 @@ class PageCacheCoordinator:
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
         self.room = max(0, room)
-        extra = 0 if self.thin_margin_failed or self._hits is None else budget.cache_extra
+        extra = 0 if self.thin_margin_failed else budget.cache_extra
         if extra and self.ranks:
             extra = extra * mine // (mine + self._others)  # split as the room is
         self.cache_extra = extra

@@ -82,7 +82,11 @@ class LayerPages:
 
     def resident_bytes(self) -> list[int]:
         """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
-        return [sum(_core.resident_bytes(self.spans(i))) for i in range(len(self._stores))]
+        return self.resident_of(range(len(self._stores)))
+
+    def resident_of(self, layers) -> list[int]:
+        """:meth:`resident_bytes` of the given layers only."""
+        return [sum(_core.resident_bytes(self.spans(i))) for i in layers]
 
     def file_ranges(self) -> list[tuple[tuple[int, int], int, int, str]]:
         """``((device, inode), first, end, path)`` of every file range the layers' mapped weights read."""
