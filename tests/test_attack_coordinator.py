@@ -357,12 +357,18 @@ FORKED = textwrap.dedent(
     from mapoffload import LayerwiseOffloadManager
     from mapoffload._manager.coordinator import coordinator
 
+    from safetensors.torch import load_file
+
+    x = torch.ones(1, WIDTH)
+    ref = Stack()  # the outputs of the checkpoint's weights, without the library
+    ref.load_state_dict(load_file(sys.argv[1]))
+    with torch.no_grad():
+        want = ref(x)
     model = mapped(sys.argv[1])
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
     mgr.register_forward_hooks()
-    x = torch.ones(1, WIDTH)
     with torch.no_grad():
-        want = model(x)
+        assert torch.equal(model(x), want)  # the parent forwards first
     folder = coordinator()._peers().folder
     r, w = os.pipe()
     pid = os.fork()

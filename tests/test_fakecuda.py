@@ -437,11 +437,12 @@ def test_threads_on_their_own_streams(fakecuda):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
+    assert not [t for t in threads if t.is_alive()], "a thread is still waiting on its stream"
     assert not errors
 
 

@@ -47,9 +47,16 @@ def test_dequantize_is_transformers_bit_for_bit(shape, grid, dtype, monkeypatch)
     codes, scale = _codes(shape), _scales(grid)
     want = _transformers_dequant(codes, scale, dtype)
     assert torch.equal(dequantize_fp8(codes, scale, dtype=dtype), want)
+    # The torch path (CUDA, strided, ...), the only one that goes in bands: the
+    # native kernel takes every CPU case here, so it is turned off to reach it.
+    native = []
+    monkeypatch.setattr(fp8, "_dequantize_native", lambda *a: native.append(1) and False)
+    out = torch.empty(shape, dtype=dtype)
+    assert dequantize_fp8(codes, scale, dtype=dtype, out=out) is out and torch.equal(out, want)
     monkeypatch.setattr(fp8, "_CHUNK_ELEMENTS", 1)  # one band of block rows at a time
     out = torch.empty(shape, dtype=dtype)
     assert dequantize_fp8(codes, scale, dtype=dtype, out=out) is out and torch.equal(out, want)
+    assert native == [1, 1]  # both calls asked, and were refused, the native kernel
 
 
 def test_scalar_scale_and_e5m2():
