@@ -99,6 +99,7 @@ class PageCacheCoordinator:
         self.cache_extra = 0
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
+        self._last: tuple = ([], [], 1, 0, "")  # the last measured plan's inputs (see _place_again)
         # Plan again at the next forward whatever the cap and the peers say:
         # a member was collected without close(), the last plan was cut short,
         # or this is a forked child (whose record is still to be published).
@@ -170,15 +171,22 @@ class PageCacheCoordinator:
         with self._lock:
             if thin_failed and cap == self._cap:
                 self.thin_margin_failed = True
+                logger.info("the kernel took %s of the cached layers under the cap: the cached set keeps the "
+                            "whole margin from now on (%s of weights less cached)", format_bytes(lost),
+                            format_bytes(self.cache_extra))
+                if not self._stale and stamp == self._peers_stamp:
+                    # Nothing else changed: the last measure, without the thin share. (Measured
+                    # again now, "other memory" would hold what the forward's activations left
+                    # in the allocator, which the margin is already there for.)
+                    self._place_again()
+                    return
             if self._stale:
                 logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
             elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
             elif thin_failed:
-                logger.info("the kernel took %s of the cached layers under the cap: the cached set keeps the "
-                            "whole margin from now on (%s of weights less cached)", format_bytes(lost),
-                            format_bytes(self.cache_extra))
+                pass  # said above; the peers changed too
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
@@ -256,16 +264,34 @@ class PageCacheCoordinator:
         extra = 0 if self.thin_margin_failed else budget.cache_extra
         if extra and self.ranks:
             extra = extra * mine // (mine + self._others)  # split as the room is
+        self._last = ([weakref.ref(m) for m in measured], sizes, windows, cached, str(budget))
+        self._place(measured, sizes, windows, cached, extra, str(budget))
+
+    def _place_again(self) -> None:
+        """The last plan's measure placed again without the thin share (a full plan if the members changed)."""
+        refs, sizes, windows, cached, why = self._last
+        measured = [r() for r in refs]
+        now = [m for m in self.managers() if m._page_cache_given is None]
+        if len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
+            self._plan()
+            return
+        try:
+            self._place(measured, sizes, windows, cached, 0, why)
+        except BaseException:
+            self._stale = True  # cut short: the next forward plans again
+            raise
+
+    def _place(self, measured, sizes, windows: int, cached: int, extra: int, why: str) -> None:
+        """Plan the measured managers' layers in ``self.room`` (+ ``extra`` for cached ones) and apply it."""
         self.cache_extra = extra
         plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
                             cache_only=extra)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
         plans = [_with_always(p, self.always_bytes) for p in plans]
-        why = str(budget)
         for m, plan in zip(measured, plans):
             m._apply_residency(plan, why)
         self._publish(measured, plans, cached)
-        if len(members) > 1 or self.replicas or self.ranks:
+        if len(self.managers()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
@@ -317,7 +343,7 @@ class PageCacheCoordinator:
         plans = [m.residency for m in members if m.residency is not None]
         cached = sum(p.cached_bytes for p in plans)
         streamed = sum(p.streamed_bytes for p in plans)
-        extra = f" (+{format_bytes(self.cache_extra)} for cached layers while the cap is not hit)" \
+        extra = f" (+{format_bytes(self.cache_extra)} for cached layers while they stay resident)" \
             if self.cache_extra else ""
         text = (f"{len(members)} stack{'s' if len(members) != 1 else ''} share {format_bytes(self.room)}{extra} of "
                 f"page cache: {format_bytes(cached)} cached"
