@@ -63,7 +63,7 @@ for s in "${STEPS[@]}"; do
     case $s in
     env) step env 20 bash -c env_info ;;
     install) step install 180 $PY -m pip install --no-build-isolation --no-deps -v "$REPO" ;;
-    tests) step tests 120 bash -c run_tests ;;
+    tests) step tests 180 bash -c run_tests ;;
     prefetch) step prefetch 45 $PY "$REPO/benchmarks/prefetch_bw.py" --device cuda ;;
     offload) step offload 60 $PY "$REPO/benchmarks/offload_step.py" --device cuda ;;
     capped) step capped 200 $PY "$REPO/benchmarks/capped_forward.py" --dir "$BENCH_DIR" --caps 50,6 --forwards 3 \
