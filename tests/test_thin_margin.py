@@ -221,3 +221,24 @@ def test_a_cached_layer_no_forward_ran_is_not_a_loss(ckpt, fake_cgroup):
             for _ in range(4):
                 assert torch.equal(model(x), want)
         assert not coord.thin_margin_failed and coord.cache_extra > 0
+
+
+def test_a_cached_layer_whose_weights_were_updated_is_not_a_loss(ckpt, fake_cgroup):
+    """update_cpu_weights gives a mapped weight an owned copy: its bytes leave the mapping, not RAM."""
+    path, x, _ = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        assert coord.cache_extra > 0 and mgr.residency.streamed == (), mgr.residency
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            want = model(x)
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                new = {n: f.get_tensor(n).clone() for n in f.keys() if n.startswith("blocks.3.")}
+            mgr.update_cpu_weights(new)  # the same values, owned now
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+        assert not coord.thin_margin_failed and coord.cache_extra > 0
