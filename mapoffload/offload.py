@@ -307,7 +307,6 @@ class LayerwiseOffloadManager:
             # The page-cache plan is the process's (every manager under one budget).
             self._page_cache_given = page_cache_bytes
             self.residency: ResidencyPlan | None = None
-            self._forwards_since_plan = 0
             self._stream_reads = stream_reads
             self.stream_reads_why = ""
             self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
@@ -409,7 +408,6 @@ class LayerwiseOffloadManager:
         if plan == self.residency:
             return
         self.residency = plan
-        self._forwards_since_plan = 0  # its cached layers are resident from its second forward on
         self._pages.apply(plan)
         logger.info("residency of %s: %s; %s", self._stack_name, plan.describe(), why)
 
@@ -569,7 +567,6 @@ class LayerwiseOffloadManager:
 
     def _before_forward(self, module, args) -> None:
         """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
-        self._forwards_since_plan += 1
         coordinator().follow_cap()
         self._choose_stream_reads()
         self._rest.check()

@@ -106,6 +106,9 @@ def test_cached_layers_taken_by_the_kernel_give_the_margin_back_until_the_cap_ch
         assert not coord.thin_margin_failed and mgr.residency.streamed == ()
 
         _reclaim(mgr, 3)  # the margin was too thin: the kernel took a cached layer
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # layer 3's use finds it gone (and reads it again)
+        assert not coord.thin_margin_failed  # acted on at the next forward's start
         measures = []
         real = coord._plan_all
         coord._plan_all = lambda: (measures.append(1), real())[1]
@@ -146,6 +149,96 @@ def test_a_cached_set_not_yet_read_is_not_a_loss(ckpt, fake_cgroup):
         for i in range(LAYERS):  # cold: nothing of the cached set in RAM before the first forward
             _reclaim(mgr, i)
         with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+        assert not coord.thin_margin_failed and coord.cache_extra > 0
+
+
+# --- what the check sees (review) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", [{}, {"cpu_twin": True, "host_store": "mapped"}, {"stream_reads": "direct"}], ids=["in-place", "twin", "direct"])
+def test_a_cached_layer_taken_before_it_runs_is_seen(ckpt, fake_cgroup, how):
+    """The kernel's LRU takes the cached layers used longest ago: mid-forward, those still to run
+    (used in the last forward). They fault back in before the forward ends, so a check at the
+    next forward's start finds them resident while every forward reads them again."""
+    path, x, want = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **how) as mgr:
+        assert coord.cache_extra > 0 and mgr.residency.streamed == (), mgr.residency
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+        hook = model.blocks[0].register_forward_pre_hook(lambda *_: _reclaim(mgr, 7))
+        try:
+            with torch.no_grad():
+                for _ in range(3):  # each forward reads layer 7 again
+                    assert torch.equal(model(x), want)
+        finally:
+            hook.remove()
+        assert coord.thin_margin_failed and coord.cache_extra == 0
+        assert mgr.residency.streamed, mgr.residency
+
+
+class _EarlyExit(torch.nn.Module):
+    """The test stack, run through its first ``depth`` blocks only (early exit; an encoder that a
+    generate loop runs outside the model's forward is the same to the check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_offload_direct import Stack
+
+        self.inner = Stack()
+        self.depth = LAYERS
+
+    def forward(self, x):
+        for b in self.inner.blocks[:self.depth]:
+            x = torch.tanh(self.inner.mix(b(x)))
+        return x
+
+
+def test_a_cached_layer_no_forward_ran_is_not_a_loss(ckpt, fake_cgroup):
+    from mapoffload import empty_weights, load_checkpoint
+
+    path, x, _ = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    with empty_weights():
+        model = _EarlyExit()
+    load_checkpoint(model.inner, path, keep_mapping=True)
+    model.depth = 6
+    with torch.no_grad():
+        want = model(x)  # before the offload, from the same mapping
+    with LayerwiseOffloadManager(model, "inner.blocks", device="cpu") as mgr:
+        assert coord.cache_extra > 0 and mgr.residency.streamed == (), mgr.residency
+        mgr.register_forward_hooks()
+        for i in range(LAYERS):
+            _reclaim(mgr, i)  # cold
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(model(x), want)
+        assert not coord.thin_margin_failed and coord.cache_extra > 0
+
+
+def test_a_cached_layer_whose_weights_were_updated_is_not_a_loss(ckpt, fake_cgroup):
+    """update_cpu_weights gives a mapped weight an owned copy: its bytes leave the mapping, not RAM."""
+    path, x, _ = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        assert coord.cache_extra > 0 and mgr.residency.streamed == (), mgr.residency
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            want = model(x)
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                new = {n: f.get_tensor(n).clone() for n in f.keys() if n.startswith("blocks.3.")}
+            mgr.update_cpu_weights(new)  # the same values, owned now
             for _ in range(3):
                 assert torch.equal(model(x), want)
         assert not coord.thin_margin_failed and coord.cache_extra > 0

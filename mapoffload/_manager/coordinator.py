@@ -17,10 +17,10 @@ one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
   around it;
 - under a cgroup's cap, the cached set may fill most of the budget's margin
   (``PageCacheBudget.cache_extra``: the kernel can reclaim cached pages, so
-  a margin too thin there costs re-reads, never the OOM killer); at every
-  forward the cached layers a stack has read since its plan are checked
-  (``mincore``) to be still resident, and once the kernel took some, the
-  plans keep the whole margin until the cap changes;
+  a margin too thin there costs re-reads, never the OOM killer); a cached
+  layer used before under its plan is checked (``mincore``) to be still
+  resident when it is used again, and once the kernel took some, the plans
+  keep the whole margin (from the next forward) until the cap changes;
 - other processes under the same cap (local ranks, replicas) are read from
   their records (``peers.py``): ranks mapping other bytes split the budget by
   their mapped bytes, and what they hold now is added back to the measure;
@@ -192,22 +192,22 @@ class PageCacheCoordinator:
             self._plan()
 
     def _cached_lost(self) -> int:
-        """Bytes of cached layers missing from RAM that a forward since their plan has read.
+        """Bytes of cached layers the kernel took since the last check, as their uses found them.
 
-        A stack's cached layers are read by its first forward after a plan;
-        from its second one on they must all be resident. Missing pages
-        beyond 1 MiB + 1 % of what a stack caches (the kernel's own slack:
-        pages of a layer's ends shared with streamed neighbours) count.
+        A cached layer used before under its stack's plan must find its
+        pages resident at its next use (``LayerPages.watch``, checked before
+        the layer faults them back in). Missing pages beyond 1 MiB + 1 % of
+        what a stack caches (the kernel's own slack: pages of a layer's ends
+        shared with streamed neighbours) count.
         """
         lost = 0
         for m in self.managers():
+            missing = m._pages.take_missing()
             plan = m.residency
-            if m._page_cache_given is not None or plan is None or not plan.cached or m._forwards_since_plan < 2:
+            if m._page_cache_given is not None or plan is None or not plan.cached:
                 continue
-            want = plan.cached_bytes
-            have = sum(m._pages.resident_of(plan.cached))
-            if want - have > (1 << 20) + want // 100:
-                lost += want - have
+            if missing > (1 << 20) + plan.cached_bytes // 100:
+                lost += missing
         return lost
 
     def _peers(self) -> PeerRegistry:
@@ -234,6 +234,7 @@ class PageCacheCoordinator:
         measured = [m for m in members if m._page_cache_given is None]
         given = [m for m in members if m._page_cache_given is not None]
         for m in given:
+            m._pages.watch = False  # a share of its own: no thin margin to check
             plan = plan_residency(m._pages.mapped_sizes(), m._page_cache_given, prefetch_layers=m.prefetch_layers)
             m._apply_residency(plan, f"page cache for these layers: {format_bytes(m._page_cache_given)} (given)")
         if not measured:
@@ -290,6 +291,8 @@ class PageCacheCoordinator:
         plans = [_with_always(p, self.always_bytes) for p in plans]
         for m, plan in zip(measured, plans):
             m._apply_residency(plan, why)
+            m._pages.watch = bool(extra)
+            m._pages.take_missing()  # what went missing before this plan is not its loss
         self._publish(measured, plans, cached)
         if len(self.managers()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())

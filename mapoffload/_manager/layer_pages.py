@@ -44,6 +44,11 @@ class LayerPages:
         self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
         self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
         self._warm: set[int] = set()  # cached layers read in once
+        # The coordinator's check of the cached set's thin margin: a cached layer
+        # used before under this plan must find its pages resident at its next use.
+        self.watch = False  # the thin share is in use: note what is missing
+        self._used: set[int] = set()  # cached layers used since the plan
+        self._missing = 0  # bytes of cached layers found missing at a use, since take_missing()
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._letting_go: Future | None = None  # the device path's last let-go (see before_streamed_read)
         for i in range(len(stores)):
@@ -110,13 +115,37 @@ class LayerPages:
         """Carry out ``plan`` from the next layer on."""
         self.plan = plan
         self._warm.intersection_update(plan.cached)
+        self._used.clear()
+
+    def _before_cached_use(self, i: int) -> None:
+        """Cached layer ``i`` is about to be read: used before under this plan, its pages must be resident.
+
+        Checked here, before the layer faults them back in, and not at the
+        forward's start: the kernel's LRU takes the cached pages used longest
+        ago, which mid-forward are the layers still to run - back in RAM by
+        the forward's end, read again every forward.
+        """
+        if i not in self._used:
+            self._used.add(i)  # its first use since the plan: it may be cold
+            return
+        if self.watch:
+            size = self._stores[i].bytes_in(MAPPED)
+            self._missing += max(0, size - sum(_core.resident_bytes(self.spans(i))))
+
+    def take_missing(self) -> int:
+        """Bytes of cached layers found missing at their use since the last call (see ``watch``)."""
+        missing, self._missing = self._missing, 0
+        return missing
 
     # -- reading in ------------------------------------------------------------------------
     def _read_ahead(self, i: int) -> bool:
         """Whether layer ``i``'s pages are to be read in before it runs (and note the cached ones)."""
-        if not self._stores[i].bytes_in(MAPPED) or i in self._warm:
+        if not self._stores[i].bytes_in(MAPPED):
             return False
         if not self.streams(i):
+            self._before_cached_use(i)
+            if i in self._warm:
+                return False
             self._warm.add(i)
         return True
 
@@ -155,6 +184,7 @@ class LayerPages:
     def before_cached_copy(self, i: int) -> None:
         """Before a copier reads cached layer ``i``: read it ahead where faults read 4 KiB pages."""
         if self._stores[i].bytes_in(MAPPED):
+            self._before_cached_use(i)
             self.worker.before_copy(self.spans(i), None, self._extents[i])
 
     # -- letting go ------------------------------------------------------------------------
