@@ -242,3 +242,22 @@ def test_a_cached_layer_whose_weights_were_updated_is_not_a_loss(ckpt, fake_cgro
             for _ in range(3):
                 assert torch.equal(model(x), want)
         assert not coord.thin_margin_failed and coord.cache_extra > 0
+
+
+def test_the_next_model_tries_the_thin_share_again(ckpt, fake_cgroup):
+    """Given back for one model's forwards; once every manager closed, a new model's are its own."""
+    path, x, want = ckpt
+    fake_cgroup(85)
+    coord = coordinator_module.coordinator()
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # every cached layer used once
+            _reclaim(mgr, 3)
+            for _ in range(2):  # the second use finds it gone; the next forward gives the share back
+                assert torch.equal(model(x), want)
+        assert coord.thin_margin_failed and mgr.residency.streamed
+    assert not coord.thin_margin_failed
+    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu") as mgr:
+        assert coord.cache_extra > 0 and mgr.residency.streamed == ()

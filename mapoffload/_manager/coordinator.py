@@ -142,6 +142,8 @@ class PageCacheCoordinator:
             else:
                 self._published = None
                 self._peers().withdraw()
+                self.thin_margin_failed = False  # the next model's forwards are its own: it tries the thin share
+                self.cache_extra = 0
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.RLock()
