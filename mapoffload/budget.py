@@ -360,9 +360,9 @@ class PageCacheBudget:
 
     ``cache_margin`` is the thinner margin that pages the kernel can reclaim
     (the cached set) may keep under a cgroup's cap: a plan may cache
-    ``cache_extra`` more bytes of weights, checks at every forward that its
-    cached layers stayed resident, and drops back to ``margin`` once they did
-    not (:class:`~mapoffload._manager.coordinator.PageCacheCoordinator`).
+    ``cache_extra`` more bytes of weights, checks at each cached layer's use
+    that its pages stayed resident, and drops back to ``margin`` once they
+    did not (:class:`~mapoffload._manager.coordinator.PageCacheCoordinator`).
     Anonymous memory the plan sizes (read-around buffers) is never taken
     from it: too little room there is the OOM killer, not a re-read.
     """

@@ -187,8 +187,6 @@ class PageCacheCoordinator:
             elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
-            elif thin_failed:
-                pass  # said above; the peers changed too
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
