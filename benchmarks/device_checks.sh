@@ -7,7 +7,9 @@
 #   OUT=/some/folder DEADLINE_S=360 bash benchmarks/device_checks.sh [STEP ...]
 #
 # STEP: env install tests prefetch offload capped fp8 racecheck (default: all,
-# in that order; racecheck last, in what time is left: compute-sanitizer's
+# in that order; tests runs the cuda-marked tests, then the native fp8 tests on
+# the lent machine's own CPU, whose SIMD path (AVX-512 VBMI or the portable
+# loop) may differ from CI's machines, naming the CPU and the path; racecheck last, in what time is left: compute-sanitizer's
 # racecheck finds shared-memory hazards inside kernels, not missing
 # cross-stream or host/device ordering, which tests/test_cuda_streams.py
 # checks directly). Each step writes OUT/<step>.log (at most 8 files: the device
@@ -53,6 +55,11 @@ env_info() {
 
 run_tests() {
     cd /tmp && $PY -m pytest -p no:cacheprovider -m cuda -rA -v "$REPO/tests" -o addopts="" "$@"
+    local rc=$?
+    echo "=== the CPU's native fp8 paths: $(grep -m1 "model name" /proc/cpuinfo)"
+    $PY -c "from mapoffload import _core; print('fp8 SIMD path:', _core.fp8_simd() or 'portable loop (no AVX-512 VBMI)')"
+    $PY -m pytest -p no:cacheprovider -rs -q "$REPO/tests/test_fp8_native.py" -o addopts="" || rc=$?
+    return $rc
 }
 
 export -f env_info run_tests  # timeout runs programs: the functions run in a bash of their own
@@ -63,7 +70,7 @@ for s in "${STEPS[@]}"; do
     case $s in
     env) step env 20 bash -c env_info ;;
     install) step install 180 $PY -m pip install --no-build-isolation --no-deps -v "$REPO" ;;
-    tests) step tests 180 bash -c run_tests ;;
+    tests) step tests 240 bash -c run_tests ;;
     prefetch) step prefetch 45 $PY "$REPO/benchmarks/prefetch_bw.py" --device cuda ;;
     offload) step offload 60 $PY "$REPO/benchmarks/offload_step.py" --device cuda ;;
     capped) step capped 200 $PY "$REPO/benchmarks/capped_forward.py" --dir "$BENCH_DIR" --caps 50,6 --forwards 3 \

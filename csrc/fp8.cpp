@@ -97,10 +97,14 @@ struct Chunk {
   void* tables = nullptr;  // kTableGroupBytes of scratch, the running thread's own (64-byte aligned)
   bool ok = true;
   uint64_t fault = 0;
+  // The SIMD lookup refused its tables (it returns false having written
+  // nothing): the rows from `r0` on were not written. The job fails with an
+  // error rather than hand back memory the kernel never filled.
+  bool lookup_refused = false;
 };
 
 template <typename T, typename Convert>
-void dequantize_rows(const Chunk& ch, const Convert& convert) {
+void dequantize_rows(Chunk& ch, const Convert& convert) {
   const Fp8Job& j = *ch.job;
   const float* value = lut(j.format).value.data();
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(j.codes);
@@ -127,8 +131,11 @@ void dequantize_rows(const Chunk& ch, const Convert& convert) {
           for (unsigned c = 0; c < 256; ++c) t[c] = convert(value[c] * s);
         }
         if (simd) {
-          lookup_rows(tables, sizeof(T), g1 - g0, codes + r * j.cols + g0 * bn, out + r * j.cols + g0 * bn,
-                      band_end - r, bn, j.cols);
+          if (!lookup_rows(tables, sizeof(T), g1 - g0, codes + r * j.cols + g0 * bn, out + r * j.cols + g0 * bn,
+                           band_end - r, bn, j.cols)) {
+            ch.lookup_refused = true;
+            return;
+          }
           continue;
         }
         for (uint64_t rr = r; rr < band_end; ++rr) {
@@ -159,7 +166,7 @@ void dequantize_rows(const Chunk& ch, const Convert& convert) {
 }
 
 void run_chunk(void* ctx) {
-  const Chunk& ch = *static_cast<const Chunk*>(ctx);
+  Chunk& ch = *static_cast<Chunk*>(ctx);
   switch (ch.job->out_dtype) {
     case Fp8Out::bfloat16:
       dequantize_rows<uint16_t>(ch, ToBf16{ch.job->bf16_nan});
@@ -332,6 +339,7 @@ struct Team {
   uint64_t done = 0;       // under mu
   uint64_t fault = 0;      // under mu: the first faulting address, 0 if none
   bool faulted = false;    // under mu
+  bool refused = false;    // under mu: a piece's SIMD lookup refused its tables
 
   void work(void* tables) {
     for (;;) {
@@ -347,6 +355,10 @@ struct Team {
       if (!ch.ok && !faulted) {
         faulted = true;
         fault = ch.fault;
+        stop.store(true, std::memory_order_relaxed);
+      }
+      if (ch.ok && ch.lookup_refused) {
+        refused = true;
         stop.store(true, std::memory_order_relaxed);
       }
       if (++done == pieces) all_done.notify_all();
@@ -403,6 +415,10 @@ void dequantize_fp8(const Fp8Job& j) {
     lock.unlock();
     throw mapping_fault(in.lo, in.hi - in.lo, fault);
   }
+  if (team->refused)
+    throw std::runtime_error(std::string("dequantize_fp8: the ") + fp8_lookup_isa() +
+                             " lookup refused tables of " + std::to_string(out_size(j.out_dtype)) +
+                             "-byte entries; the output was not written (pass simd=False for the portable loop)");
 }
 
 }  // namespace mapoffload
