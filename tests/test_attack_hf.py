@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
+from kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
 from mapoffload.hf import _converted  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained  # noqa: E402
@@ -25,6 +26,7 @@ IDS = torch.tensor([[1, 2, 3]])
 
 def _same_as_transformers(cls, folder, model) -> bool:
     ref = cls.from_pretrained(folder).eval()
+    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/kernels.py)
     with torch.no_grad():
         return torch.equal(ref(IDS).logits, model(IDS).logits)
 
@@ -145,6 +147,7 @@ def test_an_fp8_kept_model_saves_what_transformers_reloads(tmp_path):
     model.save_pretrained(str(tmp_path / "saved"))
     back, info = cls.from_pretrained(str(tmp_path / "saved"), output_loading_info=True)
     assert not info["missing_keys"]
+    seat_like(ref, host_weights(back))
     with torch.no_grad():
         assert torch.equal(back.eval()(IDS).logits, ref(IDS).logits)
 
@@ -162,6 +165,7 @@ def test_a_zero_dim_parameter_is_converted(tmp_path):
         model = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, dtype=torch.bfloat16)
     assert model.logit_scale.dim() == 0 and model.mapoffload_report.converted_tensors > 0
     assert mapoffload.MappedRegions().holds(model.logit_scale)
+    seat_like(ref, host_weights(model))
     with torch.no_grad():
         assert torch.equal(first_output(ref(**x)), first_output(model(**x)))
     path = str(tmp_path / "scalar.safetensors")

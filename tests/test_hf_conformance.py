@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
 from conformance_zoo import build, first_output, inputs, zoo  # noqa: E402
+from kernels import host_weights, same_threads, seat_like  # noqa: E402
 from mapoffload import CheckpointError, MappedRegions  # noqa: E402
 
 # What a LoadReport may name as anonymous after a load that kept the mapping.
@@ -52,14 +53,17 @@ def _check(cls, kind, folder, **kwargs):
     """Ours against transformers' on ``folder``; returns our model (closed)."""
     ref = cls.from_pretrained(folder).eval()
     x = inputs(kind, ref.config)
-    expected = _forward(ref, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = mapoffload.from_pretrained(cls, folder, device="cpu", **kwargs)
     report, handle = model.mapoffload_report, model.mapoffload_handle
     assert not model.training
     assert not any(p.device.type == "meta" for p in ref.parameters())
-    got = _forward(model, x)
+    # The same kernels on both sides: transformers' weights at our weights' 64-byte offsets (tests/kernels.py).
+    seat_like(ref, host_weights(model))
+    with same_threads():
+        expected = _forward(ref, x)
+        got = _forward(model, x)
     assert got.dtype == expected.dtype
     assert torch.equal(expected, got), (expected - got).abs().max()
     # Anonymous bytes only where the report names them.

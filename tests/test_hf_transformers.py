@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
+from kernels import host_weights, seat_like  # noqa: E402
 from hf_models import save  # noqa: E402
 from mapoffload.hf import KeyMismatchError, find_block_lists  # noqa: E402
 
@@ -56,6 +57,7 @@ def test_same_outputs_and_tokens_as_transformers(folders, kind, dtype):
     assert not model.training
     assert next(iter(handle.managers.values())).mapped_bytes > 0
     assert {p.dtype for p in ref.parameters()} == {getattr(torch, dtype)}
+    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/kernels.py)
     assert torch.equal(_forward(ref, kind), _forward(model, kind))
     if kind != "bert":  # generate() with a KV cache
         ids = torch.tensor(IDS)
@@ -131,6 +133,7 @@ def test_dtype_conversion_is_written_once_and_mapped(folders, caplog):
     assert any("converted" in r.message and report.conversion_dir in r.message for r in caplog.records)
     assert all(mapoffload.MappedRegions().classify(list(model.parameters())))
     ref = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    seat_like(ref, host_weights(model))  # converted weights sit where the conversion file put them
     assert torch.equal(_forward(ref, "llama"), _forward(model, "llama"))
 
 
@@ -140,6 +143,7 @@ def test_prefixed_checkpoint_into_base_model_and_back(tmp_path):
         warnings.simplefilter("always")
         base = mapoffload.from_pretrained(transformers.BertModel, tmp_path / "mlm", device="cpu", keep_mapping=True)
     ref = transformers.BertModel.from_pretrained(tmp_path / "mlm").eval()
+    seat_like(ref, host_weights(base))
     ids = torch.tensor(IDS)
     with torch.no_grad():
         assert torch.equal(ref(ids).last_hidden_state, base(ids).last_hidden_state)
@@ -156,6 +160,7 @@ def test_prefixed_checkpoint_into_base_model_and_back(tmp_path):
     with pytest.warns(UserWarning, match=r"missing keys? \(common prefix 'cls") as rec:
         mlm = mapoffload.from_pretrained(transformers.BertForMaskedLM, tmp_path / "base", device="cpu",
                                          keep_mapping=True)
+    seat_like(ref, {k.removeprefix("bert."): v for k, v in host_weights(mlm).items()})
     with torch.no_grad():
         assert torch.equal(mlm.bert(ids).last_hidden_state, ref(ids).last_hidden_state)
     assert mlm.cls.predictions.decoder.weight is mlm.bert.embeddings.word_embeddings.weight
