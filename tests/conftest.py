@@ -55,7 +55,65 @@ def pytest_report_header(config):
     return f"mapoffload from {pathlib.Path(mapoffload.__file__).parent}"
 
 
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
+
+
+def filesystem_type(path: str | os.PathLike) -> str:
+    """The type of the filesystem holding ``path``: the longest mount point
+    of /proc/self/mounts that contains it (read here, independently of the
+    library's own mount table)."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mount = fields[1].replace("\\040", " ")
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
 @pytest.fixture
 def tmp_file_dir(tmp_path):
-    """A temporary folder on a disk filesystem (not tmpfs), for file mappings."""
-    return tmp_path
+    """A temporary folder on a disk filesystem (not tmpfs), for file mappings.
+
+    pytest's ``tmp_path`` where it is on a disk; else a fresh folder under
+    /var/tmp (removed afterwards); skipped where neither is."""
+    if filesystem_type(tmp_path) not in MEMORY_FILESYSTEMS:
+        yield tmp_path
+        return
+    base = "/var/tmp"
+    if not os.path.isdir(base) or filesystem_type(base) in MEMORY_FILESYSTEMS:
+        pytest.skip(f"no disk filesystem for a temporary folder: {tmp_path} and {base} are in memory")
+    folder = tempfile.mkdtemp(prefix="mapoffload-test-", dir=base)
+    try:
+        yield pathlib.Path(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_page_cache_coordinator(monkeypatch):
+    """Each test plans the page cache with a coordinator of its own.
+
+    The coordinator is process-wide: a manager an earlier test dropped
+    without ``close()`` stays one of its members until the garbage collector
+    frees it (its hooks hold it in a cycle), and its cap, peers and thin
+    margin history carry over. A fresh one per test takes all of that out;
+    whatever a test leaves open is closed when it ends."""
+    from mapoffload._manager import coordinator as coordinator_module
+
+    fresh = coordinator_module.PageCacheCoordinator()
+    monkeypatch.setattr(coordinator_module, "_COORDINATOR", fresh)
+    yield fresh
+    for m in fresh.managers():
+        try:
+            m.close()
+        except Exception:  # noqa: BLE001 - a test that broke its manager on purpose
+            pass
+    registry = fresh._registry
+    if registry is not None:
+        registry.withdraw()

@@ -71,10 +71,8 @@ def cap(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path / "cg"))
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path / "peers"))
-    gc.collect()  # managers other tests left unreachable are gone, not members
-    coord = coordinator_module.coordinator()
-    monkeypatch.setattr(coord, "_registry", None)
-    monkeypatch.setattr(coord, "_published", None)
+    coord = coordinator_module.coordinator()  # this test's own (conftest.fresh_page_cache_coordinator)
+    assert not coord.managers() and coord._registry is None
 
     def set_cap(mib: int) -> None:
         _v2(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights

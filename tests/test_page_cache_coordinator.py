@@ -9,7 +9,6 @@ weights' own (not "other memory"). Peers are real child processes.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -68,15 +67,12 @@ def mapped(path) -> TwoStacks:
 
 @pytest.fixture
 def cap(tmp_path, monkeypatch):
-    # A manager an earlier test dropped without close() stays in the process's
-    # plan until the garbage collector frees it (its hooks hold it in a cycle):
-    # these tests measure the plan of their own managers only.
-    gc.collect()
-    assert not coordinator_module.coordinator().managers(), "a manager of an earlier test is still open"
+    # A coordinator of this test's own (conftest.fresh_page_cache_coordinator): these tests
+    # measure the plan of their own managers only.
+    assert not coordinator_module.coordinator().managers()
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))  # no peers from other tests
-    monkeypatch.setattr(coordinator_module.coordinator(), "_registry", None)
 
     def set_cap(mib: int) -> None:
         _v2(tmp_path, mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights, no file cache

@@ -187,7 +187,6 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     monkeypatch.delenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
-    monkeypatch.setattr(coord, "_registry", None)
     _v2(tmp_path, 100 << 20, 10 << 20, 0, 0)
     pin_whole_margin(monkeypatch, 100 << 20)
     path, x, want = ckpt

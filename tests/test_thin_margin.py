@@ -67,7 +67,7 @@ def fake_cgroup(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setattr(coordinator_module.coordinator(), "thin_margin_failed", False)  # no history
+    assert not coordinator_module.coordinator().thin_margin_failed  # a fresh one: no history (conftest)
 
     def cgroup(cap_mib: int) -> None:
         _v2(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
