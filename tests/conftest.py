@@ -117,3 +117,23 @@ def fresh_page_cache_coordinator(monkeypatch):
     registry = fresh._registry
     if registry is not None:
         registry.withdraw()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The twelve-layer stack of tests/stacks.py saved to a safetensors file:
+    ``(path, x, want)``, ``want`` the plain model's output for ``x``. Modules
+    that test another model define a ``ckpt`` of their own."""
+    import torch
+    from safetensors.torch import save_file
+
+    from stacks import IN, Stack
+
+    torch.manual_seed(0)
+    ref = Stack()
+    path = tmp_path_factory.mktemp("direct") / "stack.safetensors"
+    save_file(ref.state_dict(), path)
+    x = torch.randn(3, IN)
+    with torch.no_grad():
+        want = ref(x)
+    return path, x, want

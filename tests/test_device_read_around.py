@@ -20,7 +20,7 @@ from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
 from mapoffload._manager.device_read_around import DeviceReadAround
 from mapoffload._manager.direct_read import DirectReader
 
-from test_offload_direct import LAYERS, ckpt, drain, layer_resident, mapped, warm_read_bytes  # noqa: F401 (ckpt: a fixture)
+from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
 
 
 def _layer(model) -> int:
@@ -267,7 +267,7 @@ def test_forked_child_runs_with_the_parents_reads_in_flight(tmp_path):
 
     proc = run_python(f"""
 import os, threading, torch
-from test_offload_direct import Stack, mapped, IN
+from stacks import Stack, mapped, IN
 from safetensors.torch import save_file
 from mapoffload import LayerwiseOffloadManager
 from mapoffload._manager.direct_read import DirectReader

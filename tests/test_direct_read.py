@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -31,7 +31,7 @@ from mapoffload._manager.mapped_file import MappedFiles
 from mapoffload._manager.pages import DROPPED, PageWorker, file_extents, layer_spans
 from mapoffload._native import _core
 
-from test_offload_direct import LAYERS, ckpt, drain, mapped  # noqa: F401 (ckpt is a fixture)
+from stacks import LAYERS, drain, mapped
 
 MIB = 1 << 20
 PAGE = _core.page_size()

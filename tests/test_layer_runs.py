@@ -19,8 +19,7 @@ from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
 
-from test_offload_direct import drain, warm_read_bytes
-
+from stacks import drain, warm_read_bytes
 LAYERS, WIDTH = 10, 512  # 1 MiB of float32 weight and 1 KiB of float16 gain a layer
 
 

@@ -13,9 +13,7 @@ from safetensors.torch import save_file
 
 from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
-from test_offload_direct import Stack, mapped
-
-
+from stacks import Stack, mapped
 @pytest.fixture
 def ckpt(tmp_path):
     torch.manual_seed(0)

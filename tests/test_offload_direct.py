@@ -8,82 +8,15 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from torch import nn
 
 from mapoffload import (
     LayerwiseOffloadManager,
     cow_report,
     drop_page_cache,
-    empty_weights,
-    load_checkpoint,
-    resident_bytes,
     rss_anon_bytes,
 )
 
-MIB = 1 << 20
-LAYERS, IN, OUT = 12, 512, 1024  # 2 MiB + 4 KiB a layer, fp32
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(IN, OUT) for _ in range(LAYERS))
-        self.mix = nn.Linear(OUT, IN)  # shared between the blocks, outside them
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(self.mix(b(x)))
-        return x
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    ref = Stack()
-    path = tmp_path_factory.mktemp("direct") / "stack.safetensors"
-    save_file(ref.state_dict(), path)
-    x = torch.randn(3, IN)
-    with torch.no_grad():
-        want = ref(x)
-    return path, x, want
-
-
-def mapped(path) -> Stack:
-    with empty_weights():
-        model = Stack()
-    load_checkpoint(model, path, keep_mapping=True)
-    return model
-
-
-def io_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
-def warm_read_bytes(model, x: torch.Tensor, want: torch.Tensor, path, forwards: int = 2) -> float:
-    """Bytes one warm forward reads (mean of ``forwards``), after the file's pages were
-    dropped and a cold forward read the cached set in; every output checked against ``want``."""
-    drop_page_cache(path)
-    with torch.no_grad():
-        assert torch.equal(model(x), want)  # cold: the cached set is read in
-        before = io_read_bytes()
-        for _ in range(forwards):
-            assert torch.equal(model(x), want)
-        return (io_read_bytes() - before) / forwards
-
-
-def drain(mgr: LayerwiseOffloadManager) -> None:
-    """Wait until the page worker did what it was asked (letting go is asynchronous)."""
-    mgr._pages.worker._executor().submit(lambda: None).result()
-
-
-def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:
-    hosts = dict(mgr.iter_cpu_weights())  # the slots hold placeholders between forwards
-    return sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]]))
+from stacks import IN, LAYERS, MIB, OUT, Stack, drain, io_read_bytes, layer_resident, mapped, warm_read_bytes  # noqa: F401,E501
 
 
 def test_computes_from_the_mapping_without_a_copy(ckpt):

@@ -13,7 +13,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
-from test_offload_direct import ckpt, drain, layer_resident, mapped, warm_read_bytes  # noqa: F401,F811 (ckpt: a fixture)
+from stacks import drain, layer_resident, mapped, warm_read_bytes
 
 # The module (mapoffload.offload is also the name of the Hugging Face entry point).
 offload_module = importlib.import_module("mapoffload.offload")
@@ -64,8 +64,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
     path, x, _ = ckpt
     from safetensors.torch import load_file
 
-    from test_offload_direct import Stack
-
+    from stacks import Stack
     ref = Stack()  # the checkpoint's weights, without the library: the exact gradients
     ref.load_state_dict(load_file(path))
     for p in ref.parameters():

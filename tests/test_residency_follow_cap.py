@@ -12,7 +12,7 @@ from mapoffload import LayerwiseOffloadManager
 from mapoffload._manager import coordinator as coordinator_module
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
-from test_offload_direct import LAYERS, ckpt, mapped  # noqa: F401 (ckpt is a fixture)
+from stacks import LAYERS, mapped
 from test_residency_plan import _v2, pin_whole_margin
 
 MIB = 1 << 20

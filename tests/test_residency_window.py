@@ -17,7 +17,7 @@ from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 from mapoffload._native import _core
 from mapoffload._manager.pages import DRAINED, EDGE_CHUNK, KEPT, PAGEOUT
 
-from test_offload_direct import LAYERS, ckpt, drain, mapped  # noqa: F401 (ckpt is a fixture)
+from stacks import LAYERS, drain, mapped
 
 PAGE = _core.page_size()
 FORWARDS = 4

@@ -16,7 +16,7 @@ from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager.residency import plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
 
-from test_offload_direct import LAYERS, ckpt, mapped  # noqa: F401 (ckpt is a fixture)
+from stacks import LAYERS, mapped
 from test_residency_plan import _v2
 
 MIB = 1 << 20
@@ -189,8 +189,7 @@ class _EarlyExit(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from test_offload_direct import Stack
-
+        from stacks import Stack
         self.inner = Stack()
         self.depth = LAYERS
 

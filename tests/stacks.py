@@ -1,0 +1,62 @@
+"""The twelve-layer stack most offload tests run: a checkpoint of it (the
+``ckpt`` fixture in conftest.py), a model loaded mapped from it, and what the
+tests measure about it (reads per forward, residency, the page worker)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint, resident_bytes
+
+MIB = 1 << 20
+LAYERS, IN, OUT = 12, 512, 1024  # 2 MiB + 4 KiB a layer, fp32
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(IN, OUT) for _ in range(LAYERS))
+        self.mix = nn.Linear(OUT, IN)  # shared between the blocks, outside them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(self.mix(b(x)))
+        return x
+
+
+def mapped(path) -> Stack:
+    with empty_weights():
+        model = Stack()
+    load_checkpoint(model, path, keep_mapping=True)
+    return model
+
+
+def io_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def warm_read_bytes(model, x: torch.Tensor, want: torch.Tensor, path, forwards: int = 2) -> float:
+    """Bytes one warm forward reads (mean of ``forwards``), after the file's pages were
+    dropped and a cold forward read the cached set in; every output checked against ``want``."""
+    drop_page_cache(path)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # cold: the cached set is read in
+        before = io_read_bytes()
+        for _ in range(forwards):
+            assert torch.equal(model(x), want)
+        return (io_read_bytes() - before) / forwards
+
+
+def drain(mgr: LayerwiseOffloadManager) -> None:
+    """Wait until the page worker did what it was asked (letting go is asynchronous)."""
+    mgr._pages.worker._executor().submit(lambda: None).result()
+
+
+def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:
+    hosts = dict(mgr.iter_cpu_weights())  # the slots hold placeholders between forwards
+    return sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]]))
