@@ -290,7 +290,7 @@ def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, _Slot], path: A
     ``<key>_scale_inv`` whose module parameter is not fp8 (it computes in a
     wider dtype): those load as codes + scales, dequantized as used. Shapes are
     checked here, before anything is assigned."""
-    from .fp8 import _grid, is_fp8
+    from .fp8 import check_fp8_pair, is_fp8
 
     out = {}
     for key, t in loaded.items():
@@ -302,8 +302,8 @@ def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, _Slot], path: A
             raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} does not match the module's "
                              f"{tuple(slot.current.shape)}")
         try:
-            _grid(t, loaded[scale])
-        except ValueError as exc:
+            check_fp8_pair(t, loaded[scale])
+        except (TypeError, ValueError) as exc:
             raise CheckpointError(path, f"{scale}: {exc}") from None
         out[key] = scale
     return out
@@ -532,7 +532,7 @@ def load_checkpoint(
             codes, scale = codes.clone(), scale.clone()
             report.copied["keep_mapping=False"] = (report.copied.get("keep_mapping=False", 0)
                                                    + codes.nbytes + scale.nbytes)
-        attach_fp8(target.owner, target.attr, codes, scale, dtype=target.current.dtype)
+        attach_fp8(target.owner, target.attr, codes, scale, dtype=target.current.dtype, key=key)
         assigned += [codes, scale]
         sliced_flags += [False, False]
         report.tensors += 2

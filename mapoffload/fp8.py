@@ -40,12 +40,52 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 def _grid(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int]:
     """(scale rows, block rows, scale cols, block cols), as transformers derives them:
-    the block is the weight's shape over the scale grid's."""
+    the block is the weight's shape over the scale grid's.
+
+    Every dimension is checked (``ValueError`` naming both shapes): a scale of
+    one element (one block), or a grid ``[..., rows/bm, cols/bn]`` whose
+    leading dimensions are the codes' own (one grid per expert) or all 1 (one
+    grid for every expert). transformers' formula refuses the rest; without
+    the check a grid per expert short of the experts reused its last one."""
     rows, cols = codes.shape[-2:]
-    srows, scols = (scale.shape[-2:] if scale.dim() >= 2 else (1, 1))
+    if scale.dim() < 2:
+        if scale.numel() != 1:
+            raise ValueError(f"scale grid {tuple(scale.shape)} does not fit weight {tuple(codes.shape)}: a scale "
+                             f"of fewer than 2 dimensions must be one element")
+        return 1, rows, 1, cols
+    srows, scols = scale.shape[-2:]
     if srows == 0 or scols == 0 or rows % srows or cols % scols:
         raise ValueError(f"weight shape ({rows}, {cols}) is not divisible by its scale grid ({srows}, {scols})")
+    lead, slead = tuple(codes.shape[:-2]), tuple(scale.shape[:-2])
+    if slead != lead and any(d != 1 for d in slead):
+        raise ValueError(f"scale grid {tuple(scale.shape)} does not fit weight {tuple(codes.shape)}: its leading "
+                         f"dimensions {slead} must be the weight's {lead} (a grid each) or all 1 (one grid)")
     return srows, rows // srows, scols, cols // scols
+
+
+# Scale dtypes and how transformers turns them into float32 multipliers
+# (integrations/finegrained_fp8.py, Fp8Dequantize._dequantize_one): floating
+# point (float32, bfloat16, float16, float8_e8m0fnu) by conversion; uint8 as
+# E8M0 exponents (MXFP8 checkpoints), 2 ** (byte - 127). Nothing else.
+def scale_as_float32(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as the float32 multipliers transformers computes from it,
+    with the same ops (so the same bits): ``uint8`` is read as E8M0 exponents
+    (``2 ** (byte - 127)``), a floating dtype is converted. Other dtypes raise
+    ``TypeError`` naming the dtype."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    if scale.dtype.is_floating_point:
+        return scale.to(torch.float32)
+    raise TypeError(f"a scale of dtype {str(scale.dtype).removeprefix('torch.')} is not one transformers decodes: "
+                    f"float32, bfloat16, float16, float8_e8m0fnu, or uint8 (E8M0 exponents)")
+
+
+def check_fp8_pair(codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """The checks a (codes, scale) pair passes before it is kept: a scale dtype
+    transformers decodes (``TypeError``) and a grid that fits (``ValueError``)."""
+    if not scale.dtype.is_floating_point and scale.dtype != torch.uint8:
+        scale_as_float32(scale)  # raises, naming the dtype
+    _grid(codes, scale)
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype,
@@ -65,6 +105,7 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
         raise TypeError(f"codes must be float8, not {codes.dtype}")
     if codes.dim() < 2:
         raise ValueError(f"codes must have 2 or more dimensions, not shape {tuple(codes.shape)}")
+    check_fp8_pair(codes, scale)
     srows, bm, scols, bn = _grid(codes, scale)
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
@@ -74,7 +115,7 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dty
         return out  # nothing to write (and no band to reshape into: a size is 0)
     if _dequantize_native(codes, scale, out, srows, scols):
         return out
-    s = (scale if scale.dim() >= 2 else scale.reshape(1, 1)).to(torch.float32)
+    s = scale_as_float32(scale if scale.dim() >= 2 else scale.reshape(1, 1))
     q = codes.reshape(-1, srows, bm, scols, bn)
     s = s.reshape(-1, srows, scols).unsqueeze(-1).unsqueeze(2)
     o = out.view(-1, srows, bm, scols, bn)
@@ -155,12 +196,12 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
         return False
     if not (codes.is_contiguous() and out.is_contiguous()) or out.requires_grad:
         return False
-    if (scale.requires_grad and torch.is_grad_enabled()) or (scale.dim() < 2 and scale.numel() != 1):
-        return False  # the second: the torch path's reshape refuses it
+    if scale.requires_grad and torch.is_grad_enabled():
+        return False
     nan = _native_nan_rules()[out.dtype]
     if nan is None:
         return False
-    s = scale.to(torch.float32).contiguous()
+    s = scale_as_float32(scale).contiguous()
     if bool(s.isnan().any()):
         return False  # a NaN code times a NaN scale keeps one payload: torch's operand order decides which
     rows, cols = codes.shape[-2:]
@@ -218,20 +259,29 @@ class Fp8Dequantize(torch.nn.Module):
 
 
 def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: torch.Tensor, *,
-               dtype: torch.dtype) -> None:
+               dtype: torch.dtype, key: str | None = None) -> None:
     """Make ``module.<name>`` the dequantization of ``codes`` with ``scale``.
 
     ``codes`` and ``scale`` are kept as they are (views of a file mapping stay
     views): ``module.parametrizations.<name>.original`` holds the codes, the
     parametrization's ``scale`` the scales. Reading ``module.<name>``
-    dequantizes into ``dtype``. Raises ``ValueError`` when the shapes do not
-    fit the block grid, ``TypeError`` when ``codes`` is not float8.
+    dequantizes into ``dtype``. Raises ``CheckpointError`` naming ``key``
+    (default ``name``: the weight's state-dict key, where the caller knows
+    it) and both shapes when the scale grid does not fit the codes in every
+    dimension or its dtype is not one transformers decodes; ``TypeError``
+    when ``codes`` is not float8.
     """
     from torch.nn.utils import parametrize
 
+    from ._files import CheckpointError
+
     if not is_fp8(codes):
         raise TypeError(f"{name}: codes must be float8, not {codes.dtype}")
-    _grid(codes, scale)
+    try:
+        check_fp8_pair(codes, scale)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(key or name, f"codes {tuple(codes.shape)} {codes.dtype}, scale "
+                                           f"{tuple(scale.shape)} {scale.dtype}: {exc}") from None
     if parametrize.is_parametrized(module, name):
         raise ValueError(f"{name} of {type(module).__name__} is already parametrized")
     module._parameters.pop(name, None)

@@ -154,7 +154,7 @@ class Session:
         try:
             if not torch.equal(dequantize_fp8(codes, scale, dtype=value.dtype), value):
                 return False
-        except ValueError:
+        except (TypeError, ValueError):  # a scale this path cannot keep: transformers' value is converted
             return False
         attach_fp8(target.module, target.attr, codes, scale, dtype=value.dtype)
         plist = target.module.parametrizations[target.attr]
