@@ -261,7 +261,8 @@ def test_contract_names_are_of_their_kind():
         assert inside is None
         lin, norm = torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)
     assert not norm.running_mean.is_meta and torch.equal(norm.running_var, torch.ones(2))
-    assert lin.weight.is_meta and norm.weight.is_meta and isinstance(mapoffload.empty_weights(), contextlib.AbstractContextManager)
+    assert lin.weight.is_meta and norm.weight.is_meta
+    assert isinstance(mapoffload.empty_weights(), contextlib.AbstractContextManager)
     for name, members in CONTRACT_CLASSES.items():
         cls = getattr(mapoffload, name)
         assert inspect.isclass(cls), name
@@ -278,7 +279,8 @@ def test_contract_names_are_of_their_kind():
         assert p.kind == p.KEYWORD_ONLY and p.default == default, (arg, p)
     assert sig.parameters["device"].kind == inspect.Parameter.KEYWORD_ONLY
     assert sig.parameters["device"].default is inspect.Parameter.empty
-    assert inspect.signature(mapoffload.LayerwiseOffloadManager.prefetch_layer).parameters["non_blocking"].default is True
+    prefetch = inspect.signature(mapoffload.LayerwiseOffloadManager.prefetch_layer).parameters
+    assert prefetch["non_blocking"].default is True
 
 
 def test_device_check_path_and_tensors_without_storage(checkpoint):
