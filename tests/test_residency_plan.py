@@ -52,7 +52,7 @@ def test_uneven_layers_reserve_the_largest_and_keep_a_prefix():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="layer sizes must be >= 0"):
         plan_residency([10, -1], 100)
 
 
