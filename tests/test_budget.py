@@ -130,10 +130,96 @@ def test_gate_reads_the_host_when_not_told(monkeypatch):
     assert not host_copies_would_not_fit(GIB)
 
 
-def test_this_machine_answers_something():
-    assert host_memory_available_bytes() > 0
+def _meminfo_available() -> int:
+    """MemAvailable of /proc/meminfo, read here (psutil is what the library asks)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def _cgroup_read_here(root: str = "/") -> tuple[int, int] | None:
+    """This process's tightest memory cap, read from the real cgroup files by the test itself:
+    (cap, usage less inactive file cache) of the directory with the least headroom from the leaf up
+    to the mount, cgroup v2 first, then v1; None where nothing caps (the rule of DESIGN.md)."""
+    own = {}
+    with open(os.path.join(root, "proc/self/cgroup")) as f:
+        for line in f:
+            hid, controllers, path = line.rstrip("\n").split(":", 2)
+            if hid == "0" and controllers == "":
+                own["v2"] = path
+            elif "memory" in controllers.split(","):
+                own["v1"] = path
+    versions = (
+        ("v2", os.path.join(root, "sys/fs/cgroup"), ("memory.max", "memory.high"), "memory.current",
+         "inactive_file"),
+        ("v1", os.path.join(root, "sys/fs/cgroup/memory"), ("memory.limit_in_bytes",), "memory.usage_in_bytes",
+         "total_inactive_file"),
+    )
+    for key, mount, cap_files, usage_file, cache_field in versions:
+        if key not in own:
+            continue
+        parts = [p for p in own[key].split("/") if p]
+        leaf = next((os.path.join(mount, *parts[i:]) for i in range(len(parts) + 1)
+                     if os.path.isdir(os.path.join(mount, *parts[i:]))), mount)
+        found = []
+        d = leaf
+        while True:
+            caps = []
+            for name in cap_files:
+                try:
+                    with open(os.path.join(d, name)) as f:
+                        text = f.read().strip()
+                except OSError:
+                    continue
+                if text.isdigit() and not (key == "v1" and int(text) >= 1 << 62):  # "max", the v1 sentinel
+                    caps.append(int(text))
+            if caps:
+                with open(os.path.join(d, usage_file)) as f:
+                    usage = int(f.read())
+                cache = 0
+                try:
+                    with open(os.path.join(d, "memory.stat")) as f:
+                        stat = dict(line.split() for line in f if len(line.split()) == 2)
+                    cache = int(stat.get(cache_field, 0))
+                except OSError:
+                    pass
+                found.append((min(caps), max(0, usage - cache)))
+            if d == mount or not d.startswith(mount):
+                break
+            d = os.path.dirname(d)
+        if found:
+            return min(found, key=lambda cu: cu[0] - cu[1])
+    return None
+
+
+def test_this_machine_answers_what_its_files_say(monkeypatch, tmp_path):
+    """The real machine, against /proc/meminfo and the cgroup files read here: the same cap, the
+    same usage and the same available memory, up to what moves between two readings."""
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    # The test's own reader, on trees whose answer is known (this machine may have no cap at all).
+    v2_tree(tmp_path / "v2", caps={"user.slice/app.scope": (str(8 * GIB), 3 * GIB), "user.slice": ("max", 0)})
+    write(tmp_path / "v2", "sys/fs/cgroup/user.slice/app.scope/memory.stat", f"inactive_file {GIB}\n")
+    assert _cgroup_read_here(str(tmp_path / "v2")) == (8 * GIB, 2 * GIB)
+    v1_tree(tmp_path / "v1", caps={"process_api/abc": ("9223372036854771712", GIB), "process_api": (str(6 * GIB), 0)})
+    assert _cgroup_read_here(str(tmp_path / "v1")) == (6 * GIB, 0)
+    slack = 256 << 20  # other processes (a CI run) allocate and free between the readings
+    before_cg, before_free = _cgroup_read_here(), _meminfo_available()
     result = cgroup_memory_limit_bytes()
-    assert result is None or (result[0] > 0 and result[1] >= 0)
+    available = host_memory_available_bytes()
+    after_cg, after_free = _cgroup_read_here(), _meminfo_available()
+    assert (result is None) == (before_cg is None) == (after_cg is None), (result, before_cg, after_cg)
+    # min(MemAvailable, cap - usage), each term taken at its lowest and at its highest reading.
+    low, high = min(before_free, after_free), max(before_free, after_free)
+    if result is not None:
+        cap = before_cg[0]
+        assert result[0] == cap == after_cg[0], (result, before_cg, after_cg)
+        usages = [before_cg[1], after_cg[1]]
+        assert min(usages) - slack <= result[1] <= max(usages) + slack, (result, usages)
+        low, high = min(low, max(0, cap - max(usages))), min(high, max(0, cap - min(usages)))
+    assert low - slack <= available <= high + slack, (available, low, high, result)
+    assert available > 0
 
 
 # --- page cache is not usage; memory.high is a cap -------------------------------------

@@ -205,7 +205,8 @@ print("child", code)
     ],
 )
 def test_absurd_settings_are_refused(kwargs):
-    with pytest.raises(ValueError):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"^{name} must be in \d+\.\.\d+( bytes)?, got {value}$"):
         Copier("cpu", **kwargs)
 
 

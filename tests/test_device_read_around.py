@@ -231,19 +231,43 @@ def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
         assert mgr._loads.reader.leased == 0 and mgr._loads._outstanding == 0
 
 
-def test_switching_with_layers_loaded_through_the_mapping(ckpt):
-    """A switch (``auto``) meets layers the mapping path loaded: they are released as they were loaded."""
+def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
+    """A switch (``auto``) meets layers the mapping path loaded: they are released as they were loaded.
+
+    Released means given back to the device pool for the next layer, not freed: ``device_bytes`` (in
+    use + pooled) is then every buffer the pool ever handed out - counted here by watching it hand them
+    out - all of them back in the pool; only ``close()`` frees them (0)."""
+    from mapoffload._manager.device_pool import DevicePool
+
+    handed: dict[int, torch.Tensor] = {}  # id -> every distinct buffer take() returned
+    real_take = DevicePool.take
+
+    def take(self, nbytes):
+        buf = real_take(self, nbytes)
+        assert buf.numel() == nbytes
+        handed[id(buf)] = buf
+        return buf
+
+    monkeypatch.setattr(DevicePool, "take", take)
     path, x, want = ckpt
     model = mapped(path)
     with _twin(model, stream_reads="mapping", resident_layers=2) as mgr:
         mgr.register_forward_hooks()
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.is_loaded(0) and mgr.is_loaded(1)
+        assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
         mgr._read_around("a test")
         assert isinstance(mgr._loads, DeviceReadAround) and mgr.stream_reads_why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
-        assert mgr.device_bytes >= 0 and mgr._loads.reader.leased == 0
+        assert not any(mgr.is_loaded(i) for i in range(LAYERS)) and mgr._loads.reader.leased == 0
+        made = sum(b.numel() for b in handed.values())
+        pooled = [b for bufs in mgr._loads._pool._free.values() for b in bufs]
+        assert mgr.device_bytes == made > 0  # released buffers stay pooled, none lost from the count
+        assert {id(b) for b in pooled} == set(handed)  # every buffer back in the pool: none still in use
+        assert all(torch.equal(y, want) for y in _forwards(model, x, 1))
+        assert sum(b.numel() for b in handed.values()) == made  # the next forward reused them: none new
+    assert mgr.device_bytes == 0  # close() frees the pool
 
 
 def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_runs_direct(ckpt):

@@ -83,8 +83,9 @@ def test_attach_makes_the_weight_its_dequantization():
     attach_fp8(lin, "weight", codes, scale, dtype=torch.bfloat16)
     assert torch.equal(lin.weight, dequantize_fp8(codes, scale, dtype=torch.bfloat16))
     params = dict(lin.named_parameters())
-    assert params["parametrizations.weight.original"] is not None
-    assert params["parametrizations.weight.original"].dtype == E4M3
+    original = params["parametrizations.weight.original"]
+    assert original.dtype == E4M3 and original.data_ptr() == codes.data_ptr()  # the codes kept, not copied
+    assert original.shape == codes.shape and not original.requires_grad
     assert params["parametrizations.weight.0.scale"].data_ptr() == scale.data_ptr()  # kept, not copied
     x = torch.randn(3, 256).bfloat16()
     ref = torch.nn.functional.linear(x, dequantize_fp8(codes, scale, dtype=torch.bfloat16), lin.bias)

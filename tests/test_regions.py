@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import os
 import subprocess
@@ -183,10 +184,103 @@ def test_component_residency_bytes(checkpoint):
     assert out["host_mapped"] == loaded["a"].untyped_storage().nbytes()
 
 
+# The fixed public names of the design's contract (DESIGN.md, "Contract: the public names"), written
+# out here, each with its kind and what the contract fixes of its signature: positional parameters in
+# order, then keyword-only ones (name -> default, or REQUIRED).
+REQUIRED = object()
+CONTRACT_FUNCTIONS = {
+    "component_residency_bytes": (["module"], {}),
+    "resident_bytes": (["tensors"], {}),
+    "drop_page_cache": (["path"], {}),
+    "cgroup_memory_limit_bytes": ([], {"root": "/"}),
+    "host_memory_available_bytes": ([], {"root": "/"}),
+    "host_copies_would_not_fit": (["weight_bytes"], {"available_bytes": None}),
+    "checkpoint_bytes": (["path"], {}),
+    "checkpoint_files": (["path"], {}),
+    "keep_checkpoint_mapped": ([], {"weight_bytes": REQUIRED, "component": REQUIRED}),
+    "match_checkpoint_dtypes": (["loaded", "target_state"], {}),
+    "load_checkpoint": (["module", "path"], {"keep_mapping": None, "strict": True, "device": "cpu"}),
+    "rss_anon_bytes": ([], {}),
+    "empty_weights": ([], {}),
+    "from_pretrained": (["cls", "folder"], {"device": REQUIRED, "dtype": "auto"}),
+    "offload": (["model"], {"device": REQUIRED, "layers": "auto", "rest": "auto"}),
+}
+CONTRACT_CONSTANTS = {"GIB_BYTES": 1 << 30, "HOST_COPY_RESERVE_BYTES": 4 << 30}
+CONTRACT_EXCEPTIONS = {"CheckpointError": Exception, "MappingFaultError": OSError, "CudaError": Exception}
+CONTRACT_CLASSES = {
+    "MappedRegions": ("available", "holds_pointer", "holds", "classify", "span_classes"),
+    "LayerwiseOffloadManager": (
+        "register_forward_hooks", "remove_forward_hooks", "prefetch_layer", "release_layer", "release_all",
+        "load_all_layers", "sync_layer_to_cpu", "update_cpu_weights", "iter_cpu_weights", "close", "__enter__",
+        "__exit__", "mapped_bytes", "pinned_bytes", "pageable_bytes", "peak_device_bytes",
+    ),
+    "LoadReport": ("files", "tensors", "bytes_mapped", "bytes_copied", "copied", "missing_keys", "unexpected_keys",
+                   "seconds"),
+    "OffloadedWeight": (),
+}
+
+
 def test_public_names_are_sorted_and_importable():
-    assert list(mapoffload.__all__) == sorted(mapoffload.__all__)
-    for name in mapoffload.__all__:
-        assert getattr(mapoffload, name) is not None
+    names = list(mapoffload.__all__)
+    assert names == sorted(set(names))  # sorted, no name twice
+    contract = {*CONTRACT_FUNCTIONS, *CONTRACT_CONSTANTS, *CONTRACT_EXCEPTIONS, *CONTRACT_CLASSES}
+    assert contract - set(names) == set()  # every name of the contract is public
+    namespace: dict = {}
+    exec(f"from mapoffload import {', '.join(names)}", namespace)  # as a user imports them
+    for name in names:
+        assert not inspect.ismodule(namespace[name]), name  # e.g. `offload` the function, not the submodule
+        assert namespace[name] is getattr(mapoffload, name)
+
+
+def test_contract_names_are_of_their_kind():
+    import contextlib
+    import dataclasses
+
+    for name, value in CONTRACT_CONSTANTS.items():
+        got = getattr(mapoffload, name)
+        assert type(got) is int and got == value, name
+    for name, base in CONTRACT_EXCEPTIONS.items():
+        cls = getattr(mapoffload, name)
+        assert inspect.isclass(cls) and issubclass(cls, base), (name, cls.__mro__)
+    for name, (positional, keyword) in CONTRACT_FUNCTIONS.items():
+        fn = getattr(mapoffload, name)
+        assert inspect.isfunction(fn), (name, fn)
+        params = list(inspect.signature(fn).parameters.values())
+        pos = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        assert pos[:len(positional)] == positional, (name, pos)
+        assert all(p.default is not p.empty for p in params[len(positional):] if p.kind == p.POSITIONAL_OR_KEYWORD), \
+            (name, "a required positional parameter the contract does not have")
+        kw = {p.name: p for p in params if p.kind == p.KEYWORD_ONLY}
+        for arg, default in keyword.items():
+            assert arg in kw, (name, arg, list(kw))
+            if default is REQUIRED:
+                assert kw[arg].default is inspect.Parameter.empty, (name, arg, kw[arg].default)
+            else:
+                assert kw[arg].default == default, (name, arg, kw[arg].default)
+    with mapoffload.empty_weights() as inside:  # a context manager: parameters on meta, buffers real
+        assert inside is None
+        lin, norm = torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)
+    assert not norm.running_mean.is_meta and torch.equal(norm.running_var, torch.ones(2))
+    assert lin.weight.is_meta and norm.weight.is_meta
+    assert isinstance(mapoffload.empty_weights(), contextlib.AbstractContextManager)
+    for name, members in CONTRACT_CLASSES.items():
+        cls = getattr(mapoffload, name)
+        assert inspect.isclass(cls), name
+        missing = [a for a in members if not hasattr(cls, a) and a not in getattr(cls, "__dataclass_fields__", {})]
+        assert missing == [], (name, missing)
+    assert issubclass(mapoffload.OffloadedWeight, torch.nn.Parameter)
+    assert dataclasses.is_dataclass(mapoffload.LoadReport)
+    assert isinstance(MappedRegions.available, property)
+    sig = inspect.signature(mapoffload.LayerwiseOffloadManager)
+    assert list(sig.parameters)[:2] == ["model", "layers"]
+    for arg, default in {"prefetch_layers": 1, "host_store": "auto", "available_bytes": None, "cpu_twin": False,
+                         "page_cache_bytes": None, "local_ranks": None}.items():
+        p = sig.parameters[arg]
+        assert p.kind == p.KEYWORD_ONLY and p.default == default, (arg, p)
+    assert sig.parameters["device"].kind == inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["device"].default is inspect.Parameter.empty
+    prefetch = inspect.signature(mapoffload.LayerwiseOffloadManager.prefetch_layer).parameters
+    assert prefetch["non_blocking"].default is True
 
 
 def test_device_check_path_and_tensors_without_storage(checkpoint):

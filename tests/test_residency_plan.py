@@ -52,7 +52,7 @@ def test_uneven_layers_reserve_the_largest_and_keep_a_prefix():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="layer sizes must be >= 0"):
         plan_residency([10, -1], 100)
 
 
@@ -64,10 +64,25 @@ def _v1(root, cap, usage, active_file, inactive_file):
           f"cache 1\ntotal_active_file {active_file}\ntotal_inactive_file {inactive_file}\n")
 
 
+# The default margin of the README's knobs table, "64 MiB + 1/32 of the cgroup's or machine's limit",
+# worked out by hand for the caps the tests use (cap in MiB -> margin in MiB): 64 + cap / 32.
+DEFAULT_MARGIN_MIB = {
+    78: "66.4375",  # 78 / 32 = 2.4375
+    79: "66.46875",  # 79 / 32 = 2.46875
+    85: "66.65625",  # 85 / 32 = 2.65625
+    90: "66.8125",  # 90 / 32 = 2.8125
+    100: "67.125",  # 100 / 32 = 3.125
+    200: "70.25",  # 200 / 32 = 6.25
+    1024: "96",  # 1024 / 32 = 32
+}
+
+
 def pin_whole_margin(monkeypatch, cap: int) -> None:
-    """The default margin for ``cap`` as the user's (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``): no thin
-    share for the cached set (tests of the plan's other rules; test_thin_margin tests that share)."""
-    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, repr((64 * MIB + cap // 32) / MIB))
+    """The default margin for ``cap`` (bytes, one of DEFAULT_MARGIN_MIB's) as the user's
+    (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``): no thin share for the cached set (tests of the plan's
+    other rules; test_thin_margin tests that share)."""
+    assert cap % MIB == 0 and cap // MIB in DEFAULT_MARGIN_MIB, f"work out the margin of a {cap / MIB} MiB cap"
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, DEFAULT_MARGIN_MIB[cap // MIB])
 
 
 def _v2(root, cap, usage, active_file, inactive_file, high="max"):
@@ -86,7 +101,8 @@ def test_budget_counts_other_files_cache_but_not_the_weights_own(tmp_path, tree)
     b = page_cache_budget(250 * MIB, root=str(tmp_path))
     assert isinstance(b, PageCacheBudget) and b.source == "cgroup" and b.limit == cap
     assert b.other_bytes == 300 * MIB + 150 * MIB  # anon + the other files' 150 MiB
-    assert b.usable == cap - b.other_bytes - b.margin
+    assert b.margin == 96 * MIB  # 64 MiB + 1024 MiB / 32
+    assert b.usable == 478 * MIB  # 1024 - 450 - 96
     # The same cgroup with the weights' pages gone from the cache: the same answer.
     tree(tmp_path, cap, 450 * MIB, 100 * MIB, 50 * MIB)
     assert page_cache_budget(0, root=str(tmp_path)).usable == b.usable
@@ -112,7 +128,8 @@ def test_budget_override_and_uncapped(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")
     b = page_cache_budget(0, root=str(tmp_path))
     assert b.source == ENV_HOST_AVAILABLE_GIB and b.other_bytes == 100 * MIB
-    assert b.usable == 1024 * MIB - 100 * MIB - b.margin
+    assert b.limit == 1024 * MIB and b.margin == 96 * MIB  # 64 MiB + 1 GiB / 32
+    assert b.usable == 828 * MIB  # 1024 - 100 (RssAnon) - 96
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "0.01")
     assert page_cache_budget(0, root=str(tmp_path)).usable == 0
     assert "usable" in str(b)
@@ -123,10 +140,10 @@ def test_margin_knob_replaces_the_default_margin(tmp_path, tree, monkeypatch):
     cap = 1024 * MIB
     tree(tmp_path, cap, 700 * MIB, 300 * MIB, 100 * MIB)
     default = page_cache_budget(250 * MIB, root=str(tmp_path))
-    assert default.margin == 64 * MIB + cap // 32
+    assert default.margin == 96 * MIB and default.usable == 478 * MIB  # 64 + 1024 / 32; 1024 - 450 - 96
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "16")
     thin = page_cache_budget(250 * MIB, root=str(tmp_path))
-    assert thin.margin == 16 * MIB and thin.usable == default.usable + default.margin - 16 * MIB
+    assert thin.margin == 16 * MIB and thin.usable == 558 * MIB  # 1024 - 450 - 16
     assert "margin 16.00 MiB" in str(thin)
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "4096")  # long prefills: more room for activations
     assert page_cache_budget(250 * MIB, root=str(tmp_path)).usable == 0
@@ -134,6 +151,20 @@ def test_margin_knob_replaces_the_default_margin(tmp_path, tree, monkeypatch):
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "0")
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "1")
     assert page_cache_budget(0, root=str(tmp_path / "none")).margin == 0
+
+
+@pytest.mark.parametrize("cap_mib", sorted(DEFAULT_MARGIN_MIB))
+def test_default_margin_is_the_readmes_rule_worked_by_hand(tmp_path, monkeypatch, cap_mib):
+    """The hand-worked table pin_whole_margin pins is the default margin itself, and pinning it
+    changes nothing but the thin share."""
+    monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    _v2(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)
+    default = page_cache_budget(0, root=str(tmp_path))
+    assert default.source == "cgroup" and default.margin == int(float(DEFAULT_MARGIN_MIB[cap_mib]) * MIB)
+    pin_whole_margin(monkeypatch, cap_mib * MIB)
+    pinned = page_cache_budget(0, root=str(tmp_path))
+    assert (pinned.margin, pinned.usable) == (default.margin, default.usable) and pinned.cache_extra == 0
 
 
 @pytest.mark.parametrize("bad", ["-1", "nan", "lots", "1048577"])

@@ -1,19 +1,24 @@
 """``handle.summary()`` / ``handle.rows``: every number checked against an
-independent measure (``MappedRegions().span_classes`` over the tensors), every
-word true for the store and device in use, ≤ 100 columns."""
+independent measure (the checkpoint's own header for the sizes, and the test's
+own reading of ``/proc/self/maps`` for which tensors lie on the file's mapping;
+the summary itself asks ``MappedRegions().span_classes``), every word true for
+the store and device in use, ≤ 100 columns."""
 
 from __future__ import annotations
+
+import json
+import os
+import struct
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import mapoffload
-from mapoffload import LayerwiseOffloadManager, MappedRegions, empty_weights, load_checkpoint
+from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
 from mapoffload._log import format_bytes
 from mapoffload.hf._summary import stack_row
 from mapoffload.hf.diffusers import offload_pipeline
-from mapoffload.regions import tensor_extent
 from models import TinyModel, saveable_state
 
 
@@ -32,17 +37,62 @@ def _load(path, keep_mapping=True):
     return model.eval()
 
 
-def _classes(tensors):
-    """(mapped, anonymous) extent bytes of distinct tensors, measured by span_classes."""
-    unique = list({(t.data_ptr(), tensor_extent(t)[1]): t for t in tensors}.values())
+def _header_bytes(path, prefix: str = "") -> int:
+    """Bytes of the checkpoint's tensors named ``prefix...``, from its safetensors header (read here)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(e - b for k, v in header.items() if k != "__metadata__" and k.startswith(prefix)
+               for b, e in [v["data_offsets"]])
+
+
+def _file_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges of ``path``'s mappings in /proc/self/maps (read here), adjacent ones merged."""
+    real = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and fields[5] == real:
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _classes(tensors, path):
+    """(mapped, anonymous) bytes of distinct tensors: mapped when every byte lies on a mapping of the
+    checkpoint file ``path``, anonymous otherwise."""
+    ranges = _file_ranges(path)
+    unique = {}
+    for t in tensors:
+        assert t.is_contiguous()  # so nbytes is its whole extent
+        unique[t.data_ptr(), t.nbytes] = t
     mapped = anonymous = 0
-    for t, cls in zip(unique, MappedRegions().span_classes(unique)):
-        n = tensor_extent(t)[1]
-        if cls == "file":
+    for ptr, n in unique:
+        if any(lo <= ptr and ptr + n <= hi for lo, hi in ranges):
             mapped += n
         else:
             anonymous += n
     return mapped, anonymous
+
+
+def test_the_reference_measure(checkpoint):
+    """The test's measure on what is known: the header's sizes (3 blocks of LayerNorm(32), Linear(32, 64)
+    and Linear(64, 32), fp32: 3 x 4256 x 4 bytes; a 64 x 32 embedding), views of the mapping, copies."""
+    assert _header_bytes(checkpoint, "blocks.") == 51072 and _header_bytes(checkpoint, "embed.") == 8192
+    mapped = _load(checkpoint)
+    copied = _load(checkpoint, keep_mapping=False)
+    assert _classes(list(mapped.blocks.parameters()), checkpoint) == (51072, 0)
+    assert _classes(list(copied.blocks.parameters()), checkpoint) == (0, 51072)
+    w = mapped.embed.weight
+    assert _classes([w, w, mapped.head.weight], checkpoint) == (8192, 0)  # one tensor (tied head), once
+    assert _classes([mapped.position_ids], checkpoint) == (0, 16 * 8)  # a real buffer, not from the file
 
 
 def _hosts(handle, unit):
@@ -64,12 +114,13 @@ def test_mapped_store_rows_match_the_measure(checkpoint):
     with mapoffload.offload(model, device="cpu", layers="blocks") as handle:
         blocks, rest = handle.rows
         assert (blocks.unit, blocks.how, blocks.layers) == ("blocks", "in place", 3)
-        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"))
+        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"), checkpoint)
         assert blocks.anonymous_bytes == 0 and blocks.pinned_bytes == blocks.device_bytes == 0
-        assert blocks.nbytes == blocks.mapped_bytes > 0
+        assert blocks.nbytes == blocks.mapped_bytes == _header_bytes(checkpoint, "blocks.")
         assert (rest.unit, rest.how, rest.layers) == ("rest", "placed", None)
-        assert (rest.mapped_bytes, rest.anonymous_bytes) == _classes(_outside(model))
-        assert rest.anonymous_bytes == model.position_ids.nbytes  # a real buffer, not from the file
+        assert (rest.mapped_bytes, rest.anonymous_bytes) == _classes(_outside(model), checkpoint)
+        assert rest.mapped_bytes == _header_bytes(checkpoint, "embed.")  # the tied head counted once
+        assert rest.anonymous_bytes == 16 * 8  # position_ids: a real int64 buffer, not from the file
         text = handle.summary()
         _check_words(text)
         assert "views of the checkpoint's file mapping" in text and "nothing is copied" in text
@@ -85,8 +136,8 @@ def test_copied_store_rows_say_anonymous(checkpoint):
     model = _load(checkpoint, keep_mapping=False)
     with mapoffload.offload(model, device="cpu", layers="blocks") as handle:
         blocks = handle.rows[0]
-        assert blocks.mapped_bytes == 0
-        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"))
+        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == (0, _header_bytes(checkpoint, "blocks."))
+        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"), checkpoint)
         assert blocks.how == "in place" and blocks.read_per_forward == 0 and blocks.cached_bytes == 0
         text = handle.summary()
         _check_words(text)
@@ -102,8 +153,8 @@ def test_mixed_store_after_an_update(checkpoint):
         handle.managers["blocks"].update_cpu_weights({name: torch.zeros(64, 32)})
         blocks = handle.rows[0]
         assert blocks.anonymous_bytes == 64 * 32 * 4
-        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"))
-        assert blocks.mapped_bytes > 0
+        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"), checkpoint)
+        assert blocks.mapped_bytes == _header_bytes(checkpoint, "blocks.") - _header_bytes(checkpoint, name)
         assert "part on the file mapping, part anonymous copies" in handle.summary()
 
 
@@ -111,8 +162,9 @@ def test_pageable_host_store_on_the_cpu_is_a_copy_asked_for(checkpoint):
     model = _load(checkpoint)
     with mapoffload.offload(model, device="cpu", layers="blocks", host_store="pageable") as handle:
         blocks = handle.rows[0]
-        assert blocks.mapped_bytes == 0 and blocks.anonymous_bytes == blocks.nbytes
-        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"))
+        assert blocks.mapped_bytes == 0
+        assert blocks.anonymous_bytes == blocks.nbytes == _header_bytes(checkpoint, "blocks.")
+        assert (blocks.mapped_bytes, blocks.anonymous_bytes) == _classes(_hosts(handle, "blocks"), checkpoint)
         assert "host_store='pageable' asked" in handle.summary()
 
 
@@ -121,7 +173,9 @@ def test_cpu_twin_is_streamed_and_says_so(checkpoint):
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True) as mgr:
         row = stack_row("blocks", mgr, available=None, host_store_given=False)
         assert row.how == "streamed" and "CPU twin" in row.where
-        assert (row.mapped_bytes, row.anonymous_bytes) == _classes([t for _, t in mgr.iter_cpu_weights()])
+        hosts = [t for _, t in mgr.iter_cpu_weights()]
+        assert (row.mapped_bytes, row.anonymous_bytes) == _classes(hosts, checkpoint)
+        assert row.mapped_bytes + row.anonymous_bytes == _header_bytes(checkpoint, "blocks.")
 
 
 def test_residency_under_a_cap_reports_the_bytes_read_each_forward(checkpoint):
@@ -148,12 +202,13 @@ def test_streamed_rest_counts_modules_and_placed_tensors_once(checkpoint):
     with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream") as handle:
         blocks, rest, placed = handle.rows
         assert (rest.unit, rest.layers, rest.how) == ("rest", 2, "in place")
-        assert (rest.mapped_bytes, rest.anonymous_bytes) == _classes(_hosts(handle, "rest"))
-        assert rest.mapped_bytes == rest.anonymous_bytes == model.embed.weight.nbytes
+        assert (rest.mapped_bytes, rest.anonymous_bytes) == _classes(_hosts(handle, "rest"), checkpoint)
+        assert rest.mapped_bytes == rest.anonymous_bytes == _header_bytes(checkpoint, "embed.")
         assert (placed.unit, placed.layers, placed.how) == ("placed", None, "placed")
-        assert placed.nbytes == placed.anonymous_bytes == model.position_ids.nbytes
+        assert placed.nbytes == placed.anonymous_bytes == 16 * 8  # position_ids
         everything = _hosts(handle, "blocks") + _hosts(handle, "rest") + [model.position_ids]
-        assert sum(r.nbytes for r in handle.rows) == sum(_classes(everything))
+        assert sum(r.nbytes for r in handle.rows) == sum(_classes(everything, checkpoint))
+        assert sum(r.nbytes for r in handle.rows) == _header_bytes(checkpoint) + 8192 + 16 * 8  # + the untied copy
         text = handle.summary()
         _check_words(text)
         assert "rest: computes on the CPU" in text and "2 modules" in text
@@ -175,8 +230,9 @@ def test_pipeline_rows_per_component(checkpoint):
         assert {r.component for r in rows} == {"text_encoder", "transformer"}
         enc = [r for r in rows if r.component == "text_encoder"]
         dit = [r for r in rows if r.component == "transformer"]
-        assert enc[0].mapped_bytes > 0 and enc[0].anonymous_bytes == 0
-        assert dit[0].mapped_bytes == 0 and dit[0].anonymous_bytes > 0
+        blocks = _header_bytes(checkpoint, "blocks.")
+        assert (enc[0].unit, enc[0].mapped_bytes, enc[0].anonymous_bytes) == ("blocks", blocks, 0)
+        assert (dit[0].unit, dit[0].mapped_bytes, dit[0].anonymous_bytes) == ("blocks", 0, blocks)
         text = handle.summary()
         _check_words(text)
         lines = text.splitlines()

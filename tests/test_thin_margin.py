@@ -49,8 +49,9 @@ def test_the_thin_margin_is_offered_under_a_cgroup_cap_unless_the_margin_is_the_
     cap = 1024 * MIB
     _v2(tmp_path, cap, 100 * MIB, 0, 0)
     b = page_cache_budget(0, root=str(tmp_path))
-    assert b.source == "cgroup" and b.cache_margin == 8 * MIB + cap // 1024
-    assert b.cache_extra == b.margin - b.cache_margin > 0
+    # README: "64 MiB + 1/32 of the cgroup's limit, of which cached weights may use all but 8 MiB + 1/1024".
+    assert b.source == "cgroup" and b.margin == 96 * MIB and b.cache_margin == 9 * MIB  # 64 + 32; 8 + 1
+    assert b.cache_extra == 87 * MIB  # 96 - 9
     assert "for the cached set" in str(b)
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, "32")  # the user's margin is the margin, for all
     assert page_cache_budget(0, root=str(tmp_path)).cache_extra == 0
