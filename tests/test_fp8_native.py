@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import platform
 import random
 
 import pytest
@@ -50,16 +51,20 @@ def first_difference(got: torch.Tensor, want: torch.Tensor, codes: torch.Tensor,
             f"native 0x{int(g[i]) & 0xFFFFFFFF:x}, torch 0x{int(w[i]) & 0xFFFFFFFF:x}")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as the kernel reports them (independent of the native check)."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+def _cpuinfo_flags() -> set[str]:
+    """The first CPU's ``flags`` line of /proc/cpuinfo (empty where there is none: not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
     return set()
 
 
-HAS_VBMI = {"avx512f", "avx512bw", "avx512vbmi"} <= cpu_flags()
+HAS_VBMI = platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512vbmi"} <= _cpuinfo_flags()
 needs_vbmi = pytest.mark.skipif(
     not HAS_VBMI, reason="this CPU lacks AVX-512 VBMI (/proc/cpuinfo): the SIMD lookup cannot run here; "
                          "simd=True runs the portable loop, which the 'table' cases test")
@@ -339,19 +344,6 @@ def test_a_truncated_mapped_file_raises_and_the_process_lives(tmp_path):
     m.close()
 
 
-def _cpuinfo_flags() -> set[str]:
-    """The first CPU's ``flags`` line of /proc/cpuinfo (empty where there is none: not x86)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
-
-
 def test_simd_names_what_it_runs():
     """'avx512vbmi' exactly where this CPU and OS run AVX-512 VBMI, '' elsewhere (simd=True then runs the
     portable loop).
@@ -361,11 +353,8 @@ def test_simd_names_what_it_runs():
     zmm state (XCR0); the kernel drops the avx512* flags from /proc/cpuinfo where it does not enable that
     state (XSAVE off, ``noxsave``, a hypervisor's mask), so the three flags there are the same question.
     No environment variable overrides it."""
-    import platform
-
     flags = _cpuinfo_flags()
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    want = "avx512vbmi" if x86 and {"avx512f", "avx512bw", "avx512vbmi"} <= flags else ""
+    want = "avx512vbmi" if HAS_VBMI else ""
     assert _core.fp8_simd() == want, (platform.machine(), sorted(f for f in flags if f.startswith("avx512")))
 
 
