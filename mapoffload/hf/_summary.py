@@ -205,9 +205,16 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
 def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, host_store_given: bool,
               modules: bool = False, why: str | None = None) -> OffloadRow:
     """The row of one manager (a stack, or the streamed rest when ``modules``)."""
+    from .._manager.buffers import held_buffers
+
     mapped, anonymous, pinned, _, total = _measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
-    if m.copier is None:
+    read_around = next((b for b in held_buffers(m) if b.what == "read-around buffers"), None)
+    if m.copier is None and read_around is not None:
+        how, where = IN_PLACE, ("computes on the CPU from the host tensors; the streamed layers are read from "
+                                f"the file into reused read-around buffers ({format_bytes(read_around.nbytes)}, "
+                                "row 'buffers'), the cached ones compute from the mapping")
+    elif m.copier is None:
         how, where = IN_PLACE, "computes on the CPU from the host tensors; nothing is copied"
     elif m.device.type == "cpu":
         how = STREAMED
@@ -244,6 +251,43 @@ def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[t
 
 
 # --- the table ------------------------------------------------------------------------------
+
+
+REUSED = "reused"
+
+
+def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Module | None = None,
+                component: str = "") -> OffloadRow | None:
+    """The row of the working buffers the managers' machinery holds now
+    (:mod:`mapoffload._manager.buffers`: read-around buffers, staging slots,
+    the CPU twin's device buffers) and, for a model with fp8 weights, the
+    process's fp8 working buffers; None when there are none. Not weights:
+    its ``nbytes`` is 0, so it is no part of "a full host copy"."""
+    from .._fp8_workspace import workspace
+    from .._manager.buffers import held_buffers
+    from ..fp8 import fp8_weights
+
+    kinds: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    for m in managers:
+        for b in held_buffers(m):
+            if b.owner in seen:
+                continue
+            seen.add(b.owner)
+            k = kinds.setdefault(b.what, [0, 0])
+            k[0] += b.anonymous
+            k[1] += b.pinned
+    if model is not None and next(fp8_weights(model), None) is not None and workspace().bytes:
+        kinds["fp8 working buffers (shared by the process's fp8 weights)"] = [workspace().bytes, 0]
+    if not kinds:
+        return None
+    anonymous, pinned = sum(a for a, _ in kinds.values()), sum(p for _, p in kinds.values())
+    parts = "; ".join(f"{what} {format_bytes(a + p)}" + (" pinned" if p and not a else "")
+                      for what, (a, p) in kinds.items())
+    return OffloadRow("buffers", REUSED, None, 0, anonymous, pinned, 0, 0, 0, 0,
+                      f"the offload's working memory, reused every forward: {parts}",
+                      "not weights: no file pages", "what streaming needs besides the weights' own stores",
+                      component)
 
 
 def _cells(r: OffloadRow, cols: list[str], indent: str) -> list[str]:
@@ -303,6 +347,10 @@ def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any]
             f"a full host copy of these {format_bytes(full)} would all be anonymous or pinned memory; here "
             f"{format_bytes(host_copy)} is, and {format_bytes(total.mapped_bytes)} ({pct:.0f} %) stays on the "
             "file mapping (page cache the kernel can drop and re-read)", ""))
+    buffers = sum(r.anonymous_bytes + r.pinned_bytes for r in rows if r.how == REUSED)
+    if full and buffers:
+        lines.append(_wrap(f"of the {format_bytes(host_copy)} anonymous or pinned, {format_bytes(buffers)} are "
+                           "the offload's reused working buffers (row 'buffers'), not copies of weights", "    "))
     for r in rows:
         name = f"{r.component}.{r.unit}" if r.component else r.unit
         lines.append(_wrap(f"{name}: {r.where}; {r.residency}. Why: {r.why}.", "    "))

@@ -73,7 +73,7 @@ class OffloadHandle:
     @property
     def rows(self) -> list[OffloadRow]:
         """One :class:`OffloadRow` per unit, measured now (empty once closed)."""
-        from ._summary import placed_row, stack_row
+        from ._summary import buffers_row, placed_row, stack_row
 
         if self._closed:
             return []
@@ -88,6 +88,9 @@ class OffloadHandle:
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]
             rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed]))
+        buffers = buffers_row(self.managers.values(), self.model)
+        if buffers is not None:
+            rows.append(buffers)
         return rows
 
     def summary(self) -> str:

@@ -1,0 +1,59 @@
+"""The host memory a manager's machinery holds besides the weights' stores.
+
+summary() counts it (issue 27: under a cap, the read-around buffers were
++107 MiB of anonymous memory that the table called "nothing is copied"):
+
+- read-around buffers: the ``O_DIRECT`` reader's ``1 + depth`` reused,
+  page-aligned buffers (anonymous memory; on CUDA page-locked);
+- staging slots: the copier's ring (pinned on CUDA; page-aligned anonymous
+  memory for the CPU twin), allocated when the copier is made;
+- device buffers on the CPU: the CPU twin's "device" buffers are host memory.
+
+Each entry carries the identity of what holds it, so that a copier shared by
+several managers is counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..offload import LayerwiseOffloadManager
+
+__all__ = ["HeldBuffers", "held_buffers"]
+
+
+@dataclass(frozen=True)
+class HeldBuffers:
+    """Bytes of one kind of working buffer: ``anonymous`` and ``pinned`` host
+    bytes; ``owner`` the id of the object that holds them (count each once)."""
+
+    what: str
+    anonymous: int
+    pinned: int
+    owner: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.anonymous + self.pinned
+
+
+def held_buffers(manager: LayerwiseOffloadManager) -> list[HeldBuffers]:
+    """What ``manager`` holds now, besides its weights (entries with bytes only)."""
+    from .loads import ReadsAround
+
+    out: list[HeldBuffers] = []
+    loads = manager._loads
+    if isinstance(loads, ReadsAround):
+        reader = loads.reader
+        held, pinned = reader.held_bytes, reader.pinned_bytes
+        out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(reader)))
+    copier = manager.copier
+    if copier is not None and copier.mode == "staged" and not copier.closed:
+        ring = copier.slots * copier.staging_bytes
+        cuda = copier.device.type == "cuda"
+        out.append(HeldBuffers("staging slots", 0 if cuda else ring, ring if cuda else 0, id(copier)))
+    if copier is not None and manager.device.type == "cpu":
+        out.append(HeldBuffers("device buffers on the CPU", manager.device_bytes, 0, id(loads)))
+    return [b for b in out if b.nbytes]
