@@ -40,3 +40,50 @@ def saveable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     state.pop("head.weight", None)
     return state
+
+
+IDS = torch.arange(24).reshape(3, 8) % 64  # token ids TinyModel(width=32) takes
+
+
+def no_grad_forward(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)
+
+
+def mixed_model(tmp_path, reference: nn.Module) -> nn.Module:
+    """A TinyModel(width=32, layers=4) holding ``reference``'s values in three stores of one dtype.
+
+    Each block: fc weights mapped; norms and biases owned fp32 (converted, as a
+    bf16 checkpoint loaded into a model with fp32 norms gives); fc2 of block 1
+    non-contiguous."""
+    from safetensors.torch import load_file, save_file
+
+    from mapoffload import empty_weights
+
+    path = tmp_path / "w.safetensors"
+    state = saveable_state(reference)
+    save_file({k: v for k, v in state.items() if k.endswith("fc1.weight") or k.endswith("fc2.weight")}, path)
+    mapped = load_file(path)
+    with empty_weights():
+        model = TinyModel(width=32, layers=4)
+    owned = {k: v.clone() for k, v in state.items() if k not in mapped}
+    model.load_state_dict({**owned, **mapped}, strict=False, assign=True)
+    model.head.weight = model.embed.weight
+    w = model.blocks[1].fc2.weight
+    model.blocks[1].fc2.weight = torch.nn.Parameter(w.detach().t().contiguous().t())  # same values, strided
+    return model
+
+
+class Pair(torch.nn.Module):
+    """A column-parallel linear then a row-parallel one (Megatron's MLP), for ``tp`` ranks."""
+
+    def __init__(self, d: int, h: int, tp: int = 1) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, h // tp)  # weight [h, d]: rows split
+        self.down = torch.nn.Linear(h // tp, d, bias=False)  # weight [d, h]: columns split
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+PLAN = {"up.weight": 0, "up.bias": 0, "down.weight": 1}

@@ -48,7 +48,7 @@ def rank_main(rank: int, out: str, ckpt: str) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, TESTS)
-    from test_ranks import PLAN, Pair
+    from models import PLAN, Pair
 
     from mapoffload import (
         GIB_BYTES,

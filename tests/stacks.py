@@ -60,3 +60,26 @@ def drain(mgr: LayerwiseOffloadManager) -> None:
 def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:
     hosts = dict(mgr.iter_cpu_weights())  # the slots hold placeholders between forwards
     return sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]]))
+
+
+SQUARE_WIDTH, SQUARE_LAYERS = 512, 8  # 1 MiB a layer (fp32, no bias)
+
+
+class SquareStack(nn.Module):
+    """Eight square layers without bias and nothing outside them (the coordinator's attack tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(SQUARE_WIDTH, SQUARE_WIDTH, bias=False) for _ in range(SQUARE_LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def mapped_square(path) -> SquareStack:
+    with empty_weights():
+        model = SquareStack()
+    load_checkpoint(model, path, keep_mapping=True)
+    return model

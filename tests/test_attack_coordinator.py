@@ -20,32 +20,17 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+from mapoffload import LayerwiseOffloadManager
 from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager import peers as peers_module
 from mapoffload._manager.peers import PeerRegistry
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
-from test_residency_plan import _v2, pin_whole_margin
+from fake_cgroups import pin_whole_margin, v2_cap
+from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
 
 MIB = 1 << 20
-WIDTH = 512  # 1 MiB a layer (fp32, no bias)
-LAYERS = 8
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     torch.manual_seed(0)
@@ -58,13 +43,6 @@ def ckpt(tmp_path_factory):
     return path, x, want
 
 
-def mapped(path) -> Stack:
-    with empty_weights():
-        model = Stack()
-    load_checkpoint(model, path, keep_mapping=True)
-    return model
-
-
 @pytest.fixture
 def cap(tmp_path, monkeypatch):
     """A fake cgroup v2 cap; the peers' folder of this test only; a coordinator without history."""
@@ -75,7 +53,7 @@ def cap(tmp_path, monkeypatch):
     assert not coord.managers() and coord._registry is None
 
     def set_cap(mib: int) -> None:
-        _v2(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
+        v2_cap(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
         pin_whole_margin(monkeypatch, mib * MIB)
 
     set_cap(200)
@@ -353,7 +331,7 @@ FORKED = textwrap.dedent(
     import torch
     torch.set_num_threads(1)  # GNU OpenMP's pool does not survive fork
     sys.path.insert(0, sys.argv[2])
-    from test_attack_coordinator import Stack, mapped, WIDTH
+    from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
     from mapoffload import LayerwiseOffloadManager
     from mapoffload._manager.coordinator import coordinator
 

@@ -16,14 +16,9 @@ from mapoffload import (
 )
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
+from fake_cgroups import write
+
 GIB = GIB_BYTES
-
-
-def write(root, rel, text):
-    path = os.path.join(root, rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def v2_tree(root, own="/user.slice/app.scope", caps=None):

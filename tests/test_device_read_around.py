@@ -105,12 +105,11 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
 def test_mixed_stores_in_a_streamed_layer(tmp_path):
     """Mapped, consolidated and strided weights in one streamed layer: mapped ones from the buffer, the rest from
     their host stores, one copy job."""
-    from test_offload_lifetime import expected, mixed_model, run
-    from models import TinyModel
+    from models import TinyModel, mixed_model, no_grad_forward
 
     torch.manual_seed(0)
     reference = TinyModel(width=32, layers=4)
-    want = expected(reference)
+    want = no_grad_forward(reference)
     model = mixed_model(tmp_path, reference)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=0, stream_reads="direct") as mgr:
@@ -119,7 +118,7 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
         assert len(mgr.residency.streamed) == 4
         mgr.register_forward_hooks()
         for _ in range(3):
-            assert torch.equal(run(model), want)
+            assert torch.equal(no_grad_forward(model), want)
         assert mgr._loads.reader.stats()["reads"] == 12
 
 

@@ -13,24 +13,9 @@ import mapoffload  # noqa: E402
 from mapoffload import LayerwiseOffloadManager, MappedRegions, load_checkpoint  # noqa: E402
 from mapoffload.fp8 import attach_fp8, dequantize_fp8, fp8_weights  # noqa: E402
 
-E4M3 = torch.float8_e4m3fn
-
-
-def _transformers_dequant(codes, scale, dtype):
-    pytest.importorskip("transformers")
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    return Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=dtype)
-
-
-def _codes(shape, seed=0, dtype=E4M3):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(dtype)
-
-
-def _scales(shape, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(shape, generator=g) * 1e-3 + 1e-5
+from fp8_models import E4M3, Stack  # noqa: E402
+from fp8_models import random_codes as _codes, random_scales as _scales  # noqa: E402
+from fp8_models import transformers_dequant as _transformers_dequant  # noqa: E402
 
 
 @pytest.mark.parametrize("shape,grid", [
@@ -96,28 +81,6 @@ def test_attach_makes_the_weight_its_dequantization():
 
 
 # --- hand-built models: load_checkpoint + the manager -----------------------------------------------
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(width, 2 * width, bias=False)
-        self.down = torch.nn.Linear(2 * width, width, bias=False)
-        self.norm = torch.nn.LayerNorm(width)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, width: int = 256, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
 
 
 def _fp8_checkpoint(path, width=256, depth=4):
@@ -212,7 +175,7 @@ def test_the_manager_streams_one_byte_a_parameter(tmp_path, twin):
 _GROWTH = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
-from test_fp8 import Stack, _codes, _scales
+from fp8_models import Stack, random_codes as _codes, random_scales as _scales
 from safetensors.torch import save_file
 import mapoffload
 from mapoffload import LayerwiseOffloadManager, load_checkpoint

@@ -13,20 +13,9 @@ import mapoffload  # noqa: E402
 from mapoffload import CheckpointError, load_checkpoint  # noqa: E402
 from mapoffload.fp8 import attach_fp8, dequantize_fp8  # noqa: E402
 
-E4M3 = torch.float8_e4m3fn
+from fp8_models import random_codes as _codes, transformers_dequant as _transformers_dequant  # noqa: E402
+
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def _transformers_dequant(codes, scale, dtype):
-    pytest.importorskip("transformers")
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    return Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=dtype)
-
-
-def _codes(shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(E4M3)
 
 
 def _e8m0(shape, seed=1):

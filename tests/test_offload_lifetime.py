@@ -8,14 +8,13 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError, empty_weights, load_checkpoint
 from mapoffload._manager.placeholder import OffloadedWeight
 
-from models import TinyModel, saveable_state
+from models import IDS, TinyModel, mixed_model, no_grad_forward, saveable_state
 
-IDS = torch.arange(24).reshape(3, 8) % 64
 
 
 @pytest.fixture(scope="module")
@@ -24,50 +23,22 @@ def reference():
     return TinyModel(width=32, layers=4)
 
 
-def expected(model, ids=IDS):
-    with torch.no_grad():
-        return model(ids)
-
-
-def run(model, ids=IDS):
-    with torch.no_grad():
-        return model(ids)
-
-
-def mixed_model(tmp_path, reference):
-    """Each block: fc weights mapped; norms and biases owned fp32 (converted, as a
-    bf16 checkpoint loaded into a model with fp32 norms gives); fc2 of block 1
-    non-contiguous. One dtype, three stores."""
-    path = tmp_path / "w.safetensors"
-    state = saveable_state(reference)
-    save_file({k: v for k, v in state.items() if k.endswith("fc1.weight") or k.endswith("fc2.weight")}, path)
-    mapped = load_file(path)
-    with empty_weights():
-        model = TinyModel(width=32, layers=4)
-    owned = {k: v.clone() for k, v in state.items() if k not in mapped}
-    model.load_state_dict({**owned, **mapped}, strict=False, assign=True)
-    model.head.weight = model.embed.weight
-    w = model.blocks[1].fc2.weight
-    model.blocks[1].fc2.weight = torch.nn.Parameter(w.detach().t().contiguous().t())  # same values, strided
-    return model
-
-
 def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_path, reference):
     model = mixed_model(tmp_path, reference)
-    want = expected(reference)
+    want = no_grad_forward(reference)
     copier = Copier("cpu", threads=3, staging_bytes=4096, slots=2)
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", copier=copier, cpu_twin=True)
     stores = {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")}
     assert stores == {"mapped", "consolidated", "strided"}
     mgr.register_forward_hooks()
     for _ in range(5):
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
     # A weight made strided by update_cpu_weights joins the mix.
     name = "blocks.2.fc1.weight"
     mgr.update_cpu_weights({name: reference.blocks[2].fc1.weight})
     assert mgr.store_of(name) == "strided"
     for _ in range(3):
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
     # Each prefetch moves the layer's own bytes, and each consolidated host
     # buffer holds only the consolidated weights.
     for i in range(4):
@@ -92,7 +63,7 @@ def test_a_layer_run_without_hooks_fails_loudly_naming_the_layer(reference):
     assert isinstance(w, OffloadedWeight)
     assert w.shape == reference.blocks[2].fc1.weight.shape and w.dtype == torch.float32
     with pytest.raises(RuntimeError, match=r"blocks\.0\.norm\.weight .* layer 0 .*register_forward_hooks"):
-        run(model)
+        no_grad_forward(model)
     with pytest.raises(RuntimeError, match=r"blocks\.0\.norm\.weight is offloaded .* used by TensorBase\.detach"):
         model.state_dict()
     model.to("cpu")  # a whole-model move leaves the managed weights to the manager
@@ -105,23 +76,23 @@ def test_close_and_remove_hooks_give_the_model_back_whole(reference):
     model = TinyModel(width=32, layers=4)
     model.load_state_dict(reference.state_dict())
     params = dict(model.named_parameters())
-    want = expected(reference)
+    want = no_grad_forward(reference)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=2) as mgr:
         mgr.register_forward_hooks()
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
         mgr.remove_forward_hooks()
-        assert torch.equal(run(model), want)  # usable without the manager
+        assert torch.equal(no_grad_forward(model), want)  # usable without the manager
         mgr.register_forward_hooks()
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
     assert dict(model.named_parameters()).keys() == params.keys()
     assert all(p is params[n] for n, p in model.named_parameters())  # the model's own parameter objects
     for k, v in reference.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
-    assert torch.equal(run(model), want)
+    assert torch.equal(no_grad_forward(model), want)
     # A second manager on the returned model sees real weights.
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as again:
         again.register_forward_hooks()
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
     mgr.close()  # idempotent
 
 
@@ -135,8 +106,8 @@ def test_weight_tied_outside_the_stack_is_left_alone_and_right(reference):
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         assert mgr.unmanaged == ["blocks.2.fc1.weight"]
         mgr.register_forward_hooks()
-        assert torch.equal(run(model), want)
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
+        assert torch.equal(no_grad_forward(model), want)
         assert model.head.weight is model.blocks[2].fc1.weight
 
 
@@ -146,11 +117,11 @@ def test_load_all_layers_keeps_them_through_a_forward(reference):
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         mgr.register_forward_hooks()
         mgr.load_all_layers()
-        assert torch.equal(run(model), expected(reference))
+        assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
         assert all(mgr.is_loaded(i) for i in range(4))
         mgr.release_all()
         assert not any(mgr.is_loaded(i) for i in range(4))
-        assert torch.equal(run(model), expected(reference))
+        assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
         assert not any(mgr.is_loaded(i) for i in range(4))
 
 
@@ -165,21 +136,21 @@ def test_fault_while_streaming_releases_the_layer_and_recovers(tmp_path, referen
     # file anywhere else would be a real crash, as it is without the library.
     model.embed.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
     model.head.weight = model.embed.weight
-    want = expected(reference)
+    want = no_grad_forward(reference)
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", prefetch_layers=2)
     mgr.register_forward_hooks()
-    assert torch.equal(run(model), want)
+    assert torch.equal(no_grad_forward(model), want)
     os.truncate(path, 4096)  # the file goes away under the mapping
     with pytest.raises(MappingFaultError) as info:
-        run(model)
+        no_grad_forward(model)
     assert info.value.filename == str(path)
     assert not any(mgr.is_loaded(i) for i in range(4))
     with open(path, "r+b") as f:  # whole again, same inode: the mapping sees it
         f.write(good)
     for _ in range(2):
-        assert torch.equal(run(model), want)
+        assert torch.equal(no_grad_forward(model), want)
     mgr.close()
-    assert torch.equal(run(model), want)
+    assert torch.equal(no_grad_forward(model), want)
 
 
 def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused(reference):
@@ -195,7 +166,7 @@ def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused
             LayerwiseOffloadManager(model, "blocks", device="cpu")
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as again:  # closed: free to take
         again.register_forward_hooks()
-        assert torch.equal(run(model), expected(reference))
+        assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
 
 
 def test_building_copied_stores_never_holds_two_copies_of_the_model(monkeypatch):

@@ -25,7 +25,7 @@ from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager.residency import plan_residency, plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
-from test_residency_plan import _v2, pin_whole_margin
+from fake_cgroups import pin_whole_margin, v2_cap
 
 MIB = 1 << 20
 WIDTH = 512  # 1 MiB a layer (fp32), plus its bias
@@ -75,7 +75,7 @@ def cap(tmp_path, monkeypatch):
     monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))  # no peers from other tests
 
     def set_cap(mib: int) -> None:
-        _v2(tmp_path, mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights, no file cache
+        v2_cap(tmp_path, mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights, no file cache
         pin_whole_margin(monkeypatch, mib * MIB)
 
     return set_cap

@@ -23,6 +23,8 @@ from mapoffload import (
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 from mapoffload.ranks import ENV_LOCAL_WORLD_SIZE, staging_ring_settings
 
+from models import PLAN, Pair
+
 GIB = GIB_BYTES
 MIB = 1 << 20
 
@@ -149,21 +151,6 @@ def test_shard_tensor_rows_are_views_of_the_mapping_columns_are_copies(tmp_path)
 def test_shard_tensor_refuses_what_it_cannot_split(args, match):
     with pytest.raises(ValueError, match=match):
         shard_tensor(torch.zeros(4, 6), *args)
-
-
-class Pair(torch.nn.Module):
-    """A column-parallel linear then a row-parallel one (Megatron's MLP), for ``tp`` ranks."""
-
-    def __init__(self, d: int, h: int, tp: int = 1) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(d, h // tp)  # weight [h, d]: rows split
-        self.down = torch.nn.Linear(h // tp, d, bias=False)  # weight [d, h]: columns split
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-PLAN = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
 
 
 def test_load_checkpoint_with_a_shard_plan_maps_rows_and_counts_copied_columns(tmp_path):

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from child import describe
-from test_ranks import Pair
+from models import Pair
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

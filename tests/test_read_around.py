@@ -181,12 +181,12 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     monkeypatch.setattr(type(coord), "_share_with_peers", with_replicas)
     # A measured budget (a given one plans without peers): a fake cgroup whose cap leaves
     # room for part of the stack.
-    from test_residency_plan import _v2, pin_whole_margin
+    from fake_cgroups import pin_whole_margin, v2_cap
 
     monkeypatch.delenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", raising=False)
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
     monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
-    _v2(tmp_path, 100 << 20, 10 << 20, 0, 0)
+    v2_cap(tmp_path, 100 << 20, 10 << 20, 0, 0)
     pin_whole_margin(monkeypatch, 100 << 20)
     path, x, want = ckpt
     model = mapped(path)

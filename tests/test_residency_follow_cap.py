@@ -13,7 +13,7 @@ from mapoffload._manager import coordinator as coordinator_module
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from stacks import LAYERS, mapped
-from test_residency_plan import _v2, pin_whole_margin
+from fake_cgroups import pin_whole_margin, v2_cap
 
 MIB = 1 << 20
 
@@ -25,7 +25,7 @@ def fake_cgroup(tmp_path, monkeypatch):
 
     def cap(mib: int) -> None:
         # 10 MiB in use besides the weights, no file cache.
-        _v2(tmp_path, mib * MIB, 10 * MIB, 0, 0)
+        v2_cap(tmp_path, mib * MIB, 10 * MIB, 0, 0)
         pin_whole_margin(monkeypatch, mib * MIB)
 
     return cap

@@ -7,7 +7,7 @@ import pytest
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, PageCacheBudget, page_cache_budget
 from mapoffload._manager.residency import plan_residency
 
-from test_budget import write
+from fake_cgroups import DEFAULT_MARGIN_MIB, pin_whole_margin, v1_cap, v2_cap, write
 
 MIB = 1 << 20
 
@@ -56,44 +56,7 @@ def test_bad_sizes_are_refused():
         plan_residency([10, -1], 100)
 
 
-def _v1(root, cap, usage, active_file, inactive_file):
-    write(root, "proc/self/cgroup", "4:memory:/app\n0::/\n")
-    write(root, "sys/fs/cgroup/memory/app/memory.limit_in_bytes", str(cap))
-    write(root, "sys/fs/cgroup/memory/app/memory.usage_in_bytes", str(usage))
-    write(root, "sys/fs/cgroup/memory/app/memory.stat",
-          f"cache 1\ntotal_active_file {active_file}\ntotal_inactive_file {inactive_file}\n")
-
-
-# The default margin of the README's knobs table, "64 MiB + 1/32 of the cgroup's or machine's limit",
-# worked out by hand for the caps the tests use (cap in MiB -> margin in MiB): 64 + cap / 32.
-DEFAULT_MARGIN_MIB = {
-    78: "66.4375",  # 78 / 32 = 2.4375
-    79: "66.46875",  # 79 / 32 = 2.46875
-    85: "66.65625",  # 85 / 32 = 2.65625
-    90: "66.8125",  # 90 / 32 = 2.8125
-    100: "67.125",  # 100 / 32 = 3.125
-    200: "70.25",  # 200 / 32 = 6.25
-    1024: "96",  # 1024 / 32 = 32
-}
-
-
-def pin_whole_margin(monkeypatch, cap: int) -> None:
-    """The default margin for ``cap`` (bytes, one of DEFAULT_MARGIN_MIB's) as the user's
-    (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB``): no thin share for the cached set (tests of the plan's
-    other rules; test_thin_margin tests that share)."""
-    assert cap % MIB == 0 and cap // MIB in DEFAULT_MARGIN_MIB, f"work out the margin of a {cap / MIB} MiB cap"
-    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, DEFAULT_MARGIN_MIB[cap // MIB])
-
-
-def _v2(root, cap, usage, active_file, inactive_file, high="max"):
-    write(root, "proc/self/cgroup", "0::/app\n")
-    write(root, "sys/fs/cgroup/app/memory.max", str(cap))
-    write(root, "sys/fs/cgroup/app/memory.high", high)
-    write(root, "sys/fs/cgroup/app/memory.current", str(usage))
-    write(root, "sys/fs/cgroup/app/memory.stat", f"anon 5\nactive_file {active_file}\ninactive_file {inactive_file}\n")
-
-
-@pytest.mark.parametrize("tree", [_v1, _v2])
+@pytest.mark.parametrize("tree", [v1_cap, v2_cap])
 def test_budget_counts_other_files_cache_but_not_the_weights_own(tmp_path, tree):
     cap = 1024 * MIB
     # 300 MiB anonymous, 400 MiB of file cache of which 250 MiB are the weights' pages.
@@ -110,13 +73,13 @@ def test_budget_counts_other_files_cache_but_not_the_weights_own(tmp_path, tree)
 
 def test_budget_weights_charged_elsewhere_cost_nothing_here(tmp_path):
     # The weights' 500 MiB sit in the cache, charged to the cgroup that first read them.
-    _v1(tmp_path, 1024 * MIB, 300 * MIB, 50 * MIB, 50 * MIB)
+    v1_cap(tmp_path, 1024 * MIB, 300 * MIB, 50 * MIB, 50 * MIB)
     b = page_cache_budget(500 * MIB, root=str(tmp_path))
     assert b.other_bytes == 200 * MIB  # anonymous only
 
 
 def test_budget_memory_high_is_the_limit(tmp_path):
-    _v2(tmp_path, 2048 * MIB, 100 * MIB, 0, 0, high=str(512 * MIB))
+    v2_cap(tmp_path, 2048 * MIB, 100 * MIB, 0, 0, high=str(512 * MIB))
     assert page_cache_budget(0, root=str(tmp_path)).limit == 512 * MIB
 
 
@@ -135,7 +98,7 @@ def test_budget_override_and_uncapped(tmp_path, monkeypatch):
     assert "usable" in str(b)
 
 
-@pytest.mark.parametrize("tree", [_v1, _v2])
+@pytest.mark.parametrize("tree", [v1_cap, v2_cap])
 def test_margin_knob_replaces_the_default_margin(tmp_path, tree, monkeypatch):
     cap = 1024 * MIB
     tree(tmp_path, cap, 700 * MIB, 300 * MIB, 100 * MIB)
@@ -159,7 +122,7 @@ def test_default_margin_is_the_readmes_rule_worked_by_hand(tmp_path, monkeypatch
     changes nothing but the thin share."""
     monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
-    _v2(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)
+    v2_cap(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)
     default = page_cache_budget(0, root=str(tmp_path))
     assert default.source == "cgroup" and default.margin == int(float(DEFAULT_MARGIN_MIB[cap_mib]) * MIB)
     pin_whole_margin(monkeypatch, cap_mib * MIB)

@@ -6,76 +6,84 @@ in the table and its totals, checked against the process's own RssAnon."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import mapoffload  # noqa: E402
-from mapoffload import rss_anon_bytes  # noqa: E402
-from mapoffload._manager import coordinator as coordinator_module  # noqa: E402
+from child import TESTS, describe  # noqa: E402
 from stacks import mapped  # noqa: E402
 
 MIB = 1 << 20
 
 
-def _cap(root, cap_mib: int, used_mib: int) -> None:
-    """A fake cgroup v2 tree capping this process at ``cap_mib`` with ``used_mib`` in use."""
-    files = {"proc/self/cgroup": "0::/app\n", "sys/fs/cgroup/app/memory.max": str(cap_mib * MIB),
-             "sys/fs/cgroup/app/memory.high": "max", "sys/fs/cgroup/app/memory.current": str(used_mib * MIB),
-             "sys/fs/cgroup/app/memory.stat": "anon 5\nactive_file 0\ninactive_file 0\n"}
-    for rel, text in files.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        with open(os.path.join(root, rel), "w") as f:
-            f.write(text)
+GROWTH = """
+import importlib, json, os, sys
+import torch
+torch.set_num_threads(1)
+import mapoffload
+from mapoffload import rss_anon_bytes
+from mapoffload._log import format_bytes
+from mapoffload._manager import coordinator as coordinator_module
+from fake_cgroups import v2_cap
+from stacks import mapped
+
+path, x, want = sys.argv[1], torch.load(sys.argv[2]), torch.load(sys.argv[3])
+coordinator_module.CGROUP_ROOT = sys.argv[4]
+v2_cap(sys.argv[4], 100 << 20, 10 << 20, 0, 0)  # 100 MiB cap, 10 MiB in use: room for ~11 of 24 MiB of layers
+os.environ["MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB"] = "67.125"  # 64 MiB + 100 MiB / 32, no thin share
+model = mapped(path).eval()
+importlib.import_module("torch._dynamo")  # the hooks import it (a fixed cost, README), not a buffer
+with torch.no_grad():
+    model(x)  # torch's own first-use allocations
+before = rss_anon_bytes()
+handle = mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="direct")
+with torch.no_grad():
+    for _ in range(2):
+        assert torch.equal(model(x), want)
+grown = rss_anon_bytes() - before
+rows = {r.unit: r for r in handle.rows}
+text = handle.summary()
+total = sum(r.anonymous_bytes for r in rows.values())
+print(json.dumps({"grown": grown, "read": rows["blocks"].read_per_forward, "layer": handle.managers["blocks"].layer_bytes(0),
+                  "buffers": [rows["buffers"].how, rows["buffers"].nbytes, rows["buffers"].anonymous_bytes]
+                  if "buffers" in rows else None, "text": text, "total": format_bytes(total)}))
+handle.close()
+"""
 
 
-@pytest.fixture
-def capped(tmp_path, monkeypatch):
-    """100 MiB cap, 10 MiB in use, the margin 64 MiB + 100/32 MiB: room for about 11 of the 24 MiB of layers."""
-    monkeypatch.delenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", raising=False)
-    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setenv("MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB", "67.125")
-    _cap(tmp_path, 100, 10)
-
-
-def _grown_by_forwards(model, x, want, handle_of) -> tuple[int, object]:
-    importlib.import_module("torch._dynamo")  # the hooks import it (a fixed cost, README), not a buffer
-    with torch.no_grad():
-        model(x)  # torch's own first-use allocations
-    before = rss_anon_bytes()
-    handle = handle_of(model)
-    with torch.no_grad():
-        for _ in range(2):
-            assert torch.equal(model(x), want)
-    return rss_anon_bytes() - before, handle
-
-
-def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, capped):
+def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
+    """In a fresh process (the allocator holds no memory freed by earlier work), so that its RssAnon
+    growth over two forwards is what the offload made: the read-around buffers."""
     path, x, want = ckpt
-    model = mapped(path)
-    grown, handle = _grown_by_forwards(
-        model, x, want, lambda m: mapoffload.offload(m, device="cpu", layers="blocks", stream_reads="direct"))
-    with handle:
-        rows = {r.unit: r for r in handle.rows}
-        stack = rows["blocks"]
-        assert stack.read_per_forward > 0, "the cap must make layers stream (else nothing is read around)"
-        # Two 2 MiB layers in flight at most (1 + prefetch depth): the growth is the buffers, measured.
-        assert grown >= 3 * MIB, grown
-        buffers = rows["buffers"]
-        assert buffers.how == "reused" and buffers.nbytes == 0  # not weights: no part of a host copy of the model
-        # Nothing the forwards grew is hidden (the untouched tail of a buffer is not resident, so the
-        # table, which counts what is held, may say more), and what is held is the window: 1 + depth
-        # buffers of less than twice a layer each.
-        assert grown <= buffers.anonymous_bytes + MIB, (buffers.anonymous_bytes, grown)
-        assert buffers.anonymous_bytes <= 2 * 2 * handle.managers["blocks"].layer_bytes(0), buffers
-        text = handle.summary()
-        assert "read-around buffers" in text and "nothing is copied" not in text
-        total = sum(r.anonymous_bytes for r in handle.rows)
-        assert total >= buffers.anonymous_bytes
-        total_line = next(line for line in text.splitlines() if line.startswith("total"))
-        assert mapoffload._log.format_bytes(total) in total_line, (total_line, total)
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(want, tmp_path / "want.pt")
+    env = dict(os.environ, PYTHONPATH=TESTS)
+    env.pop("MAPOFFLOAD_HOST_AVAILABLE_GIB", None)
+    proc = subprocess.run([sys.executable, "-c", GROWTH, str(path), str(tmp_path / "x.pt"), str(tmp_path / "want.pt"),
+                           str(tmp_path / "cg")], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)  # not the source folder: the installed package
+    assert proc.returncode == 0, describe(proc)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["read"] > 0, "the cap must make layers stream (else nothing is read around)"
+    # Two 2 MiB layers in flight at most (1 + prefetch depth): the growth is the buffers, measured.
+    assert got["grown"] >= 3 * MIB, got["grown"]
+    how, nbytes, anonymous = got["buffers"]
+    assert how == "reused" and nbytes == 0  # not weights: no part of a host copy of the model
+    # Nothing the forwards grew is hidden (the untouched tail of a buffer is not resident, so the
+    # table, which counts what is held, may say more), and what is held is the window: 1 + depth
+    # buffers of less than twice a layer each.
+    assert got["grown"] <= anonymous + MIB, (anonymous, got["grown"])
+    assert anonymous <= 2 * 2 * got["layer"], anonymous
+    text = got["text"]
+    assert "read-around buffers" in text and "nothing is copied" not in text
+    total_line = next(line for line in text.splitlines() if line.startswith("total"))
+    assert got["total"] in total_line, (total_line, got["total"])
 
 
 def test_without_buffers_there_is_no_buffers_row(ckpt):

@@ -17,7 +17,7 @@ from mapoffload._manager.residency import plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
 
 from stacks import LAYERS, mapped
-from test_residency_plan import _v2
+from fake_cgroups import v2_cap
 
 MIB = 1 << 20
 
@@ -47,7 +47,7 @@ def test_the_thin_margin_is_offered_under_a_cgroup_cap_unless_the_margin_is_the_
     monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB, raising=False)
     monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
     cap = 1024 * MIB
-    _v2(tmp_path, cap, 100 * MIB, 0, 0)
+    v2_cap(tmp_path, cap, 100 * MIB, 0, 0)
     b = page_cache_budget(0, root=str(tmp_path))
     # README: "64 MiB + 1/32 of the cgroup's limit, of which cached weights may use all but 8 MiB + 1/1024".
     assert b.source == "cgroup" and b.margin == 96 * MIB and b.cache_margin == 9 * MIB  # 64 + 32; 8 + 1
@@ -71,7 +71,7 @@ def fake_cgroup(tmp_path, monkeypatch):
     assert not coordinator_module.coordinator().thin_margin_failed  # a fresh one: no history (conftest)
 
     def cgroup(cap_mib: int) -> None:
-        _v2(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
+        v2_cap(tmp_path, cap_mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
 
     return cgroup
 
