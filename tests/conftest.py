@@ -125,15 +125,9 @@ def ckpt(tmp_path_factory):
     ``(path, x, want)``, ``want`` the plain model's output for ``x``. Modules
     that test another model define a ``ckpt`` of their own."""
     import torch
-    from safetensors.torch import save_file
 
-    from stacks import IN, Stack
+    from stacks import IN, Stack, save_reference
 
     torch.manual_seed(0)
     ref = Stack()
-    path = tmp_path_factory.mktemp("direct") / "stack.safetensors"
-    save_file(ref.state_dict(), path)
-    x = torch.randn(3, IN)
-    with torch.no_grad():
-        want = ref(x)
-    return path, x, want
+    return save_reference(ref, torch.randn(3, IN), tmp_path_factory.mktemp("direct") / "stack.safetensors")

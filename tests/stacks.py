@@ -9,6 +9,17 @@ from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint, resident_bytes
 
+
+def save_reference(ref: nn.Module, x: torch.Tensor, path) -> tuple:
+    """Save ``ref``'s weights to the safetensors file ``path``: ``(path, x, want)``, ``want``
+    the plain model's output for ``x`` (what every offloaded forward must equal)."""
+    from safetensors.torch import save_file
+
+    save_file(ref.state_dict(), path)
+    with torch.no_grad():
+        want = ref(x)
+    return path, x, want
+
 MIB = 1 << 20
 LAYERS, IN, OUT = 12, 512, 1024  # 2 MiB + 4 KiB a layer, fp32
 

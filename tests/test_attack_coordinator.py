@@ -19,7 +19,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from mapoffload import LayerwiseOffloadManager
 from mapoffload._manager import coordinator as coordinator_module
@@ -28,19 +27,15 @@ from mapoffload._manager.peers import PeerRegistry
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
-from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
+from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, save_reference
+from stacks import mapped_square as mapped
 
 MIB = 1 << 20
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     ref = Stack()
-    path = tmp_path_factory.mktemp("attack-coord") / "stack.safetensors"
-    save_file(ref.state_dict(), path)
-    x = torch.randn(2, WIDTH)
-    with torch.no_grad():
-        want = ref(x)
-    return path, x, want
+    return save_reference(ref, torch.randn(2, WIDTH), tmp_path_factory.mktemp("attack-coord") / "stack.safetensors")
 
 
 @pytest.fixture
@@ -331,7 +326,7 @@ FORKED = textwrap.dedent(
     import torch
     torch.set_num_threads(1)  # GNU OpenMP's pool does not survive fork
     sys.path.insert(0, sys.argv[2])
-    from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
+    from stacks import SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
     from mapoffload import LayerwiseOffloadManager
     from mapoffload._manager.coordinator import coordinator
 

@@ -14,12 +14,11 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
 
-from stacks import drain, warm_read_bytes
+from stacks import drain, save_reference, warm_read_bytes
 LAYERS, WIDTH = 10, 512  # 1 MiB of float32 weight and 1 KiB of float16 gain a layer
 
 
@@ -51,12 +50,7 @@ def ckpt(tmp_path_factory):
     with torch.no_grad():
         for b in ref.blocks:
             b.gain.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("runs") / "stack.safetensors"
-    save_file(ref.state_dict(), path)
-    x = torch.randn(3, WIDTH)
-    with torch.no_grad():
-        want = ref(x)
-    return path, x, want
+    return save_reference(ref, torch.randn(3, WIDTH), tmp_path_factory.mktemp("runs") / "stack.safetensors")
 
 
 def _mapped(path) -> Stack:

@@ -25,6 +25,8 @@ from mapoffload._manager import coordinator as coordinator_module
 from mapoffload._manager.residency import plan_residency, plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
+from stacks import save_reference
+
 from fake_cgroups import pin_whole_margin, v2_cap
 
 MIB = 1 << 20
@@ -50,12 +52,7 @@ class TwoStacks(nn.Module):
 def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     ref = TwoStacks()
-    path = tmp_path_factory.mktemp("coord") / "two.safetensors"
-    save_file(ref.state_dict(), path)
-    x = torch.randn(2, WIDTH)
-    with torch.no_grad():
-        want = ref(x)
-    return path, x, want
+    return save_reference(ref, torch.randn(2, WIDTH), tmp_path_factory.mktemp("coord") / "two.safetensors")
 
 
 def mapped(path) -> TwoStacks:
