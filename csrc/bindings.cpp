@@ -410,6 +410,21 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("spans"),
      "madvise(MADV_COLD, then MADV_PAGEOUT) over each span: reclaim its pages now. Returns 0 or the "
      "errno of the first refusal.");
+  m.def("private_page_bytes", [](const SpanArray& s) {
+    int64_t total = 0;
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < s.size(); ++i) {
+        const int64_t got = private_page_bytes(s.addr[i], s.nbytes[i]);
+        if (got < 0) return got;
+        total += got;
+      }
+    }
+    return total;
+  }, py::arg("spans"),
+     "Bytes of the spans' pages that are this process's own, not the file's (/proc/self/pagemap: present "
+     "and not a file page, or swapped): mapped pages written in place since they were mapped. Pages are "
+     "counted once per span that touches them. Returns -errno where pagemap cannot be read.");
   m.def("unmap_file_pages", [](const SpanArray& s) {
     int64_t total = 0;
     {

@@ -249,6 +249,35 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
   return err ? -err : advised;
 }
 
+int64_t private_page_bytes(uint64_t addr, uint64_t nbytes) {
+  if (addr == 0 || nbytes == 0) return 0;
+  if (addr + nbytes < addr) return -EINVAL;
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -errno;
+  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
+  std::vector<uint64_t> entries(512);
+  int64_t found = 0;
+  int err = 0;
+  for (uint64_t a = lo; a < hi;) {
+    const uint64_t n = std::min<uint64_t>(entries.size(), (hi - a) / ps);
+    const ssize_t got = pread(fd, entries.data(), n * sizeof(uint64_t), static_cast<off_t>((a / ps) * 8));
+    if (got <= 0) {
+      err = got < 0 ? errno : EIO;
+      break;
+    }
+    const uint64_t m = static_cast<uint64_t>(got) / sizeof(uint64_t);
+    for (uint64_t k = 0; k < m; ++k, a += ps) {
+      const uint64_t e = entries[k];
+      if ((e & kSwapped) || ((e & kPresent) && !(e & kFileOrShared))) found += static_cast<int64_t>(ps);
+    }
+  }
+  close(fd);
+  return err ? -err : found;
+}
+
 namespace {
 // The first page of the page-aligned [lo, hi) that mincore does not report
 // resident; hi when all are, lo when mincore fails (an unmapped hole: nothing

@@ -139,6 +139,15 @@ int populate_read(uint64_t addr, uint64_t nbytes);
 // ran).
 int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes);
 
+// Bytes of the pages of [addr, addr + nbytes) that are this process's own,
+// not the file's (from /proc/self/pagemap: present without PM_FILE, or
+// swapped): pages of a MAP_PRIVATE file mapping written in place (copy-on-
+// write) since they were mapped. Those bytes differ from the file's, so a
+// read of the file (O_DIRECT) would not give what the mapping holds. Pages
+// not present are the file's (the next touch reads them from it). Returns
+// -errno where pagemap cannot be read.
+int64_t private_page_bytes(uint64_t addr, uint64_t nbytes);
+
 // Reads a span of a file mapping into the page cache in large I/Os, without
 // relying on faults: madvise(MADV_WILLNEED) from the first page not yet
 // resident to the span's end, then mincore to see how far the kernel went,

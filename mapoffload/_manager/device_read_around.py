@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
-from .loads import DeviceCopies, Loaded, ReadsAround, file_places
+from .loads import DeviceCopies, Loaded, ReadsAround, file_places, written_in_place
 from .stores import CONSOLIDATED, MAPPED, LayerStore
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class DeviceReadAround(ReadsAround, DeviceCopies):
         self.reader = DirectReader(buffers=max(1, buffers), pin_device=self.device.index if self._cuda else None)
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._outstanding = 0  # direct loads holding (or reading into) a buffer: at most one per buffer
+        self._written: set[str] = set()  # layers logged as written in place (written_in_place)
 
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
@@ -88,7 +89,7 @@ class DeviceReadAround(ReadsAround, DeviceCopies):
         # takes a buffer): a read never waits for a buffer that only a later
         # release on this thread would give back.
         if (self.paused or not self._pages.streams(i) or self._outstanding >= self.reader.buffers
-                or not self._layout(i)):
+                or not self._layout(i) or written_in_place(self._stores[i], self._written)):
             return super().start(i)
         store = self._stores[i]
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]

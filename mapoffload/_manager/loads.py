@@ -279,6 +279,7 @@ class ReadAround(ReadsAround, InPlace):
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
         self._outstanding = 0  # direct loads started and not released: at most one per buffer
+        self._written: set[str] = set()  # layers logged as written in place (written_in_place)
 
     def _layout(self, i: int) -> list:
         where = self._where.get(i)
@@ -299,7 +300,8 @@ class ReadAround(ReadsAround, InPlace):
         # Under autograd the layer computes from its mapping (exact gradients:
         # a buffer reused by the next layer cannot be saved for a backward).
         if (self.paused or not self._pages.streams(i) or torch.is_grad_enabled()
-                or self._outstanding >= self.reader.buffers or not self._layout(i)):
+                or self._outstanding >= self.reader.buffers or not self._layout(i)
+                or written_in_place(self._stores[i], self._written)):
             return super().start(i)
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]
         loaded = Loaded({"direct": None}, _DirectRead(self.reader.read_extents_async(extents)))
@@ -365,6 +367,36 @@ class _DirectRead:
             return self.future.result()
         except BaseException:
             return None
+
+
+def written_in_place(store: LayerStore, said: set[str]) -> bool:
+    """True when a mapped weight of the layer has pages the process wrote in place
+    (copy-on-write: a LoRA merged with ``+=``, an edit before offloading).
+
+    Those bytes are no longer the file's, so reading the file around the page
+    cache (``O_DIRECT``) would compute with the file's values: such a layer is
+    read through its mapping. Checked at each load (pagemap, a few
+    microseconds a MiB), so an edit made between forwards counts too; where
+    pagemap cannot be read the layer takes the mapping (always right). Logged
+    once per layer (``said`` holds the names already logged)."""
+    from .._native import _core
+    from ..regions import tensor_spans
+
+    hosts = [w.host for w in store.weights if w.store == MAPPED and w.nbytes]
+    if not hosts:
+        return False
+    got = _core.private_page_bytes(tensor_spans(hosts))
+    if got == 0:
+        return False
+    if store.name not in said:
+        said.add(store.name)
+        if got > 0:
+            logger.info("%s: %d bytes of its mapped weights were written in place (copy-on-write): read through "
+                        "its mapping, not around the page cache (the file holds other bytes)", store.name, got)
+        else:
+            logger.info("%s: read through its mapping (/proc/self/pagemap unreadable, errno %d: whether its "
+                        "weights were written in place is unknown)", store.name, -got)
+    return True
 
 
 def file_places(store: LayerStore, extents: list) -> list[tuple[Weight, int, int]]:
