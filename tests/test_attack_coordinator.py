@@ -523,3 +523,28 @@ def test_unmapping_file_pages_loses_nothing_around_them(tmp_path):
     finally:
         os.close(fd)
         libc.munmap(base, 64 * ps)
+
+
+def test_a_manager_never_closed_leaves_nothing_said_at_exit(ckpt, tmp_path):
+    """A manager given page_cache_bytes= (so never published to the peers) and never closed: at
+    interpreter exit its collection withdrew a record that was never made, building the peers'
+    registry while the builtins were gone ("NameError: name 'open' is not defined")."""
+    from child import describe, run_python
+
+    path, _, _ = ckpt
+    for share in ("page_cache_bytes=8 << 20", ""):  # given a share (no record), and measured (a record)
+        proc = run_python(f"""
+            import torch
+            from mapoffload import LayerwiseOffloadManager
+            from stacks import mapped_square
+            model = mapped_square({str(path)!r})
+            mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", {share})
+            mgr.register_forward_hooks()
+            with torch.no_grad():
+                model(torch.ones(1, 512))
+            print("ran")
+        """, env={"MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
+        assert proc.returncode == 0 and proc.stdout.strip() == "ran", describe(proc)
+        assert proc.stderr == "", describe(proc)
+    left = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "peers") for f in files]
+    assert left == [], left  # the measured one published a record and withdrew it at exit

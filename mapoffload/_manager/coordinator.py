@@ -34,6 +34,7 @@ The plan is logged (one line per stack and one for the whole) and visible:
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -128,7 +129,7 @@ class PageCacheCoordinator:
             self._members = [r for r in self._members if r is not ref and r() is not None]
             if not any(m._page_cache_given is None for m in self.managers()):
                 self._published = None
-                self._peers().withdraw()  # no measured manager maps those bytes now
+                self._withdraw()  # no measured manager maps those bytes now
 
     def leave(self, manager: LayerwiseOffloadManager) -> None:
         """Unregister a manager; the others share what it leaves."""
@@ -141,7 +142,7 @@ class PageCacheCoordinator:
                 self._plan()
             else:
                 self._published = None
-                self._peers().withdraw()
+                self._withdraw()
                 self.thin_margin_failed = False  # the next model's forwards are its own: it tries the thin share
                 self.cache_extra = 0
 
@@ -209,6 +210,12 @@ class PageCacheCoordinator:
             if missing > (1 << 20) + plan.cached_bytes // 100:
                 lost += missing
         return lost
+
+    def _withdraw(self) -> None:
+        """Remove this process's record, if one was published: a registry is made only to publish
+        (never to withdraw: at interpreter exit, a collected manager's callback could not make one)."""
+        if self._registry is not None:
+            self._registry.withdraw()
 
     def _peers(self) -> PeerRegistry:
         if self._registry is None:
@@ -428,3 +435,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _withdraw_at_exit() -> None:
+    """A process that exits with managers still open leaves no record for its peers to read
+    (they would skip it as gone, but only once they find its pid dead or reused)."""
+    try:
+        _COORDINATOR._withdraw()
+    except Exception:  # noqa: BLE001 - exiting: nothing to report to
+        pass
+
+
+atexit.register(_withdraw_at_exit)
