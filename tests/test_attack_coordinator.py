@@ -482,6 +482,34 @@ def test_a_peer_that_publishes_while_we_plan_is_seen_at_the_next_forward(ckpt, c
         assert coord.ranks == [live_pid]
 
 
+def test_a_peer_killed_with_sigkill_gives_its_share_back_at_the_next_forward(ckpt, cap):
+    """A rank killed with ``kill -9`` leaves its record (it never withdraws); its pid is gone. The
+    survivor replanned only when the folder's stamp changed, so it kept half the budget and listed
+    the dead pid as a rank, forward after forward."""
+    import signal
+
+    path, x, want = ckpt
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        model = mapped(path)
+        with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+            coord = coordinator_module.coordinator()
+            mgr.register_forward_hooks()
+            _forward(model, x, want)
+            assert mgr.residency.streamed == ()  # alone, the whole stack stays cached
+            _planted(coord._peers().folder, rank.pid)  # a rank starts: 1 TiB of other bytes
+            _forward(model, x, want)
+            assert coord.ranks == [rank.pid] and mgr.residency.streamed  # split with the live rank
+            rank.send_signal(signal.SIGKILL)
+            rank.wait(timeout=60)
+            _forward(model, x, want)
+            assert coord.ranks == [] and mgr.residency.streamed == ()  # alone again, its share back
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+
+
 # -- unmap_file_pages over what is not a clean file page (held; kept as a regression test) ---------
 
 def test_unmapping_file_pages_loses_nothing_around_them(tmp_path):

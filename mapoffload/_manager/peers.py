@@ -279,7 +279,8 @@ class PeerRegistry:
                 pass
 
     def stamp(self) -> tuple:
-        """What the other processes' records are now, cheaply: ``(name, inode, size, mtime)`` of each.
+        """What the other processes' records are now, cheaply: ``(name, inode, size, mtime, writer's
+        start time)`` of each (the last None once the writer is gone).
 
         Every publish replaces a record with a new file (a new inode), so a
         record that changed changes the stamp even where the folder's and the
@@ -298,7 +299,11 @@ class PeerRegistry:
                         st = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    out.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns))
+                    # And whether its writer still lives: one killed (kill -9, the OOM killer)
+                    # leaves its record as it was, and only its pid's start time changes.
+                    pid = e.name[:-len(".json")]
+                    alive = _start_time(int(pid)) if pid.isdigit() else None
+                    out.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns, alive))
         except OSError:
             return ()
         return tuple(sorted(out))
