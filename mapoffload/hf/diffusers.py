@@ -116,6 +116,7 @@ def offload_pipeline(
     host_store: str | None = None,
     rest: str = "auto",
     skip: tuple[str, ...] = (),
+    stream_reads: str = "auto",
 ) -> PipelineOffloadHandle:
     """Offload every model component of a diffusers pipeline onto ``device``.
 
@@ -131,7 +132,7 @@ def offload_pipeline(
         A ``DiffusionPipeline`` (any object with a ``components`` dict).
     device
         ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
-    prefetch_layers, host_store, rest
+    prefetch_layers, host_store, rest, stream_reads
         Passed to :func:`mapoffload.offload` for each component.
     skip
         Component names left alone.
@@ -149,7 +150,8 @@ def offload_pipeline(
                 continue
             layers = _stacks(component)
             handle.components[name] = offload(component, device=device, layers=layers, rest=rest,
-                                              prefetch_layers=prefetch_layers, host_store=host_store)
+                                              prefetch_layers=prefetch_layers, host_store=host_store,
+                                              stream_reads=stream_reads)
     except BaseException:
         handle.close()
         raise
@@ -307,6 +309,7 @@ def pipeline_from_pretrained(
     host_store: str | None = None,
     rest: str = "auto",
     cache_dir: str | os.PathLike | None = None,
+    stream_reads: str = "auto",
     **components: Any,
 ) -> Any:
     """A diffusers pipeline from a local folder, on the file mapping, offloaded onto ``device``.
@@ -330,7 +333,7 @@ def pipeline_from_pretrained(
         memory than diffusers' own load); False: copies into host memory.
     cache_dir
         Where converted tensors go (see :func:`mapoffload.from_pretrained`).
-    prefetch_layers, host_store, rest
+    prefetch_layers, host_store, rest, stream_reads
         Passed to :func:`offload_pipeline`.
     **components
         Components to use instead of loading them (``tokenizer=None``, a
@@ -348,7 +351,7 @@ def pipeline_from_pretrained(
     handle = None
     if device is not None:
         handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,
-                                  rest=rest)
+                                  rest=rest, stream_reads=stream_reads)
     object.__setattr__(pipe, "mapoffload_reports", reports)
     object.__setattr__(pipe, "mapoffload_handle", handle)
     return pipe

@@ -241,7 +241,7 @@ def offload(
             )
             m.register_forward_hooks()
             handle.managers[path] = m
-        _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes)
+        _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes, stream_reads)
     except BaseException:
         handle.close()
         raise
@@ -265,7 +265,7 @@ def _refuse_offloaded(model: torch.nn.Module) -> None:
 
 
 def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str, available: int,
-                device_free_bytes: int | None) -> None:
+                device_free_bytes: int | None, stream_reads: str) -> None:
     import torch
 
     from ..offload import LayerwiseOffloadManager
@@ -292,7 +292,7 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
         owners = _leaf_owners(model, params)
         if owners:
             m = LayerwiseOffloadManager(model, owners, device=dev, prefetch_layers=prefetch,
-                                        host_store=host_store, available_bytes=available)
+                                        host_store=host_store, available_bytes=available, stream_reads=stream_reads)
             m.register_forward_hooks()
             handle.managers["rest"] = m
             handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"
