@@ -310,6 +310,7 @@ class LayerwiseOffloadManager:
             self._stream_reads = stream_reads
             self.stream_reads_why = ""
             self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
+            self._forward_marks: dict[int, int] | None = None  # every manager's forwards then (coordinator)
             self._forwards = 0
             self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
             self._direct_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
@@ -568,6 +569,7 @@ class LayerwiseOffloadManager:
     def _before_forward(self, module, args) -> None:
         """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
         coordinator().follow_cap()
+        coordinator().note_forward(self)
         self._choose_stream_reads()
         self._rest.check()
 
@@ -653,13 +655,15 @@ class LayerwiseOffloadManager:
             self.stream_reads_why = why
         now = _process_read_bytes()
         last, self._reads_at_forward = self._reads_at_forward, now
+        # The counter is the process's: since this stack's last forward, every model of the process
+        # may have run (a pipeline's other components, a model served beside this one), each as
+        # many forwards as it did. What they were all planned to read is the measure.
+        expected, self._forward_marks = coordinator().streamed_since(self._forward_marks)
         if now is None or last is None:
             return
         self._forwards += 1
         if self._forwards < 2:
             return  # the first forward reads the cached set in too
-        expected = sum(m.residency.streamed_bytes for m in coordinator().managers() if m.residency is not None)
-        expected += coordinator().always_bytes
         read = now - last
         self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
         self.stream_reads_why = (f"the last forward read {format_bytes(read)}, the plan streams "

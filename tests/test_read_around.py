@@ -216,3 +216,31 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
         forward("alone again")
         assert mgr.stream_reads == "direct", mgr.stream_reads_why
         assert reader.stats()["reads"] > reads
+
+
+def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypatch):
+    """Two models in one process (a pipeline's components, two models served side by side): the
+    process's read counter between two forwards of one holds the other's forwards too. Judged
+    against one forward of each, five forwards of the other read "too much" and switched the first
+    to read-around; against what each ran since, they read exactly the plans."""
+    path, x, want = ckpt
+    a, b = mapped(path), mapped(path)
+    share = 6 * _layer(a) + 4096
+    read = [0]
+    monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: read[0])
+    with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
+            LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
+        for model, mgr in ((a, ma), (b, mb)):
+            monkeypatch.setattr(mgr, "_probe_direct", lambda: (False, "tmpfs, say"))
+            mgr.register_forward_hooks()
+            streamed = mgr.residency.streamed_bytes
+            assert streamed > 0
+            # Each forward reads exactly what its plan streams (a page cache that behaves).
+            model.register_forward_hook(lambda *_, n=streamed: read.__setitem__(0, read[0] + n))
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(a(x), want)
+                for _ in range(5):
+                    assert torch.equal(b(x), want)
+        assert ma.stream_reads == mb.stream_reads == "mapping", (ma.stream_reads_why, mb.stream_reads_why)
+        assert "the plan streams" in ma.stream_reads_why and "(1.00x)" in ma.stream_reads_why, ma.stream_reads_why

@@ -101,6 +101,8 @@ class PageCacheCoordinator:
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
         self._last: tuple = ([], [], 1, 0, "")  # the last measured plan's inputs (see _place_again)
+        # Forwards each registered manager began (note_forward), for streamed_since.
+        self._forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Plan again at the next forward whatever the cap and the peers say:
         # a member was collected without close(), the last plan was cut short,
         # or this is a forked child (whose record is still to be published).
@@ -150,6 +152,30 @@ class PageCacheCoordinator:
         self._lock = threading.RLock()
         self._published = None  # the record is the parent's; publish our own at our next plan
         self._stale = True  # which is the next forward's (the cap and the folder did not change)
+
+    # -- forwards ----------------------------------------------------------------------------
+    def note_forward(self, manager: LayerwiseOffloadManager) -> None:
+        """A forward of ``manager``'s model began (counted for :meth:`streamed_since`)."""
+        with self._lock:
+            self._forward_counts[manager] = self._forward_counts.get(manager, 0) + 1
+
+    def streamed_since(self, marks: dict[int, int] | None) -> tuple[int, dict[int, int]]:
+        """``(bytes, marks now)``: what the plans stream in the forwards every registered manager
+        began since ``marks`` (the marks an earlier call returned; None: nothing yet, 0 bytes),
+        plus the weights every forward reads outside the stacks once per forward of the manager
+        that ran most. A process's read counter over the same interval is judged against it."""
+        with self._lock:
+            counts = {id(m): (m, c) for m, c in self._forward_counts.items()}
+        now = {k: c for k, (_, c) in counts.items()}
+        if marks is None:
+            return 0, now
+        expected = most = 0
+        for k, (m, c) in counts.items():
+            ran = c - marks.get(k, 0)
+            if ran > 0 and m.residency is not None:
+                expected += ran * m.residency.streamed_bytes
+            most = max(most, ran)
+        return expected + most * self.always_bytes, now
 
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> None:
