@@ -362,6 +362,7 @@ FORKED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_forked_child_that_forwards_publishes_its_own_record(ckpt, tmp_path):
     path, _, _ = ckpt
     env = dict(os.environ, **{peers_module.ENV_PEERS_DIR: str(tmp_path / "peers"), ENV_HOST_AVAILABLE_GIB: "1.2"})

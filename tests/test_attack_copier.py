@@ -4,6 +4,7 @@ run in a child interpreter, so a crash fails the test instead of the suite."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mapoffload import Copier
@@ -11,6 +12,7 @@ from mapoffload import Copier
 from child import describe, run_python
 
 
+@pytest.mark.slow
 def test_source_and_destination_repointed_while_copying_stay_alive():
     # `param.data = other` (or set_()) frees the old storage when the tensor
     # object was its only owner: the copier must hold the storage, not just

@@ -67,6 +67,7 @@ def run_capped(cgroup: str, checkpoint, mode: str) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_gate_keeps_a_too_big_checkpoint_mapped_under_a_real_cap(big_checkpoint):
     cap = os.path.getsize(big_checkpoint) // 2
     try:

@@ -27,6 +27,7 @@ def reference():
     return ref, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["close", "remove_forward_hooks"])
 @pytest.mark.parametrize("twin", [True, False], ids=["twin", "direct"])
 def test_model_is_whole_after_close_from_another_thread(reference, twin, how):

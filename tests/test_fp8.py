@@ -216,6 +216,7 @@ print(max(peak, rss_anon_bytes()) - base)
 """
 
 
+@pytest.mark.slow
 def test_anonymous_growth_stays_a_weight_whatever_the_depth(tmp_path):
     """32 layers of 8 MiB in bf16 (256 MiB dequantized): at its peak during three
     forwards, anonymous memory grows by at most two layers + 64 MiB, not by the model."""

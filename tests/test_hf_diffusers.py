@@ -79,6 +79,7 @@ def _encoders(pipe):
         return pipe.text_encoder(ids).pooler_output, pipe.text_encoder_2(ids).last_hidden_state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_same_image_as_diffusers_all_components_mapped(folders, dtype):
     folder = folders[dtype]

@@ -24,6 +24,7 @@ BACKENDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_offloaded_model_is_exact(backend, twin):

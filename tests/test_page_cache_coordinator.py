@@ -251,6 +251,7 @@ def _run_peers(tmp_path, files: list) -> list[dict]:
     return [json.load(open(tmp_path / f"out{k}.json")) for k in range(len(procs))]
 
 
+@pytest.mark.slow
 def test_ranks_with_other_bytes_split_the_budget(tmp_path):
     a, b = tmp_path / "rank0.safetensors", tmp_path / "rank1.safetensors"
     _stack_file(a, 0)
@@ -263,6 +264,7 @@ def test_ranks_with_other_bytes_split_the_budget(tmp_path):
         assert o["room"] < 0.75 * o["usable"], o
 
 
+@pytest.mark.slow
 def test_replicas_of_the_same_bytes_share_the_cached_set(tmp_path):
     a = tmp_path / "same.safetensors"
     _stack_file(a, 0)

@@ -49,6 +49,7 @@ def ranks(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], os.path.getsize(ckpt)
 
 
+@pytest.mark.slow
 def test_ranks_share_the_checkpoints_pages(ranks):
     results, size = ranks
     for r in results:

@@ -88,6 +88,7 @@ def checkpoint(tmp_path_factory):
     os.unlink(path)
 
 
+@pytest.mark.slow
 def test_under_a_real_cap_a_forward_reads_only_the_streamed_share(checkpoint):
     try:
         cm = memory_cgroup(8 << 30)  # the child sets its own cap once it knows its footprint
