@@ -292,3 +292,30 @@ def test_after_a_converting_load_the_freed_temporaries_are_given_back(tmp_path):
     assert out.returncode == 0, out.stderr
     half = 8 * (4 * 512 * 512 + 3 * 512 * 1024) * 2  # 40 MiB cast
     assert int(out.stdout.split()[-1]) < 0.25 * half, out.stdout
+
+
+def test_convert_and_the_readmes_auto_class_load_share_one_conversion(tmp_path):
+    # `mapoffload convert FOLDER` keyed its folder by config.architectures[0], from_pretrained by the class
+    # passed in: AutoModelForCausalLM (the README's call) converted again into a second folder. A conversion
+    # is keyed by what makes its bytes: the class the Auto class resolves to, not the name typed.
+    from mapoffload.cli import main
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    first = convert_pretrained(str(tmp_path / "m"))
+    auto = mapoffload.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path / "m"), device=None)
+    assert auto.mapoffload_report.conversion_reused
+    assert auto.mapoffload_report.conversion_dir == first.conversion_dir
+    spelled = mapoffload.from_pretrained(cls, str(tmp_path / "m") + "/", device=None)
+    assert spelled.mapoffload_report.conversion_reused  # the folder's spelling makes no other bytes
+    assert main(["convert", str(tmp_path / "m"), "--class", "AutoModelForCausalLM"]) == 0
+    assert main(["convert", str(tmp_path / "m"), "--class", "MixtralForCausalLM"]) == 0
+    root = os.path.dirname(first.conversion_dir)
+    assert os.listdir(root) == [os.path.basename(first.conversion_dir)]
+
+
+def test_a_dtypes_spellings_share_one_conversion(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    first = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, dtype=torch.float16)
+    assert not first.mapoffload_report.conversion_reused
+    named = convert_pretrained(str(tmp_path / "m"), dtype="float16")
+    assert named.conversion_reused and named.conversion_dir == first.mapoffload_report.conversion_dir
