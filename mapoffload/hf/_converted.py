@@ -7,9 +7,10 @@ A model converted this way holds no anonymous copy of its weights: at most
 :data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
-of the sources (their real paths, sizes, modification and change times), the model class, the
-requested dtype, the config or the transformers/torch versions: the
-fingerprint names the folder they live in.
+of the sources (their real paths, sizes, modification and change times), the
+model class (an ``AutoModel*`` class counts as the concrete class it resolves
+to), the requested dtype (however it is spelled), the config or the
+transformers/torch versions: the fingerprint names the folder they live in.
 
 Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
@@ -63,8 +64,59 @@ def default_root(folder: str) -> str:
     return os.path.join(base, "mapoffload", "converted")
 
 
-def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, extra: Any = None) -> str:
-    """A hex digest of everything a conversion's result depends on."""
+def concrete_class(cls: Any, config: Any) -> Any:
+    """The model class ``cls.from_pretrained`` builds for ``config``: an ``AutoModel*`` class resolved
+    as transformers resolves it (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``), any other as it is.
+
+    A conversion's bytes are made by that class, so every entry point that ends in the same class
+    shares one conversion folder. An Auto class the config maps to remote code (``auto_map``) or
+    does not map at all stays itself (its own key).
+    """
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    if cls.__name__ in (getattr(config, "auto_map", None) or {}):
+        return cls
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        return _get_model_class(config, mapping)
+    except (ImportError, KeyError, ValueError, AttributeError, TypeError):
+        return cls
+
+
+def _class_name(model_class: Any) -> str:
+    if isinstance(model_class, str):
+        return model_class
+    return f"{model_class.__module__}.{model_class.__qualname__}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """One spelling per dtype: ``"float16"``, ``"half"`` and ``torch.float16`` make the same bytes."""
+    import torch
+
+    if isinstance(dtype, str) and dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if isinstance(value, torch.dtype):
+            return str(value)
+    return str(dtype)
+
+
+def _config_text(config: Any) -> str:
+    """The config as its values, without ``_name_or_path`` (the folder as the caller spelled it;
+    ``AutoConfig`` sets it, a model's own config class does not)."""
+    if not hasattr(config, "to_json_string"):
+        return repr(config)
+    data = json.loads(config.to_json_string(use_diff=False))
+    if isinstance(data, dict):
+        data.pop("_name_or_path", None)
+    return json.dumps(data, sort_keys=True)
+
+
+def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
+    """A hex digest of everything a conversion's result depends on: the sources, the concrete model
+    class (a class or its qualified name; see :func:`concrete_class`), the dtype, the config, the
+    versions, ``extra`` -- never how the caller spelled them."""
     import torch
     import transformers
 
@@ -75,10 +127,10 @@ def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, 
         # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
         sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     blob = json.dumps({
         "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
-        "class": model_class, "dtype": str(dtype), "sources": sources, "config": config_text,
+        "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
+        "config": _config_text(config),
         "extra": repr(extra),
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
