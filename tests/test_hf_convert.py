@@ -319,3 +319,85 @@ def test_a_dtypes_spellings_share_one_conversion(tmp_path):
     assert not first.mapoffload_report.conversion_reused
     named = convert_pretrained(str(tmp_path / "m"), dtype="float16")
     assert named.conversion_reused and named.conversion_dir == first.mapoffload_report.conversion_dir
+
+
+_STALLED = """
+import os, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch, transformers as tf
+import mapoffload
+from mapoffload.hf import _converted
+folder, cache, dtype, ready, go = sys.argv[1:6]
+real = _converted.write_safetensors
+def stalled(path, tensors):
+    real(path, tensors)
+    open(ready, "w").close()  # a part is on disk, the manifest not yet
+    while not os.path.exists(go):
+        time.sleep(0.05)
+_converted.write_safetensors = stalled
+m = mapoffload.from_pretrained(tf.MixtralForCausalLM, folder, device=None, cache_dir=cache, dtype=dtype)
+print("converted", m.mapoffload_report.converted_tensors)
+"""
+
+
+def _stalled_conversion(tmp_path, folder, cache, dtype="auto"):
+    """A child process converting ``folder`` into ``cache``, stopped once its first part is written
+    (until ``go`` exists); returns (process, go)."""
+    import subprocess
+    import sys
+    import time
+
+    ready, go = tmp_path / f"ready-{dtype}", tmp_path / f"go-{dtype}"
+    child = subprocess.Popen([sys.executable, "-c", _STALLED, folder, cache, dtype, str(ready), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    deadline = time.monotonic() + 240
+    while not ready.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the converting child did not reach its first part: {child.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return child, go
+
+
+def _unfinished(cache) -> list[str]:
+    return sorted(e for e in os.listdir(cache) if e.startswith("."))
+
+
+def test_a_conversion_killed_part_way_is_cleaned_by_the_next_load(tmp_path):
+    # kill -9 (or the OOM killer) mid-conversion left .<key>.XXXX/part-*.safetensors behind for good:
+    # nothing ever looked at it again. The next load (here one that reuses another conversion) removes it.
+    import signal
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    cache = str(tmp_path / "c")
+    first = convert_pretrained(str(tmp_path / "m"), cache_dir=cache)
+    child, _ = _stalled_conversion(tmp_path, str(tmp_path / "m"), cache, dtype="float16")
+    (left,) = _unfinished(cache)
+    assert any(f.startswith("part-") for f in os.listdir(os.path.join(cache, left)))
+    child.send_signal(signal.SIGKILL)
+    child.wait(60)
+    again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    assert again.mapoffload_report.conversion_reused
+    assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(first.conversion_dir)]
+
+
+def test_a_live_concurrent_conversions_folder_is_left_alone(tmp_path):
+    # The same-looking folder of a conversion still running is not a leftover: both finish, one folder stays.
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    cache = str(tmp_path / "c")
+    child, go = _stalled_conversion(tmp_path, str(tmp_path / "m"), cache)
+    try:
+        (theirs,) = _unfinished(cache)
+        ours = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+        assert ours.mapoffload_report.converted_tensors == 4 and not ours.mapoffload_report.conversion_reused
+        assert _unfinished(cache) == [theirs]  # still being written
+        assert any(f.startswith("part-") for f in os.listdir(os.path.join(cache, theirs)))
+        go.touch()
+        out, err = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err[-2000:]
+    assert out.split()[-2:] == ["converted", "4"]
+    assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(ours.mapoffload_report.conversion_dir)]
