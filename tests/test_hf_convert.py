@@ -401,3 +401,22 @@ def test_a_live_concurrent_conversions_folder_is_left_alone(tmp_path):
     assert child.returncode == 0, err[-2000:]
     assert out.split()[-2:] == ["converted", "4"]
     assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(ours.mapoffload_report.conversion_dir)]
+
+
+def test_the_sweep_judges_unmarked_folders_by_age_and_touches_nothing_else(tmp_path):
+    root = tmp_path / "c"
+    key = "0123456789abcdef01234567"
+    old, young = root / f".{key}.abcd_123", root / f".{key}.zz99yy88"
+    for d in (old, young):
+        d.mkdir(parents=True)
+        (d / "part-00000.safetensors").write_bytes(b"x")
+    long_ago = os.path.getmtime(old) - _converted.UNMARKED_GRACE_S - 60
+    for p in (old / "part-00000.safetensors", old):
+        os.utime(p, (long_ago, long_ago))
+    (root / f".{key}.afile123").write_text("not a folder")
+    (root / f".{key}.alink123").symlink_to(young)
+    (root / key).mkdir()  # a finished conversion
+    (root / "other").mkdir()
+    assert _converted.sweep(str(root)) == [str(old)]  # an older version's dead folder
+    assert sorted(os.listdir(root)) == sorted([young.name, f".{key}.afile123", f".{key}.alink123", key, "other"])
+    assert _converted.sweep(str(tmp_path / "nowhere")) == []

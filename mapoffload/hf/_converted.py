@@ -14,7 +14,14 @@ transformers/torch versions: the fingerprint names the folder they live in.
 
 Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
-conversion). ``<root>`` is, in order: the ``cache_dir`` argument,
+conversion). A conversion is written in ``<root>/.<fingerprint>.XXXXXXXX/``
+and renamed into place when whole; while it runs that folder holds
+``.writer``, a lock file its process holds an ``flock`` on. The kernel drops
+the lock when the process dies however it dies (``kill -9``, the OOM killer),
+so every load sweeps its root: a work folder whose lock can be taken is a dead
+conversion's and is removed; a live one's is left alone (an unmarked one, from a
+version before marks, only once nothing in it changed for
+:data:`UNMARKED_GRACE_S`). ``<root>`` is, in order: the ``cache_dir`` argument,
 ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
 when that folder is writable and not a hub cache snapshot,
 ``$XDG_CACHE_HOME/mapoffload/converted``
@@ -23,12 +30,15 @@ when that folder is writable and not a hub cache snapshot,
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +52,12 @@ PART_BYTES = 256 << 20  # pending converted bytes written out as one part
 MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
 _ALIGN = 4096  # data start in each part: page-aligned, so every tensor maps page-aligned within its dtype order
+WRITER = ".writer"  # in a work folder: the lock file its live writer holds (flock)
+# tempfile.mkdtemp(prefix=".<key>.") names: eight of its characters after the prefix
+_WORK = re.compile(r"\.[0-9a-f]{24}\.[a-z0-9_]{8}")
+_ASIDE = re.compile(r"\.[0-9a-f]{24}\.old\.[a-z0-9_]{8}")  # a damaged folder moved aside to be removed
+UNMARKED_GRACE_S = 3600.0  # a work folder without a writer mark, untouched this long, is a dead one's
+_HELD: dict[int, int] = {}  # writer-mark fd -> pid that holds it (a forked child closes its copies)
 
 _ST_CODES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -171,6 +187,108 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+def _forget_held_marks() -> None:
+    # A forked child does not own its parent's conversions: its copies of their locks would keep
+    # them marked live after the parent died. (flock: closing one copy keeps the parent's lock.)
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_marks)
+
+
+def _mark_writer(work: str) -> int | None:
+    """Mark ``work`` as written by this process: :data:`WRITER`, locked (``flock``) until the
+    conversion ends. Created under another name, locked, then renamed: a sweep never sees the
+    mark unlocked. None where the file system has no flock (the folder is then unmarked)."""
+    tmp = os.path.join(work, WRITER + ".new")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())  # for a person looking; the lock is what counts
+        os.rename(tmp, os.path.join(work, WRITER))
+    except OSError as exc:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        logger.debug("conversion folder %s: no writer lock (%s)", work, exc)
+        return None
+    _HELD[fd] = os.getpid()
+    return fd
+
+
+def _release_writer(fd: int | None) -> None:
+    if fd is not None and _HELD.get(fd) == os.getpid():
+        del _HELD[fd]
+        os.close(fd)
+
+
+def _newest_change(path: str) -> float:
+    newest = os.lstat(path).st_mtime
+    for entry in os.scandir(path):
+        try:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            pass
+    return newest
+
+
+def _writer_gone(path: str) -> bool:
+    """True when the conversion writing ``path`` is no longer running."""
+    try:
+        fd = os.open(os.path.join(path, WRITER), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:  # unmarked: created this instant (its mark follows) or by an older version
+        try:
+            return time.time() - _newest_change(path) > UNMARKED_GRACE_S
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: its writer holds it (any other error: do not guess)
+            return False
+        return True
+    finally:
+        os.close(fd)  # a writer that is gone never comes back for its folder: no need to hold it
+
+
+def sweep(root: str) -> list[str]:
+    """Remove what dead conversions left under ``root`` (their work folders, folders moved aside);
+    returns the paths removed. Never raises: an unreadable root or a folder that cannot be removed
+    is left as it is."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    removed = []
+    for name in entries:
+        aside = _ASIDE.fullmatch(name)
+        if not aside and not _WORK.fullmatch(name):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+        except OSError:
+            continue
+        if aside or _writer_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+                logger.info("removed %s: an unfinished conversion whose process is gone", path)
+    return removed
+
+
 @dataclass
 class ConversionCache:
     """One conversion folder: parts written so far, what each target consumed."""
@@ -181,6 +299,7 @@ class ConversionCache:
     reused: bool = False
     _work: str | None = None
     _parts: int = 0
+    _mark: int | None = None  # the writer lock's fd while _work is being written
 
     @property
     def path(self) -> str:
@@ -197,6 +316,7 @@ class ConversionCache:
         """The cache for ``key`` under ``root``: reused when a finished manifest
         matches, otherwise empty (written on :meth:`add`)."""
         cache = cls(root, key)
+        sweep(root)
         manifest = os.path.join(cache.path, MANIFEST)
         try:
             with open(manifest, encoding="utf-8") as f:
@@ -262,7 +382,9 @@ class ConversionCache:
             try:
                 os.makedirs(self.root, exist_ok=True)
                 self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+                self._mark = _mark_writer(self._work)
             except OSError as exc:
+                self.abandon()
                 raise OSError(exc.errno, f"creating a conversion folder under {self.root}: {exc.strerror or exc}; "
                               "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
         name = f"part-{self._parts:05d}.safetensors"
@@ -289,6 +411,10 @@ class ConversionCache:
             json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+        try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
+            os.unlink(os.path.join(self._work, WRITER))
+        except FileNotFoundError:
+            pass
         try:
             os.rename(self._work, self.path)
         except OSError:
@@ -307,10 +433,14 @@ class ConversionCache:
                 except OSError:  # a concurrent load put its own in place meanwhile: keep it
                     shutil.rmtree(self._work, ignore_errors=True)
         self._work = None
+        _release_writer(self._mark)
+        self._mark = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 
     def abandon(self) -> None:
         """Drop an unfinished conversion's files (mapped views stay valid)."""
         if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
+            shutil.rmtree(self._work, ignore_errors=True)  # under its lock: no sweep takes it meanwhile
             self._work = None
+        _release_writer(self._mark)
+        self._mark = None
