@@ -420,3 +420,32 @@ def test_the_sweep_judges_unmarked_folders_by_age_and_touches_nothing_else(tmp_p
     assert _converted.sweep(str(root)) == [str(old)]  # an older version's dead folder
     assert sorted(os.listdir(root)) == sorted([young.name, f".{key}.afile123", f".{key}.alink123", key, "other"])
     assert _converted.sweep(str(tmp_path / "nowhere")) == []
+
+
+def test_a_full_disk_at_the_manifest_names_the_folder_and_the_bytes_and_leaves_nothing(tmp_path, monkeypatch):
+    # The disk filling exactly at manifest.json gave a bare "[Errno 28] No space left on device" naming no
+    # path, and the finished parts stayed in the work folder.
+    import errno
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(_converted.MANIFEST):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    cache = str(tmp_path / "cache")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", fsync)
+        with pytest.raises(OSError) as info:
+            mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    err = info.value
+    assert err.errno == errno.ENOSPC
+    assert cache in str(err) and "cache_dir=" in str(err)
+    assert os.listdir(cache) == []  # the work folder is gone
+    assert isinstance(err, mapoffload.hf.ConversionWriteError) and err.path == cache
+    assert err.bytes_needed > 4 * 2 * 64 * 32 * 4  # the converted experts, at least
+    assert f"{err.bytes_needed} bytes" in str(err)
+    again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    assert again.mapoffload_report.converted_tensors == 4
