@@ -30,6 +30,7 @@ when that folder is writable and not a hub cache snapshot,
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -187,6 +188,18 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+class ConversionWriteError(OSError):
+    """Converted weights could not be written (a full disk, a folder that cannot be written):
+    ``.path`` is the folder they were going to, ``.bytes_needed`` the bytes the conversion needs
+    there (all of them when it failed at the manifest, else at least that many); ``.errno`` is
+    the system's. The unfinished files are removed before it is raised."""
+
+    def __init__(self, code: int | None, message: str, *, path: str, bytes_needed: int) -> None:
+        super().__init__(errno.EIO if code is None else code, message)
+        self.path = path
+        self.bytes_needed = bytes_needed
+
+
 def _forget_held_marks() -> None:
     # A forked child does not own its parent's conversions: its copies of their locks would keep
     # them marked live after the parent died. (flock: closing one copy keeps the parent's lock.)
@@ -300,6 +313,7 @@ class ConversionCache:
     _work: str | None = None
     _parts: int = 0
     _mark: int | None = None  # the writer lock's fd while _work is being written
+    _written: int = 0  # bytes of the parts on disk so far
 
     @property
     def path(self) -> str:
@@ -375,8 +389,13 @@ class ConversionCache:
         return out
 
     def add(self, tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-        """Write ``tensors`` as one part; returns their mapped views."""
+        """Write ``tensors`` as one part; returns their mapped views.
+
+        Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
+        """
         from ..checkpoint import _read_file
+
+        payload = sum(t.numel() * t.element_size() for t in tensors.values())
 
         if self._work is None:
             try:
@@ -384,18 +403,17 @@ class ConversionCache:
                 self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
                 self._mark = _mark_writer(self._work)
             except OSError as exc:
-                self.abandon()
-                raise OSError(exc.errno, f"creating a conversion folder under {self.root}: {exc.strerror or exc}; "
-                              "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
+                raise self._failed(f"creating a conversion folder under {self.root}", exc,
+                                   self._written + payload, whole=False) from exc
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
         try:
             write_safetensors(path, tensors)
+            self._written += os.path.getsize(path)
         except OSError as exc:
-            size = format_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
-            raise OSError(exc.errno, f"writing converted weights ({size}) to {path}: {exc.strerror or exc}; "
-                          "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
+            raise self._failed(f"writing converted weights ({format_bytes(payload)}) to {path}", exc,
+                               self._written + payload, whole=False) from exc
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
                                "bytes": t.numel() * t.element_size()}
@@ -407,10 +425,16 @@ class ConversionCache:
         (a concurrent load that finished first keeps its folder; ours goes)."""
         if self._work is None:
             return
-        with open(os.path.join(self._work, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+        text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors}, indent=1,
+                          sort_keys=True).encode()
+        try:
+            with open(os.path.join(self._work, MANIFEST), "wb") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+        except OSError as exc:
+            raise self._failed(f"writing {MANIFEST} of the conversion {self.key}", exc, self._written + len(text),
+                               whole=True) from exc
         try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
             os.unlink(os.path.join(self._work, WRITER))
         except FileNotFoundError:
@@ -436,6 +460,17 @@ class ConversionCache:
         _release_writer(self._mark)
         self._mark = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
+
+    def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool) -> ConversionWriteError:
+        """The error for a failed write, the unfinished conversion removed first."""
+        self.abandon()
+        amount = f"{needed} bytes" if whole else f"at least {needed} bytes"
+        return ConversionWriteError(
+            exc.errno,
+            f"{doing}: {exc.strerror or exc}; the conversion needs {amount} ({format_bytes(needed)}) in "
+            f"{self.root} and wrote nothing there (its unfinished files are removed): free that space, or pass "
+            "cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere",
+            path=self.root, bytes_needed=needed)
 
     def abandon(self) -> None:
         """Drop an unfinished conversion's files (mapped views stay valid)."""
