@@ -242,6 +242,13 @@ def _release_writer(fd: int | None) -> None:
         os.close(fd)
 
 
+def _is_plain_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _newest_change(path: str) -> float:
     newest = os.lstat(path).st_mtime
     for entry in os.scandir(path):
@@ -252,20 +259,24 @@ def _newest_change(path: str) -> float:
     return newest
 
 
+def _unmarked_and_old(path: str) -> bool:
+    try:
+        return time.time() - _newest_change(path) > UNMARKED_GRACE_S
+    except OSError:
+        return False
+
+
 def _writer_gone(path: str) -> bool:
     """True when the conversion writing ``path`` is no longer running."""
     try:
         fd = os.open(os.path.join(path, WRITER), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # unmarked: created this instant (its mark follows) or by an older version
-        try:
-            return time.time() - _newest_change(path) > UNMARKED_GRACE_S
-        except OSError:
-            return False
-    except OSError:
-        return False
+        return _unmarked_and_old(path)
+    except OSError as exc:  # ELOOP: a link in its place -- no writer made it
+        return exc.errno == errno.ELOOP and _unmarked_and_old(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a folder: no writer made it either
+            return _unmarked_and_old(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # EWOULDBLOCK: its writer holds it (any other error: do not guess)
@@ -332,32 +343,34 @@ class ConversionCache:
         cache = cls(root, key)
         sweep(root)
         manifest = os.path.join(cache.path, MANIFEST)
+        from .._files import CheckpointError, open_regular
+        from .._header import read_safetensors_header
+
         try:
-            with open(manifest, encoding="utf-8") as f:
-                data = json.load(f)
+            with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
+                data = json.loads(f.read())
         except FileNotFoundError:
             return cache
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # CheckpointError: not a regular file
             logger.warning("conversion cache %s is unreadable (%s): converting again", manifest, exc)
             return cache
-        if data.get("format") != FORMAT or data.get("key") != key or not isinstance(data.get("tensors"), dict):
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key \
+                or not isinstance(data.get("tensors"), dict):
             logger.warning("conversion cache %s is from another version: converting again", manifest)
             return cache
         try:
             files = {e["file"] for e in data["tensors"].values()}
             valid = all(_PART.fullmatch(f) for f in files) and all(
                 isinstance(e["sources"], list) and all(isinstance(x, str) for x in e["sources"])
-                and isinstance(e["bytes"], int) for e in data["tensors"].values())
+                and type(e["bytes"]) is int and e["bytes"] >= 0 for e in data["tensors"].values())
         except (KeyError, TypeError, AttributeError):
             valid = False
         if not valid:  # only names this module writes: nothing outside the folder is ever opened
             logger.warning("conversion cache %s is malformed: converting again", manifest)
             return cache
-        if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
+        if not all(_is_plain_file(os.path.join(cache.path, f)) for f in files):  # never a link: it writes none
             logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
             return cache
-        from .._files import CheckpointError
-        from .._header import read_safetensors_header
 
         try:  # every part whole (its header fits the file) and holding what the manifest names
             stored = {f: set(read_safetensors_header(os.path.join(cache.path, f))) for f in files}
@@ -422,54 +435,84 @@ class ConversionCache:
 
     def commit(self) -> None:
         """Finish the conversion: the manifest, then the folder moved into place
-        (a concurrent load that finished first keeps its folder; ours goes)."""
+        (a concurrent load that finished first keeps its folder; ours goes).
+
+        Raises :class:`ConversionWriteError` (the work folder removed) when either fails.
+        """
         if self._work is None:
             return
         text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors}, indent=1,
                           sort_keys=True).encode()
+        needed = self._written + len(text)
+        doing = f"writing {MANIFEST} of the conversion {self.key}"
         try:
             with open(os.path.join(self._work, MANIFEST), "wb") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+            doing = f"moving the finished conversion into place at {self.path}"
+            try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
+                os.unlink(os.path.join(self._work, WRITER))
+            except FileNotFoundError:
+                pass
+            self._put_in_place()
         except OSError as exc:
-            raise self._failed(f"writing {MANIFEST} of the conversion {self.key}", exc, self._written + len(text),
-                               whole=True) from exc
-        try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
-            os.unlink(os.path.join(self._work, WRITER))
-        except FileNotFoundError:
-            pass
-        try:
-            os.rename(self._work, self.path)
-        except OSError:
-            if type(self).open(self.root, self.key).reused:
-                # another load finished the same conversion; our mapped files stay valid until unmapped
-                shutil.rmtree(self._work, ignore_errors=True)
-            else:  # a damaged or unfinished folder under our name: replace it (else it is converted forever)
-                aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-                try:
-                    os.rename(self.path, aside)
-                except FileNotFoundError:
-                    pass
-                shutil.rmtree(aside, ignore_errors=True)
-                try:
-                    os.rename(self._work, self.path)
-                except OSError:  # a concurrent load put its own in place meanwhile: keep it
-                    shutil.rmtree(self._work, ignore_errors=True)
+            raise self._failed(doing, exc, needed, whole=True) from exc
+        except BaseException:
+            self.abandon()
+            raise
         self._work = None
         _release_writer(self._mark)
         self._mark = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 
+    def _put_in_place(self) -> None:
+        """Rename the work folder to :attr:`path`, replacing whatever is there that is not a
+        finished conversion of the same key (a damaged folder, a file, a link)."""
+        try:
+            os.rename(self._work, self.path)
+            return
+        except OSError:
+            pass
+        if type(self).open(self.root, self.key).reused:
+            # another load finished the same conversion; our mapped files stay valid until unmapped
+            shutil.rmtree(self._work, ignore_errors=True)
+            return
+        # A damaged or unfinished folder under our name: replace it (else it is converted forever).
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+        elif st is not None:  # a file or a link (dangling or not) under a conversion's name
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        try:
+            os.rename(self._work, self.path)
+        except OSError:
+            if not type(self).open(self.root, self.key).reused:
+                raise
+            shutil.rmtree(self._work, ignore_errors=True)  # a concurrent load put its own in place meanwhile
+
     def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool) -> ConversionWriteError:
         """The error for a failed write, the unfinished conversion removed first."""
         self.abandon()
         amount = f"{needed} bytes" if whole else f"at least {needed} bytes"
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        way = ("free that space, or pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere" if full
+               else "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write where this process can")
         return ConversionWriteError(
             exc.errno,
             f"{doing}: {exc.strerror or exc}; the conversion needs {amount} ({format_bytes(needed)}) in "
-            f"{self.root} and wrote nothing there (its unfinished files are removed): free that space, or pass "
-            "cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere",
+            f"{self.root} and left nothing there (its unfinished files are removed): {way}",
             path=self.root, bytes_needed=needed)
 
     def abandon(self) -> None:
