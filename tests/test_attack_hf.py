@@ -315,3 +315,23 @@ def test_two_processes_converting_at_once_both_load_and_leave_one_folder(tmp_pat
         assert out.split()[-3:-1] == ["converted", "4"], out
     dirs = {out.split()[-1] for out, _ in outs}
     assert len(dirs) == 1 and os.listdir(tmp_path / "c") == [os.path.basename(dirs.pop())]
+
+
+def test_a_file_where_the_default_conversion_folder_goes_is_stepped_around(tmp_path, monkeypatch):
+    # <checkpoint>/.mapoffload-converted a file: every converting load failed ("File exists") though the
+    # cache folder was there to take it, as it does for a checkpoint folder that cannot be written.
+    monkeypatch.delenv("MAPOFFLOAD_CONVERT_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "m" / ".mapoffload-converted").write_text("someone's file")
+    model = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None)
+    assert model.mapoffload_report.conversion_dir.startswith(str(tmp_path / "xdg" / "mapoffload" / "converted"))
+    assert (tmp_path / "m" / ".mapoffload-converted").read_text() == "someone's file"
+
+
+def test_a_conversion_root_that_is_a_file_says_so(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(mapoffload.hf.ConversionWriteError, match=r"afile is a file, not a folder.*cache_dir="):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
+    assert (tmp_path / "afile").read_text() == "x"
