@@ -23,7 +23,7 @@ conversion's and is removed; a live one's is left alone (an unmarked one, from a
 version before marks, only once nothing in it changed for
 :data:`UNMARKED_GRACE_S`). ``<root>`` is, in order: the ``cache_dir`` argument,
 ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
-when that folder is writable and not a hub cache snapshot,
+when that folder is writable and not a hub cache snapshot (and no file has that name),
 ``$XDG_CACHE_HOME/mapoffload/converted``
 (``~/.cache/mapoffload/converted``).
 """
@@ -75,8 +75,11 @@ def default_root(folder: str) -> str:
     if env:
         return env
     # Never inside a hub cache snapshot: the hub manages those folders.
-    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None:
-        return os.path.join(folder, ".mapoffload-converted")
+    # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
+    local = os.path.join(folder, ".mapoffload-converted")
+    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
+            and (os.path.isdir(local) or not os.path.lexists(local)):
+        return local
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mapoffload", "converted")
 
@@ -416,8 +419,10 @@ class ConversionCache:
                 self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
                 self._mark = _mark_writer(self._work)
             except OSError as exc:
+                not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
                 raise self._failed(f"creating a conversion folder under {self.root}", exc,
-                                   self._written + payload, whole=False) from exc
+                                   self._written + payload, whole=False,
+                                   why=f"{self.root} is a file, not a folder" if not_a_folder else None) from exc
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
@@ -502,7 +507,8 @@ class ConversionCache:
                 raise
             shutil.rmtree(self._work, ignore_errors=True)  # a concurrent load put its own in place meanwhile
 
-    def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool) -> ConversionWriteError:
+    def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool,
+                why: str | None = None) -> ConversionWriteError:
         """The error for a failed write, the unfinished conversion removed first."""
         self.abandon()
         amount = f"{needed} bytes" if whole else f"at least {needed} bytes"
@@ -511,7 +517,7 @@ class ConversionCache:
                else "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write where this process can")
         return ConversionWriteError(
             exc.errno,
-            f"{doing}: {exc.strerror or exc}; the conversion needs {amount} ({format_bytes(needed)}) in "
+            f"{doing}: {why or exc.strerror or exc}; the conversion needs {amount} ({format_bytes(needed)}) in "
             f"{self.root} and left nothing there (its unfinished files are removed): {way}",
             path=self.root, bytes_needed=needed)
 
