@@ -102,3 +102,10 @@ def test_the_library_call_refuses_alike(tmp_path, no_loading):
         convert.convert_pretrained(str(tmp_path / "absent"))
     with pytest.raises(mapoffload.CheckpointError, match="no config.json"):
         convert.convert_pretrained(str(tmp_path))
+
+
+def test_an_empty_cache_dir_is_refused_before_loading(tmp_path, capsys, no_loading):
+    # --cache-dir "" loaded the whole model, then failed "creating a conversion folder under : ..."
+    build("gpt2", str(tmp_path / "m"))
+    err = _refused(capsys, str(tmp_path / "m"), "--cache-dir", "")
+    assert "cache" in err and "empty" in err
