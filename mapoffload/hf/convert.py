@@ -130,7 +130,7 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     ------
     ValueError
         Before anything loads, for a dtype not in :data:`DTYPE_NAMES`, a class name transformers
-        has no model class by, or a hub id.
+        has no model class by, an empty ``cache_dir``, or a hub id.
     FileNotFoundError
         For a missing local path.
     CheckpointError
@@ -141,6 +141,8 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     from . import transformers as hf_transformers
 
     check_dtype(dtype)
+    if cache_dir is not None and not os.fspath(cache_dir):
+        raise ValueError("the cache folder is empty (''): name a folder, or leave it out for the default")
     folder = os.fspath(folder)
     check_model_folder(folder)
     if isinstance(cls, str):
