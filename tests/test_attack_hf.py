@@ -223,7 +223,8 @@ def test_a_manifest_of_the_wrong_types_is_converted_again(tmp_path, manifest):
     _, conversion_dir = _converted_folder(tmp_path)
     path = os.path.join(conversion_dir, _converted.MANIFEST)
     data = json.load(open(path))
-    text = {"list": "[1, 2]", "string": '"manifest"', "null": "null", "deep": "[" * 100_000 + "]" * 100_000}.get(manifest)
+    texts = {"list": "[1, 2]", "string": '"manifest"', "null": "null", "deep": "[" * 100_000 + "]" * 100_000}
+    text = texts.get(manifest)
     if text is None:
         for entry in data["tensors"].values():
             entry["bytes"] = True if manifest == "bytes-bool" else -entry["bytes"]
