@@ -82,9 +82,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .hf.convert import convert_pretrained
+    from .hf._extras import MissingExtraError
 
-    report = convert_pretrained(args.folder, dtype=args.dtype, cache_dir=args.cache_dir)
+    try:
+        from .hf.convert import convert_pretrained
+
+        report = convert_pretrained(args.folder, dtype=args.dtype, cache_dir=args.cache_dir, cls=args.model_class)
+    except (OSError, ValueError, MissingExtraError) as exc:  # transformers' own messages span lines: one line
+        print(f"mapoffload convert: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        return 2
     if report.converted_tensors:
         how = "already there, reused" if report.conversion_reused else "written"
         _say(f"{report.converted_tensors} tensors converted by the load ({format_bytes(report.bytes_converted)}), "
@@ -168,8 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("folder", help="a folder written by save_pretrained (config.json and weight files)")
     conv.add_argument("--dtype", default="auto",
-                      help="the dtype later loads will ask for: 'auto' (as transformers 5) or a torch dtype name "
-                           "(default: auto)")
+                      help="the dtype later loads will ask for: 'auto' (as transformers 5) or one of bfloat16, "
+                           "float16, float32, float64 (default: auto)")
+    conv.add_argument("--class", dest="model_class", default=None, metavar="CLASS",
+                      help="the transformers class later loads pass to from_pretrained, e.g. LlamaForCausalLM or "
+                           "an Auto class (AutoModelForCausalLM counts as the class it resolves to; default: "
+                           "config.json's architectures)")
     conv.add_argument("--cache-dir", default=None,
                       help="where converted files go (default: beside the checkpoint when writable, else "
                            "~/.cache/mapoffload/converted; MAPOFFLOAD_CONVERT_DIR overrides)")

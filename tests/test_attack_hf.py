@@ -4,6 +4,7 @@ load, what an fp8-kept model gives back."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -199,3 +200,139 @@ def test_an_fp8_checkpoints_conversion_is_reused(tmp_path, monkeypatch, fp8):
         second = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, fp8=fp8)
     assert second.mapoffload_report.conversion_reused and not written
     assert _same_as_transformers(cls, str(tmp_path / "m"), second)
+
+
+def _converted_folder(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    first = convert_pretrained(str(tmp_path / "m"), cache_dir=str(tmp_path / "c"))
+    return cls, first.conversion_dir
+
+
+def _converts_again_then_reuses(tmp_path, conversion_dir):
+    second = convert_pretrained(str(tmp_path / "m"), cache_dir=str(tmp_path / "c"))
+    assert not second.conversion_reused and second.converted_tensors == 4
+    third = convert_pretrained(str(tmp_path / "m"), cache_dir=str(tmp_path / "c"))
+    assert third.conversion_reused and third.conversion_dir == conversion_dir  # repaired in place
+    assert os.path.isdir(conversion_dir) and not os.path.islink(conversion_dir)
+    assert os.listdir(tmp_path / "c") == [os.path.basename(conversion_dir)]  # nothing else left behind
+
+
+@pytest.mark.parametrize("manifest", ["list", "string", "null", "deep", "bytes-bool", "bytes-negative"])
+def test_a_manifest_of_the_wrong_types_is_converted_again(tmp_path, manifest):
+    # A manifest that is JSON but not an object raised AttributeError; one nested deeply enough RecursionError.
+    _, conversion_dir = _converted_folder(tmp_path)
+    path = os.path.join(conversion_dir, _converted.MANIFEST)
+    data = json.load(open(path))
+    texts = {"list": "[1, 2]", "string": '"manifest"', "null": "null", "deep": "[" * 100_000 + "]" * 100_000}
+    text = texts.get(manifest)
+    if text is None:
+        for entry in data["tensors"].values():
+            entry["bytes"] = True if manifest == "bytes-bool" else -entry["bytes"]
+        text = json.dumps(data)
+    with open(path, "w") as f:
+        f.write(text)
+    _converts_again_then_reuses(tmp_path, conversion_dir)
+
+
+_CONVERT = """
+import sys, warnings
+warnings.simplefilter("ignore")
+from mapoffload.hf.convert import convert_pretrained
+r = convert_pretrained(sys.argv[1], cache_dir=sys.argv[2])
+print("converted", r.converted_tensors, "reused" if r.conversion_reused else "written")
+"""
+
+
+def test_a_manifest_that_is_a_fifo_does_not_hang_the_load(tmp_path):
+    _, conversion_dir = _converted_folder(tmp_path)
+    path = os.path.join(conversion_dir, _converted.MANIFEST)
+    os.remove(path)
+    os.mkfifo(path)
+    try:  # in a child: a load blocked on the FIFO is killed at the timeout
+        out = subprocess.run([sys.executable, "-c", _CONVERT, str(tmp_path / "m"), str(tmp_path / "c")],
+                             capture_output=True, text=True, timeout=120, cwd="/")
+    except subprocess.TimeoutExpired:
+        pytest.fail("a FIFO named manifest.json blocked the load")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["converted", "4", "written"]
+
+
+@pytest.mark.parametrize("what", ["file", "dangling-link", "part-link"])
+def test_a_conversion_folder_that_is_not_one_is_replaced(tmp_path, what):
+    # <root>/<key> a file or a dangling symlink: the commit's move-aside failed (IsADirectoryError),
+    # leaving the finished work folder and the aside one behind, locked by the failed load for good.
+    _, conversion_dir = _converted_folder(tmp_path)
+    if what == "part-link":  # a part swapped for a link to another file: never mapped
+        part = os.path.join(conversion_dir, "part-00000.safetensors")
+        os.rename(part, tmp_path / "elsewhere.safetensors")
+        os.symlink(tmp_path / "elsewhere.safetensors", part)
+    else:
+        shutil.rmtree(conversion_dir)
+        if what == "file":
+            with open(conversion_dir, "w") as f:
+                f.write("not a folder")
+        else:
+            os.symlink(tmp_path / "nowhere", conversion_dir)
+    _converts_again_then_reuses(tmp_path, conversion_dir)
+
+
+def test_an_unwritable_conversion_root_is_named_with_the_way_out(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "ro").mkdir()
+
+    def refused(*args, **kwargs):  # what mkdtemp meets in a read-only or foreign folder (root writes anywhere)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(mapoffload.hf.ConversionWriteError) as info:
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "ro"))
+    message = str(info.value)
+    assert info.value.errno == errno.EACCES and str(tmp_path / "ro") in message and "cache_dir=" in message
+    assert "free" not in message  # not a full disk
+    assert os.listdir(tmp_path / "ro") == []
+
+
+_RACER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import transformers as tf
+import mapoffload
+m = mapoffload.from_pretrained(tf.MixtralForCausalLM, sys.argv[1], device=None, cache_dir=sys.argv[2])
+print("converted", m.mapoffload_report.converted_tensors, m.mapoffload_report.conversion_dir)
+"""
+
+
+def test_two_processes_converting_at_once_both_load_and_leave_one_folder(tmp_path):
+    build("mixtral", str(tmp_path / "m"))
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path / "m"), str(tmp_path / "c")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+              for _ in range(3)]
+    outs = [r.communicate(timeout=300) for r in racers]
+    for r, (out, err) in zip(racers, outs):
+        assert r.returncode == 0, err[-2000:]
+        assert out.split()[-3:-1] == ["converted", "4"], out
+    dirs = {out.split()[-1] for out, _ in outs}
+    assert len(dirs) == 1 and os.listdir(tmp_path / "c") == [os.path.basename(dirs.pop())]
+
+
+def test_a_file_where_the_default_conversion_folder_goes_is_stepped_around(tmp_path, monkeypatch):
+    # <checkpoint>/.mapoffload-converted a file: every converting load failed ("File exists") though the
+    # cache folder was there to take it, as it does for a checkpoint folder that cannot be written.
+    monkeypatch.delenv("MAPOFFLOAD_CONVERT_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "m" / ".mapoffload-converted").write_text("someone's file")
+    model = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None)
+    assert model.mapoffload_report.conversion_dir.startswith(str(tmp_path / "xdg" / "mapoffload" / "converted"))
+    assert (tmp_path / "m" / ".mapoffload-converted").read_text() == "someone's file"
+
+
+def test_a_conversion_root_that_is_a_file_says_so(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(mapoffload.hf.ConversionWriteError, match=r"afile is a file, not a folder.*cache_dir="):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
+    assert (tmp_path / "afile").read_text() == "x"

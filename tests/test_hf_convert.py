@@ -292,3 +292,160 @@ def test_after_a_converting_load_the_freed_temporaries_are_given_back(tmp_path):
     assert out.returncode == 0, out.stderr
     half = 8 * (4 * 512 * 512 + 3 * 512 * 1024) * 2  # 40 MiB cast
     assert int(out.stdout.split()[-1]) < 0.25 * half, out.stdout
+
+
+def test_convert_and_the_readmes_auto_class_load_share_one_conversion(tmp_path):
+    # `mapoffload convert FOLDER` keyed its folder by config.architectures[0], from_pretrained by the class
+    # passed in: AutoModelForCausalLM (the README's call) converted again into a second folder. A conversion
+    # is keyed by what makes its bytes: the class the Auto class resolves to, not the name typed.
+    from mapoffload.cli import main
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    first = convert_pretrained(str(tmp_path / "m"))
+    auto = mapoffload.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path / "m"), device=None)
+    assert auto.mapoffload_report.conversion_reused
+    assert auto.mapoffload_report.conversion_dir == first.conversion_dir
+    spelled = mapoffload.from_pretrained(cls, str(tmp_path / "m") + "/", device=None)
+    assert spelled.mapoffload_report.conversion_reused  # the folder's spelling makes no other bytes
+    assert main(["convert", str(tmp_path / "m"), "--class", "AutoModelForCausalLM"]) == 0
+    assert main(["convert", str(tmp_path / "m"), "--class", "MixtralForCausalLM"]) == 0
+    root = os.path.dirname(first.conversion_dir)
+    assert os.listdir(root) == [os.path.basename(first.conversion_dir)]
+
+
+def test_a_dtypes_spellings_share_one_conversion(tmp_path):
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    first = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, dtype=torch.float16)
+    assert not first.mapoffload_report.conversion_reused
+    named = convert_pretrained(str(tmp_path / "m"), dtype="float16")
+    assert named.conversion_reused and named.conversion_dir == first.mapoffload_report.conversion_dir
+
+
+_STALLED = """
+import os, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch, transformers as tf
+import mapoffload
+from mapoffload.hf import _converted
+folder, cache, dtype, ready, go = sys.argv[1:6]
+real = _converted.write_safetensors
+def stalled(path, tensors):
+    real(path, tensors)
+    open(ready, "w").close()  # a part is on disk, the manifest not yet
+    while not os.path.exists(go):
+        time.sleep(0.05)
+_converted.write_safetensors = stalled
+m = mapoffload.from_pretrained(tf.MixtralForCausalLM, folder, device=None, cache_dir=cache, dtype=dtype)
+print("converted", m.mapoffload_report.converted_tensors)
+"""
+
+
+def _stalled_conversion(tmp_path, folder, cache, dtype="auto"):
+    """A child process converting ``folder`` into ``cache``, stopped once its first part is written
+    (until ``go`` exists); returns (process, go)."""
+    import subprocess
+    import sys
+    import time
+
+    ready, go = tmp_path / f"ready-{dtype}", tmp_path / f"go-{dtype}"
+    child = subprocess.Popen([sys.executable, "-c", _STALLED, folder, cache, dtype, str(ready), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    deadline = time.monotonic() + 240
+    while not ready.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the converting child did not reach its first part: {child.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return child, go
+
+
+def _unfinished(cache) -> list[str]:
+    return sorted(e for e in os.listdir(cache) if e.startswith("."))
+
+
+def test_a_conversion_killed_part_way_is_cleaned_by_the_next_load(tmp_path):
+    # kill -9 (or the OOM killer) mid-conversion left .<key>.XXXX/part-*.safetensors behind for good:
+    # nothing ever looked at it again. The next load (here one that reuses another conversion) removes it.
+    import signal
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    cache = str(tmp_path / "c")
+    first = convert_pretrained(str(tmp_path / "m"), cache_dir=cache)
+    child, _ = _stalled_conversion(tmp_path, str(tmp_path / "m"), cache, dtype="float16")
+    (left,) = _unfinished(cache)
+    assert any(f.startswith("part-") for f in os.listdir(os.path.join(cache, left)))
+    child.send_signal(signal.SIGKILL)
+    child.wait(60)
+    again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    assert again.mapoffload_report.conversion_reused
+    assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(first.conversion_dir)]
+
+
+def test_a_live_concurrent_conversions_folder_is_left_alone(tmp_path):
+    # The same-looking folder of a conversion still running is not a leftover: both finish, one folder stays.
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    cache = str(tmp_path / "c")
+    child, go = _stalled_conversion(tmp_path, str(tmp_path / "m"), cache)
+    try:
+        (theirs,) = _unfinished(cache)
+        ours = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+        assert ours.mapoffload_report.converted_tensors == 4 and not ours.mapoffload_report.conversion_reused
+        assert _unfinished(cache) == [theirs]  # still being written
+        assert any(f.startswith("part-") for f in os.listdir(os.path.join(cache, theirs)))
+        go.touch()
+        out, err = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err[-2000:]
+    assert out.split()[-2:] == ["converted", "4"]
+    assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(ours.mapoffload_report.conversion_dir)]
+
+
+def test_the_sweep_judges_unmarked_folders_by_age_and_touches_nothing_else(tmp_path):
+    root = tmp_path / "c"
+    key = "0123456789abcdef01234567"
+    old, young = root / f".{key}.abcd_123", root / f".{key}.zz99yy88"
+    for d in (old, young):
+        d.mkdir(parents=True)
+        (d / "part-00000.safetensors").write_bytes(b"x")
+    long_ago = os.path.getmtime(old) - _converted.UNMARKED_GRACE_S - 60
+    for p in (old / "part-00000.safetensors", old):
+        os.utime(p, (long_ago, long_ago))
+    (root / f".{key}.afile123").write_text("not a folder")
+    (root / f".{key}.alink123").symlink_to(young)
+    (root / key).mkdir()  # a finished conversion
+    (root / "other").mkdir()
+    assert _converted.sweep(str(root)) == [str(old)]  # an older version's dead folder
+    assert sorted(os.listdir(root)) == sorted([young.name, f".{key}.afile123", f".{key}.alink123", key, "other"])
+    assert _converted.sweep(str(tmp_path / "nowhere")) == []
+
+
+def test_a_full_disk_at_the_manifest_names_the_folder_and_the_bytes_and_leaves_nothing(tmp_path, monkeypatch):
+    # The disk filling exactly at manifest.json gave a bare "[Errno 28] No space left on device" naming no
+    # path, and the finished parts stayed in the work folder.
+    import errno
+
+    cls, _ = build("mixtral", str(tmp_path / "m"))
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(_converted.MANIFEST):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    cache = str(tmp_path / "cache")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", fsync)
+        with pytest.raises(OSError) as info:
+            mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    err = info.value
+    assert err.errno == errno.ENOSPC
+    assert cache in str(err) and "cache_dir=" in str(err)
+    assert os.listdir(cache) == []  # the work folder is gone
+    assert isinstance(err, mapoffload.hf.ConversionWriteError) and err.path == cache
+    assert err.bytes_needed > 4 * 2 * 64 * 32 * 4  # the converted experts, at least
+    assert f"{err.bytes_needed} bytes" in str(err)
+    again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
+    assert again.mapoffload_report.converted_tensors == 4

@@ -9,6 +9,7 @@ only when a function that needs them is called (``pip install ".[hf]"`` from the
 
 from __future__ import annotations
 
+from ._converted import ConversionWriteError
 from ._extras import INSTALL_HINT, MissingExtraError
 from .blocks import find_block_lists
 from .diffusers import PipelineOffloadHandle, load_pipeline, offload_pipeline, pipeline_from_pretrained
@@ -16,6 +17,7 @@ from .offload import OffloadHandle, OffloadRow, offload
 from .transformers import KeyMismatchError, from_pretrained, load_pretrained
 
 __all__ = [
+    "ConversionWriteError",
     "INSTALL_HINT",
     "KeyMismatchError",
     "MissingExtraError",

@@ -7,27 +7,39 @@ A model converted this way holds no anonymous copy of its weights: at most
 :data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
-of the sources (their real paths, sizes, modification and change times), the model class, the
-requested dtype, the config or the transformers/torch versions: the
-fingerprint names the folder they live in.
+of the sources (their real paths, sizes, modification and change times), the
+model class (an ``AutoModel*`` class counts as the concrete class it resolves
+to), the requested dtype (however it is spelled), the config or the
+transformers/torch versions: the fingerprint names the folder they live in.
 
 Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
-conversion). ``<root>`` is, in order: the ``cache_dir`` argument,
+conversion). A conversion is written in ``<root>/.<fingerprint>.XXXXXXXX/``
+and renamed into place when whole; while it runs that folder holds
+``.writer``, a lock file its process holds an ``flock`` on. The kernel drops
+the lock when the process dies however it dies (``kill -9``, the OOM killer),
+so every load sweeps its root: a work folder whose lock can be taken is a dead
+conversion's and is removed; a live one's is left alone (an unmarked one, from a
+version before marks, only once nothing in it changed for
+:data:`UNMARKED_GRACE_S`). ``<root>`` is, in order: the ``cache_dir`` argument,
 ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
-when that folder is writable and not a hub cache snapshot,
+when that folder is writable and not a hub cache snapshot (and no file has that name),
 ``$XDG_CACHE_HOME/mapoffload/converted``
 (``~/.cache/mapoffload/converted``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +53,12 @@ PART_BYTES = 256 << 20  # pending converted bytes written out as one part
 MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
 _ALIGN = 4096  # data start in each part: page-aligned, so every tensor maps page-aligned within its dtype order
+WRITER = ".writer"  # in a work folder: the lock file its live writer holds (flock)
+# tempfile.mkdtemp(prefix=".<key>.") names: eight of its characters after the prefix
+_WORK = re.compile(r"\.[0-9a-f]{24}\.[a-z0-9_]{8}")
+_ASIDE = re.compile(r"\.[0-9a-f]{24}\.old\.[a-z0-9_]{8}")  # a damaged folder moved aside to be removed
+UNMARKED_GRACE_S = 3600.0  # a work folder without a writer mark, untouched this long, is a dead one's
+_HELD: dict[int, int] = {}  # writer-mark fd -> pid that holds it (a forked child closes its copies)
 
 _ST_CODES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -57,14 +75,68 @@ def default_root(folder: str) -> str:
     if env:
         return env
     # Never inside a hub cache snapshot: the hub manages those folders.
-    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None:
-        return os.path.join(folder, ".mapoffload-converted")
+    # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
+    local = os.path.join(folder, ".mapoffload-converted")
+    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
+            and (os.path.isdir(local) or not os.path.lexists(local)):
+        return local
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mapoffload", "converted")
 
 
-def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, extra: Any = None) -> str:
-    """A hex digest of everything a conversion's result depends on."""
+def concrete_class(cls: Any, config: Any) -> Any:
+    """The model class ``cls.from_pretrained`` builds for ``config``: an ``AutoModel*`` class resolved
+    as transformers resolves it (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``), any other as it is.
+
+    A conversion's bytes are made by that class, so every entry point that ends in the same class
+    shares one conversion folder. An Auto class the config maps to remote code (``auto_map``) or
+    does not map at all stays itself (its own key).
+    """
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    if cls.__name__ in (getattr(config, "auto_map", None) or {}):
+        return cls
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        return _get_model_class(config, mapping)
+    except (ImportError, KeyError, ValueError, AttributeError, TypeError):
+        return cls
+
+
+def _class_name(model_class: Any) -> str:
+    if isinstance(model_class, str):
+        return model_class
+    return f"{model_class.__module__}.{model_class.__qualname__}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """One spelling per dtype: ``"float16"``, ``"half"`` and ``torch.float16`` make the same bytes."""
+    import torch
+
+    if isinstance(dtype, str) and dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if isinstance(value, torch.dtype):
+            return str(value)
+    return str(dtype)
+
+
+def _config_text(config: Any) -> str:
+    """The config as its values, without ``_name_or_path`` (the folder as the caller spelled it;
+    ``AutoConfig`` sets it, a model's own config class does not)."""
+    if not hasattr(config, "to_json_string"):
+        return repr(config)
+    data = json.loads(config.to_json_string(use_diff=False))
+    if isinstance(data, dict):
+        data.pop("_name_or_path", None)
+    return json.dumps(data, sort_keys=True)
+
+
+def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
+    """A hex digest of everything a conversion's result depends on: the sources, the concrete model
+    class (a class or its qualified name; see :func:`concrete_class`), the dtype, the config, the
+    versions, ``extra`` -- never how the caller spelled them."""
     import torch
     import transformers
 
@@ -75,10 +147,10 @@ def fingerprint(files: list[str], *, model_class: str, dtype: Any, config: Any, 
         # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
         sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     blob = json.dumps({
         "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
-        "class": model_class, "dtype": str(dtype), "sources": sources, "config": config_text,
+        "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
+        "config": _config_text(config),
         "extra": repr(extra),
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -119,6 +191,131 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+class ConversionWriteError(OSError):
+    """Converted weights could not be written (a full disk, a folder that cannot be written):
+    ``.path`` is the folder they were going to, ``.bytes_needed`` the bytes the conversion needs
+    there (all of them when it failed at the manifest, else at least that many); ``.errno`` is
+    the system's. The unfinished files are removed before it is raised."""
+
+    def __init__(self, code: int | None, message: str, *, path: str, bytes_needed: int) -> None:
+        super().__init__(errno.EIO if code is None else code, message)
+        self.path = path
+        self.bytes_needed = bytes_needed
+
+
+def _forget_held_marks() -> None:
+    # A forked child does not own its parent's conversions: its copies of their locks would keep
+    # them marked live after the parent died. (flock: closing one copy keeps the parent's lock.)
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_marks)
+
+
+def _mark_writer(work: str) -> int | None:
+    """Mark ``work`` as written by this process: :data:`WRITER`, locked (``flock``) until the
+    conversion ends. Created under another name, locked, then renamed: a sweep never sees the
+    mark unlocked. None where the file system has no flock (the folder is then unmarked)."""
+    tmp = os.path.join(work, WRITER + ".new")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())  # for a person looking; the lock is what counts
+        os.rename(tmp, os.path.join(work, WRITER))
+    except OSError as exc:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        logger.debug("conversion folder %s: no writer lock (%s)", work, exc)
+        return None
+    _HELD[fd] = os.getpid()
+    return fd
+
+
+def _release_writer(fd: int | None) -> None:
+    if fd is not None and _HELD.get(fd) == os.getpid():
+        del _HELD[fd]
+        os.close(fd)
+
+
+def _is_plain_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _newest_change(path: str) -> float:
+    newest = os.lstat(path).st_mtime
+    for entry in os.scandir(path):
+        try:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            pass
+    return newest
+
+
+def _unmarked_and_old(path: str) -> bool:
+    try:
+        return time.time() - _newest_change(path) > UNMARKED_GRACE_S
+    except OSError:
+        return False
+
+
+def _writer_gone(path: str) -> bool:
+    """True when the conversion writing ``path`` is no longer running."""
+    try:
+        fd = os.open(os.path.join(path, WRITER), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:  # unmarked: created this instant (its mark follows) or by an older version
+        return _unmarked_and_old(path)
+    except OSError as exc:  # ELOOP: a link in its place -- no writer made it
+        return exc.errno == errno.ELOOP and _unmarked_and_old(path)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a folder: no writer made it either
+            return _unmarked_and_old(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: its writer holds it (any other error: do not guess)
+            return False
+        return True
+    finally:
+        os.close(fd)  # a writer that is gone never comes back for its folder: no need to hold it
+
+
+def sweep(root: str) -> list[str]:
+    """Remove what dead conversions left under ``root`` (their work folders, folders moved aside);
+    returns the paths removed. Never raises: an unreadable root or a folder that cannot be removed
+    is left as it is."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    removed = []
+    for name in entries:
+        aside = _ASIDE.fullmatch(name)
+        if not aside and not _WORK.fullmatch(name):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+        except OSError:
+            continue
+        if aside or _writer_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+                logger.info("removed %s: an unfinished conversion whose process is gone", path)
+    return removed
+
+
 @dataclass
 class ConversionCache:
     """One conversion folder: parts written so far, what each target consumed."""
@@ -129,6 +326,8 @@ class ConversionCache:
     reused: bool = False
     _work: str | None = None
     _parts: int = 0
+    _mark: int | None = None  # the writer lock's fd while _work is being written
+    _written: int = 0  # bytes of the parts on disk so far
 
     @property
     def path(self) -> str:
@@ -145,33 +344,36 @@ class ConversionCache:
         """The cache for ``key`` under ``root``: reused when a finished manifest
         matches, otherwise empty (written on :meth:`add`)."""
         cache = cls(root, key)
+        sweep(root)
         manifest = os.path.join(cache.path, MANIFEST)
+        from .._files import CheckpointError, open_regular
+        from .._header import read_safetensors_header
+
         try:
-            with open(manifest, encoding="utf-8") as f:
-                data = json.load(f)
+            with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
+                data = json.loads(f.read())
         except FileNotFoundError:
             return cache
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # CheckpointError: not a regular file
             logger.warning("conversion cache %s is unreadable (%s): converting again", manifest, exc)
             return cache
-        if data.get("format") != FORMAT or data.get("key") != key or not isinstance(data.get("tensors"), dict):
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key \
+                or not isinstance(data.get("tensors"), dict):
             logger.warning("conversion cache %s is from another version: converting again", manifest)
             return cache
         try:
             files = {e["file"] for e in data["tensors"].values()}
             valid = all(_PART.fullmatch(f) for f in files) and all(
                 isinstance(e["sources"], list) and all(isinstance(x, str) for x in e["sources"])
-                and isinstance(e["bytes"], int) for e in data["tensors"].values())
+                and type(e["bytes"]) is int and e["bytes"] >= 0 for e in data["tensors"].values())
         except (KeyError, TypeError, AttributeError):
             valid = False
         if not valid:  # only names this module writes: nothing outside the folder is ever opened
             logger.warning("conversion cache %s is malformed: converting again", manifest)
             return cache
-        if not all(os.path.isfile(os.path.join(cache.path, f)) for f in files):
+        if not all(_is_plain_file(os.path.join(cache.path, f)) for f in files):  # never a link: it writes none
             logger.warning("conversion cache %s lacks some of its files: converting again", cache.path)
             return cache
-        from .._files import CheckpointError
-        from .._header import read_safetensors_header
 
         try:  # every part whole (its header fits the file) and holding what the manifest names
             stored = {f: set(read_safetensors_header(os.path.join(cache.path, f))) for f in files}
@@ -203,25 +405,33 @@ class ConversionCache:
         return out
 
     def add(self, tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-        """Write ``tensors`` as one part; returns their mapped views."""
+        """Write ``tensors`` as one part; returns their mapped views.
+
+        Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
+        """
         from ..checkpoint import _read_file
+
+        payload = sum(t.numel() * t.element_size() for t in tensors.values())
 
         if self._work is None:
             try:
                 os.makedirs(self.root, exist_ok=True)
                 self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+                self._mark = _mark_writer(self._work)
             except OSError as exc:
-                raise OSError(exc.errno, f"creating a conversion folder under {self.root}: {exc.strerror or exc}; "
-                              "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
+                not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
+                raise self._failed(f"creating a conversion folder under {self.root}", exc,
+                                   self._written + payload, whole=False,
+                                   why=f"{self.root} is a file, not a folder" if not_a_folder else None) from exc
         name = f"part-{self._parts:05d}.safetensors"
         self._parts += 1
         path = os.path.join(self._work, name)
         try:
             write_safetensors(path, tensors)
+            self._written += os.path.getsize(path)
         except OSError as exc:
-            size = format_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
-            raise OSError(exc.errno, f"writing converted weights ({size}) to {path}: {exc.strerror or exc}; "
-                          "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere") from exc
+            raise self._failed(f"writing converted weights ({format_bytes(payload)}) to {path}", exc,
+                               self._written + payload, whole=False) from exc
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
                                "bytes": t.numel() * t.element_size()}
@@ -230,35 +440,91 @@ class ConversionCache:
 
     def commit(self) -> None:
         """Finish the conversion: the manifest, then the folder moved into place
-        (a concurrent load that finished first keeps its folder; ours goes)."""
+        (a concurrent load that finished first keeps its folder; ours goes).
+
+        Raises :class:`ConversionWriteError` (the work folder removed) when either fails.
+        """
         if self._work is None:
             return
-        with open(os.path.join(self._work, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "key": self.key, "tensors": self.tensors}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+        text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors}, indent=1,
+                          sort_keys=True).encode()
+        needed = self._written + len(text)
+        doing = f"writing {MANIFEST} of the conversion {self.key}"
+        try:
+            with open(os.path.join(self._work, MANIFEST), "wb") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
+            doing = f"moving the finished conversion into place at {self.path}"
+            try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
+                os.unlink(os.path.join(self._work, WRITER))
+            except FileNotFoundError:
+                pass
+            self._put_in_place()
+        except OSError as exc:
+            raise self._failed(doing, exc, needed, whole=True) from exc
+        except BaseException:
+            self.abandon()
+            raise
+        self._work = None
+        _release_writer(self._mark)
+        self._mark = None
+        logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
+
+    def _put_in_place(self) -> None:
+        """Rename the work folder to :attr:`path`, replacing whatever is there that is not a
+        finished conversion of the same key (a damaged folder, a file, a link)."""
+        try:
+            os.rename(self._work, self.path)
+            return
+        except OSError:
+            pass
+        if type(self).open(self.root, self.key).reused:
+            # another load finished the same conversion; our mapped files stay valid until unmapped
+            shutil.rmtree(self._work, ignore_errors=True)
+            return
+        # A damaged or unfinished folder under our name: replace it (else it is converted forever).
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+        elif st is not None:  # a file or a link (dangling or not) under a conversion's name
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         try:
             os.rename(self._work, self.path)
         except OSError:
-            if type(self).open(self.root, self.key).reused:
-                # another load finished the same conversion; our mapped files stay valid until unmapped
-                shutil.rmtree(self._work, ignore_errors=True)
-            else:  # a damaged or unfinished folder under our name: replace it (else it is converted forever)
-                aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-                try:
-                    os.rename(self.path, aside)
-                except FileNotFoundError:
-                    pass
-                shutil.rmtree(aside, ignore_errors=True)
-                try:
-                    os.rename(self._work, self.path)
-                except OSError:  # a concurrent load put its own in place meanwhile: keep it
-                    shutil.rmtree(self._work, ignore_errors=True)
-        self._work = None
-        logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
+            if not type(self).open(self.root, self.key).reused:
+                raise
+            shutil.rmtree(self._work, ignore_errors=True)  # a concurrent load put its own in place meanwhile
+
+    def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool,
+                why: str | None = None) -> ConversionWriteError:
+        """The error for a failed write, the unfinished conversion removed first."""
+        self.abandon()
+        amount = f"{needed} bytes" if whole else f"at least {needed} bytes"
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        way = ("free that space, or pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write elsewhere" if full
+               else "pass cache_dir= (or set MAPOFFLOAD_CONVERT_DIR) to write where this process can")
+        return ConversionWriteError(
+            exc.errno,
+            f"{doing}: {why or exc.strerror or exc}; the conversion needs {amount} ({format_bytes(needed)}) in "
+            f"{self.root} and left nothing there (its unfinished files are removed): {way}",
+            path=self.root, bytes_needed=needed)
 
     def abandon(self) -> None:
         """Drop an unfinished conversion's files (mapped views stay valid)."""
         if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
+            shutil.rmtree(self._work, ignore_errors=True)  # under its lock: no sweep takes it meanwhile
             self._work = None
+        _release_writer(self._mark)
+        self._mark = None

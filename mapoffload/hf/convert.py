@@ -13,11 +13,83 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._files import CheckpointError
+import json
+
+from .._files import CheckpointError, _looks_remote, open_regular
 from ..checkpoint import LoadReport
 from ._extras import require
 
-__all__ = ["convert_pretrained", "model_class_for"]
+__all__ = ["DTYPE_NAMES", "check_dtype", "check_model_folder", "convert_pretrained", "model_class_for", "named_class"]
+
+# The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
+# config's dtype, else the checkpoint's).
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "float64")
+_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
+                  "fp64": "float64", "double": "float64"}
+_CONFIG_READ_LIMIT = 64 << 20  # a config.json larger than this is not one
+
+
+def check_dtype(dtype: Any) -> None:
+    """Refuse a dtype a conversion cannot be made for (before anything is loaded): one of
+    :data:`DTYPE_NAMES` or the torch dtype it names."""
+    if isinstance(dtype, str):
+        if dtype in DTYPE_NAMES:
+            return
+    elif type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        if str(dtype).removeprefix("torch.") in DTYPE_NAMES:
+            return
+    hint = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch.").lower())
+    raise ValueError(f"dtype {dtype!r} is not one a conversion takes: {', '.join(DTYPE_NAMES)} (or that torch "
+                     f"dtype){f'; did you mean {hint!r}?' if hint else ''}")
+
+
+def _read_json(path: str) -> Any:
+    with open_regular(path) as (f, _):  # never blocks on a FIFO
+        text = f.read(_CONFIG_READ_LIMIT + 1)
+    if len(text) > _CONFIG_READ_LIMIT:
+        raise CheckpointError(path, "is too large for a config file")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(path, f"is not JSON ({exc})") from None
+
+
+def check_model_folder(folder: str) -> None:
+    """Refuse, saying what it is and what to do instead, anything but a local transformers model
+    folder: a missing path, a hub id, a file, a diffusers pipeline or model folder, a folder
+    without config.json. Reads no weight."""
+    if not os.path.exists(folder):
+        if _looks_remote(folder):
+            raise ValueError(f"{folder!r} is not a local folder and looks like a hub id or URL: mapoffload convert "
+                             "converts local folders only (download it first, e.g. `hf download`, and convert "
+                             "the folder it wrote)")
+        raise FileNotFoundError(f"no such folder: {folder} (convert takes the local folder save_pretrained "
+                                "wrote: config.json beside its weight files)")
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, "is a file, not a model folder: give the folder save_pretrained wrote "
+                              "(config.json beside its weight files)")
+    index = os.path.join(folder, "model_index.json")
+    if os.path.lexists(index):
+        data = _read_json(index)
+        parts = [os.path.join(folder, name) for name, spec in sorted(data.items())
+                 if isinstance(spec, list) and spec[:1] == ["transformers"]
+                 and os.path.isfile(os.path.join(folder, name, "config.json"))] if isinstance(data, dict) else []
+        which = (f"convert one of its transformers component folders ({', '.join(parts)}), or " if parts else "")
+        raise CheckpointError(folder, f"is a diffusers pipeline folder (model_index.json): {which}load the whole "
+                              "pipeline with mapoffload.pipeline_from_pretrained, which converts what it needs as "
+                              "it loads")
+    config = os.path.join(folder, "config.json")
+    if not os.path.lexists(config):
+        raise CheckpointError(folder, "no config.json: not a transformers model folder (give the folder "
+                              "save_pretrained wrote: config.json beside its weight files)")
+    data = _read_json(config)
+    if not isinstance(data, dict):
+        raise CheckpointError(config, f"holds a JSON {type(data).__name__}, not a model config")
+    if "_diffusers_version" in data or ("_class_name" in data and "model_type" not in data):
+        raise CheckpointError(folder, f"is a diffusers model folder (config.json names "
+                              f"{data.get('_class_name', 'a diffusers class')}): mapoffload convert converts "
+                              "transformers model folders; load its pipeline with "
+                              "mapoffload.pipeline_from_pretrained, which converts what it needs as it loads")
 
 
 def model_class_for(folder: str | os.PathLike, config: Any = None) -> Any:
@@ -32,18 +104,50 @@ def model_class_for(folder: str | os.PathLike, config: Any = None) -> Any:
     return transformers.AutoModel
 
 
+def named_class(name: str) -> Any:
+    """The transformers model class called ``name`` (``"LlamaForCausalLM"``, ``"AutoModelForCausalLM"``).
+
+    Raises ValueError for a name transformers has no model class by.
+    """
+    transformers = require("transformers", "mapoffload convert")
+    found = getattr(transformers, name, None) if name.isidentifier() else None
+    if not isinstance(found, type) or not (hasattr(found, "_model_mapping")
+                                           or issubclass(found, transformers.PreTrainedModel)):
+        raise ValueError(f"{name!r} is not a transformers model class: name one such as LlamaForCausalLM, "
+                         "or an Auto class such as AutoModelForCausalLM (default: config.json's architectures)")
+    return found
+
+
 def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_dir: str | os.PathLike | None = None,
                        cls: Any = None) -> LoadReport:
     """Load ``folder`` once so that its conversions are on disk; returns the load's report.
 
-    Raises :class:`~mapoffload.CheckpointError` when ``folder`` has no config.json.
-    """
-    from .transformers import load_pretrained
+    ``cls`` is the class later loads pass to ``from_pretrained`` (a class or its name; an Auto
+    class counts as the class it resolves to, so ``AutoModelForCausalLM`` and
+    ``LlamaForCausalLM`` share one conversion); default: ``config.json``'s ``architectures``.
 
+    Raises
+    ------
+    ValueError
+        Before anything loads, for a dtype not in :data:`DTYPE_NAMES`, a class name transformers
+        has no model class by, an empty ``cache_dir``, or a hub id.
+    FileNotFoundError
+        For a missing local path.
+    CheckpointError
+        For a file, a diffusers pipeline or model folder, a folder without config.json.
+    ConversionWriteError
+        When the conversion cannot be written (:mod:`._converted`).
+    """
+    from . import transformers as hf_transformers
+
+    check_dtype(dtype)
+    if cache_dir is not None and not os.fspath(cache_dir):
+        raise ValueError("the cache folder is empty (''): name a folder, or leave it out for the default")
     folder = os.fspath(folder)
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise CheckpointError(folder, "no config.json: not a transformers model folder")
+    check_model_folder(folder)
+    if isinstance(cls, str):
+        cls = named_class(cls)
     cls = cls or model_class_for(folder)
-    model, report = load_pretrained(cls, folder, dtype=dtype, cache_dir=cache_dir)
+    model, report = hf_transformers.load_pretrained(cls, folder, dtype=dtype, cache_dir=cache_dir)
     del model
     return report

@@ -23,7 +23,7 @@ from .._files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
-from ._converted import ConversionCache, default_root, fingerprint
+from ._converted import ConversionCache, concrete_class, default_root, fingerprint
 from ._drive import driving
 from ._report import copy_mapped, load_report
 from ._extras import require
@@ -138,7 +138,7 @@ def load_pretrained(
     files = checkpoint_files(folder)
     keep_fp8 = _check_quantization(config, folder, fp8)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
-    key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=dtype, config=config,
+    key = fingerprint(files, model_class=concrete_class(cls, config), dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     cache = ConversionCache.open(root, key)
     session = None
