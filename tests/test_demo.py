@@ -1,0 +1,54 @@
+"""`mapoffload demo` as a user runs it: arguments it cannot honour are refused
+in one line (exit 2) before anything is written; the checks it makes judge
+what the library promises, not what it happened to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mapoffload.cli import main
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA device")
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "mapoffload", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+@no_cuda
+def test_demo_on_cuda_without_a_gpu_says_so_in_one_line(tmp_path):
+    r = run_cli("demo", "--device", "cuda", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("mapoffload demo: error: --device cuda: torch sees no CUDA device")
+    assert "--device cpu" in r.stderr
+    assert "[1/5]" not in r.stdout  # refused before writing a checkpoint
+
+
+@pytest.mark.parametrize("device, says", [
+    ("gpu", "--device 'gpu' is not a device: cuda, cuda:N or cpu"),
+    ("meta", "--device 'meta': the demo runs on cuda, cuda:N or cpu"),
+    ("cuda:banana", "--device 'cuda:banana' is not a device: cuda, cuda:N or cpu"),
+    ("", "--device '' is not a device: cuda, cuda:N or cpu"),
+])
+def test_demo_refuses_a_device_it_cannot_run_on_before_writing_anything(capsys, monkeypatch, tmp_path, device, says):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    assert main(["demo", "--device", device]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"mapoffload demo: error: {says}"), captured.err
+    assert captured.err.count("\n") == 1
+    assert "[1/5]" not in captured.out and not list(tmp_path.iterdir())
+
+
+@no_cuda
+def test_demo_on_a_numbered_cuda_device_without_a_gpu_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    assert main(["demo", "--device", "cuda:3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mapoffload demo: error: --device cuda:3: torch sees no CUDA device") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
