@@ -21,7 +21,7 @@ from typing import TextIO
 from ._log import format_bytes
 from .budget import ENV_HOST_AVAILABLE_GIB, rss_anon_bytes
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
 
 @dataclass
@@ -80,6 +80,37 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
     return "in place", "in place on the CPU: layers compute from the file mapping; nothing is copied"
 
 
+def resolve_device(name: str | None):
+    """The ``torch.device`` the demo runs on (None: cuda if present, else cpu).
+
+    Raises
+    ------
+    ValueError
+        One line, before anything is written: not a device, a device the demo
+        does not run on, or CUDA asked for where torch sees none (torch itself
+        would fail at the first tensor with an ``AssertionError``).
+    """
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {name!r} is not a device: cuda, cuda:N or cpu") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device {name!r}: the demo runs on cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}); "
+                             "run with --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     """Run the demo; return the process exit code (0 when every check passed).
 
@@ -98,7 +129,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     if cfg.cpu_twin and device.type != "cpu":
         raise ValueError(f"--cpu-twin runs the device pipeline on the CPU; it does not apply to {device}")
     mode, mode_line = _mode(device, cfg.cpu_twin)
