@@ -52,3 +52,29 @@ def test_demo_on_a_numbered_cuda_device_without_a_gpu_is_refused(capsys, monkeyp
     err = capsys.readouterr().err
     assert err.startswith("mapoffload demo: error: --device cuda:3: torch sees no CUDA device") and err.count("\n") == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_gate_that_copies_because_copies_fit_is_right_not_a_failure(tmp_path):
+    # A 6 MiB checkpoint under a 100 GiB budget: host copies fit, so the gate copies.
+    r = run_cli("demo", "--host-gib", "100", "--layers", "2", "--width", "256", "--tokens", "8", "--steps", "1",
+                "--device", "cpu", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FAILED" not in r.stdout and r.stdout.rstrip().endswith("OK")
+    assert "the gate copied the checkpoint into host memory: host copies fit" in r.stdout
+    assert "on the file mapping, computed from there" not in r.stdout  # the layers compute from the copies
+    assert "layer 2/2: 3.01 MiB in host memory (the gate's copy), computed from there" in r.stdout
+
+
+def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch):
+    import io
+
+    import mapoffload.checkpoint as checkpoint
+    from mapoffload.demo import DemoConfig, run_demo
+
+    real = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda module, path, **kw: real(module, path, keep_mapping=False))
+    out = io.StringIO()
+    rc = run_demo(DemoConfig(layers=6, width=256, tokens=8, steps=1, device="cpu"), out)
+    text = out.getvalue()
+    assert rc == 1, text
+    assert "FAILED: the gate copied a checkpoint whose host copies would not fit" in text
