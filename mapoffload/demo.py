@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ._log import format_bytes
-from .budget import ENV_HOST_AVAILABLE_GIB, rss_anon_bytes
+from .budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, rss_anon_bytes
 
 __all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
@@ -77,7 +77,8 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
     if cpu_twin:
         return "cpu twin", ("CPU twin of the device pipeline: each layer copied through the copier into separate "
                             "CPU buffers, as a GPU run copies it (those buffers are host memory here)")
-    return "in place", "in place on the CPU: layers compute from the file mapping; nothing is copied"
+    return "in place", ("in place on the CPU: layers compute where the load left them (the file mapping, unless "
+                        "copies fit and the gate copies); nothing is copied to run them")
 
 
 def resolve_device(name: str | None):
@@ -114,13 +115,15 @@ def resolve_device(name: str | None):
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     """Run the demo; return the process exit code (0 when every check passed).
 
-    The checks: the gate keeps the checkpoint mapped, the offloaded output is
-    the reference's, no mapped page turned anonymous, and the process's
+    The checks: the gate answers as its rule does (``host_copies_would_not_fit``
+    under the demo's budget: mapped when copies would not fit, copied when they
+    fit), the offloaded output is the reference's, no mapped page turned anonymous, and the process's
     anonymous memory grew by no more than the host budget the demo set.
     """
     import torch
     from safetensors.torch import save_file
 
+    from .budget import host_copies_would_not_fit, host_memory_available_bytes
     from .checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
     from .copier import Copier
     from .offload import LayerwiseOffloadManager
@@ -175,10 +178,22 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             with empty_weights():
                 model = Model(cfg.layers, cfg.width)
             model.scale = model.scale.to(device)
+            # The gate's rule, asked here with the same bytes and budget: the check judges
+            # the loader's answer against it (copies that fit are the right answer too).
+            available = host_memory_available_bytes()
+            keep = host_copies_would_not_fit(size, available_bytes=available)
             report = load_checkpoint(model, path)
             say(f"      {report}")
-            if not report.keep_mapping:
-                failures.append("the gate chose to copy a checkpoint larger than the budget")
+            against = (f"{format_bytes(size)} against {format_bytes(available)} available less the "
+                       f"{format_bytes(HOST_COPY_RESERVE_BYTES)} reserve")
+            if report.keep_mapping:
+                say(f"      the gate kept the checkpoint on the file mapping: host copies would not fit ({against})")
+            else:
+                say(f"      the gate copied the checkpoint into host memory: host copies fit ({against})")
+            if report.keep_mapping and not keep:
+                failures.append(f"the gate kept the checkpoint mapped where host copies fit ({against})")
+            elif not report.keep_mapping and keep:
+                failures.append(f"the gate copied a checkpoint whose host copies would not fit ({against})")
             hosts = list(model.parameters())
             cow0 = cow_report(hosts).anonymous_bytes
 
@@ -190,8 +205,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             for i in range(cfg.layers):
                 nbytes = mgr.layer_bytes(i)
                 if not copies:
-                    say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} on the file mapping, "
-                        "computed from there")
+                    where = "on the file mapping" if report.keep_mapping else "in host memory (the gate's copy)"
+                    say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} {where}, computed from there")
                     continue
                 t0 = time.perf_counter()
                 mgr.prefetch_layer(i, non_blocking=False)
@@ -236,7 +251,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
                 os.environ[ENV_HOST_AVAILABLE_GIB] = previous
 
     say("[5/5] report")
-    held = {"in place": "activations only", "cpu twin": "copier slots and the twin's layer buffers",
+    held = {"in place": "activations only" if report.keep_mapping else "the gate's copies, activations", "cpu twin": "copier slots and the twin's layer buffers",
             "cuda": "copier slots and CUDA host allocations"}[mode]
     rows = [
         ("mode", mode_line.split(":")[0]),
