@@ -78,3 +78,45 @@ def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch
     text = out.getvalue()
     assert rc == 1, text
     assert "FAILED: the gate copied a checkpoint whose host copies would not fit" in text
+
+
+def test_a_budget_smaller_than_what_streaming_needs_is_refused_not_failed(tmp_path):
+    # Half of a 2-layer checkpoint is one layer: the one layer's read-around buffer
+    # the library streams through already fills it, so the check could not tell a
+    # copy of the weights from it (it used to run and fail, outputs identical).
+    r = run_cli("demo", "--layers", "2", "--width", "256", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    err = r.stderr
+    assert err.startswith("mapoffload demo: error: --layers 2 --width 256: a 3.01 MiB budget (half the 6.02 MiB "
+                          "checkpoint) is below what streaming needs at the least"), err
+    assert "read-around buffer 4.00 MiB" in err and "use --layers 4 or more" in err and "--host-gib" in err
+    assert "[1/5]" not in r.stdout
+
+
+def test_the_cpu_twins_staging_ring_is_named_when_it_does_not_fit(tmp_path):
+    r = run_cli("demo", "--cpu-twin", "--layers", "4", "--width", "512", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--cpu-twin --layers 4 --width 512: a 24.04 MiB budget" in r.stderr
+    assert "the copier's staging ring 32.00 MiB" in r.stderr and "MAPOFFLOAD_STAGING_MIB" in r.stderr
+
+
+def test_the_smallest_in_place_demo_it_accepts_passes_its_own_budget(tmp_path):
+    r = run_cli("demo", "--layers", "4", "--width", "256", "--tokens", "8", "--steps", "1", "--device", "cpu",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("OK") and "FAILED" not in r.stdout
+    assert "first use of the library" in r.stdout  # measured on a warm-up, outside the budget, and said
+
+
+def test_a_small_cpu_twin_with_a_small_ring_passes_its_own_budget(tmp_path):
+    import os
+
+    env = dict(os.environ, MAPOFFLOAD_STAGING_MIB="0.25")  # a 1 MiB ring
+    r = subprocess.run([sys.executable, "-m", "mapoffload", "demo", "--cpu-twin", "--layers", "8", "--width", "256",
+                        "--tokens", "8", "--steps", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("OK") and "FAILED" not in r.stdout
+    assert "staging ring" in r.stdout
