@@ -120,3 +120,48 @@ def test_a_small_cpu_twin_with_a_small_ring_passes_its_own_budget(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("OK") and "FAILED" not in r.stdout
     assert "staging ring" in r.stdout
+
+
+def _refused(capsys, argv, tmp_path):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("mapoffload demo: error: ") and captured.err.count("\n") == 1, captured.err
+    assert "[1/5]" not in captured.out and not list(tmp_path.iterdir())  # refused before anything is written
+    return captured.err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--layers", "100000000", "--width", "100000"], "its reference model (the whole checkpoint, 43656145.86 TiB"),
+    (["--layers", "1", "--width", "99999999"], "its reference model (the whole checkpoint, 436557.45 TiB"),
+    (["--layers", "8", "--width", "256", "--tokens", "10000000"], "activations"),
+])
+def test_sizes_the_host_cannot_hold_are_refused_before_anything_is_allocated(capsys, monkeypatch, tmp_path, argv,
+                                                                             says):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    err = _refused(capsys, ["demo", "--device", "cpu", *argv], tmp_path)
+    assert says in err and "host memory" in err and "smaller" in err, err
+
+
+def test_a_checkpoint_larger_than_the_free_disk_is_refused(capsys, monkeypatch, tmp_path):
+    import collections
+    import shutil
+
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    err = _refused(capsys, ["demo", "--device", "cpu"], tmp_path)
+    assert "a 384.34 MiB checkpoint" in err, err
+    assert f"1.00 MiB free in {tmp_path}" in err and "MAPOFFLOAD_DEMO_DIR" in err, err
+
+
+def test_a_missing_demo_dir_is_named(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path / "nope"))
+    err = _refused(capsys, ["demo", "--device", "cpu"], tmp_path)
+    assert err.strip() == f"mapoffload demo: error: MAPOFFLOAD_DEMO_DIR={str(tmp_path / 'nope')!r}: no such folder"
+
+
+def test_a_host_budget_past_the_variables_range_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--host-gib", "1e300"])
+    assert exit_.value.code == 2
+    assert "'1e300' must be a positive number of GiB, at most 1073741824" in capsys.readouterr().err
