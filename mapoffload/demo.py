@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ._log import format_bytes
-from .budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, rss_anon_bytes
+from .budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB, rss_anon_bytes
 
 __all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
@@ -203,6 +203,62 @@ def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int) ->
     )
 
 
+def _demo_folder() -> str:
+    """Where the checkpoint goes: ``MAPOFFLOAD_DEMO_DIR`` (checked), else the system temp folder."""
+    folder = os.environ.get("MAPOFFLOAD_DEMO_DIR")
+    if folder is None:
+        return tempfile.gettempdir()
+    if not os.path.exists(folder):
+        raise ValueError(f"MAPOFFLOAD_DEMO_DIR={folder!r}: no such folder")
+    if not os.path.isdir(folder):
+        raise ValueError(f"MAPOFFLOAD_DEMO_DIR={folder!r}: not a folder")
+    return folder
+
+
+def _check_room(cfg: DemoConfig, device, layer_bytes: int, folder: str) -> None:
+    """Refuse, before anything is allocated, sizes the host (or device, or disk) cannot hold.
+
+    The reference model is the whole checkpoint in memory, and safetensors'
+    ``save_file`` holds a copy of every tensor's bytes while it writes; the
+    attention of ``tokens`` rows holds tokens x tokens scores.
+    """
+    import shutil
+
+    from .budget import host_memory
+
+    size = layer_bytes * cfg.layers
+    acts = 4 * (3 * cfg.tokens * cfg.tokens + 16 * cfg.tokens * cfg.width)
+    host = host_memory()
+    available = host.machine_available
+    if host.cgroup_cap is not None:
+        available = min(available, max(0, host.cgroup_cap - (host.cgroup_usage or 0)))
+    need = 2 * size + acts
+    if need > available:
+        raise ValueError(
+            f"--layers {cfg.layers} --width {cfg.width} --tokens {cfg.tokens}: the demo needs about "
+            f"{format_bytes(need)} of host memory (its reference model (the whole checkpoint, {format_bytes(size)}), "
+            f"the copy save_file makes while writing it, activations {format_bytes(acts)}) and the host has "
+            f"{format_bytes(available)} available: use smaller --layers, --width or --tokens"
+        )
+    if device.type == "cuda":
+        import torch
+
+        free = torch.cuda.mem_get_info(device)[0]
+        if size + acts > free:
+            raise ValueError(
+                f"--layers {cfg.layers} --width {cfg.width} --tokens {cfg.tokens}: the reference model "
+                f"({format_bytes(size)}) and activations ({format_bytes(acts)}) do not fit the "
+                f"{format_bytes(free)} free on {device}: use smaller --layers, --width or --tokens"
+            )
+    free = shutil.disk_usage(folder).free
+    if size > free:
+        raise ValueError(
+            f"--layers {cfg.layers} --width {cfg.width}: a {format_bytes(size)} checkpoint does not fit the "
+            f"{format_bytes(free)} free in {folder}: use smaller --layers or --width, or set MAPOFFLOAD_DEMO_DIR "
+            "to a folder with room"
+        )
+
+
 def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
     """One forward of a one-layer model through the same pipeline, before the baseline.
 
@@ -248,7 +304,7 @@ def _held_anon_bytes() -> int:
     return rss_anon_bytes()
 
 
-def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
+def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     """Run the demo; return the process exit code (0 when every check passed).
 
     The checks: the gate answers as its rule does (``host_copies_would_not_fit``
@@ -274,6 +330,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     from .offload import LayerwiseOffloadManager
     from .regions import cow_report
 
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
+
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
@@ -282,13 +340,17 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         raise ValueError(f"--cpu-twin runs the device pipeline on the CPU; it does not apply to {device}")
     mode, mode_line = _mode(device, cfg.cpu_twin)
     copies = mode != "in place"
+    if cfg.host_gib is not None and not 0 < cfg.host_gib <= MAX_HOST_GIB:
+        raise ValueError(f"host_gib must be a positive number of GiB, at most {MAX_HOST_GIB}, not {cfg.host_gib!r}")
     Model = _model_class()
     layer_bytes, layer_tensors = _block_bytes(Model, cfg.width)
+    folder = _demo_folder()
+    _check_room(cfg, device, layer_bytes, folder)
     _check_budget(cfg, mode, layer_bytes, layer_tensors)
     torch.manual_seed(0)
     failures = []
     say(f"mode: {mode_line}")
-    with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=os.environ.get("MAPOFFLOAD_DEMO_DIR")) as tmp:
+    with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=folder) as tmp:
         path = os.path.join(tmp, "model.safetensors")
         say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
         state = {}
