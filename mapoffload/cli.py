@@ -60,6 +60,33 @@ def _print_inspect(data: dict) -> None:
     for entry, what in data["entry_points"].items():
         if entry != "load_checkpoint":  # the gate line above says it
             _say(f"{entry}: {what}")
+    _print_conversions(data)
+
+
+def _print_conversions(data: dict) -> None:
+    """The conversion folders beside the checkpoint, by root; or where a load would write them."""
+    found = data.get("conversions") or []
+    if not found:
+        if data.get("conversion_root") and set(data["entry_points"]) - {"load_checkpoint"}:
+            _say(f"conversions: none yet; a load that converts writes them under {data['conversion_root']}")
+        return
+    by_root: dict[str, list[dict]] = {}
+    for c in found:
+        by_root.setdefault(os.path.dirname(c["path"]), []).append(c)
+    for root, entries in by_root.items():
+        done = [c for c in entries if c["finished"]]
+        print(f"conversions: {len(done)} in {root}")  # a path, whole (as the first line's)
+        words = [f"{c['key']}: {c['tensors']} tensors, {format_bytes(c['bytes'])}" for c in done]
+        if done:
+            words.append("a load reuses the one made for the same folder, class, dtype, config and versions")
+        unfinished = len(entries) - len(done)
+        if unfinished:
+            words.append(f"{unfinished} unfinished (no manifest: converted again by the next load)")
+        target = data.get("conversion_root")
+        if target and os.environ.get("MAPOFFLOAD_CONVERT_DIR") and os.path.realpath(target) != os.path.realpath(root):
+            words.append(f"MAPOFFLOAD_CONVERT_DIR is set: loads write to {data['conversion_root']} instead "
+                         f"(cache_dir={root!r} reuses these)")
+        _say("    " + "; ".join(words))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -80,6 +80,20 @@ def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
 FP8_MODES = ("keep", "dequantize")
 
 
+def quantization_refusal(quantization_config: Any) -> str | None:
+    """Why :func:`from_pretrained` refuses a checkpoint's ``quantization_config``
+    (a dict as in ``config.json``, or transformers' object); None when it loads."""
+    q = quantization_config
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method in SUPPORTED_QUANT_METHODS:
+        return None
+    return (f"quantization_config method {method!r} is not supported by mapoffload yet "
+            f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself")
+
+
 def _check_quantization(config: Any, folder: str, fp8: str) -> bool:
     """Refuse unsupported quantization methods; True when fp8 weights are kept
     as codes (``fp8="keep"``). transformers is then asked for its dequantizing
@@ -98,12 +112,9 @@ def _check_quantization(config: Any, folder: str, fp8: str) -> bool:
         else:
             q.dequantize = True
         return fp8 == "keep"
-    if method not in SUPPORTED_QUANT_METHODS:
-        raise CheckpointError(
-            os.path.join(folder, "config.json"),
-            f"quantization_config method {method!r} is not supported by mapoffload yet "
-            f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself",
-        )
+    refusal = quantization_refusal(q)
+    if refusal is not None:
+        raise CheckpointError(os.path.join(folder, "config.json"), refusal)
     return False
 
 
