@@ -33,6 +33,7 @@ from .._files import checkpoint_files
 from .._log import logger
 from ..checkpoint import LoadReport
 from . import _keys
+from ._args import check_device, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import diffusers_hooks, driving
 from ._report import copy_mapped, load_report
@@ -247,13 +248,14 @@ def load_pipeline(
     import torch
 
     require("diffusers", WHAT)
-    folder = os.fspath(folder)
+    check_pipeline_class(pipeline_cls, WHAT)
+    folder = check_folder(folder, WHAT, beside="model_index.json beside the component folders")
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
-        raise FileNotFoundError(
-            f"{index_path} not found: {WHAT} loads a local pipeline folder written by save_pretrained "
-            "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
-        )
+        other = (": it is a transformers model folder (config.json): load it with mapoffload.from_pretrained"
+                 if os.path.isfile(os.path.join(folder, "config.json")) else "")
+        raise FileNotFoundError(f"{index_path} not found: {WHAT} loads a pipeline folder written by "
+                                f"save_pretrained{other}")
     with open(index_path) as f:
         index = json.load(f)
     cls = _pipeline_class(pipeline_cls, index, folder)
@@ -343,6 +345,9 @@ def pipeline_from_pretrained(
         :class:`~mapoffload.LoadReport`; ``pipe.mapoffload_handle`` is the
         :class:`PipelineOffloadHandle` (``summary()``, ``close()``) or None.
     """
+    if device is not None:  # checked before the load, not after it
+        check_device(device)
+        check_offload_args(rest=rest, prefetch_layers=prefetch_layers, host_store=host_store)
     pipe, reports = load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
                                   **components)
     handle = None

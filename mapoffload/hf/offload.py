@@ -212,8 +212,17 @@ def offload(
 
     from ..offload import LayerwiseOffloadManager
 
-    if rest not in RESTS:
-        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    from ._args import check_device, check_offload_args
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload takes a built torch.nn.Module, not {type(model).__name__} (to load a folder: "
+                        "mapoffload.from_pretrained(cls, folder, device=...))")
+    if device is None:
+        raise TypeError("offload needs a device: device='cuda', 'cuda:N' or 'cpu' (device=None, no offload, is for "
+                        "from_pretrained and pipeline_from_pretrained)")
+    check_device(device)
+    check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
+                       stream_reads=stream_reads)
     _refuse_offloaded(model)
     if model.training:
         warnings.warn(

@@ -24,6 +24,7 @@ from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
 from ._converted import ConversionCache, default_root, fingerprint
+from ._args import check_device, check_folder, check_model_class, check_offload_args
 from ._drive import driving
 from ._report import copy_mapped, load_report
 from ._extras import require
@@ -47,6 +48,9 @@ _TRANSFORMERS_HABITS = {
     "low_cpu_mem_usage": "mapoffload always loads on the file mapping (nothing to pass)",
     "offload_folder": "weights stay on the checkpoint's own file mapping (nothing to pass)",
     "max_memory": "the host budget is measured (cgroups); see mapoffload.host_memory_available_bytes",
+    "quantization_config": "the checkpoint's own quantization_config (config.json) is read from the folder, and "
+                           "fp8= says how fp8 weights load ('keep' or 'dequantize'); quantizing while loading "
+                           "would make an anonymous copy of the model",
 }
 
 
@@ -137,13 +141,9 @@ def load_pretrained(
     the :class:`~mapoffload.LoadReport`.
     """
     require("transformers", "mapoffload.from_pretrained")
+    check_model_class(cls, "mapoffload.from_pretrained")
     check_transformers_kwargs(model_kwargs)
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(
-            f"{folder!r} is not a local folder: mapoffload.from_pretrained loads local folders only "
-            "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
-        )
+    folder = check_folder(folder, "mapoffload.from_pretrained", beside="config.json beside the weights")
     start = time.perf_counter()
     config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
     files = checkpoint_files(folder)
@@ -199,17 +199,6 @@ def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException
     why = next((r for r in reasons if not r.startswith(("Traceback", " ", "Error"))), reasons[-1] if reasons else "")
     raise KeyMismatchError(folder, f"transformers could not convert {_keys.describe_keys('weight', keys)}: "
                            f"{why.strip()}", keys) from cause
-
-
-def _check_device(device: Any) -> None:
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__}, "
-                           f"built with CUDA {torch.version.cuda}): pass device='cpu'")
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
 
 
 def from_pretrained(
@@ -290,8 +279,10 @@ def from_pretrained(
     from .offload import offload
 
     check_transformers_kwargs(model_kwargs)
-    if device is not None:
-        _check_device(device)
+    if device is not None:  # every offload argument checked before the load, not after it
+        check_device(device)
+        check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
+                           stream_reads=stream_reads)
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
                                     config=config, cache_dir=cache_dir, fp8=fp8, **model_kwargs)
     handle: OffloadHandle | None = None
