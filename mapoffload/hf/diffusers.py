@@ -354,6 +354,10 @@ def pipeline_from_pretrained(
     if device is not None:
         handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,
                                   rest=rest)
+        for component in handle.components.values():
+            component.name_calls("pipe.mapoffload_handle.close()",
+                                 "mapoffload.pipeline_from_pretrained(cls, folder, device=..., dtype={dtype}): "
+                                 "converted once into a mapped conversion folder")
     object.__setattr__(pipe, "mapoffload_reports", reports)
     object.__setattr__(pipe, "mapoffload_handle", handle)
     return pipe

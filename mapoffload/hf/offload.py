@@ -100,6 +100,13 @@ class OffloadHandle:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
         return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
 
+    def name_calls(self, close_call: str, reload_call: str | None = None) -> None:
+        """What the placeholders' errors tell a user to call: ``close_call`` gives
+        the model back (``"model.mapoffload_handle.close()"`` after from_pretrained),
+        ``reload_call`` (with ``{dtype}``) loads it in another dtype."""
+        for m in self.managers.values():
+            m.close_call, m.reload_call = close_call, reload_call
+
     def close(self) -> None:
         """Give the model back whole: layers' real weights, placed tensors' host data."""
         if self._closed:
@@ -248,6 +255,7 @@ def offload(
             m.register_forward_hooks()
             handle.managers[path] = m
         _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes)
+        handle.name_calls("handle.close()")
     except BaseException:
         handle.close()
         raise

@@ -290,5 +290,8 @@ def from_pretrained(
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,
                          host_store=host_store, stream_reads=stream_reads)
+        handle.name_calls("model.mapoffload_handle.close()",
+                          "mapoffload.from_pretrained(cls, folder, device=..., dtype={dtype}): converted once into "
+                          "a mapped conversion folder")
     object.__setattr__(model, "mapoffload_handle", handle)
     return model
