@@ -230,3 +230,18 @@ def test_inspect_matches_what_each_entry_point_then_does(tmp_path, monkeypatch, 
     hf = mapoffload.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), device=None).mapoffload_report
     assert data["entry_points"]["from_pretrained"].startswith("kept on the file mapping")
     assert hf.keep_mapping and hf.bytes_copied == 0 and hf.decided_by == "loader"
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(llama):
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # `mapoffload inspect ... | head -0`: the reader is gone before the first write
+    try:
+        r = subprocess.run([sys.executable, "-m", "mapoffload", "inspect", str(llama)], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == "", r.stderr  # as a shell reports SIGPIPE, and no error line

@@ -165,3 +165,11 @@ def test_a_host_budget_past_the_variables_range_is_refused_by_the_parser(capsys)
         main(["demo", "--host-gib", "1e300"])
     assert exit_.value.code == 2
     assert "'1e300' must be a positive number of GiB, at most 1073741824" in capsys.readouterr().err
+
+
+def test_layers_too_small_to_judge_at_any_count_name_a_width_that_would_do(capsys, monkeypatch, tmp_path):
+    # At width 8 a layer (3.34 KiB) is smaller than what keeping track of it costs:
+    # more layers never make the budget judgeable, so --layers is not offered.
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    err = _refused(capsys, ["demo", "--device", "cpu", "--layers", "4", "--width", "8"], tmp_path)
+    assert "--layers" not in err.split("use ", 1)[1] and "--width 186 or more" in err, err
