@@ -213,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing to say, and nothing more to write to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
     except (OSError, ValueError) as exc:
         print(f"mapoffload {args.command}: error: {exc}", file=sys.stderr)
         return 2

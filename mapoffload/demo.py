@@ -169,7 +169,28 @@ def _gib_at_least(n: int) -> str:
     return f"{math.ceil(value / step) * step:.3g}"
 
 
-def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int) -> None:
+def _judgeable(Model, mode: str, layers: int, width: int) -> bool:
+    """Whether half of a ``layers`` x ``width`` checkpoint holds what streaming needs at the least."""
+    layer_bytes, tensors = _block_bytes(Model, width)
+    floor = sum(n for _, n in streaming_floor(mode, layer_bytes, tensors * layers))
+    return layer_bytes * layers // 2 >= floor
+
+
+def _smallest_width(Model, mode: str, layers: int, width: int) -> int | None:
+    """The smallest width from ``width`` up whose default budget the check can judge (None: none up to 2**16)."""
+    hi = width
+    while not _judgeable(Model, mode, layers, hi):
+        hi *= 2
+        if hi > 1 << 16:
+            return None
+    lo = max(width, hi // 2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _judgeable(Model, mode, layers, mid) else (mid + 1, hi)
+    return hi
+
+
+def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int, Model) -> None:
     """Refuse, before anything is written, a budget the check could not judge.
 
     The budget must hold what streaming needs at the least (:func:`streaming_floor`);
@@ -193,6 +214,10 @@ def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int) ->
         room = layer_bytes / 2 - BOOKKEEPING_PER_TENSOR_BYTES * tensors
         if room > 0:
             ways.append(f"--layers {max(cfg.layers + 1, -(-fixed // int(room)))} or more")
+        elif cfg.layers > 2:  # each layer costs more to keep track of than it weighs
+            width = _smallest_width(Model, mode, cfg.layers, cfg.width)
+            if width is not None:
+                ways.append(f"--width {width} or more")
     ways.append(f"--host-gib {_gib_at_least(floor)} or more")
     if mode != "in place":
         ways.append("a smaller staging ring (MAPOFFLOAD_STAGING_MIB, MAPOFFLOAD_STAGING_SLOTS)")
@@ -346,7 +371,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     layer_bytes, layer_tensors = _block_bytes(Model, cfg.width)
     folder = _demo_folder()
     _check_room(cfg, device, layer_bytes, folder)
-    _check_budget(cfg, mode, layer_bytes, layer_tensors)
+    _check_budget(cfg, mode, layer_bytes, layer_tensors, Model)
     torch.manual_seed(0)
     failures = []
     say(f"mode: {mode_line}")
