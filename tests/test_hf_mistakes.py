@@ -215,3 +215,39 @@ def test_pipeline_from_pretrained_mistakes(gpt2, tmp_path):
                                                 r"mapoffload.from_pretrained"):
         mapoffload.pipeline_from_pretrained(diffusers.FluxPipeline, gpt2, device="cpu")
     assert os.path.isdir(gpt2)
+
+
+@pytest.fixture
+def never_loads(monkeypatch):
+    """transformers' load made to fail loudly: a refusal must come before it (a wrong
+    class would otherwise build a default-sized model - a 7B Llama - and be OOM-killed)."""
+    import transformers as tf
+
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained was reached")
+
+    for cls in (tf.LlamaForCausalLM, tf.GPT2LMHeadModel):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(refuse))
+
+
+def test_a_model_class_for_another_architecture_is_refused_before_loading(gpt2, never_loads):
+    import transformers as tf
+
+    with pytest.raises(TypeError) as exc:
+        mapoffload.from_pretrained(tf.LlamaForCausalLM, gpt2, device="cpu")
+    text = _one_line(exc)
+    assert text.startswith(f"LlamaForCausalLM is a 'llama' model class, and {gpt2}/config.json describes a 'gpt2' "
+                           "model:"), text
+    assert "AutoModelForCausalLM" in text and "config=" in text
+
+
+def test_a_folder_without_config_json_is_refused_before_loading(gpt2, never_loads, tmp_path):
+    import shutil
+
+    import transformers as tf
+
+    shutil.copy(gpt2 / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError) as exc:
+        mapoffload.from_pretrained(tf.GPT2LMHeadModel, tmp_path, device="cpu")
+    assert _one_line(exc) == (f"no config.json in {tmp_path}: mapoffload.from_pretrained takes the folder "
+                              "save_pretrained wrote (config.json beside the weights), or config= for one without")
