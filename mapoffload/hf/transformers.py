@@ -14,6 +14,7 @@ tensors transformers *makes* on the way are converted once into mapped files
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -68,6 +69,45 @@ def check_transformers_kwargs(kwargs: dict[str, Any]) -> None:
     for name, answer in _TRANSFORMERS_HABITS.items():
         if name in kwargs:
             raise TypeError(f"mapoffload.from_pretrained does not take {name}=: {answer}")
+
+
+def _model_types(data: Any) -> set[str]:
+    """Every ``model_type`` in a config dict, its sub-configs' included."""
+    out: set[str] = set()
+    if isinstance(data, dict):
+        if isinstance(data.get("model_type"), str):
+            out.add(data["model_type"])
+        for value in data.values():
+            out |= _model_types(value)
+    return out
+
+
+def _check_folder_config(cls: Any, folder: str) -> None:
+    """The folder's ``config.json`` is there and describes a model ``cls`` is for.
+
+    transformers builds a class from another architecture's folder with a
+    warning and the class's default configuration (a 7B Llama from a tiny GPT-2
+    folder: initialised in full, and killed for memory), so a mismatch is
+    refused here, before anything is built; ``config=`` overrides.
+    """
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {folder}: mapoffload.from_pretrained takes the folder "
+                                "save_pretrained wrote (config.json beside the weights), or config= for one without")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return  # transformers' own error says what is wrong with it
+    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):  # an AutoModel* class picks from the folder
+        return
+    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
+    found = data.get("model_type")
+    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
+        return  # the same model, or a composite config holding this model's (CLIP's text_config)
+    raise TypeError(f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model: pass "
+                    "its class (transformers.AutoModelForCausalLM or another AutoModel* picks it from the folder), "
+                    f"or config= to load it into {cls.__name__} anyway")
 
 
 def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
@@ -145,6 +185,8 @@ def load_pretrained(
     check_transformers_kwargs(model_kwargs)
     folder = check_folder(folder, "mapoffload.from_pretrained", beside="config.json beside the weights")
     start = time.perf_counter()
+    if config is None:
+        _check_folder_config(cls, folder)
     config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
     files = checkpoint_files(folder)
     keep_fp8 = _check_quantization(config, folder, fp8)
