@@ -251,3 +251,25 @@ def test_a_folder_without_config_json_is_refused_before_loading(gpt2, never_load
         mapoffload.from_pretrained(tf.GPT2LMHeadModel, tmp_path, device="cpu")
     assert _one_line(exc) == (f"no config.json in {tmp_path}: mapoffload.from_pretrained takes the folder "
                               "save_pretrained wrote (config.json beside the weights), or config= for one without")
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"keep_mapping": "false"}, "keep_mapping must be True, False or None (the gate), not 'false'"),
+    ({"keep_mapping": 0}, "keep_mapping must be True, False or None (the gate), not 0"),
+    ({"strict": "no"}, "strict must be True or False, not 'no'"),
+])
+def test_flags_given_as_strings_are_refused_not_read_as_true(gpt2, loads, kwargs, says):
+    # keep_mapping="false" kept the mapping (any string but False did): the opposite of what was asked.
+    import transformers as tf
+
+    with pytest.raises(TypeError) as exc:
+        mapoffload.from_pretrained(tf.GPT2LMHeadModel, gpt2, device="cpu", **kwargs)
+    assert _one_line(exc) == says
+    assert not loads
+
+
+def test_auto_config_is_a_configuration_class(gpt2):
+    import transformers as tf
+
+    with pytest.raises(TypeError, match=r"^AutoConfig is a configuration class: pass a model class"):
+        mapoffload.from_pretrained(tf.AutoConfig, gpt2, device=None)
