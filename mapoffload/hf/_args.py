@@ -67,7 +67,7 @@ def check_model_class(cls: Any, what: str) -> None:
                             f"({type(cls).__name__}) to load the folder, or stream this one with "
                             "mapoffload.offload(model, device=...)")
         raise TypeError(f"{what} takes a model class, not {type(cls).__name__} ({cls!r})")
-    if issubclass(cls, transformers.PretrainedConfig):
+    if issubclass(cls, transformers.PretrainedConfig) or cls is transformers.AutoConfig:
         raise TypeError(f"{cls.__name__} is a configuration class: pass a model class (such as "
                         "transformers.AutoModelForCausalLM), and the configuration as config=")
     if not (issubclass(cls, transformers.PreTrainedModel) or hasattr(cls, "_model_mapping")):
@@ -137,3 +137,11 @@ def check_offload_args(*, layers: Any = "auto", rest: Any = "auto", prefetch_lay
                          f"not {host_store!r}")
     if stream_reads not in STREAM_READS:
         raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
+
+
+def check_flags(*, keep_mapping: Any = None, strict: Any = False) -> None:
+    """``keep_mapping`` True/False/None and ``strict`` True/False: a string would read as True."""
+    if keep_mapping is not None and not isinstance(keep_mapping, bool):
+        raise TypeError(f"keep_mapping must be True, False or None (the gate), not {keep_mapping!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, not {strict!r}")

@@ -33,7 +33,7 @@ from .._files import checkpoint_files
 from .._log import logger
 from ..checkpoint import LoadReport
 from . import _keys
-from ._args import check_device, check_folder, check_offload_args, check_pipeline_class
+from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import diffusers_hooks, driving
 from ._report import copy_mapped, load_report
@@ -249,6 +249,7 @@ def load_pipeline(
 
     require("diffusers", WHAT)
     check_pipeline_class(pipeline_cls, WHAT)
+    check_flags(keep_mapping=keep_mapping)
     folder = check_folder(folder, WHAT, beside="model_index.json beside the component folders")
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):

@@ -25,7 +25,7 @@ from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
 from ._converted import ConversionCache, default_root, fingerprint
-from ._args import check_device, check_folder, check_model_class, check_offload_args
+from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
 from ._drive import driving
 from ._report import copy_mapped, load_report
 from ._extras import require
@@ -182,6 +182,7 @@ def load_pretrained(
     """
     require("transformers", "mapoffload.from_pretrained")
     check_model_class(cls, "mapoffload.from_pretrained")
+    check_flags(keep_mapping=keep_mapping, strict=strict)
     check_transformers_kwargs(model_kwargs)
     folder = check_folder(folder, "mapoffload.from_pretrained", beside="config.json beside the weights")
     start = time.perf_counter()
