@@ -245,3 +245,35 @@ def test_inspect_into_a_closed_pipe_exits_quietly(llama):
     finally:
         os.close(write)
     assert r.returncode == 141 and r.stderr == "", r.stderr  # as a shell reports SIGPIPE, and no error line
+
+
+def test_inspect_of_unreadable_files_and_folders_is_one_line(llama, capsys, monkeypatch):
+    # chmod 000 does not stop root: the refusals the kernel would make are made here.
+    import errno
+    import os
+
+    import mapoffload._files as files
+
+    real_open, real_listdir = os.open, os.listdir
+
+    def no_read(path, *args, **kwargs):
+        if str(path).endswith("model.safetensors"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "open", no_read)
+    assert main(["inspect", "models/llama/model.safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mapoffload inspect: error: models/llama/model.safetensors: cannot be read") and \
+        "Permission denied" in err and err.count("\n") == 1, err
+    monkeypatch.setattr(files.os, "open", real_open)
+
+    def no_list(path="."):
+        if str(path).rstrip("/").endswith("llama"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(files.os, "listdir", no_list)
+    assert main(["inspect", "models/llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mapoffload inspect: error: ") and "Permission denied" in err and err.count("\n") == 1, err
