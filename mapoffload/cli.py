@@ -60,6 +60,33 @@ def _print_inspect(data: dict) -> None:
     for entry, what in data["entry_points"].items():
         if entry != "load_checkpoint":  # the gate line above says it
             _say(f"{entry}: {what}")
+    _print_conversions(data)
+
+
+def _print_conversions(data: dict) -> None:
+    """The conversion folders beside the checkpoint, by root; or where a load would write them."""
+    found = data.get("conversions") or []
+    if not found:
+        if data.get("conversion_root") and set(data["entry_points"]) - {"load_checkpoint"}:
+            _say(f"conversions: none yet; a load that converts writes them under {data['conversion_root']}")
+        return
+    by_root: dict[str, list[dict]] = {}
+    for c in found:
+        by_root.setdefault(os.path.dirname(c["path"]), []).append(c)
+    for root, entries in by_root.items():
+        done = [c for c in entries if c["finished"]]
+        print(f"conversions: {len(done)} in {root}")  # a path, whole (as the first line's)
+        words = [f"{c['key']}: {c['tensors']} tensors, {format_bytes(c['bytes'])}" for c in done]
+        if done:
+            words.append("a load reuses the one made for the same folder, class, dtype, config and versions")
+        unfinished = len(entries) - len(done)
+        if unfinished:
+            words.append(f"{unfinished} unfinished (no manifest: converted again by the next load)")
+        target = data.get("conversion_root")
+        if target and os.environ.get("MAPOFFLOAD_CONVERT_DIR") and os.path.realpath(target) != os.path.realpath(root):
+            words.append(f"MAPOFFLOAD_CONVERT_DIR is set: loads write to {data['conversion_root']} instead "
+                         f"(cache_dir={root!r} reuses these)")
+        _say("    " + "; ".join(words))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -122,8 +149,10 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB")
+    from .budget import MAX_HOST_GIB
+
+    if not math.isfinite(value) or value <= 0 or value > MAX_HOST_GIB:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB, at most {MAX_HOST_GIB}")
     return value
 
 
@@ -194,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing to say, and nothing more to write to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
     except (OSError, ValueError) as exc:
         print(f"mapoffload {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ the gate say whether a load would keep the checkpoint mapped.
 from __future__ import annotations
 
 import os
+import json
 from dataclasses import asdict, dataclass, field
 
 from ._files import checkpoint_components, checkpoint_files
@@ -16,6 +17,17 @@ from ._native import _core
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
 
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
+
+
+# The folder beside a checkpoint that conversions go to (mapoffload.hf._converted.default_root).
+CONVERTED_DIR = ".mapoffload-converted"
+
+
+def _conversion_root(folder: str) -> str:
+    """Where a load of ``folder`` that converts writes (without ``cache_dir=``)."""
+    from .hf._converted import default_root
+
+    return default_root(folder)
 
 
 @dataclass
@@ -83,6 +95,23 @@ def _file_info(path: str) -> FileInfo:
     return FileInfo(path, size, len(names), dtypes, resident)
 
 
+def _transformers_refusal(folder: str) -> str | None:
+    """Why ``from_pretrained`` would refuse this folder before loading, from its
+    ``config.json`` alone (the quantization method); None when it would load."""
+    from .hf.transformers import quantization_refusal
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as exc:
+        return f"config.json is not valid JSON ({exc})"
+    except OSError as exc:
+        return f"config.json cannot be read ({exc.strerror or exc})"
+    if not isinstance(config, dict):
+        return "config.json is not a JSON object"
+    return quantization_refusal(config.get("quantization_config"))
+
+
 def entry_points(path: str, gate_keeps: bool) -> dict[str, str]:
     """What each loading entry point does with this checkpoint on this host:
     the one rule (docs: README "Mapped or copied")."""
@@ -93,11 +122,58 @@ def entry_points(path: str, gate_keeps: bool) -> dict[str, str]:
     elif folder and os.path.isfile(os.path.join(folder, "config.json")):
         library = ("from_pretrained", "transformers' own")
     out = {}
-    if library:
+    refusal = _transformers_refusal(folder) if library and library[0] == "from_pretrained" else None
+    if refusal:
+        out[library[0]] = f"refused: {refusal}"
+    elif library:
         out[library[0]] = (f"kept on the file mapping, where {library[1]} load leaves it; what that load converts "
                            "or casts is written once to a mapped conversion folder (keep_mapping=False copies)")
     out["load_checkpoint"] = ("kept on the file mapping: host copies would not fit" if gate_keeps
                               else "copied into host memory: copies fit (keep_mapping=True keeps the mapping)")
+    return out
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def conversions(folder: str) -> list[dict]:
+    """The conversion folders ``from_pretrained`` (or a pipeline's component)
+    left beside the checkpoint in ``folder``: ``<folder>/.mapoffload-converted/<fingerprint>/``,
+    finished when its manifest is there (:mod:`mapoffload.hf._converted`).
+
+    Which one a later load reuses depends on what it asks for (class, dtype,
+    config, versions), which a folder alone does not say: each is listed.
+    """
+    from .hf._converted import MANIFEST
+
+    root = os.path.join(folder, CONVERTED_DIR)
+    out: list[dict] = []
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return out
+    for name in names:
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        tensors, finished = 0, False
+        if not name.startswith("."):  # ".<key>.<random>": a conversion being written, or one that died
+            try:
+                with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                    tensors = len(json.load(f)["tensors"])
+                finished = True
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        try:
+            nbytes = _dir_bytes(path)
+        except OSError:
+            nbytes = 0
+        out.append({"path": path, "key": name, "finished": finished, "tensors": tensors, "bytes": nbytes})
     return out
 
 
@@ -111,6 +187,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
         components.append(info)
     host = host_memory()
     total = sum(c.bytes for c in components)
+    folders = [p] if os.path.isdir(p) else []
+    folders += [c.path for c in components if os.path.isdir(c.path) and c.path not in folders]
+    found = [entry for f in folders for entry in conversions(f)]
     keep = host_copies_would_not_fit(total, available_bytes=host.available)
     return {
         "path": p,
@@ -126,6 +205,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
         ],
         "host": asdict(host) | {"summary": str(host)},
         "entry_points": entry_points(p, keep),
+        "conversions": found,
+        "conversion_root": _conversion_root(p) if os.path.isdir(p) else None,
         "gate": {
             "keep_mapped": keep,
             "reserve_bytes": HOST_COPY_RESERVE_BYTES,

@@ -120,7 +120,7 @@ def _move(self: OffloadedWeight, name: str, args: tuple, kwargs: dict) -> Offloa
     if name == "type" and not args and "dtype" not in kwargs:
         raise RuntimeError(_message(self, "asked for its type string"))
     if dtype is not None and dtype != self.dtype:
-        raise RuntimeError(_message(self, f"converted to {dtype}"))
+        raise OffloadedConversionError(_conversion_message(self, dtype))
     return self
 
 
@@ -135,15 +135,47 @@ def _first(args: tuple, kwargs: dict) -> OffloadedWeight | None:
     return None
 
 
+class OffloadedConversionError(RuntimeError, TypeError):
+    """A dtype conversion (``model.to(torch.float16)``, ``.half()``) of an offloaded
+    weight: refused before anything converts. A ``TypeError`` (the model cannot
+    take that dtype while offloaded) and, as every placeholder refusal, a ``RuntimeError``."""
+
+
+def _owner_words(w: OffloadedWeight) -> tuple[str | None, str | None]:
+    """(the call that gives the model back, how to load it in another dtype) for
+    ``w``'s owner, as the entry point that made it named them; (None, None) for a
+    manager made directly."""
+    mgr = owner_of(w)
+    return getattr(mgr, "close_call", None), getattr(mgr, "reload_call", None)
+
+
 def _message(w: OffloadedWeight | None, what: str) -> str:
     if w is None:
         return f"an offloaded weight was {what}: its layer is not loaded"
+    close, _ = _owner_words(w)
+    if close is not None:
+        return (
+            f"{w._mo_name} is offloaded and was {what} while its layer ({w._mo_layer}) is not loaded: its values "
+            f"are read in only while that layer runs. Run the model (its hooks load each layer), or call {close} "
+            "first to get the real weights back."
+        )
     return (
         f"{w._mo_name} is offloaded by a LayerwiseOffloadManager and was {what} while layer {w._mo_layer} "
         f"is not loaded. Run the model with the manager's hooks (register_forward_hooks()), load the layer "
-        f"first (prefetch_layer({w._mo_layer}, non_blocking=False)), or close the manager to get the real "
-        f"weights back."
+        f"first (prefetch_layer({w._mo_layer}, non_blocking=False)), or close the manager (manager.close()) to "
+        "get the real weights back."
     )
+
+
+def _conversion_message(w: OffloadedWeight, dtype: torch.dtype) -> str:
+    close, reload = _owner_words(w)
+    keeps = (f"an offloaded model keeps the dtype it was loaded in ({w.dtype}: its weights stay on their file "
+             "mapping, and a conversion would copy them)")
+    if close is None:
+        return (f"{w._mo_name} is offloaded by a LayerwiseOffloadManager and was converted to {dtype}: {keeps}; "
+                f"load the weights in {dtype}, or close the manager first (manager.close()) and convert the model")
+    how = f"load it as {dtype} ({reload.format(dtype=dtype)})" if reload else f"convert it before offloading it"
+    return f"{w._mo_name} is offloaded and was converted to {dtype}: {keeps}; {how}, or call {close} first"
 
 
 class AlreadyOffloadedError(ValueError):

@@ -33,6 +33,7 @@ from .._files import checkpoint_files
 from .._log import logger
 from ..checkpoint import LoadReport
 from . import _keys
+from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import diffusers_hooks, driving
 from ._report import copy_mapped, load_report
@@ -249,13 +250,15 @@ def load_pipeline(
     import torch
 
     require("diffusers", WHAT)
-    folder = os.fspath(folder)
+    check_pipeline_class(pipeline_cls, WHAT)
+    check_flags(keep_mapping=keep_mapping)
+    folder = check_folder(folder, WHAT, beside="model_index.json beside the component folders")
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
-        raise FileNotFoundError(
-            f"{index_path} not found: {WHAT} loads a local pipeline folder written by save_pretrained "
-            "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
-        )
+        other = (": it is a transformers model folder (config.json): load it with mapoffload.from_pretrained"
+                 if os.path.isfile(os.path.join(folder, "config.json")) else "")
+        raise FileNotFoundError(f"{index_path} not found: {WHAT} loads a pipeline folder written by "
+                                f"save_pretrained{other}")
     with open(index_path) as f:
         index = json.load(f)
     cls = _pipeline_class(pipeline_cls, index, folder)
@@ -346,12 +349,19 @@ def pipeline_from_pretrained(
         :class:`~mapoffload.LoadReport`; ``pipe.mapoffload_handle`` is the
         :class:`PipelineOffloadHandle` (``summary()``, ``close()``) or None.
     """
+    if device is not None:  # checked before the load, not after it
+        check_device(device)
+        check_offload_args(rest=rest, prefetch_layers=prefetch_layers, host_store=host_store, stream_reads=stream_reads)
     pipe, reports = load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
                                   **components)
     handle = None
     if device is not None:
         handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,
                                   rest=rest, stream_reads=stream_reads)
+        for component in handle.components.values():
+            component.name_calls("pipe.mapoffload_handle.close()",
+                                 "mapoffload.pipeline_from_pretrained(cls, folder, device=..., dtype={dtype}): "
+                                 "converted once into a mapped conversion folder")
     object.__setattr__(pipe, "mapoffload_reports", reports)
     object.__setattr__(pipe, "mapoffload_handle", handle)
     return pipe

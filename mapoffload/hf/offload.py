@@ -103,6 +103,13 @@ class OffloadHandle:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
         return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
 
+    def name_calls(self, close_call: str, reload_call: str | None = None) -> None:
+        """What the placeholders' errors tell a user to call: ``close_call`` gives
+        the model back (``"model.mapoffload_handle.close()"`` after from_pretrained),
+        ``reload_call`` (with ``{dtype}``) loads it in another dtype."""
+        for m in self.managers.values():
+            m.close_call, m.reload_call = close_call, reload_call
+
     def close(self) -> None:
         """Give the model back whole: layers' real weights, placed tensors' host data."""
         if self._closed:
@@ -215,8 +222,17 @@ def offload(
 
     from ..offload import LayerwiseOffloadManager
 
-    if rest not in RESTS:
-        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    from ._args import check_device, check_offload_args
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload takes a built torch.nn.Module, not {type(model).__name__} (to load a folder: "
+                        "mapoffload.from_pretrained(cls, folder, device=...))")
+    if device is None:
+        raise TypeError("offload needs a device: device='cuda', 'cuda:N' or 'cpu' (device=None, no offload, is for "
+                        "from_pretrained and pipeline_from_pretrained)")
+    check_device(device)
+    check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
+                       stream_reads=stream_reads)
     _refuse_offloaded(model)
     if model.training:
         warnings.warn(
@@ -242,6 +258,7 @@ def offload(
             m.register_forward_hooks()
             handle.managers[path] = m
         _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes, stream_reads)
+        handle.name_calls("handle.close()")
     except BaseException:
         handle.close()
         raise

@@ -14,6 +14,7 @@ tensors transformers *makes* on the way are converted once into mapped files
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -24,6 +25,7 @@ from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
 from ._converted import ConversionCache, concrete_class, default_root, fingerprint
+from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
 from ._drive import driving
 from ._report import copy_mapped, load_report
 from ._extras import require
@@ -47,6 +49,9 @@ _TRANSFORMERS_HABITS = {
     "low_cpu_mem_usage": "mapoffload always loads on the file mapping (nothing to pass)",
     "offload_folder": "weights stay on the checkpoint's own file mapping (nothing to pass)",
     "max_memory": "the host budget is measured (cgroups); see mapoffload.host_memory_available_bytes",
+    "quantization_config": "the checkpoint's own quantization_config (config.json) is read from the folder, and "
+                           "fp8= says how fp8 weights load ('keep' or 'dequantize'); quantizing while loading "
+                           "would make an anonymous copy of the model",
 }
 
 
@@ -66,6 +71,45 @@ def check_transformers_kwargs(kwargs: dict[str, Any]) -> None:
             raise TypeError(f"mapoffload.from_pretrained does not take {name}=: {answer}")
 
 
+def _model_types(data: Any) -> set[str]:
+    """Every ``model_type`` in a config dict, its sub-configs' included."""
+    out: set[str] = set()
+    if isinstance(data, dict):
+        if isinstance(data.get("model_type"), str):
+            out.add(data["model_type"])
+        for value in data.values():
+            out |= _model_types(value)
+    return out
+
+
+def _check_folder_config(cls: Any, folder: str) -> None:
+    """The folder's ``config.json`` is there and describes a model ``cls`` is for.
+
+    transformers builds a class from another architecture's folder with a
+    warning and the class's default configuration (a 7B Llama from a tiny GPT-2
+    folder: initialised in full, and killed for memory), so a mismatch is
+    refused here, before anything is built; ``config=`` overrides.
+    """
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {folder}: mapoffload.from_pretrained takes the folder "
+                                "save_pretrained wrote (config.json beside the weights), or config= for one without")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return  # transformers' own error says what is wrong with it
+    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):  # an AutoModel* class picks from the folder
+        return
+    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
+    found = data.get("model_type")
+    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
+        return  # the same model, or a composite config holding this model's (CLIP's text_config)
+    raise TypeError(f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model: pass "
+                    "its class (transformers.AutoModelForCausalLM or another AutoModel* picks it from the folder), "
+                    f"or config= to load it into {cls.__name__} anyway")
+
+
 def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
     if config is not None:
         return config
@@ -78,6 +122,20 @@ def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
 
 
 FP8_MODES = ("keep", "dequantize")
+
+
+def quantization_refusal(quantization_config: Any) -> str | None:
+    """Why :func:`from_pretrained` refuses a checkpoint's ``quantization_config``
+    (a dict as in ``config.json``, or transformers' object); None when it loads."""
+    q = quantization_config
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method in SUPPORTED_QUANT_METHODS:
+        return None
+    return (f"quantization_config method {method!r} is not supported by mapoffload yet "
+            f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself")
 
 
 def _check_quantization(config: Any, folder: str, fp8: str) -> bool:
@@ -98,12 +156,9 @@ def _check_quantization(config: Any, folder: str, fp8: str) -> bool:
         else:
             q.dequantize = True
         return fp8 == "keep"
-    if method not in SUPPORTED_QUANT_METHODS:
-        raise CheckpointError(
-            os.path.join(folder, "config.json"),
-            f"quantization_config method {method!r} is not supported by mapoffload yet "
-            f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}); load it with transformers itself",
-        )
+    refusal = quantization_refusal(q)
+    if refusal is not None:
+        raise CheckpointError(os.path.join(folder, "config.json"), refusal)
     return False
 
 
@@ -126,14 +181,13 @@ def load_pretrained(
     the :class:`~mapoffload.LoadReport`.
     """
     require("transformers", "mapoffload.from_pretrained")
+    check_model_class(cls, "mapoffload.from_pretrained")
+    check_flags(keep_mapping=keep_mapping, strict=strict)
     check_transformers_kwargs(model_kwargs)
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(
-            f"{folder!r} is not a local folder: mapoffload.from_pretrained loads local folders only "
-            "(download first, e.g. huggingface_hub.snapshot_download, and pass its path)"
-        )
+    folder = check_folder(folder, "mapoffload.from_pretrained", beside="config.json beside the weights")
     start = time.perf_counter()
+    if config is None:
+        _check_folder_config(cls, folder)
     config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
     files = checkpoint_files(folder)
     keep_fp8 = _check_quantization(config, folder, fp8)
@@ -188,17 +242,6 @@ def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException
     why = next((r for r in reasons if not r.startswith(("Traceback", " ", "Error"))), reasons[-1] if reasons else "")
     raise KeyMismatchError(folder, f"transformers could not convert {_keys.describe_keys('weight', keys)}: "
                            f"{why.strip()}", keys) from cause
-
-
-def _check_device(device: Any) -> None:
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__}, "
-                           f"built with CUDA {torch.version.cuda}): pass device='cpu'")
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
 
 
 def from_pretrained(
@@ -279,8 +322,10 @@ def from_pretrained(
     from .offload import offload
 
     check_transformers_kwargs(model_kwargs)
-    if device is not None:
-        _check_device(device)
+    if device is not None:  # every offload argument checked before the load, not after it
+        check_device(device)
+        check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
+                           stream_reads=stream_reads)
     model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
                                     config=config, cache_dir=cache_dir, fp8=fp8, **model_kwargs)
     handle: OffloadHandle | None = None
@@ -288,5 +333,8 @@ def from_pretrained(
     if device is not None:
         handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,
                          host_store=host_store, stream_reads=stream_reads)
+        handle.name_calls("model.mapoffload_handle.close()",
+                          "mapoffload.from_pretrained(cls, folder, device=..., dtype={dtype}): converted once into "
+                          "a mapped conversion folder")
     object.__setattr__(model, "mapoffload_handle", handle)
     return model

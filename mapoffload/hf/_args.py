@@ -1,0 +1,147 @@
+"""The arguments of the Hugging Face entry points, checked where they enter.
+
+Each refusal is one line naming the argument, what is wrong with it and the
+fix, raised before anything is loaded: a newcomer's mistake (``layers=5``,
+the class named as a string, a file for its folder) must not surface as an
+``AttributeError`` from deep inside transformers, or after a long load.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._files import _looks_remote
+
+
+def check_folder(folder: Any, what: str, *, beside: str) -> str:
+    """``folder`` as a path to a local folder, or a one-line error.
+
+    Parameters
+    ----------
+    what
+        The entry point, for the message (``"mapoffload.from_pretrained"``).
+    beside
+        What the folder holds, for the message (``"config.json beside the weights"``).
+
+    Raises
+    ------
+    TypeError
+        Not a path.
+    ValueError
+        A file: the folder that holds it is named.
+    FileNotFoundError
+        Nothing there: a hub id is told to be downloaded first, a local path is missing.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path (str or os.PathLike), not {type(folder).__name__}")
+    path = os.fspath(folder)
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if os.path.isfile(path):
+        raise ValueError(f"{path!r} is a file: {what} takes the folder save_pretrained wrote ({beside}): "
+                         f"pass {os.path.dirname(os.path.abspath(path))!r}")
+    if not os.path.isdir(path):
+        if _looks_remote(path):
+            raise FileNotFoundError(
+                f"{path!r} is not a local folder and looks like a hub id: {what} loads local folders only "
+                "(download it first, e.g. huggingface_hub.snapshot_download, and pass its path)"
+            )
+        raise FileNotFoundError(f"no such folder: {path}")
+    return path
+
+
+def check_model_class(cls: Any, what: str) -> None:
+    """``cls`` must be a transformers model class (``PreTrainedModel`` or ``AutoModel*``)."""
+    import torch
+    import transformers
+
+    if isinstance(cls, str):
+        name = cls.rsplit(".", 1)[-1]
+        fix = (f"pass transformers.{name}" if isinstance(getattr(transformers, name, None), type)
+               else "pass the class itself, e.g. transformers.AutoModelForCausalLM")
+        raise TypeError(f"{what} takes a model class, not the string {cls!r}: {fix}")
+    if not isinstance(cls, type):
+        if isinstance(cls, torch.nn.Module):
+            raise TypeError(f"{what} takes a model class, not a built {type(cls).__name__}: pass its class "
+                            f"({type(cls).__name__}) to load the folder, or stream this one with "
+                            "mapoffload.offload(model, device=...)")
+        raise TypeError(f"{what} takes a model class, not {type(cls).__name__} ({cls!r})")
+    if issubclass(cls, transformers.PretrainedConfig) or cls is transformers.AutoConfig:
+        raise TypeError(f"{cls.__name__} is a configuration class: pass a model class (such as "
+                        "transformers.AutoModelForCausalLM), and the configuration as config=")
+    if not (issubclass(cls, transformers.PreTrainedModel) or hasattr(cls, "_model_mapping")):
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not a transformers model class (a PreTrainedModel "
+                        "subclass or an AutoModel* class): for another nn.Module build it under "
+                        "mapoffload.empty_weights() and use mapoffload.load_checkpoint")
+
+
+def check_pipeline_class(cls: Any, what: str) -> None:
+    """``cls`` must be a diffusers pipeline class (or ``DiffusionPipeline``)."""
+    import diffusers
+
+    if isinstance(cls, str):
+        name = cls.rsplit(".", 1)[-1]
+        fix = (f"pass diffusers.{name}" if isinstance(getattr(diffusers, name, None), type)
+               else "pass the class itself, e.g. diffusers.DiffusionPipeline")
+        raise TypeError(f"{what} takes a pipeline class, not the string {cls!r}: {fix}")
+    if not isinstance(cls, type):
+        raise TypeError(f"{what} takes a pipeline class, not a built {type(cls).__name__}: pass its class, or "
+                        "stream this one with mapoffload.offload_pipeline(pipe, device=...)")
+
+
+def check_device(device: Any, what: str = "device") -> None:
+    """``"cuda"``, ``"cuda:N"`` or ``"cpu"``, and CUDA only where torch sees a device."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__}, "
+                           f"built with CUDA {torch.version.cuda}): pass device='cpu'")
+
+
+def check_layers(layers: Any) -> None:
+    """``layers`` names block lists: ``"auto"``, an attribute path, a ``ModuleList``, or a list of those."""
+    import torch
+
+    items = layers if isinstance(layers, (list, tuple)) else [layers]
+    for item in items:
+        if isinstance(item, (str, torch.nn.Module)):
+            continue
+        what = "not how many" if isinstance(item, (int, float)) else f"not a {type(item).__name__}"
+        raise TypeError(f"layers={layers!r}: layers names which block lists to stream ('auto', an attribute "
+                        f"path such as 'model.layers', an nn.ModuleList, or a list of those), {what}; "
+                        "prefetch_layers= sets how many layers are copied ahead")
+
+
+def check_offload_args(*, layers: Any = "auto", rest: Any = "auto", prefetch_layers: Any = 1,
+                       host_store: Any = None, stream_reads: Any = "auto") -> None:
+    """The offload arguments, checked before anything is loaded or offloaded."""
+    from ..offload import HOST_STORES, STREAM_READS
+    from .offload import RESTS
+
+    check_layers(layers)
+    if rest not in RESTS:
+        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int):
+        raise TypeError(f"prefetch_layers must be a whole number >= 0, not {prefetch_layers!r}")
+    if prefetch_layers < 0:
+        raise ValueError(f"prefetch_layers must be a whole number >= 0, not {prefetch_layers!r}")
+    if host_store is not None and host_store not in HOST_STORES:
+        raise ValueError(f"host_store must be one of {HOST_STORES} (or None: chosen for the device), "
+                         f"not {host_store!r}")
+    if stream_reads not in STREAM_READS:
+        raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
+
+
+def check_flags(*, keep_mapping: Any = None, strict: Any = False) -> None:
+    """``keep_mapping`` True/False/None and ``strict`` True/False: a string would read as True."""
+    if keep_mapping is not None and not isinstance(keep_mapping, bool):
+        raise TypeError(f"keep_mapping must be True, False or None (the gate), not {keep_mapping!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, not {strict!r}")

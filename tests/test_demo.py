@@ -1,0 +1,175 @@
+"""`mapoffload demo` as a user runs it: arguments it cannot honour are refused
+in one line (exit 2) before anything is written; the checks it makes judge
+what the library promises, not what it happened to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mapoffload.cli import main
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA device")
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "mapoffload", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+@no_cuda
+def test_demo_on_cuda_without_a_gpu_says_so_in_one_line(tmp_path):
+    r = run_cli("demo", "--device", "cuda", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("mapoffload demo: error: --device cuda: torch sees no CUDA device")
+    assert "--device cpu" in r.stderr
+    assert "[1/5]" not in r.stdout  # refused before writing a checkpoint
+
+
+@pytest.mark.parametrize("device, says", [
+    ("gpu", "--device 'gpu' is not a device: cuda, cuda:N or cpu"),
+    ("meta", "--device 'meta': the demo runs on cuda, cuda:N or cpu"),
+    ("cuda:banana", "--device 'cuda:banana' is not a device: cuda, cuda:N or cpu"),
+    ("", "--device '' is not a device: cuda, cuda:N or cpu"),
+])
+def test_demo_refuses_a_device_it_cannot_run_on_before_writing_anything(capsys, monkeypatch, tmp_path, device, says):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    assert main(["demo", "--device", device]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"mapoffload demo: error: {says}"), captured.err
+    assert captured.err.count("\n") == 1
+    assert "[1/5]" not in captured.out and not list(tmp_path.iterdir())
+
+
+@no_cuda
+def test_demo_on_a_numbered_cuda_device_without_a_gpu_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    assert main(["demo", "--device", "cuda:3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mapoffload demo: error: --device cuda:3: torch sees no CUDA device") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_gate_that_copies_because_copies_fit_is_right_not_a_failure(tmp_path):
+    # A 6 MiB checkpoint under a 100 GiB budget: host copies fit, so the gate copies.
+    r = run_cli("demo", "--host-gib", "100", "--layers", "2", "--width", "256", "--tokens", "8", "--steps", "1",
+                "--device", "cpu", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FAILED" not in r.stdout and r.stdout.rstrip().endswith("OK")
+    assert "the gate copied the checkpoint into host memory: host copies fit" in r.stdout
+    assert "on the file mapping, computed from there" not in r.stdout  # the layers compute from the copies
+    assert "layer 2/2: 3.01 MiB in host memory (the gate's copy), computed from there" in r.stdout
+
+
+def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch):
+    import io
+
+    import mapoffload.checkpoint as checkpoint
+    from mapoffload.demo import DemoConfig, run_demo
+
+    real = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda module, path, **kw: real(module, path, keep_mapping=False))
+    out = io.StringIO()
+    rc = run_demo(DemoConfig(layers=6, width=256, tokens=8, steps=1, device="cpu"), out)
+    text = out.getvalue()
+    assert rc == 1, text
+    assert "FAILED: the gate copied a checkpoint whose host copies would not fit" in text
+
+
+def test_a_budget_smaller_than_what_streaming_needs_is_refused_not_failed(tmp_path):
+    # Half of a 2-layer checkpoint is one layer: the one layer's read-around buffer
+    # the library streams through already fills it, so the check could not tell a
+    # copy of the weights from it (it used to run and fail, outputs identical).
+    r = run_cli("demo", "--layers", "2", "--width", "256", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    err = r.stderr
+    assert err.startswith("mapoffload demo: error: --layers 2 --width 256: a 3.01 MiB budget (half the 6.02 MiB "
+                          "checkpoint) is below what streaming needs at the least"), err
+    assert "read-around buffer 4.00 MiB" in err and "use --layers 4 or more" in err and "--host-gib" in err
+    assert "[1/5]" not in r.stdout
+
+
+def test_the_cpu_twins_staging_ring_is_named_when_it_does_not_fit(tmp_path):
+    r = run_cli("demo", "--cpu-twin", "--layers", "4", "--width", "512", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--cpu-twin --layers 4 --width 512: a 24.04 MiB budget" in r.stderr
+    assert "the copier's staging ring 32.00 MiB" in r.stderr and "MAPOFFLOAD_STAGING_MIB" in r.stderr
+
+
+def test_the_smallest_in_place_demo_it_accepts_passes_its_own_budget(tmp_path):
+    r = run_cli("demo", "--layers", "4", "--width", "256", "--tokens", "8", "--steps", "1", "--device", "cpu",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("OK") and "FAILED" not in r.stdout
+    assert "first use of the library" in r.stdout  # measured on a warm-up, outside the budget, and said
+
+
+def test_a_small_cpu_twin_with_a_small_ring_passes_its_own_budget(tmp_path):
+    import os
+
+    env = dict(os.environ, MAPOFFLOAD_STAGING_MIB="0.25")  # a 1 MiB ring
+    r = subprocess.run([sys.executable, "-m", "mapoffload", "demo", "--cpu-twin", "--layers", "8", "--width", "256",
+                        "--tokens", "8", "--steps", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("OK") and "FAILED" not in r.stdout
+    assert "staging ring" in r.stdout
+
+
+def _refused(capsys, argv, tmp_path):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("mapoffload demo: error: ") and captured.err.count("\n") == 1, captured.err
+    assert "[1/5]" not in captured.out and not list(tmp_path.iterdir())  # refused before anything is written
+    return captured.err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--layers", "100000000", "--width", "100000"], "its reference model (the whole checkpoint, 43656145.86 TiB"),
+    (["--layers", "1", "--width", "99999999"], "its reference model (the whole checkpoint, 436557.45 TiB"),
+    (["--layers", "8", "--width", "256", "--tokens", "10000000"], "activations"),
+])
+def test_sizes_the_host_cannot_hold_are_refused_before_anything_is_allocated(capsys, monkeypatch, tmp_path, argv,
+                                                                             says):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    err = _refused(capsys, ["demo", "--device", "cpu", *argv], tmp_path)
+    assert says in err and "host memory" in err and "smaller" in err, err
+
+
+def test_a_checkpoint_larger_than_the_free_disk_is_refused(capsys, monkeypatch, tmp_path):
+    import collections
+    import shutil
+
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    err = _refused(capsys, ["demo", "--device", "cpu"], tmp_path)
+    assert "a 384.34 MiB checkpoint" in err, err
+    assert f"1.00 MiB free in {tmp_path}" in err and "MAPOFFLOAD_DEMO_DIR" in err, err
+
+
+def test_a_missing_demo_dir_is_named(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path / "nope"))
+    err = _refused(capsys, ["demo", "--device", "cpu"], tmp_path)
+    assert err.strip() == f"mapoffload demo: error: MAPOFFLOAD_DEMO_DIR={str(tmp_path / 'nope')!r}: no such folder"
+
+
+def test_a_host_budget_past_the_variables_range_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--host-gib", "1e300"])
+    assert exit_.value.code == 2
+    assert "'1e300' must be a positive number of GiB, at most 1073741824" in capsys.readouterr().err
+
+
+def test_layers_too_small_to_judge_at_any_count_name_a_width_that_would_do(capsys, monkeypatch, tmp_path):
+    # At width 8 a layer (3.34 KiB) is smaller than what keeping track of it costs:
+    # more layers never make the budget judgeable, so --layers is not offered.
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
+    err = _refused(capsys, ["demo", "--device", "cpu", "--layers", "4", "--width", "8"], tmp_path)
+    assert "--layers" not in err.split("use ", 1)[1] and "--width 186 or more" in err, err
