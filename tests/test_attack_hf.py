@@ -336,3 +336,18 @@ def test_a_conversion_root_that_is_a_file_says_so(tmp_path):
     with pytest.raises(mapoffload.hf.ConversionWriteError, match=r"afile is a file, not a folder.*cache_dir="):
         mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "half", torch.int8, "float8"])
+def test_from_pretrained_refuses_a_dtype_it_cannot_make_before_loading(tmp_path, monkeypatch, dtype):
+    """As convert --dtype does: one line naming the dtypes it takes (and the one meant), before any load."""
+    from mapoffload.hf import transformers as hf_transformers
+
+    cls, _ = build("llama", str(tmp_path / "m"))
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded before refusing the dtype")
+
+    monkeypatch.setattr(hf_transformers, "load_pretrained", no_load)
+    with pytest.raises(ValueError, match=r"dtype .* is not one a conversion takes: auto, bfloat16, float16"):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device="cpu", dtype=dtype)

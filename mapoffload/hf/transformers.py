@@ -319,9 +319,12 @@ def from_pretrained(
         :class:`~mapoffload.LoadReport`, ``model.mapoffload_handle`` the
         :class:`OffloadHandle` (``summary()``, ``close()``) or None.
     """
+    from .convert import check_dtype
     from .offload import offload
 
     check_transformers_kwargs(model_kwargs)
+    if dtype is not None:
+        check_dtype(dtype)  # "fp16" is refused here, naming the names, not after a load inside transformers
     if device is not None:  # every offload argument checked before the load, not after it
         check_device(device)
         check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
