@@ -554,6 +554,7 @@ def test_unmapping_file_pages_loses_nothing_around_them(tmp_path):
         libc.munmap(base, 64 * ps)
 
 
+@pytest.mark.slow
 def test_a_manager_never_closed_leaves_nothing_said_at_exit(ckpt, tmp_path):
     """A manager given page_cache_bytes= (so never published to the peers) and never closed: at
     interpreter exit its collection withdrew a record that was never made, building the peers'

@@ -125,6 +125,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_a_child_forked_during_another_threads_load_can_load(tmp_path):
     build("mixtral", str(tmp_path / "m"))
     out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "m"), str(tmp_path / "c")],
@@ -305,6 +306,7 @@ print("converted", m.mapoffload_report.converted_tensors, m.mapoffload_report.co
 """
 
 
+@pytest.mark.slow
 def test_two_processes_converting_at_once_both_load_and_leave_one_folder(tmp_path):
     build("mixtral", str(tmp_path / "m"))
     racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path / "m"), str(tmp_path / "c")],

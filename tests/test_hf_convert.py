@@ -190,6 +190,7 @@ print(max(peak, rss_anon_bytes()) - base)
 """
 
 
+@pytest.mark.slow
 def test_conversion_holds_a_bounded_batch_where_transformers_holds_every_expert(tmp_path):
     import subprocess
     import sys
@@ -232,6 +233,7 @@ def test_the_convert_command(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_cast_holds_a_bounded_batch_too(tmp_path):
     """dtype= other than the stored one: transformers' loader threads would cast every tensor ahead
     of the loop that sets them; driven, they are cast one by one and written out in batches."""
