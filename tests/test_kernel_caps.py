@@ -10,6 +10,25 @@ fault too, so the old-kernel path runs for real.
 No timing is asserted: reads are counted as the bytes this thread submitted
 (``/proc/thread-self/io`` ``read_bytes``, accounted when a read is submitted)
 and the calls the read-ahead made; residency with ``mincore``.
+
+The kernel keeps a clean page in the page cache only until reclaim takes it
+back, which it may do at any moment, with memory to spare too: this
+project's machines run a proactive reclaimer (DAMON, ``kdamond``, with a
+scheme that pages out file pages no process maps). Seen (issue 24): a file
+read into the cache and left alone lost 1.3 of 128 MiB in 40 s, with 17 GiB
+free and no reclaim counted in ``/proc/vmstat`` (its mapped half lost
+nothing); 0.7 % of 64 MiB read-aheads lost 2-69 pages before the populate
+that maps them began, and populate read them again, 4 KiB each. A page
+reclaim took back is therefore accounted, never assumed resident: reclaim
+leaves a shadow entry in the file's page cache, which ``cachestat(2)``
+counts (``nr_evicted``; a drop or a truncation leaves none). A page taken
+while populate runs and read again by it leaves no trace, so what populate
+reads is not held to zero; that every page had been read when populate
+began (or read and taken back) is - it is what "populate reads nothing"
+relied on. Where the machine runs short of memory meanwhile (kswapd or
+direct reclaim: other work beside the tests), nothing of this can be held:
+the read-ahead leaves what it cannot allocate to the faults (by design) and
+reclaim drops shadow entries too; those tests are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -50,6 +69,54 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 @pytest.fixture(autouse=True)
 def _no_env_override(monkeypatch):
     monkeypatch.delenv(ENV_KERNEL_CAPS, raising=False)
+
+
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64)
+                for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # one number on every architecture (Linux 6.5+)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _cachestat(fd: int, offset: int, nbytes: int) -> tuple[int, int] | None:
+    """(pages in the page cache, read in flight included; pages reclaim took back) of a file range.
+
+    None where the kernel has no ``cachestat(2)`` (before 6.5).
+    """
+    rng, out = _CacheRange(offset, nbytes), _CacheStat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        return None
+    return out.nr_cache, out.nr_evicted
+
+
+_SHORT_OF_MEMORY = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
+
+
+def _memory_pressure() -> int:
+    """Pages kswapd and direct reclaim scanned, and allocations that stalled, on the whole machine.
+
+    Event counters, summed over the CPUs when read: exact (unlike the node
+    counters beside them). A proactive reclaimer (DAMON) counts in none.
+    """
+    total = 0
+    with open("/proc/vmstat") as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name in _SHORT_OF_MEMORY:
+                total += int(value)
+    return total
+
+
+def _skip_if_short_of_memory(m: Mapped) -> None:
+    if _memory_pressure() != m.pressure:
+        pytest.skip("the machine ran short of memory during the test (kswapd or direct reclaim): what the "
+                    "page cache holds tells nothing then (see the module)")
 
 
 def _thread_read_bytes() -> int:
@@ -97,12 +164,29 @@ class Mapped:
         self.files = MappedFiles()
         self.extents = file_extents(self.spans, self.files)
         assert self.resident() == (0, 0, 0), "the file did not start cold"
+        self.pressure = _memory_pressure()  # see _skip_if_short_of_memory
 
     def resident(self) -> tuple[int, int, int]:
         """Resident bytes of (the neighbour before, the layer, the neighbour after)."""
         a = self.addr
         spans = _core.SpanArray([a, a + self.prev, a + self.prev + self.layer], [self.prev, self.layer, self.next])
         return tuple(_core.resident_bytes(spans))
+
+    def cachestat(self) -> tuple[int, int] | None:
+        """(pages cached, pages reclaim took back) of the layer's bytes in the file (see ``_cachestat``)."""
+        return _cachestat(self.fd, self.prev, self.layer)
+
+    def taken_back(self) -> tuple[int, int, int]:
+        """Bytes of (the neighbour before, the layer, the neighbour after) that reclaim took back
+        (0 without ``cachestat``)."""
+        ranges = ((0, self.prev), (self.prev, self.layer), (self.prev + self.layer, self.next))
+        return tuple(((_cachestat(self.fd, off, n) or (0, 0))[1] * PAGE if n else 0) for off, n in ranges)
+
+    def read_in_whole(self) -> bool:
+        """Every page of the layer is resident or was, until reclaim took it back (see the module);
+        nothing of its neighbours is or was."""
+        resident, taken = self.resident(), self.taken_back()
+        return (resident[0] + taken[0], resident[1] + taken[1], resident[2] + taken[2]) == (0, self.layer, 0)
 
     def close(self) -> None:
         self.files.close()
@@ -118,11 +202,17 @@ def layer_file(tmp_file_dir):
 
 
 class SpyCore:
-    """``_core`` as pages.py sees it, recording the calls that read and this thread's reads during each."""
+    """``_core`` as pages.py sees it, recording the calls that read and this thread's reads during each.
+
+    With ``watch`` (a :class:`Mapped`), ``cached_before[name]`` is its layer's ``cachestat`` when the last
+    such call began.
+    """
 
     def __init__(self, real) -> None:
         self._real = real
         self.calls: list[tuple[str, object, int]] = []  # (name, result, bytes this thread submitted during it)
+        self.watch: Mapped | None = None
+        self.cached_before: dict[str, tuple[int, int] | None] = {}
 
     def __getattr__(self, name):
         real = getattr(self._real, name)
@@ -130,6 +220,8 @@ class SpyCore:
             return real
 
         def spy(*args, **kwargs):
+            if self.watch is not None:
+                self.cached_before[name] = self.watch.cachestat()
             before = _thread_read_bytes() if os.path.exists("/proc/thread-self/io") else 0
             out = real(*args, **kwargs)
             after = _thread_read_bytes() if os.path.exists("/proc/thread-self/io") else 0
@@ -253,17 +345,21 @@ def test_with_window_faults_a_layer_is_hugepage_random_and_populated(layer_file,
     assert {"hg", "rr"} <= flags, flags
     assert pages.read_in(layer_file.spans, "layer", None, caps) == 0
     assert spy.names() == ["populate_read"]
-    assert layer_file.resident()[1] == LAYER
+    _skip_if_short_of_memory(layer_file)
+    resident, taken = layer_file.resident()[1], layer_file.taken_back()[1]
+    assert resident + taken == LAYER, (resident, taken)  # what reclaim took back was read (see the module)
 
 
 @needs_io_accounting
 def test_without_window_faults_a_64_mib_layer_is_read_in_few_large_reads_and_nothing_else(layer_file, spy):
+    spy.watch = layer_file
     w = PageWorker("no-large-folios")
     caps = w.advise(layer_file.spans, layer_file.extents)
     flags = _vm_flags(layer_file.addr + PREV)
     assert "rr" in flags and "hg" not in flags, flags  # this kernel now reads 4 KiB per fault, as 5.15 does
     calls = pages.read_in(layer_file.spans, "layer", None, caps)
     assert spy.names() == ["read_ahead", "populate_read"], spy.calls
+    _skip_if_short_of_memory(layer_file)
     (_, ahead_calls, ahead_bytes), (_, populated, populate_bytes) = spy.calls
     print(f"\n64 MiB layer, no window faults: {ahead_calls} MADV_WILLNEED calls submitted {ahead_bytes} bytes; "
           f"populate submitted {populate_bytes}")
@@ -274,20 +370,37 @@ def test_without_window_faults_a_64_mib_layer_is_read_in_few_large_reads_and_not
     # Every byte of the layer was asked for by the read-ahead, and nothing much
     # beyond it (file system metadata at most) ...
     assert LAYER <= ahead_bytes <= LAYER + MIB, ahead_bytes
-    # ... so populating only mapped pages already asked for: it read nothing.
-    assert populated == (0, 0) and populate_bytes == 0
-    prev, layer, nxt = layer_file.resident()
-    assert layer == LAYER and prev == 0 and nxt == 0, (prev, layer, nxt)
+    # ... so populating only mapped pages already asked for. It read nothing
+    # but what reclaim took back meanwhile (see the module): when it began,
+    # every page of the layer was cached (or its read in flight) or had been
+    # taken back - none was left to its faults.
+    assert populated == (0, 0)
+    before = spy.cached_before["populate_read"]
+    if before is None:  # no cachestat: nothing taken back can be told apart
+        assert populate_bytes == 0
+    else:
+        assert sum(before) == LAYER // PAGE, (before, populate_bytes)
+    # Nothing of the neighbours is resident, or was read and taken back.
+    assert layer_file.read_in_whole(), (layer_file.resident(), layer_file.taken_back())
 
 
 @needs_io_accounting
 def test_without_populate_read_the_pages_are_touched(layer_file, spy):
+    spy.watch = layer_file
     w = PageWorker("no-large-folios,no-populate-read")
     caps = w.advise(layer_file.spans, layer_file.extents)
     pages.read_in(layer_file.spans, "layer", None, caps)
     assert spy.names() == ["read_ahead", "touch_pages"], spy.calls
-    assert spy.calls[1][1] == (0, 0) and spy.calls[1][2] == 0  # the touches read nothing themselves
-    assert layer_file.resident() == (0, LAYER, 0)
+    assert spy.calls[1][1] == (0, 0)
+    _skip_if_short_of_memory(layer_file)
+    # The touches read nothing themselves: every page was read ahead before
+    # them (or read and taken back by reclaim, which they read again: see the module).
+    before = spy.cached_before["touch_pages"]
+    if before is None:
+        assert spy.calls[1][2] == 0
+    else:
+        assert sum(before) == LAYER // PAGE, (before, spy.calls)
+    assert layer_file.read_in_whole(), (layer_file.resident(), layer_file.taken_back())
 
 
 def test_without_populate_read_a_truncated_file_is_an_exception_not_a_sigbus(tmp_file_dir):
@@ -310,8 +423,10 @@ def test_without_pageout_a_let_go_is_fadvise_only(layer_file, spy):
     # read() on this kernel makes large folios across the layer's ends, which
     # a drop of the layer's range cannot split.)
     _core.read_ahead(layer_file.spans)
-    os.pread(layer_file.fd, LAYER, PREV)
-    assert layer_file.resident()[1] == LAYER
+    assert len(os.pread(layer_file.fd, LAYER, PREV)) == LAYER
+    _skip_if_short_of_memory(layer_file)
+    # Cached, but for what reclaim took back (see the module).
+    assert layer_file.resident()[1] + layer_file.taken_back()[1] == LAYER
     assert pages.let_go(layer_file.spans, layer_file.extents, caps) == (DROPPED, 0)
     # Mapped by this process: fadvise alone cannot drop it; this process's
     # clean pages are unmapped first (unmap_file_pages), then dropped - all
