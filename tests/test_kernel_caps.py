@@ -11,24 +11,16 @@ No timing is asserted: reads are counted as the bytes this thread submitted
 (``/proc/thread-self/io`` ``read_bytes``, accounted when a read is submitted)
 and the calls the read-ahead made; residency with ``mincore``.
 
-The kernel keeps a clean page in the page cache only until reclaim takes it
-back, which it may do at any moment, with memory to spare too: this
-project's machines run a proactive reclaimer (DAMON, ``kdamond``, with a
-scheme that pages out file pages no process maps). Seen (issue 24): a file
-read into the cache and left alone lost 1.3 of 128 MiB in 40 s, with 17 GiB
-free and no reclaim counted in ``/proc/vmstat`` (its mapped half lost
-nothing); 0.7 % of 64 MiB read-aheads lost 2-69 pages before the populate
-that maps them began, and populate read them again, 4 KiB each. A page
-reclaim took back is therefore accounted, never assumed resident: reclaim
-leaves a shadow entry in the file's page cache, which ``cachestat(2)``
-counts (``nr_evicted``; a drop or a truncation leaves none). A page taken
-while populate runs and read again by it leaves no trace, so what populate
-reads is not held to zero; that every page had been read when populate
-began (or read and taken back) is - it is what "populate reads nothing"
-relied on. Where the machine runs short of memory meanwhile (kswapd or
-direct reclaim: other work beside the tests), nothing of this can be held:
-the read-ahead leaves what it cannot allocate to the faults (by design) and
-reclaim drops shadow entries too; those tests are skipped, saying so.
+Reclaim can take a page back at any moment (``page_cache.py``): seen here
+(issue 24), 0.7 % of 64 MiB read-aheads lost 2-69 pages before the
+populate that maps them began, and populate read them again, 4 KiB each.
+What reclaim took back is therefore accounted (``cachestat``), never assumed
+resident. A page taken while populate runs and read again by it leaves no
+trace, so what populate reads is not held to zero; that every page had been
+read when populate began (or read and taken back) is - it is what "populate
+reads nothing" relied on. Where the machine ran short of memory meanwhile,
+the read-ahead leaves what it cannot allocate to the faults (by design):
+those tests are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -38,6 +30,7 @@ import errno
 import gc
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -50,6 +43,7 @@ from mapoffload._manager.mapped_file import MappedFiles
 from mapoffload._manager.pages import DROPPED, PageWorker, file_extents, layer_spans
 from mapoffload._native import _core
 
+from page_cache import cachestat, memory_pressure
 from stacks import LAYERS, drain, mapped
 
 MIB = 1 << 20
@@ -71,50 +65,8 @@ def _no_env_override(monkeypatch):
     monkeypatch.delenv(ENV_KERNEL_CAPS, raising=False)
 
 
-class _CacheRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64)
-                for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
-
-
-_SYS_CACHESTAT = 451  # one number on every architecture (Linux 6.5+)
-_libc.syscall.restype = ctypes.c_long
-
-
-def _cachestat(fd: int, offset: int, nbytes: int) -> tuple[int, int] | None:
-    """(pages in the page cache, read in flight included; pages reclaim took back) of a file range.
-
-    None where the kernel has no ``cachestat(2)`` (before 6.5).
-    """
-    rng, out = _CacheRange(offset, nbytes), _CacheStat()
-    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
-        return None
-    return out.nr_cache, out.nr_evicted
-
-
-_SHORT_OF_MEMORY = ("pgscan_kswapd", "pgscan_direct", "allocstall_normal", "allocstall_movable")
-
-
-def _memory_pressure() -> int:
-    """Pages kswapd and direct reclaim scanned, and allocations that stalled, on the whole machine.
-
-    Event counters, summed over the CPUs when read: exact (unlike the node
-    counters beside them). A proactive reclaimer (DAMON) counts in none.
-    """
-    total = 0
-    with open("/proc/vmstat") as f:
-        for line in f:
-            name, _, value = line.partition(" ")
-            if name in _SHORT_OF_MEMORY:
-                total += int(value)
-    return total
-
-
 def _skip_if_short_of_memory(m: Mapped) -> None:
-    if _memory_pressure() != m.pressure:
+    if memory_pressure() != m.pressure:
         pytest.skip("the machine ran short of memory during the test (kswapd or direct reclaim): what the "
                     "page cache holds tells nothing then (see the module)")
 
@@ -164,7 +116,7 @@ class Mapped:
         self.files = MappedFiles()
         self.extents = file_extents(self.spans, self.files)
         assert self.resident() == (0, 0, 0), "the file did not start cold"
-        self.pressure = _memory_pressure()  # see _skip_if_short_of_memory
+        self.pressure = memory_pressure()  # see _skip_if_short_of_memory
 
     def resident(self) -> tuple[int, int, int]:
         """Resident bytes of (the neighbour before, the layer, the neighbour after)."""
@@ -173,20 +125,42 @@ class Mapped:
         return tuple(_core.resident_bytes(spans))
 
     def cachestat(self) -> tuple[int, int] | None:
-        """(pages cached, pages reclaim took back) of the layer's bytes in the file (see ``_cachestat``)."""
-        return _cachestat(self.fd, self.prev, self.layer)
+        """(pages cached, pages reclaim took back) of the layer's bytes in the file (``page_cache.cachestat``)."""
+        return cachestat(self.fd, self.prev, self.layer)
 
-    def taken_back(self) -> tuple[int, int, int]:
-        """Bytes of (the neighbour before, the layer, the neighbour after) that reclaim took back
-        (0 without ``cachestat``)."""
+    def cached(self) -> list[tuple[int, int] | None]:
+        """``cachestat`` of (the neighbour before, the layer, the neighbour after)."""
         ranges = ((0, self.prev), (self.prev, self.layer), (self.prev + self.layer, self.next))
-        return tuple(((_cachestat(self.fd, off, n) or (0, 0))[1] * PAGE if n else 0) for off, n in ranges)
+        return [cachestat(self.fd, off, n) if n else (0, 0) for off, n in ranges]  # (length 0: to the end)
 
-    def read_in_whole(self) -> bool:
-        """Every page of the layer is resident or was, until reclaim took it back (see the module);
-        nothing of its neighbours is or was."""
-        resident, taken = self.resident(), self.taken_back()
-        return (resident[0] + taken[0], resident[1] + taken[1], resident[2] + taken[2]) == (0, self.layer, 0)
+    def wait_for_reads(self, timeout: float = 30.0) -> None:
+        """Until no read of the layer's pages is in flight: ``cachestat`` counts a page cached from
+        when its read starts, ``mincore`` once it completed (without ``cachestat``: ``read()`` it).
+
+        Not ``read()``: it would read again what reclaim took back, through the kernel's read-ahead,
+        into large folios that can cross the layer's ends.
+        """
+        deadline = time.monotonic() + timeout
+        while (st := self.cachestat()) is not None:
+            resident = self.resident()[1]  # first: a page that completes meanwhile only makes this wait longer
+            if resident >= self.cachestat()[0] * PAGE:
+                return
+            assert time.monotonic() < deadline, (resident, st)
+            time.sleep(0.001)
+        assert len(os.pread(self.fd, self.layer, self.prev)) == self.layer
+
+    def read_in(self, neighbours: bool = True) -> bool:
+        """Every page of the layer is cached or was, until reclaim took it back (see the module); and
+        (``neighbours``) nothing of its neighbours is or was. Without ``cachestat``: resident, exactly.
+
+        One ``cachestat`` walk per range: a page taken back meanwhile is counted once, either way.
+        """
+        stats = self.cached()
+        if None in stats:
+            resident = self.resident()
+            return resident == (0, self.layer, 0) if neighbours else resident[1] == self.layer
+        got = [sum(st) * PAGE for st in stats]
+        return got == [0, self.layer, 0] if neighbours else got[1] == self.layer
 
     def close(self) -> None:
         self.files.close()
@@ -346,8 +320,7 @@ def test_with_window_faults_a_layer_is_hugepage_random_and_populated(layer_file,
     assert pages.read_in(layer_file.spans, "layer", None, caps) == 0
     assert spy.names() == ["populate_read"]
     _skip_if_short_of_memory(layer_file)
-    resident, taken = layer_file.resident()[1], layer_file.taken_back()[1]
-    assert resident + taken == LAYER, (resident, taken)  # what reclaim took back was read (see the module)
+    assert layer_file.read_in(neighbours=False), layer_file.cached()  # what reclaim took back was read: see the module
 
 
 @needs_io_accounting
@@ -380,8 +353,8 @@ def test_without_window_faults_a_64_mib_layer_is_read_in_few_large_reads_and_not
         assert populate_bytes == 0
     else:
         assert sum(before) == LAYER // PAGE, (before, populate_bytes)
-    # Nothing of the neighbours is resident, or was read and taken back.
-    assert layer_file.read_in_whole(), (layer_file.resident(), layer_file.taken_back())
+    # All of the layer read in; nothing of the neighbours is resident, or was read and taken back.
+    assert layer_file.read_in(), (layer_file.resident(), layer_file.cached())
 
 
 @needs_io_accounting
@@ -400,7 +373,7 @@ def test_without_populate_read_the_pages_are_touched(layer_file, spy):
         assert spy.calls[1][2] == 0
     else:
         assert sum(before) == LAYER // PAGE, (before, spy.calls)
-    assert layer_file.read_in_whole(), (layer_file.resident(), layer_file.taken_back())
+    assert layer_file.read_in(), (layer_file.resident(), layer_file.cached())
 
 
 def test_without_populate_read_a_truncated_file_is_an_exception_not_a_sigbus(tmp_file_dir):
@@ -419,14 +392,14 @@ def test_without_pageout_a_let_go_is_fadvise_only(layer_file, spy):
     w = PageWorker("no-pageout")
     caps = w.advise(layer_file.spans, layer_file.extents)
     # Cached but not mapped here: POSIX_FADV_DONTNEED takes it all. (Read
-    # ahead into small folios, then read(), which waits for them: a plain
-    # read() on this kernel makes large folios across the layer's ends, which
-    # a drop of the layer's range cannot split.)
+    # ahead into small folios, waiting for the reads: a plain read() on this
+    # kernel makes large folios across the layer's ends, which a drop of the
+    # layer's range cannot split.)
     _core.read_ahead(layer_file.spans)
-    assert len(os.pread(layer_file.fd, LAYER, PREV)) == LAYER
+    layer_file.wait_for_reads()
     _skip_if_short_of_memory(layer_file)
     # Cached, but for what reclaim took back (see the module).
-    assert layer_file.resident()[1] + layer_file.taken_back()[1] == LAYER
+    assert layer_file.read_in(neighbours=False), layer_file.cached()
     assert pages.let_go(layer_file.spans, layer_file.extents, caps) == (DROPPED, 0)
     # Mapped by this process: fadvise alone cannot drop it; this process's
     # clean pages are unmapped first (unmap_file_pages), then dropped - all
