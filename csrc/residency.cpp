@@ -196,6 +196,42 @@ int advise_random(uint64_t addr, uint64_t nbytes, bool on, bool hugepage) {
 
 int populate_read(uint64_t addr, uint64_t nbytes) { return advise_pages(addr, nbytes, MADV_POPULATE_READ); }
 
+namespace {
+// Walks the pagemap entries (/proc/self/pagemap, 8 bytes a page) of the pages
+// of [addr, addr + nbytes), `batch` at a time: own(page, mine) for each page,
+// `mine` when the page is this process's own rather than the file's (present
+// without PM_FILE: a private copy written in place, copy-on-write; or
+// swapped out), then batch_done(end) once per batch read. Returns 0, or the
+// errno of the open or read that failed.
+template <typename OnPage, typename OnBatch>
+int walk_pagemap(uint64_t addr, uint64_t nbytes, uint64_t batch, OnPage&& on_page, OnBatch&& batch_done) {
+  const uint64_t ps = page_size();
+  const uint64_t lo = page_align_down(addr, ps);
+  const uint64_t hi = page_align_up(addr + nbytes, ps);
+  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
+  std::vector<uint64_t> entries(batch);
+  int err = 0;
+  for (uint64_t a = lo; a < hi && err == 0;) {
+    const uint64_t n = std::min<uint64_t>(entries.size(), (hi - a) / ps);
+    const ssize_t got = pread(fd, entries.data(), n * sizeof(uint64_t), static_cast<off_t>((a / ps) * 8));
+    if (got <= 0) {
+      err = got < 0 ? errno : EIO;
+      break;
+    }
+    const uint64_t m = static_cast<uint64_t>(got) / sizeof(uint64_t);
+    for (uint64_t k = 0; k < m; ++k, a += ps) {
+      const uint64_t e = entries[k];
+      on_page(a, (e & kSwapped) || ((e & kPresent) && !(e & kFileOrShared)));
+    }
+    if (batch_done(a) != 0) break;
+  }
+  close(fd);
+  return err;
+}
+}  // namespace
+
 // Pages whose pagemap entries are read at once before their droppable runs are
 // advised: a page written (turned anonymous) between the read and the advice
 // would be dropped with its write, so the two stay as close as the syscalls
@@ -205,13 +241,6 @@ constexpr uint64_t kUnmapBatchPages = 64;
 int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
   if (addr == 0 || nbytes == 0) return 0;
   if (addr + nbytes < addr) return -EINVAL;
-  const uint64_t ps = page_size();
-  const uint64_t lo = page_align_down(addr, ps);
-  const uint64_t hi = page_align_up(addr + nbytes, ps);
-  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -errno;
-  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
-  std::vector<uint64_t> entries(kUnmapBatchPages);
   int64_t advised = 0;
   int err = 0;
   uint64_t run = 0;  // first page of the current run of droppable pages (0: none)
@@ -223,29 +252,20 @@ int64_t unmap_file_pages(uint64_t addr, uint64_t nbytes) {
       err = errno;
     run = 0;
   };
-  uint64_t a = lo;
-  while (a < hi && err == 0) {
-    const uint64_t n = std::min<uint64_t>(entries.size(), (hi - a) / ps);
-    const off_t off = static_cast<off_t>((a / ps) * sizeof(uint64_t));
-    const ssize_t got = pread(fd, entries.data(), n * sizeof(uint64_t), off);
-    if (got <= 0) {
-      err = got < 0 ? errno : EIO;
-      break;
-    }
-    const uint64_t m = static_cast<uint64_t>(got) / sizeof(uint64_t);
-    for (uint64_t k = 0; k < m; ++k, a += ps) {
-      const uint64_t e = entries[k];
-      // Anonymous: a private copy (written in place, copy-on-write) or swapped
-      // out. Dropping it would lose the write; it stays.
-      const bool anonymous = (e & kSwapped) || ((e & kPresent) && !(e & kFileOrShared));
-      if (anonymous)
-        flush(a);
-      else if (run == 0)
-        run = a;
-    }
-    flush(a);  // at once: the entries just read are what it may drop
-  }
-  close(fd);
+  const int read_err = walk_pagemap(
+      addr, nbytes, kUnmapBatchPages,
+      [&](uint64_t page, bool mine) {
+        // A private copy (written in place) or swapped out: dropping it would lose the write; it stays.
+        if (mine)
+          flush(page);
+        else if (run == 0)
+          run = page;
+      },
+      [&](uint64_t end) {
+        flush(end);  // at once: the entries just read are what it may drop
+        return err;
+      });
+  if (err == 0) err = read_err;
   return err ? -err : advised;
 }
 
@@ -253,28 +273,10 @@ int64_t private_page_bytes(uint64_t addr, uint64_t nbytes) {
   if (addr == 0 || nbytes == 0) return 0;
   if (addr + nbytes < addr) return -EINVAL;
   const uint64_t ps = page_size();
-  const uint64_t lo = page_align_down(addr, ps);
-  const uint64_t hi = page_align_up(addr + nbytes, ps);
-  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -errno;
-  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62, kFileOrShared = 1ull << 61;
-  std::vector<uint64_t> entries(512);
   int64_t found = 0;
-  int err = 0;
-  for (uint64_t a = lo; a < hi;) {
-    const uint64_t n = std::min<uint64_t>(entries.size(), (hi - a) / ps);
-    const ssize_t got = pread(fd, entries.data(), n * sizeof(uint64_t), static_cast<off_t>((a / ps) * 8));
-    if (got <= 0) {
-      err = got < 0 ? errno : EIO;
-      break;
-    }
-    const uint64_t m = static_cast<uint64_t>(got) / sizeof(uint64_t);
-    for (uint64_t k = 0; k < m; ++k, a += ps) {
-      const uint64_t e = entries[k];
-      if ((e & kSwapped) || ((e & kPresent) && !(e & kFileOrShared))) found += static_cast<int64_t>(ps);
-    }
-  }
-  close(fd);
+  const int err = walk_pagemap(
+      addr, nbytes, 512, [&](uint64_t, bool mine) { found += mine ? static_cast<int64_t>(ps) : 0; },
+      [](uint64_t) { return 0; });
   return err ? -err : found;
 }
 
