@@ -156,31 +156,45 @@ def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, 
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (CPU) as one safetensors file without an in-memory copy
-    of the whole: the header (padded so the data starts page-aligned), then each
-    tensor's bytes straight from its storage, widest dtype first (every tensor
-    stays aligned to its element size)."""
+def _layout(specs: dict[str, tuple[tuple[int, ...], Any]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """A safetensors header for tensors of ``specs`` (name -> (shape, dtype)), padded so the data
+    starts page-aligned, and ``(name, offset, nbytes)`` in data order: widest dtype first, so every
+    tensor stays aligned to its element size."""
     import torch
 
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    def width(k: str) -> int:
+        return torch.empty((), dtype=specs[k][1]).element_size()
+
+    order = sorted(specs, key=lambda k: (-width(k), k))
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "mapoffload"}}
+    placed = []
     offset = 0
     for k in order:
-        t = tensors[k]
-        code = _ST_CODES.get(str(t.dtype).removeprefix("torch."))
+        shape, dtype = specs[k]
+        code = _ST_CODES.get(str(dtype).removeprefix("torch."))
         if code is None:
-            raise TypeError(f"{k!r}: dtype {t.dtype} cannot be stored in a safetensors file")
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            raise TypeError(f"{k!r}: dtype {dtype} cannot be stored in a safetensors file")
+        n = width(k)
+        for d in shape:
+            n *= int(d)
+        header[k] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+        placed.append((k, offset, n))
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
-    pad = (-(8 + len(text))) % _ALIGN
-    text += b" " * pad
+    text += b" " * ((-(8 + len(text))) % _ALIGN)
+    return len(text).to_bytes(8, "little") + text, placed
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (CPU) as one safetensors file without an in-memory copy
+    of the whole: the header (see :func:`_layout`), then each tensor's bytes
+    straight from its storage."""
+    import torch
+
+    head, placed = _layout({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
     with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for k in order:
+        f.write(head)
+        for k, _, _ in placed:
             t = tensors[k].detach()
             if t.device.type != "cpu":
                 t = t.cpu()
@@ -189,6 +203,23 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # 1-D first: a 0-d tensor cannot change its element size
         f.flush()
         os.fsync(f.fileno())
+
+
+def reserve_safetensors(path: str, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:
+    """Create ``path`` as a safetensors file for ``specs`` whose data is not written yet (a sparse
+    file: no disk blocks until written) and return each tensor as a writable view of a *shared*
+    mapping of it: what is written into a view lands in the file through the page cache, never
+    in anonymous memory. Bytes never written read as zeros and take no space."""
+    import torch
+
+    head, placed = _layout(specs)
+    size = len(head) + sum(n for _, _, n in placed)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    base = len(head)
+    return {k: whole[base + o: base + o + n].view(specs[k][1]).view(specs[k][0]) for k, o, n in placed}
 
 
 class ConversionWriteError(OSError):
@@ -328,6 +359,8 @@ class ConversionCache:
     _parts: int = 0
     _mark: int | None = None  # the writer lock's fd while _work is being written
     _written: int = 0  # bytes of the parts on disk so far
+    meta: dict[str, Any] = field(default_factory=dict)  # what a caller stores beside the tensors (the manifest's "meta")
+    _reserved: list[str] = field(default_factory=list)  # parts written through a shared mapping: synced at commit
 
     @property
     def path(self) -> str:
@@ -383,7 +416,12 @@ class ConversionCache:
         if not all(k in stored[e["file"]] for k, e in data["tensors"].items()):
             logger.warning("conversion cache %s lacks tensors its manifest names: converting again", cache.path)
             return cache
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            logger.warning("conversion cache %s is malformed: converting again", manifest)
+            return cache
         cache.tensors = data["tensors"]
+        cache.meta = meta
         cache.reused = True
         return cache
 
@@ -404,6 +442,25 @@ class ConversionCache:
             out.update({k: views[k] for k in keys})
         return out
 
+    def _begin(self, payload: int) -> None:
+        """The work folder, made (and marked as this process's) on the first write."""
+        if self._work is not None:
+            return
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            self._mark = _mark_writer(self._work)
+        except OSError as exc:
+            not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
+            raise self._failed(f"creating a conversion folder under {self.root}", exc,
+                               self._written + payload, whole=False,
+                               why=f"{self.root} is a file, not a folder" if not_a_folder else None) from exc
+
+    def _next_part(self) -> tuple[str, str]:
+        name = f"part-{self._parts:05d}.safetensors"
+        self._parts += 1
+        return name, os.path.join(self._work, name)
+
     def add(self, tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
         """Write ``tensors`` as one part; returns their mapped views.
 
@@ -412,20 +469,8 @@ class ConversionCache:
         from ..checkpoint import _read_file
 
         payload = sum(t.numel() * t.element_size() for t in tensors.values())
-
-        if self._work is None:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-                self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
-                self._mark = _mark_writer(self._work)
-            except OSError as exc:
-                not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
-                raise self._failed(f"creating a conversion folder under {self.root}", exc,
-                                   self._written + payload, whole=False,
-                                   why=f"{self.root} is a file, not a folder" if not_a_folder else None) from exc
-        name = f"part-{self._parts:05d}.safetensors"
-        self._parts += 1
-        path = os.path.join(self._work, name)
+        self._begin(payload)
+        name, path = self._next_part()
         try:
             write_safetensors(path, tensors)
             self._written += os.path.getsize(path)
@@ -438,6 +483,45 @@ class ConversionCache:
         views = _read_file(path)
         return {k: views[k] for k in tensors}
 
+    def reserve(self, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:
+        """A part laid out for ``specs`` (name -> (shape, dtype)), returned as writable views of a
+        shared mapping of it (:func:`reserve_safetensors`): a caller that computes into them
+        converts with no anonymous copy at all. Every name counts as converted until
+        :meth:`forget` takes it back; the part is synced to disk at :meth:`commit`.
+
+        Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
+        """
+        import torch
+
+        payload = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for s, d in specs.values())
+        self._begin(payload)
+        name, path = self._next_part()
+        try:
+            views = reserve_safetensors(path, specs)
+        except (OSError, RuntimeError) as exc:
+            err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+            raise self._failed(f"creating {path} for {format_bytes(payload)} of converted weights", err,
+                               self._written + payload, whole=False) from exc
+        self._reserved.append(path)
+        for k, v in views.items():
+            self.tensors[k] = {"file": name, "sources": [], "bytes": v.numel() * v.element_size()}
+        return views
+
+    def forget(self, names: Any) -> None:
+        """Take ``names`` back out of the conversion (they were not converted after all)."""
+        for k in names:
+            self.tensors.pop(k, None)
+
+    def _sync_reserved(self) -> None:
+        for path in self._reserved:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)  # the shared mapping's dirty pages too
+                self._written += os.fstat(fd).st_blocks * 512
+            finally:
+                os.close(fd)
+        self._reserved.clear()
+
     def commit(self) -> None:
         """Finish the conversion: the manifest, then the folder moved into place
         (a concurrent load that finished first keeps its folder; ours goes).
@@ -446,11 +530,13 @@ class ConversionCache:
         """
         if self._work is None:
             return
-        text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors}, indent=1,
-                          sort_keys=True).encode()
+        text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors, "meta": self.meta},
+                          indent=1, sort_keys=True).encode()
         needed = self._written + len(text)
-        doing = f"writing {MANIFEST} of the conversion {self.key}"
+        doing = f"writing the converted weights of {self.key} to disk"
         try:
+            self._sync_reserved()
+            doing = f"writing {MANIFEST} of the conversion {self.key}"
             with open(os.path.join(self._work, MANIFEST), "wb") as f:
                 f.write(text)
                 f.flush()

@@ -1,0 +1,150 @@
+"""Bind a vLLM model's parameters to the mapping: the checkpoint where vLLM keeps a
+tensor unchanged, a mapped conversion folder for what vLLM builds.
+
+The first start runs vLLM's own ``model.load_weights`` over mapped checkpoint
+tensors, every parameter bound to a shared mapping of a conversion part (see
+:mod:`._aliases`): what vLLM builds (stacked q/k/v, gate/up, padded
+vocabularies, shards, expert stacks) is written straight into the file, and
+what it would only copy becomes a view of the checkpoint. The folder is keyed
+by everything that decides those bytes; every later start maps it and skips
+the load entirely.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._log import logger
+from ..checkpoint import _read_files
+from ..hf._converted import ConversionCache, default_root, fingerprint
+from ._aliases import AliasRecorder, SourceIndex
+
+FORMAT = 1  # the "vllm" entry of a conversion's meta
+
+
+@dataclass
+class Bound:
+    """Where a model's parameter bytes came from."""
+
+    mapped: int = 0  # bytes that are views of the checkpoint files
+    converted: int = 0  # bytes in the conversion folder (mapped too)
+    copied: int = 0  # bytes a weight loader put in memory of its own
+    reused: bool = False  # the conversion folder was there already
+    folder: str | None = None  # where the conversion lives (None: nothing converted)
+    copied_names: list[str] = field(default_factory=list)
+
+
+def conversion_key(files: list[str], *, architecture: str, dtype: Any, hf_config: Any, extra: dict) -> str:
+    """The conversion folder's name: sources, class, dtype, config, versions and ``extra``
+    (vLLM's version, parallel layout, quantization, the parameters' shapes)."""
+    return fingerprint(files, model_class=f"vllm:{architecture}", dtype=dtype, config=hf_config,
+                       extra={"vllm_format": FORMAT, **extra})
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _slice(source: torch.Tensor, byte_offset: int, like: torch.Tensor) -> torch.Tensor:
+    flat = source.reshape(-1).view(torch.uint8)
+    return flat[byte_offset: byte_offset + _nbytes(like)].view(like.dtype).view(like.shape)
+
+
+def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
+            tensors: dict[str, torch.Tensor]) -> Bound | None:
+    """Bind every parameter from a finished conversion; None (nothing changed) when it does not cover them."""
+    aliases = cache.meta.get("vllm", {}).get("aliases", {})
+    plan: dict[str, torch.Tensor] = {}
+    converted = cache.mapped()
+    for name, p in params.items():
+        if name in aliases:
+            key, offset = aliases[name]
+            src = tensors.get(key)
+            if src is None or offset < 0 or offset + _nbytes(p) > _nbytes(src) or offset % p.element_size():
+                return None
+            plan[name] = _slice(src, offset, p)
+        elif name in converted and converted[name].shape == p.shape and converted[name].dtype == p.dtype:
+            plan[name] = converted[name]
+        else:
+            return None
+    bound = Bound(reused=True, folder=cache.path)
+    for name, t in plan.items():
+        params[name].data = t
+        if name in aliases:
+            bound.mapped += _nbytes(t)
+        else:
+            bound.converted += _nbytes(t)
+    return bound
+
+
+def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cache: ConversionCache,
+             tensors: dict[str, torch.Tensor], check_loaded: Any) -> Bound:
+    specs = {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
+    views = cache.reserve(specs)
+    for name, p in params.items():
+        p.data = views[name]
+    bound_to = {name: p.data for name, p in params.items()}
+    recorder = AliasRecorder(dict(bound_to), SourceIndex(tensors))
+    try:
+        with recorder, torch.no_grad():
+            loaded = model.load_weights(iter(tensors.items()))
+        check_loaded(model, loaded)
+    except BaseException:
+        cache.abandon()
+        raise
+    sources = SourceIndex(tensors)
+    bound = Bound()
+    aliases: dict[str, list] = {}
+    for name, p in params.items():
+        alias = recorder.aliases.get(name)
+        if alias is not None:
+            p.data = alias.source.view(p.shape)
+            aliases[name] = [alias.key, alias.byte_offset]
+            bound.mapped += _nbytes(p)
+            continue
+        if p.data_ptr() == bound_to[name].data_ptr() and p.numel() == bound_to[name].numel():
+            bound.converted += _nbytes(p)
+            continue
+        cache.forget([name])  # a loader put other bytes in its place: a view of the checkpoint, or its own copy
+        found = sources.find(p.data)
+        if found is not None:
+            aliases[name] = [found[0], found[1]]
+            bound.mapped += _nbytes(p)
+        else:
+            bound.copied += _nbytes(p)
+            bound.copied_names.append(name)
+    cache.forget(aliases)
+    cache.meta = {"vllm": {"format": FORMAT, "aliases": aliases}}
+    if bound.copied_names:
+        logger.warning("vLLM's loaders replaced %d parameter(s) with memory of their own (%s): they are not "
+                       "mapped and the conversion will not hold them", len(bound.copied_names),
+                       ", ".join(bound.copied_names[:5]))
+    if bound.copied_names:
+        cache.abandon()  # a later start could not rebuild those parameters from the folder
+        return bound
+    cache.commit()
+    bound.folder = cache.path if bound.converted else None
+    return bound
+
+
+def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir: str | None,
+                folder: str, check_loaded: Any) -> Bound:
+    """Bind ``model``'s parameters to the checkpoint ``files`` and the conversion ``key``
+    (reused when finished and whole, written otherwise)."""
+    params = dict(model.named_parameters())
+    tensors = _read_files(files)
+    root = cache_dir or default_root(folder)
+    cache = ConversionCache.open(root, key)
+    if cache.reused:
+        bound = _rebind(params, cache, tensors)
+        if bound is not None:
+            bound.folder = cache.path if bound.converted else None
+            return bound
+        logger.warning("conversion %s does not cover this model's parameters: converting again", cache.path)
+        cache = ConversionCache(root, key)
+    os.makedirs(root, exist_ok=True)
+    return _convert(model, params, cache, tensors, check_loaded)

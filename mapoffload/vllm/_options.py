@@ -1,0 +1,53 @@
+"""The mapoffload load format's options, read from vLLM's ``model_loader_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import VllmLoadError
+
+KEYS = {
+    "keep_mapping": "true keeps every weight on the checkpoint's mapping, false copies as vLLM's loader "
+                    "does, absent asks the host-copy gate",
+    "pack": "true packs linear weights for the CPU's GEMM library (an owned copy, faster), false computes "
+            "from the mapped weights; absent packs exactly when the weights are copies",
+    "cache_dir": "the folder conversions are written to (default: beside the checkpoint, as for from_pretrained)",
+}
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """What ``model_loader_extra_config`` asked for (each validated once, here)."""
+
+    keep_mapping: bool | None = None
+    pack: bool | None = None
+    cache_dir: str | None = None
+
+    @classmethod
+    def parse(cls, extra: Any) -> LoaderOptions:
+        """Options from vLLM's extra loader config (a dict; None or {} for the defaults).
+
+        Raises
+        ------
+        VllmLoadError
+            Not a dict, an unknown key (the known ones are listed), or a value of the wrong type.
+        """
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise VllmLoadError(f"model_loader_extra_config must be a dict for load format 'mapoffload', "
+                                f"got {type(extra).__name__}")
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
+            raise VllmLoadError(f"model_loader_extra_config: unknown key(s) {unknown} for load format "
+                                f"'mapoffload' (it takes {known})")
+        for key in ("keep_mapping", "pack"):
+            if extra.get(key) is not None and not isinstance(extra[key], bool):
+                raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be true, false or absent, "
+                                    f"got {extra[key]!r}")
+        cache_dir = extra.get("cache_dir")
+        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
+            raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}")
+        return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir)

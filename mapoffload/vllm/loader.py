@@ -1,0 +1,179 @@
+"""The ``mapoffload`` load format: vLLM serves straight from the checkpoint's mapping.
+
+``LLM(model=FOLDER, load_format="mapoffload")`` or ``vllm serve FOLDER
+--load-format mapoffload``. vLLM builds its model as always; then, instead of
+copying every weight into memory of its own, each parameter becomes a view of
+the checkpoint file (where vLLM keeps a tensor unchanged) or of a mapped
+conversion folder (what vLLM builds: see :mod:`._convert`). Options go through
+``model_loader_extra_config`` (:mod:`._options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .._files import checkpoint_files
+from .._log import format_bytes, logger
+from ..checkpoint import keep_checkpoint_mapped
+from ._compute import mapped_linear
+from ._convert import Bound, bind_mapped, conversion_key
+from ._errors import VllmLoadError, VllmVersionError
+from ._options import LoaderOptions
+
+TESTED = ((0, 32), (0, 33))  # vLLM versions from the first (inclusive) to the second (exclusive)
+
+
+def check_version(version: str) -> None:
+    """Raise :class:`VllmVersionError` when ``version`` is outside :data:`TESTED`."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    low, high = TESTED
+    if not low <= tuple(parts) < high:
+        raise VllmVersionError(
+            f"the mapoffload load format is tested with vLLM >={low[0]}.{low[1]},<{high[0]}.{high[1]}; "
+            f"this is vLLM {version}: install a tested vLLM, or load with load_format='auto'")
+
+
+def _local_folder(model: str) -> str:
+    if not os.path.isdir(model):
+        raise VllmLoadError(f"{model}: the mapoffload load format maps a local folder; download the model "
+                            f"first (e.g. `hf download {model} --local-dir DIR`) and serve DIR")
+    return model
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    files = checkpoint_files(folder)
+    others = [f for f in files if not f.endswith(".safetensors")]
+    if others:
+        raise VllmLoadError(f"{others[0]}: the mapoffload load format maps safetensors checkpoints only "
+                            f"(convert the folder, or load with load_format='auto')")
+    return files
+
+
+class _Loader:
+    """Mixin body of :class:`MapoffloadModelLoader` (kept apart so the module imports without vLLM)."""
+
+    def _setup(self, load_config) -> None:  # noqa: ANN001
+        import vllm
+
+        check_version(vllm.__version__)
+        self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config) -> None:  # noqa: ANN001
+        _safetensors_files(_local_folder(model_config.model))
+
+    def _refuse(self, vllm_config, model_config) -> torch.device:  # noqa: ANN001
+        load_device = self.load_config.device or vllm_config.device_config.device
+        device = torch.device(load_device)
+        if device.type != "cpu":
+            raise VllmLoadError(f"the mapoffload load format serves vLLM's CPU backend (this engine loads onto "
+                                f"{device}); load with load_format='auto'")
+        if model_config.quantization is not None:
+            raise VllmLoadError(f"quantization {model_config.quantization!r} is not kept mapped by the mapoffload "
+                                f"load format (vLLM rebuilds its weights); load with load_format='auto'")
+        return device
+
+    def _keep(self, files: list[str], architecture: str) -> tuple[bool, str]:
+        keep = self.options.keep_mapping
+        if keep is not None:
+            return keep, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
+        weight_bytes = sum(os.path.getsize(f) for f in files)
+        keep = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=f"vLLM {architecture}")
+        return keep, "host copies would not fit (the gate)" if keep else "host copies fit (the gate)"
+
+    def _copy(self, vllm_config, model_config, prefix: str, pack: bool):  # noqa: ANN001
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        config = dataclasses.replace(self.load_config, load_format="safetensors", model_loader_extra_config={})
+        with mapped_linear(not pack):
+            return DefaultModelLoader(config).load_model(vllm_config=vllm_config, model_config=model_config,
+                                                          prefix=prefix)
+
+    def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str) -> str:  # noqa: ANN001
+        import vllm
+
+        parallel = vllm_config.parallel_config
+        try:
+            from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+            layout = {"tp": [get_tensor_model_parallel_rank(), parallel.tensor_parallel_size],
+                      "pp": [get_pp_group().rank_in_group, parallel.pipeline_parallel_size]}
+        except (AssertionError, RuntimeError, AttributeError):
+            layout = {"tp": [0, parallel.tensor_parallel_size], "pp": [0, parallel.pipeline_parallel_size]}
+        shapes = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
+        return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
+                              hf_config=model_config.hf_config,
+                              extra={"vllm": vllm.__version__, **layout, "quantization": model_config.quantization,
+                                     "parameters": shapes})
+
+    def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
+        """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
+        from vllm.config import get_current_vllm_config
+
+        return self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__)
+
+    def _bind(self, model, model_config, vllm_config, architecture: str) -> Bound:  # noqa: ANN001
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        folder = _local_folder(model_config.model)
+        files = _safetensors_files(folder)
+
+        def check_loaded(m: torch.nn.Module, loaded: set[str] | None) -> None:
+            if loaded is not None:  # vLLM's own check: every parameter came from the checkpoint
+                DefaultModelLoader.track_weights_loading(self, m, loaded, quantized=False)  # type: ignore[arg-type]
+
+        return bind_mapped(model, files, key=self._key(files, model, model_config, vllm_config, architecture),
+                           cache_dir=self.options.cache_dir, folder=folder, check_loaded=check_loaded)
+
+    def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:  # noqa: ANN001
+        """Build vLLM's model, bind its weights to the mapping (or copy them, as asked or as the gate
+        says), then let vLLM process them: packed for the CPU's GEMM library, or computed mapped."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        from . import _share_vllm_handlers
+
+        _share_vllm_handlers()  # vLLM configures its logging after the plugins load
+        device = self._refuse(vllm_config, model_config)
+        folder = _local_folder(model_config.model)
+        files = _safetensors_files(folder)
+        architecture = (model_config.architectures or ["model"])[0]
+        keep, why = self._keep(files, architecture)
+        pack = self.options.pack if self.options.pack is not None else not keep
+        compute = "packed for the CPU GEMM library (owned copies)" if pack else "computed from the mapped weights"
+        if not keep:
+            model = self._copy(vllm_config, model_config, prefix, pack)
+            logger.info("mapoffload: vLLM %s copied into memory as vLLM's loader does (%s); linear layers %s",
+                        architecture, why, compute)
+            return model
+        with set_default_torch_dtype(model_config.dtype), device:
+            model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        bound = self._bind(model, model_config, vllm_config, architecture)
+        with mapped_linear(not pack):
+            process_weights_after_loading(model, model_config, device)
+        where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
+                 else "no conversion needed")
+        logger.info("mapoffload: vLLM %s kept on the mapping (%s): %s mapped from the checkpoint, %s converted "
+                    "(mapped; %s), %s copied; linear layers %s", architecture, why, format_bytes(bound.mapped),
+                    format_bytes(bound.converted), where, format_bytes(bound.copied), compute)
+        model.mapoffload_bound = bound
+        return model.eval()
+
+
+def make_loader_class() -> type:
+    """The loader class, built over vLLM's ``BaseModelLoader`` (imported only here)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class MapoffloadModelLoader(_Loader, BaseModelLoader):
+        """vLLM model loader for ``load_format="mapoffload"`` (see :mod:`mapoffload.vllm.loader`)."""
+
+        def __init__(self, load_config) -> None:  # noqa: ANN001
+            BaseModelLoader.__init__(self, load_config)
+            self._setup(load_config)
+
+    return MapoffloadModelLoader
