@@ -1,0 +1,107 @@
+"""Run vLLM engines, one after another in one process, and print what each did as JSON.
+
+Not a test module: ``tests/test_vllm_engine.py`` runs it in a subprocess (vLLM's
+import costs tens of seconds; every engine after the first a few). Input on
+stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
+"prompts", "max_tokens", "before": null | "corrupt"}]}``. Output: one line
+``RESULTS <json>`` with, per run, the tokens and logprobs of every prompt, and
+where each parameter's bytes live (the checkpoint's files, a conversion folder,
+anonymous memory) as the process's mappings say.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _maps() -> list[tuple[int, int, str]]:
+    rows = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            rows.append((lo, hi, parts[5].strip() if len(parts) > 5 else ""))
+    return rows
+
+
+def _where(model) -> dict:  # noqa: ANN001
+    import mapoffload
+
+    params = [(n, p) for n, p in model.named_parameters() if p.numel()]
+    mapped = mapoffload.MappedRegions().classify([p for _, p in params])
+    rows = _maps()
+    out = {"checkpoint": 0, "conversion": 0, "anonymous": 0, "other": 0, "unmapped": []}
+    for (name, p), is_mapped in zip(params, mapped):
+        n = p.numel() * p.element_size()
+        path = next((r[2] for r in rows if r[0] <= p.data_ptr() < r[1]), "")
+        if not is_mapped:
+            out["anonymous"] += n
+            out["unmapped"].append(name)
+        elif ".mapoffload-converted" in path:
+            out["conversion"] += n
+        elif path.endswith(".safetensors"):
+            out["checkpoint"] += n
+        else:
+            out["other"] += n
+    bound = getattr(model, "mapoffload_bound", None)
+    out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
+                                               "copied": bound.copied, "reused": bound.reused}
+    return out
+
+
+def _corrupt(folder: str) -> None:
+    root = os.path.join(folder, ".mapoffload-converted")
+    for key in os.listdir(root):
+        for name in os.listdir(os.path.join(root, key)):
+            if name.startswith("part-"):
+                with open(os.path.join(root, key, name), "r+b") as f:
+                    f.truncate(16)  # a header that no longer fits the file
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    if spec.get("before") == "corrupt":
+        _corrupt(spec["folder"])
+    kwargs = {}
+    if spec.get("extra") is not None:
+        kwargs["model_loader_extra_config"] = spec["extra"]
+    llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
+              enforce_eager=True, max_model_len=128, load_format=spec["load_format"], seed=0, **kwargs)
+    try:
+        sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp, use_tqdm=False)
+        result = {"tokens": [], "logprobs": []}
+        for o in outs:
+            c = o.outputs[0]
+            result["tokens"].append(list(c.token_ids))
+            result["logprobs"].append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+        result["where"] = llm.apply_model(_where)[0]
+        return result
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def main() -> None:
+    spec = json.load(sys.stdin)
+    results = {}
+    for r in spec["runs"]:
+        try:
+            results[r["name"]] = run(r)
+        except Exception as exc:  # reported per run: one failing engine does not hide the others
+            results[r["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+    sys.stdout.write("RESULTS " + json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
