@@ -22,16 +22,19 @@ import functools
 import os
 from dataclasses import dataclass
 
+from ._cgroup import CgroupLevel, _read, cgroup_levels, tightest_cgroup
 from ._env import env_number
 from ._log import format_bytes
 
 __all__ = [
+    "CgroupLevel",
     "ENV_HOST_AVAILABLE_GIB",
     "ENV_PAGE_CACHE_MARGIN_MIB",
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
     "PageCacheBudget",
+    "cgroup_levels",
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
@@ -39,6 +42,7 @@ __all__ = [
     "host_memory_available_bytes",
     "page_cache_budget",
     "rss_anon_bytes",
+    "tightest_cgroup",
 ]
 
 GIB_BYTES = 1 << 30
@@ -48,120 +52,6 @@ HOST_COPY_RESERVE_BYTES = 4 * GIB_BYTES
 ENV_HOST_AVAILABLE_GIB = "MAPOFFLOAD_HOST_AVAILABLE_GIB"
 # Replaces the page-cache budget's default margin (64 MiB + 1/32 of the limit).
 ENV_PAGE_CACHE_MARGIN_MIB = "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB"
-# cgroup v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, about 2^63.
-_V1_UNLIMITED = 1 << 62
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _read_int(path: str) -> int | None:
-    text = _read(path)
-    if text is None:
-        return None
-    text = text.strip()
-    if not text.isdigit():  # "max", garbage, empty
-        return None
-    return int(text)
-
-
-def _own_cgroup_paths(root: str) -> tuple[str | None, str | None]:
-    """This process's (v2 path, v1 memory path) from ``/proc/self/cgroup``."""
-    text = _read(os.path.join(root, "proc/self/cgroup")) or ""
-    v2 = v1 = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _candidate_dirs(mount: str, path: str) -> list[str]:
-    """Directories from the leaf up to the mount, for the tightest-cap walk.
-
-    In a container the path in ``/proc/self/cgroup`` is the host's; under the
-    container's mount only a suffix of it (or the mount itself) exists.
-    """
-    parts = [p for p in path.split("/") if p]
-    leaf = mount
-    for i in range(len(parts) + 1):
-        cand = os.path.join(mount, *parts[i:])
-        if os.path.isdir(cand):
-            leaf = cand
-            break
-    dirs = []
-    cur = os.path.normpath(leaf)
-    top = os.path.normpath(mount)
-    while True:
-        dirs.append(cur)
-        if cur == top or not cur.startswith(top):
-            break
-        cur = os.path.dirname(cur)
-    return dirs
-
-
-def _stat_field(path: str, name: str) -> int | None:
-    """One ``name value`` line of a ``memory.stat`` file; None when absent or garbage."""
-    for line in (_read(path) or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == name:
-            return int(parts[1]) if parts[1].isdigit() else None
-    return None
-
-
-@dataclass(frozen=True)
-class _Version:
-    """Where one cgroup version keeps what the budget reads."""
-
-    mount: str  # relative to root
-    caps: tuple[str, ...]  # the tightest of these applies; "max"/garbage = none
-    usage: str
-    cache: str  # the reclaimable file-cache field of memory.stat
-    unlimited: int | None  # caps at or above this mean none (v1's sentinel)
-    files: tuple[str, str]  # the file-cache fields of memory.stat (active, inactive)
-
-
-_V2 = _Version(
-    "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None,
-    ("active_file", "inactive_file"),
-)
-_V1 = _Version(
-    "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED,
-    ("total_active_file", "total_inactive_file"),
-)
-
-
-def _headroom(d: str, v: _Version) -> tuple[int, int] | None:
-    """(cap, usage without reclaimable cache) of one cgroup directory; None if uncapped."""
-    caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
-    caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
-    if not caps:
-        return None
-    usage = _read_int(os.path.join(d, v.usage)) or 0
-    cache = _stat_field(os.path.join(d, "memory.stat"), v.cache) or 0
-    # usage and memory.stat are read at different moments: never below 0.
-    return min(caps), max(0, usage - cache)
-
-
-def _tightest(dirs: list[str], v: _Version) -> tuple[int, int] | None:
-    best: tuple[int, int] | None = None
-    for d in dirs:
-        found = _headroom(d, v)
-        if found is not None and (best is None or found[0] - found[1] < best[0] - best[1]):
-            best = found
-    return best
-
-
 def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     """(cap, usage) of the tightest memory cap that applies to this process.
 
@@ -170,20 +60,14 @@ def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     inactive file cache* (v2 ``inactive_file``, v1 ``total_inactive_file``),
     which the kernel reclaims first: ``cap - usage`` is the headroom, and it
     does not change with cache warmth. "Tightest" is the smallest headroom on
-    the path from the leaf to the mount.
+    the path from the leaf to the mount (:func:`tightest_cgroup`).
 
     Tries cgroup v2 before v1; "max", missing files, garbage and the v1
     sentinel (>= 2**62) mean uncapped. ``root`` prefixes every ``/proc`` and
     ``/sys`` path read, so tests build fake trees. None when nothing caps.
     """
-    v2, v1 = _own_cgroup_paths(root)
-    for path, version in ((v2, _V2), (v1, _V1)):
-        if path is None:
-            continue
-        found = _tightest(_candidate_dirs(os.path.join(root, version.mount), path), version)
-        if found:
-            return found
-    return None
+    found = tightest_cgroup(root=root)
+    return None if found is None else (found.cap, found.usage_less_cache)
 
 
 def rss_anon_bytes(*, root: str = "/") -> int:
@@ -421,33 +305,20 @@ def _cache_margin(limit: int) -> int | None:
 
 
 def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None:
-    v2, v1 = _own_cgroup_paths(root)
+    """The tightest page-cache budget of the capped cgroups on this process's path (None: uncapped)."""
     best: PageCacheBudget | None = None
-    for path, v in ((v2, _V2), (v1, _V1)):
-        if path is None:
-            continue
-        for d in _candidate_dirs(os.path.join(root, v.mount), path):
-            caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
-            caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
-            if not caps:
-                continue
-            cap = min(caps)
-            usage = _read_int(os.path.join(d, v.usage)) or 0
-            stat = os.path.join(d, "memory.stat")
-            files = sum(_stat_field(stat, f) or 0 for f in v.files)
-            files = min(files, usage)
-            # The weights' cached pages may be charged here (then they are part
-            # of ``files``) or to the cgroup that first read them (then they
-            # cost this one nothing): either way they are not "other".
-            other = (usage - files) + max(0, files - weights_cached)
-            margin = _margin(cap)
-            found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup",
-                                    _cache_margin(cap))
-            if best is None or found.usable < best.usable:
-                best = found
-        if best is not None:
-            return best
-    return None
+    for lv in cgroup_levels(root=root):
+        files = min(lv.active_file + lv.inactive_file, lv.usage)
+        # The weights' cached pages may be charged here (then they are part
+        # of ``files``) or to the cgroup that first read them (then they
+        # cost this one nothing): either way they are not "other".
+        other = (lv.usage - files) + max(0, files - weights_cached)
+        margin = _margin(lv.cap)
+        found = PageCacheBudget(max(0, lv.cap - other - margin), lv.cap, other, weights_cached, margin, "cgroup",
+                                _cache_margin(lv.cap))
+        if best is None or found.usable < best.usable:
+            best = found
+    return best
 
 
 def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheBudget:

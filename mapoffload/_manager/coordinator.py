@@ -245,7 +245,7 @@ class PageCacheCoordinator:
 
     def _peers(self) -> PeerRegistry:
         if self._registry is None:
-            self._registry = PeerRegistry()
+            self._registry = PeerRegistry(root=CGROUP_ROOT)  # keyed on the cgroup the budget reads
         return self._registry
 
     def _peers_stamp_now(self) -> tuple:
