@@ -115,6 +115,21 @@ def _env_host_gib() -> float | None:
     return env_number(ENV_HOST_AVAILABLE_GIB, low=0, high=MAX_HOST_GIB, unit="GiB")
 
 
+def _as_if_host(root: str) -> tuple[float, int, int] | None:
+    """``(X, host bytes, other bytes)`` of ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``; None when unset.
+
+    Its one meaning, for the copy gate and the page-cache budget alike: the
+    process behaves like a host of X GiB on which only its own anonymous
+    memory (``RssAnon``) is in use - *in place of* the machine's available
+    memory and every cgroup cap, never in addition to them (a test can then
+    describe a host larger than the cgroup it runs in, or smaller).
+    """
+    gib = _env_host_gib()
+    if gib is None:
+        return None
+    return gib, int(gib * GIB_BYTES), rss_anon_bytes(root=root)
+
+
 @dataclass(frozen=True)
 class HostMemory:
     """What the budget sees, for logs, the CLI and JSON.
@@ -153,9 +168,9 @@ def host_memory(*, root: str = "/") -> HostMemory:
     machine = int(psutil.virtual_memory().available)
     swap_free = int(psutil.swap_memory().free)
     cg = cgroup_memory_limit_bytes(root=root)
-    override = _env_host_gib()
-    if override is not None:
-        available = max(0, int(override * GIB_BYTES) - rss_anon_bytes(root=root))
+    as_if = _as_if_host(root)
+    if as_if is not None:
+        available = max(0, as_if[1] - as_if[2])
     else:
         available = machine
         if cg is not None:
@@ -166,7 +181,7 @@ def host_memory(*, root: str = "/") -> HostMemory:
         cgroup_cap=cg[0] if cg else None,
         cgroup_usage=cg[1] if cg else None,
         swap_free=swap_free,
-        override_gib=override,
+        override_gib=None if as_if is None else as_if[0],
     )
 
 
@@ -178,7 +193,8 @@ def host_memory_available_bytes(*, root: str = "/") -> int:
     does not flip with cache warmth.
 
     With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X`` the process behaves like a host of
-    X GiB: ``max(0, X GiB - RssAnon)``.
+    X GiB: ``max(0, X GiB - RssAnon)``, in place of the machine's and the
+    cgroup's headroom (the page-cache budget reads it the same way).
 
     Raises
     ------
@@ -328,8 +344,9 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
     cgroup to the mount (v2 ``memory.max``/``memory.high``, v1
     ``memory.limit_in_bytes``), less that cgroup's anonymous and kernel
     memory and its other files' cache (``memory.stat``); the machine's
-    available memory (psutil; it counts cached file pages as available); or
-    with ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, X GiB less ``RssAnon``. Each
+    available memory (psutil; it counts cached file pages as available).
+    With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, in place of all of them (the
+    one meaning the copy gate gives it too): X GiB less ``RssAnon``. Each
     keeps a margin of 64 MiB plus 1/32 of its limit
     (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` replaces it).
 
@@ -343,10 +360,9 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
     """
     import psutil
 
-    override = _env_host_gib()
-    if override is not None:
-        limit = int(override * GIB_BYTES)
-        other = rss_anon_bytes(root=root)
+    as_if = _as_if_host(root)
+    if as_if is not None:
+        _, limit, other = as_if
         margin = _margin(limit)
         return PageCacheBudget(
             max(0, limit - other - margin), limit, other, weights_cached, margin, ENV_HOST_AVAILABLE_GIB
