@@ -23,6 +23,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._log import logger
+from .._runs import merge_runs
 from .file_places import MapsView
 from .kernel import KernelCaps, kernel_caps, overrides
 from .mapped_file import MappedFile, MappedFiles
@@ -42,15 +43,8 @@ class Extent:
 
 def layer_spans(addr_sizes: list[tuple[int, int]]) -> _core.SpanArray:
     """Spans of a layer's mapped weights, sorted, those that touch or overlap merged."""
-    merged: list[list[int]] = []
-    for a, n in sorted(addr_sizes):
-        if n <= 0:
-            continue
-        if merged and a <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], a + n - merged[-1][0])
-        else:
-            merged.append([a, n])
-    return _core.SpanArray([a for a, _ in merged], [n for _, n in merged])
+    merged = merge_runs((a, a + n) for a, n in addr_sizes)
+    return _core.SpanArray([a for a, _ in merged], [end - a for a, end in merged])
 
 
 def _fault_error(addr: int, what: str) -> OSError:
@@ -103,15 +97,8 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles, maps: MapsView | No
     out: list[Extent] = []
     for path, ranges in by_path.items():
         f = files.get(path, *ident[path])
-        ranges.sort()
-        run = ranges[0]
-        for r in ranges[1:]:
-            if r[0] <= -(-run[1] // PAGE_BYTES) * PAGE_BYTES:  # in or right after run's last page
-                run[1] = max(run[1], r[1])
-            else:
-                out.append(Extent(f, path, run[0], run[1]))
-                run = r
-        out.append(Extent(f, path, run[0], run[1]))
+        # Runs in or right after another's last page are one run of pages.
+        out.extend(Extent(f, path, first, end) for first, end in merge_runs(ranges, align=PAGE_BYTES))
     return out
 
 
