@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from ..regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -171,7 +172,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         code = _ST_CODES.get(str(t.dtype).removeprefix("torch."))
         if code is None:
             raise TypeError(f"{k!r}: dtype {t.dtype} cannot be stored in a safetensors file")
-        n = t.numel() * t.element_size()
+        n = tensor_bytes(t)
         header[k] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -411,7 +412,7 @@ class ConversionCache:
         """
         from ..checkpoint import _read_file
 
-        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        payload = sum(tensor_bytes(t) for t in tensors.values())
 
         if self._work is None:
             try:
@@ -434,7 +435,7 @@ class ConversionCache:
                                self._written + payload, whole=False) from exc
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
-                               "bytes": t.numel() * t.element_size()}
+                               "bytes": tensor_bytes(t)}
         views = _read_file(path)
         return {k: views[k] for k in tensors}
 
