@@ -39,7 +39,10 @@ ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 # host's headroom; the rest is for layer buffers, activations and slack.
 RING_SHARE_DIVISOR = 8
 MIN_SLOTS = 2
-MIN_SLOT_BYTES = 1 << 20
+# A shrunk ring's slots stay at least this large (or as large as they were, where
+# that is smaller): a different bound from the copier's own smallest slot
+# (mapoffload.copier.MIN_SLOT_BYTES, one page), which any setting may use.
+SHRUNK_SLOT_FLOOR_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ def staging_ring_settings(
     than ``1/8`` of the host's available memory (each rank: more than an
     eighth of its share), the ring is divided by the local ranks: first the
     slot count (down to 2), then, if that is not enough, the slot size (down
-    to 1 MiB); threads never outnumber slots. Settings that fit come back
-    unchanged.
+    to 1 MiB, never up: slots already smaller stay as they are); threads
+    never outnumber slots. Settings that fit come back unchanged.
     """
     allowed = max(0, available_bytes) // RING_SHARE_DIVISOR
     if local_ranks <= 1 or local_ranks * slot_bytes * slots <= allowed:
@@ -126,7 +129,7 @@ def staging_ring_settings(
     new_slots = max(MIN_SLOTS, slots // local_ranks)
     new_slot_bytes = slot_bytes
     if local_ranks * slot_bytes * new_slots > allowed:
-        new_slot_bytes = max(MIN_SLOT_BYTES, slot_bytes // local_ranks)
+        new_slot_bytes = max(min(slot_bytes, SHRUNK_SLOT_FLOOR_BYTES), slot_bytes // local_ranks)
     new_threads = max(1, min(threads, new_slots))
     logger.info(
         "staging rings: %d local ranks x %s would take more than 1/%d of %s available; "

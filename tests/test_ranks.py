@@ -244,6 +244,18 @@ def test_staging_rings_divided_by_local_ranks_when_tight():
                                  available_bytes=0) == (4, 8 * MIB, 8)
 
 
+def test_a_shrunk_ring_never_gets_larger_slots():
+    # Slots the user made smaller than the shrink's 1 MiB floor stay as they are (they grew to 1 MiB:
+    # "shrinking" a 64 KiB x 64 ring for 8 ranks in 1 MiB gave 8 slots of 1 MiB each).
+    from mapoffload.copier import MIN_SLOT_BYTES
+    from mapoffload.ranks import SHRUNK_SLOT_FLOOR_BYTES
+
+    assert MIN_SLOT_BYTES == 4096 < SHRUNK_SLOT_FLOOR_BYTES == MIB  # two bounds, two names
+    threads, slot_bytes, slots = staging_ring_settings(threads=4, slot_bytes=64 << 10, slots=64, local_ranks=8,
+                                                       available_bytes=1 * MIB)
+    assert slot_bytes == 64 << 10 and slots == 8 and threads == 4
+
+
 class Stack(torch.nn.Module):
     def __init__(self, tp: int = 1) -> None:
         super().__init__()
