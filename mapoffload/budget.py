@@ -38,6 +38,7 @@ __all__ = [
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
+    "host_copy_room",
     "host_memory",
     "host_memory_available_bytes",
     "page_cache_budget",
@@ -210,6 +211,17 @@ def describe_host(*, root: str = "/") -> str:
     return str(host_memory(root=root))
 
 
+def host_copy_room(available_bytes: int, local_ranks: int = 1) -> int:
+    """Bytes the local ranks' host copies may take together: ``available - local_ranks * HOST_COPY_RESERVE_BYTES``.
+
+    The one definition of what copies may spend (negative where the reserves
+    alone do not fit): the copy gate (:func:`host_copies_would_not_fit`),
+    the manager's pinned-store budget (a rank's share of it) and the
+    summary's explanation all read it.
+    """
+    return available_bytes - local_ranks * HOST_COPY_RESERVE_BYTES
+
+
 def host_copies_would_not_fit(
     weight_bytes: int, *, available_bytes: int | None = None, local_ranks: int | None = None
 ) -> bool:
@@ -240,7 +252,7 @@ def host_copies_would_not_fit(
     n = local_world(local_ranks).size
     if available_bytes is None:
         available_bytes = host_memory_available_bytes()
-    return n * weight_bytes >= available_bytes - n * HOST_COPY_RESERVE_BYTES
+    return n * weight_bytes >= host_copy_room(available_bytes, n)
 
 
 # --- page cache for a mapped checkpoint ----------------------------------------------------

@@ -144,6 +144,21 @@ def test_gate_matches_the_seed_expectations():
     assert host_copies_would_not_fit(1, available_bytes=2 * GIB)
 
 
+def test_gate_is_the_room_the_copies_may_take():
+    # One definition of what copies may spend, read by the gate, the pinned-store budget and the summary.
+    from mapoffload.budget import host_copy_room
+
+    assert host_copy_room(32 * GIB) == 28 * GIB
+    assert host_copy_room(32 * GIB, 4) == 16 * GIB
+    assert host_copy_room(GIB, 2) < 0  # the reserves alone do not fit
+    for available in (0, GIB, 20 * GIB, 32 * GIB + 7):
+        for n in (1, 2, 3, 8):
+            room = host_copy_room(available, n)
+            for w in (1, GIB, room // n, room // n + 1, -(-room // n), 40 * GIB):
+                assert host_copies_would_not_fit(w, available_bytes=available, local_ranks=n) == (
+                    w > 0 and n * w >= room)
+
+
 def test_gate_reads_the_host_when_not_told(monkeypatch):
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "16")
     assert host_copies_would_not_fit(13 * GIB)
