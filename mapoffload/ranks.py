@@ -26,10 +26,10 @@ rank. See ``docs/ranks.md``.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
+from ._env import env_number
 from ._log import format_bytes, logger
 
 __all__ = ["ENV_LOCAL_WORLD_SIZE", "LocalWorld", "local_world", "staging_ring_settings"]
@@ -56,17 +56,13 @@ class LocalWorld:
         return f"{self.size} local rank{'s' if self.size != 1 else ''} ({self.source})"
 
 
+MAX_LOCAL_RANKS = 1 << 16  # more ranks than that on one host is a typo
+
+
 def _from_env() -> int | None:
-    raw = os.environ.get(ENV_LOCAL_WORLD_SIZE)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{ENV_LOCAL_WORLD_SIZE}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{ENV_LOCAL_WORLD_SIZE}={raw!r} must be >= 1")
-    return value
+    """``LOCAL_WORLD_SIZE`` read as every variable the package reads (:func:`~mapoffload._env.env_number`)."""
+    value = env_number(ENV_LOCAL_WORLD_SIZE, low=1, high=MAX_LOCAL_RANKS, integer=True)
+    return None if value is None else int(value)
 
 
 def _from_torch_distributed() -> int | None:
@@ -94,8 +90,8 @@ def local_world(local_ranks: int | None = None) -> LocalWorld:
     Raises
     ------
     ValueError
-        ``local_ranks`` < 1, or ``LOCAL_WORLD_SIZE`` not an integer >= 1
-        (the variable is named).
+        ``local_ranks`` < 1, or ``LOCAL_WORLD_SIZE`` not a whole number from
+        1 to 2**16 (an ``EnvSettingError`` naming the variable and the range).
     """
     if local_ranks is not None:
         if int(local_ranks) < 1:

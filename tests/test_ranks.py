@@ -46,6 +46,20 @@ def test_local_world_reads_torchrun_variable(monkeypatch):
     assert local_world(2).size == 2  # given wins
 
 
+def test_local_world_size_is_read_like_every_other_variable(monkeypatch):
+    # One parser for the package's environment (mapoffload._env): the same whole-number rule
+    # ("2.0" is 2, as for MAPOFFLOAD_COPY_THREADS) and the same error, naming the range.
+    from mapoffload._env import EnvSettingError
+
+    monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, "2.0")
+    assert local_world().size == 2
+    for bad in ("inf", "nan", "1e9", "0"):
+        monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, bad)
+        with pytest.raises(EnvSettingError, match="from 1 to 65536") as err:
+            local_world()
+        assert err.value.name == ENV_LOCAL_WORLD_SIZE
+
+
 @pytest.mark.parametrize("bad", ["two", "0", "-1", "1.5"])
 def test_local_world_refuses_garbage_naming_the_variable(monkeypatch, bad):
     monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, bad)
