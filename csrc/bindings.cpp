@@ -188,7 +188,7 @@ PYBIND11_MODULE(_core, m) {
      "cols fp8 codes (bytes, row-major, fp8_format 'e4m3fn' | 'e5m2') and float32 scales (row-major), into out "
      "('bfloat16' | 'float16' | 'float32', row-major): one float32 multiply, rounded to nearest even; every NaN "
      "becomes bf16_nan in bfloat16. Addresses are data_ptr() ints; the GIL is released; rows are split across "
-     "`threads` threads (0: min(2, hardware)), one below 256 Ki elements (2 Mi with the SIMD lookup). Bad sizes, addresses or overlaps raise "
+     "`threads` threads (0: one; mapoffload.fp8 passes its default), one below 256 Ki elements (2 Mi with the SIMD lookup). Bad sizes, addresses or overlaps raise "
      "ValueError; a SIGBUS reading the codes or scales (a truncated mapped file) MappingFaultError. simd=False "
      "runs the portable loop where the CPU has a SIMD one (fp8_simd()); the bits are the same.");
   m.def("fp8_simd", &fp8_lookup_isa,

@@ -139,6 +139,7 @@ void bind_copier(py::module_& m) {
   m.attr("COPIER_MAX_THREADS") = kMaxThreads;
   m.attr("COPIER_MAX_SLOTS") = kMaxSlots;
   m.attr("COPIER_MAX_SLOT_BYTES") = kMaxSlotBytes;
+  m.attr("COPIER_MIN_SLOT_BYTES") = kMinSlotBytes;
 
   m.def("cuda_available", &cuda_available, "True when libcudart loads and reports a device.");
   m.def("cuda_runtime_library", [] { return cuda_api().library; },

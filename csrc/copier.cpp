@@ -110,8 +110,9 @@ Copier::Copier(const CopierConfig& cfg)
   if (cfg_.slots == 0 || cfg_.slots > kMaxSlots)
     throw std::invalid_argument("slots must be in 1.." + std::to_string(kMaxSlots) + ", not " +
                                 std::to_string(cfg_.slots));
-  if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes > kMaxSlotBytes)
-    throw std::invalid_argument("slot bytes must be in 4096.." + std::to_string(kMaxSlotBytes) + ", not " +
+  if (cfg_.slot_bytes < kMinSlotBytes || cfg_.slot_bytes > kMaxSlotBytes)
+    throw std::invalid_argument("slot bytes must be in " + std::to_string(kMinSlotBytes) + ".." +
+                                std::to_string(kMaxSlotBytes) + ", not " +
                                 std::to_string(cfg_.slot_bytes));
   if (cfg_.readahead_units == 0) cfg_.readahead_units = cfg_.threads;
   // Direct copies run in submission order on one thread, as the seed does.

@@ -48,9 +48,11 @@ enum class CopyMode { staged, direct };
 struct CopierConfig {
   int device = -1;  // CUDA ordinal, or -1 for CPU destinations
   CopyMode mode = CopyMode::staged;
-  size_t threads = 4;
-  size_t slot_bytes = 8u << 20;
-  size_t slots = 8;
+  // No defaults here: the Python face (mapoffload.copier.resolve_settings) is
+  // their one place, and always gives all three (0 is refused).
+  size_t threads = 0;
+  size_t slot_bytes = 0;
+  size_t slots = 0;
   size_t readahead_units = 0;  // 0: as many as threads
 };
 
@@ -58,6 +60,7 @@ struct CopierConfig {
 constexpr size_t kMaxThreads = 256;
 constexpr size_t kMaxSlots = 4096;
 constexpr uint64_t kMaxSlotBytes = uint64_t{1} << 32;
+constexpr uint64_t kMinSlotBytes = 4096;  // one page: the smallest slot (sizes are rounded up to pages)
 
 struct CopySpan {
   uint64_t dst, src, nbytes;

@@ -308,9 +308,9 @@ void check_fp8_job(const Fp8Job& j) {
 }
 
 unsigned fp8_job_threads(const Fp8Job& j) {
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  uint64_t t = j.threads ? j.threads : std::min(2u, hw);
-  // An explicit count is honoured (torch.get_num_threads(): the user's choice), up to kMaxThreads.
+  // The count is the caller's (mapoffload/fp8.py: MAPOFFLOAD_FP8_THREADS, else torch.get_num_threads()),
+  // honoured up to kMaxThreads; no default of its own here.
+  uint64_t t = std::max(1u, j.threads);
   t = std::min<uint64_t>({t, kMaxThreads, j.lead * j.rows});
   const uint64_t n = j.lead * j.rows * j.cols;
   const bool simd = j.simd && fp8_lookup_isa()[0] != '\0';

@@ -56,7 +56,7 @@ struct Fp8Job {
   Fp8Format format = Fp8Format::e4m3fn;
   Fp8Out out_dtype = Fp8Out::bfloat16;
   uint16_t bf16_nan = 0x7FC0;
-  unsigned threads = 0;  // 0: min(2, hardware threads)
+  unsigned threads = 0;  // 0: one. The default (MAPOFFLOAD_FP8_THREADS, else torch's) is mapoffload/fp8.py's alone
   bool simd = true;      // false: the portable loop even where fp8_lookup.hpp has a SIMD one (tests)
 };
 
@@ -66,7 +66,7 @@ struct Fp8Job {
 // output that overlaps the codes or the scales.
 void check_fp8_job(const Fp8Job& job);
 
-// Threads the job runs on: `threads` (0: min(2, hardware)), at most 64 and
+// Threads the job runs on: `threads` (0: one), at most 64 and
 // the rows, and one per 128 Ki elements at most (1 Mi with the SIMD
 // lookup): one below 256 Ki (2 Mi).
 unsigned fp8_job_threads(const Fp8Job& job);

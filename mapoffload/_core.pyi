@@ -130,6 +130,7 @@ class HostPin:
 COPIER_MAX_THREADS: int
 COPIER_MAX_SLOTS: int
 COPIER_MAX_SLOT_BYTES: int
+COPIER_MIN_SLOT_BYTES: int
 
 class CopyJob:
     def wait(self) -> None: ...

@@ -22,23 +22,28 @@ import functools
 import os
 from dataclasses import dataclass
 
+from ._cgroup import CgroupLevel, _read, cgroup_levels, tightest_cgroup
 from ._env import env_number
 from ._log import format_bytes
 
 __all__ = [
+    "CgroupLevel",
     "ENV_HOST_AVAILABLE_GIB",
     "ENV_PAGE_CACHE_MARGIN_MIB",
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
     "PageCacheBudget",
+    "cgroup_levels",
     "cgroup_memory_limit_bytes",
     "describe_host",
     "host_copies_would_not_fit",
+    "host_copy_room",
     "host_memory",
     "host_memory_available_bytes",
     "page_cache_budget",
     "rss_anon_bytes",
+    "tightest_cgroup",
 ]
 
 GIB_BYTES = 1 << 30
@@ -48,120 +53,6 @@ HOST_COPY_RESERVE_BYTES = 4 * GIB_BYTES
 ENV_HOST_AVAILABLE_GIB = "MAPOFFLOAD_HOST_AVAILABLE_GIB"
 # Replaces the page-cache budget's default margin (64 MiB + 1/32 of the limit).
 ENV_PAGE_CACHE_MARGIN_MIB = "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB"
-# cgroup v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, about 2^63.
-_V1_UNLIMITED = 1 << 62
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _read_int(path: str) -> int | None:
-    text = _read(path)
-    if text is None:
-        return None
-    text = text.strip()
-    if not text.isdigit():  # "max", garbage, empty
-        return None
-    return int(text)
-
-
-def _own_cgroup_paths(root: str) -> tuple[str | None, str | None]:
-    """This process's (v2 path, v1 memory path) from ``/proc/self/cgroup``."""
-    text = _read(os.path.join(root, "proc/self/cgroup")) or ""
-    v2 = v1 = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _candidate_dirs(mount: str, path: str) -> list[str]:
-    """Directories from the leaf up to the mount, for the tightest-cap walk.
-
-    In a container the path in ``/proc/self/cgroup`` is the host's; under the
-    container's mount only a suffix of it (or the mount itself) exists.
-    """
-    parts = [p for p in path.split("/") if p]
-    leaf = mount
-    for i in range(len(parts) + 1):
-        cand = os.path.join(mount, *parts[i:])
-        if os.path.isdir(cand):
-            leaf = cand
-            break
-    dirs = []
-    cur = os.path.normpath(leaf)
-    top = os.path.normpath(mount)
-    while True:
-        dirs.append(cur)
-        if cur == top or not cur.startswith(top):
-            break
-        cur = os.path.dirname(cur)
-    return dirs
-
-
-def _stat_field(path: str, name: str) -> int | None:
-    """One ``name value`` line of a ``memory.stat`` file; None when absent or garbage."""
-    for line in (_read(path) or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == name:
-            return int(parts[1]) if parts[1].isdigit() else None
-    return None
-
-
-@dataclass(frozen=True)
-class _Version:
-    """Where one cgroup version keeps what the budget reads."""
-
-    mount: str  # relative to root
-    caps: tuple[str, ...]  # the tightest of these applies; "max"/garbage = none
-    usage: str
-    cache: str  # the reclaimable file-cache field of memory.stat
-    unlimited: int | None  # caps at or above this mean none (v1's sentinel)
-    files: tuple[str, str]  # the file-cache fields of memory.stat (active, inactive)
-
-
-_V2 = _Version(
-    "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file", None,
-    ("active_file", "inactive_file"),
-)
-_V1 = _Version(
-    "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file", _V1_UNLIMITED,
-    ("total_active_file", "total_inactive_file"),
-)
-
-
-def _headroom(d: str, v: _Version) -> tuple[int, int] | None:
-    """(cap, usage without reclaimable cache) of one cgroup directory; None if uncapped."""
-    caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
-    caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
-    if not caps:
-        return None
-    usage = _read_int(os.path.join(d, v.usage)) or 0
-    cache = _stat_field(os.path.join(d, "memory.stat"), v.cache) or 0
-    # usage and memory.stat are read at different moments: never below 0.
-    return min(caps), max(0, usage - cache)
-
-
-def _tightest(dirs: list[str], v: _Version) -> tuple[int, int] | None:
-    best: tuple[int, int] | None = None
-    for d in dirs:
-        found = _headroom(d, v)
-        if found is not None and (best is None or found[0] - found[1] < best[0] - best[1]):
-            best = found
-    return best
-
-
 def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     """(cap, usage) of the tightest memory cap that applies to this process.
 
@@ -170,20 +61,14 @@ def cgroup_memory_limit_bytes(*, root: str = "/") -> tuple[int, int] | None:
     inactive file cache* (v2 ``inactive_file``, v1 ``total_inactive_file``),
     which the kernel reclaims first: ``cap - usage`` is the headroom, and it
     does not change with cache warmth. "Tightest" is the smallest headroom on
-    the path from the leaf to the mount.
+    the path from the leaf to the mount (:func:`tightest_cgroup`).
 
     Tries cgroup v2 before v1; "max", missing files, garbage and the v1
     sentinel (>= 2**62) mean uncapped. ``root`` prefixes every ``/proc`` and
     ``/sys`` path read, so tests build fake trees. None when nothing caps.
     """
-    v2, v1 = _own_cgroup_paths(root)
-    for path, version in ((v2, _V2), (v1, _V1)):
-        if path is None:
-            continue
-        found = _tightest(_candidate_dirs(os.path.join(root, version.mount), path), version)
-        if found:
-            return found
-    return None
+    found = tightest_cgroup(root=root)
+    return None if found is None else (found.cap, found.usage_less_cache)
 
 
 def rss_anon_bytes(*, root: str = "/") -> int:
@@ -231,6 +116,21 @@ def _env_host_gib() -> float | None:
     return env_number(ENV_HOST_AVAILABLE_GIB, low=0, high=MAX_HOST_GIB, unit="GiB")
 
 
+def _as_if_host(root: str) -> tuple[float, int, int] | None:
+    """``(X, host bytes, other bytes)`` of ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``; None when unset.
+
+    Its one meaning, for the copy gate and the page-cache budget alike: the
+    process behaves like a host of X GiB on which only its own anonymous
+    memory (``RssAnon``) is in use - *in place of* the machine's available
+    memory and every cgroup cap, never in addition to them (a test can then
+    describe a host larger than the cgroup it runs in, or smaller).
+    """
+    gib = _env_host_gib()
+    if gib is None:
+        return None
+    return gib, int(gib * GIB_BYTES), rss_anon_bytes(root=root)
+
+
 @dataclass(frozen=True)
 class HostMemory:
     """What the budget sees, for logs, the CLI and JSON.
@@ -269,9 +169,9 @@ def host_memory(*, root: str = "/") -> HostMemory:
     machine = int(psutil.virtual_memory().available)
     swap_free = int(psutil.swap_memory().free)
     cg = cgroup_memory_limit_bytes(root=root)
-    override = _env_host_gib()
-    if override is not None:
-        available = max(0, int(override * GIB_BYTES) - rss_anon_bytes(root=root))
+    as_if = _as_if_host(root)
+    if as_if is not None:
+        available = max(0, as_if[1] - as_if[2])
     else:
         available = machine
         if cg is not None:
@@ -282,7 +182,7 @@ def host_memory(*, root: str = "/") -> HostMemory:
         cgroup_cap=cg[0] if cg else None,
         cgroup_usage=cg[1] if cg else None,
         swap_free=swap_free,
-        override_gib=override,
+        override_gib=None if as_if is None else as_if[0],
     )
 
 
@@ -294,7 +194,8 @@ def host_memory_available_bytes(*, root: str = "/") -> int:
     does not flip with cache warmth.
 
     With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X`` the process behaves like a host of
-    X GiB: ``max(0, X GiB - RssAnon)``.
+    X GiB: ``max(0, X GiB - RssAnon)``, in place of the machine's and the
+    cgroup's headroom (the page-cache budget reads it the same way).
 
     Raises
     ------
@@ -308,6 +209,17 @@ def host_memory_available_bytes(*, root: str = "/") -> int:
 def describe_host(*, root: str = "/") -> str:
     """One human-readable line: available, cap, usage, swap."""
     return str(host_memory(root=root))
+
+
+def host_copy_room(available_bytes: int, local_ranks: int = 1) -> int:
+    """Bytes the local ranks' host copies may take together: ``available - local_ranks * HOST_COPY_RESERVE_BYTES``.
+
+    The one definition of what copies may spend (negative where the reserves
+    alone do not fit): the copy gate (:func:`host_copies_would_not_fit`),
+    the manager's pinned-store budget (a rank's share of it) and the
+    summary's explanation all read it.
+    """
+    return available_bytes - local_ranks * HOST_COPY_RESERVE_BYTES
 
 
 def host_copies_would_not_fit(
@@ -340,7 +252,7 @@ def host_copies_would_not_fit(
     n = local_world(local_ranks).size
     if available_bytes is None:
         available_bytes = host_memory_available_bytes()
-    return n * weight_bytes >= available_bytes - n * HOST_COPY_RESERVE_BYTES
+    return n * weight_bytes >= host_copy_room(available_bytes, n)
 
 
 # --- page cache for a mapped checkpoint ----------------------------------------------------
@@ -421,33 +333,20 @@ def _cache_margin(limit: int) -> int | None:
 
 
 def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None:
-    v2, v1 = _own_cgroup_paths(root)
+    """The tightest page-cache budget of the capped cgroups on this process's path (None: uncapped)."""
     best: PageCacheBudget | None = None
-    for path, v in ((v2, _V2), (v1, _V1)):
-        if path is None:
-            continue
-        for d in _candidate_dirs(os.path.join(root, v.mount), path):
-            caps = [c for c in (_read_int(os.path.join(d, f)) for f in v.caps) if c is not None]
-            caps = [c for c in caps if v.unlimited is None or c < v.unlimited]
-            if not caps:
-                continue
-            cap = min(caps)
-            usage = _read_int(os.path.join(d, v.usage)) or 0
-            stat = os.path.join(d, "memory.stat")
-            files = sum(_stat_field(stat, f) or 0 for f in v.files)
-            files = min(files, usage)
-            # The weights' cached pages may be charged here (then they are part
-            # of ``files``) or to the cgroup that first read them (then they
-            # cost this one nothing): either way they are not "other".
-            other = (usage - files) + max(0, files - weights_cached)
-            margin = _margin(cap)
-            found = PageCacheBudget(max(0, cap - other - margin), cap, other, weights_cached, margin, "cgroup",
-                                    _cache_margin(cap))
-            if best is None or found.usable < best.usable:
-                best = found
-        if best is not None:
-            return best
-    return None
+    for lv in cgroup_levels(root=root):
+        files = min(lv.active_file + lv.inactive_file, lv.usage)
+        # The weights' cached pages may be charged here (then they are part
+        # of ``files``) or to the cgroup that first read them (then they
+        # cost this one nothing): either way they are not "other".
+        other = (lv.usage - files) + max(0, files - weights_cached)
+        margin = _margin(lv.cap)
+        found = PageCacheBudget(max(0, lv.cap - other - margin), lv.cap, other, weights_cached, margin, "cgroup",
+                                _cache_margin(lv.cap))
+        if best is None or found.usable < best.usable:
+            best = found
+    return best
 
 
 def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheBudget:
@@ -457,8 +356,9 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
     cgroup to the mount (v2 ``memory.max``/``memory.high``, v1
     ``memory.limit_in_bytes``), less that cgroup's anonymous and kernel
     memory and its other files' cache (``memory.stat``); the machine's
-    available memory (psutil; it counts cached file pages as available); or
-    with ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, X GiB less ``RssAnon``. Each
+    available memory (psutil; it counts cached file pages as available).
+    With ``MAPOFFLOAD_HOST_AVAILABLE_GIB=X``, in place of all of them (the
+    one meaning the copy gate gives it too): X GiB less ``RssAnon``. Each
     keeps a margin of 64 MiB plus 1/32 of its limit
     (``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` replaces it).
 
@@ -472,10 +372,9 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
     """
     import psutil
 
-    override = _env_host_gib()
-    if override is not None:
-        limit = int(override * GIB_BYTES)
-        other = rss_anon_bytes(root=root)
+    as_if = _as_if_host(root)
+    if as_if is not None:
+        _, limit, other = as_if
         margin = _margin(limit)
         return PageCacheBudget(
             max(0, limit - other - margin), limit, other, weights_cached, margin, ENV_HOST_AVAILABLE_GIB

@@ -24,6 +24,7 @@ from ._progress import byte_bar
 from ._shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
 from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 from .ranks import local_world
+from .regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -476,7 +477,7 @@ def load_checkpoint(
     if keep_mapping is None:
         # Sharded: what this rank would copy is its slices, not the checkpoint.
         keep_mapping = keep_checkpoint_mapped(
-            weight_bytes=sum(src.numel() * src.element_size() for _, src, _, _ in plan),
+            weight_bytes=sum(tensor_bytes(src) for _, src, _, _ in plan),
             component=f"{component} (rank {shard[0]} of {shard[1]})" if shard else component,
             local_ranks=local_ranks,
         )

@@ -41,6 +41,7 @@ DEFAULT_SLOT_MIB = 8
 MAX_THREADS = _core.COPIER_MAX_THREADS
 MAX_SLOTS = _core.COPIER_MAX_SLOTS
 MAX_SLOT_BYTES = _core.COPIER_MAX_SLOT_BYTES
+MIN_SLOT_BYTES = _core.COPIER_MIN_SLOT_BYTES  # the native engine's smallest slot (one page): the only one
 
 
 def cuda_available() -> bool:
@@ -52,8 +53,6 @@ def cuda_available() -> bool:
 
     return _core.cuda_available()
 
-
-MIN_SLOT_BYTES = 4096  # the native engine's smallest slot (one page)
 
 
 def _argument(value: object, name: str, low: int, high: int, unit: str = "") -> int:

@@ -20,6 +20,7 @@ from typing import TextIO
 
 from ._log import format_bytes
 from .budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB, rss_anon_bytes
+from .regions import tensor_bytes
 
 __all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
@@ -134,7 +135,7 @@ def _block_bytes(Model, width: int) -> tuple[int, int]:
     with torch.device("meta"):
         block = Model(1, width).blocks[0]
     params = list(block.parameters())
-    return sum(p.numel() * p.element_size() for p in params), len(params)
+    return sum(tensor_bytes(p) for p in params), len(params)
 
 
 def streaming_floor(mode: str, layer_bytes: int, tensors: int) -> list[tuple[str, int]]:

@@ -26,10 +26,10 @@ rank. See ``docs/ranks.md``.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
+from ._env import env_number
 from ._log import format_bytes, logger
 
 __all__ = ["ENV_LOCAL_WORLD_SIZE", "LocalWorld", "local_world", "staging_ring_settings"]
@@ -39,7 +39,10 @@ ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 # host's headroom; the rest is for layer buffers, activations and slack.
 RING_SHARE_DIVISOR = 8
 MIN_SLOTS = 2
-MIN_SLOT_BYTES = 1 << 20
+# A shrunk ring's slots stay at least this large (or as large as they were, where
+# that is smaller): a different bound from the copier's own smallest slot
+# (mapoffload.copier.MIN_SLOT_BYTES, one page), which any setting may use.
+SHRUNK_SLOT_FLOOR_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,13 @@ class LocalWorld:
         return f"{self.size} local rank{'s' if self.size != 1 else ''} ({self.source})"
 
 
+MAX_LOCAL_RANKS = 1 << 16  # more ranks than that on one host is a typo
+
+
 def _from_env() -> int | None:
-    raw = os.environ.get(ENV_LOCAL_WORLD_SIZE)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{ENV_LOCAL_WORLD_SIZE}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{ENV_LOCAL_WORLD_SIZE}={raw!r} must be >= 1")
-    return value
+    """``LOCAL_WORLD_SIZE`` read as every variable the package reads (:func:`~mapoffload._env.env_number`)."""
+    value = env_number(ENV_LOCAL_WORLD_SIZE, low=1, high=MAX_LOCAL_RANKS, integer=True)
+    return None if value is None else int(value)
 
 
 def _from_torch_distributed() -> int | None:
@@ -91,8 +90,8 @@ def local_world(local_ranks: int | None = None) -> LocalWorld:
     Raises
     ------
     ValueError
-        ``local_ranks`` < 1, or ``LOCAL_WORLD_SIZE`` not an integer >= 1
-        (the variable is named).
+        ``local_ranks`` < 1, or ``LOCAL_WORLD_SIZE`` not a whole number from
+        1 to 2**16 (an ``EnvSettingError`` naming the variable and the range).
     """
     if local_ranks is not None:
         if int(local_ranks) < 1:
@@ -117,8 +116,8 @@ def staging_ring_settings(
     than ``1/8`` of the host's available memory (each rank: more than an
     eighth of its share), the ring is divided by the local ranks: first the
     slot count (down to 2), then, if that is not enough, the slot size (down
-    to 1 MiB); threads never outnumber slots. Settings that fit come back
-    unchanged.
+    to 1 MiB, never up: slots already smaller stay as they are); threads
+    never outnumber slots. Settings that fit come back unchanged.
     """
     allowed = max(0, available_bytes) // RING_SHARE_DIVISOR
     if local_ranks <= 1 or local_ranks * slot_bytes * slots <= allowed:
@@ -126,7 +125,7 @@ def staging_ring_settings(
     new_slots = max(MIN_SLOTS, slots // local_ranks)
     new_slot_bytes = slot_bytes
     if local_ranks * slot_bytes * new_slots > allowed:
-        new_slot_bytes = max(MIN_SLOT_BYTES, slot_bytes // local_ranks)
+        new_slot_bytes = max(min(slot_bytes, SHRUNK_SLOT_FLOOR_BYTES), slot_bytes // local_ranks)
     new_threads = max(1, min(threads, new_slots))
     logger.info(
         "staging rings: %d local ranks x %s would take more than 1/%d of %s available; "

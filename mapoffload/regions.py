@@ -49,6 +49,7 @@ __all__ = [
     "cow_report",
     "drop_page_cache",
     "resident_bytes",
+    "tensor_bytes",
     "tensor_extent",
     "tensor_spans",
 ]
@@ -85,6 +86,18 @@ def _devices_in_use() -> bool:
         if callable(is_init) and is_init():
             return True
     return False
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's values laid out densely: ``numel() * element_size()`` (torch's ``nbytes``).
+
+    What a copy of it holds (and a load copies), on any device, meta
+    included. Not where its bytes lie: the range its strides reach in memory
+    is :func:`tensor_extent` (a column view's extent spans its rows, an
+    expanded tensor's is one element per stride-0 dimension, a meta tensor's
+    is empty). These two are the package's only definitions of a tensor's bytes.
+    """
+    return tensor.numel() * tensor.element_size()
 
 
 def tensor_extent(tensor: torch.Tensor) -> tuple[int, int]:

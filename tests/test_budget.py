@@ -107,6 +107,31 @@ def test_override_behaves_like_a_smaller_host(tmp_path, monkeypatch):
             host_memory_available_bytes()
 
 
+def test_override_has_one_meaning_for_the_gate_and_the_page_cache_budget(tmp_path, monkeypatch):
+    # X GiB less RssAnon, in place of the machine and of every cgroup cap, for both:
+    # a cap tighter than X (here 2 GiB) and a machine looser than X change neither answer.
+    from mapoffload.budget import page_cache_budget
+    import psutil
+
+    class VM:
+        available, total = 64 * GIB, 128 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+    write(tmp_path, "proc/self/status", "Name: python\nRssAnon:\t  1048576 kB\n")
+    v2_tree(tmp_path, caps={"user.slice/app.scope": (str(2 * GIB), GIB)})
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "8")
+    root = str(tmp_path)
+    assert host_memory_available_bytes(root=root) == 7 * GIB
+    b = page_cache_budget(root=root)
+    assert (b.source, b.limit, b.other_bytes) == (ENV_HOST_AVAILABLE_GIB, 8 * GIB, GIB)
+    assert b.usable == 7 * GIB - b.margin
+    # Both describe one host: what the gate sees available is what the budget sees free before its margin.
+    assert host_memory_available_bytes(root=root) == b.limit - b.other_bytes
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB)
+    assert host_memory_available_bytes(root=root) == GIB  # the cap again
+    assert page_cache_budget(root=root).source == "cgroup"
+
+
 def test_gate_matches_the_seed_expectations():
     assert HOST_COPY_RESERVE_BYTES == 4 * GIB
     assert host_copies_would_not_fit(62 * GIB, available_bytes=32 * GIB)
@@ -117,6 +142,21 @@ def test_gate_matches_the_seed_expectations():
     assert not host_copies_would_not_fit(0, available_bytes=0)
     assert not host_copies_would_not_fit(-5, available_bytes=0)
     assert host_copies_would_not_fit(1, available_bytes=2 * GIB)
+
+
+def test_gate_is_the_room_the_copies_may_take():
+    # One definition of what copies may spend, read by the gate, the pinned-store budget and the summary.
+    from mapoffload.budget import host_copy_room
+
+    assert host_copy_room(32 * GIB) == 28 * GIB
+    assert host_copy_room(32 * GIB, 4) == 16 * GIB
+    assert host_copy_room(GIB, 2) < 0  # the reserves alone do not fit
+    for available in (0, GIB, 20 * GIB, 32 * GIB + 7):
+        for n in (1, 2, 3, 8):
+            room = host_copy_room(available, n)
+            for w in (1, GIB, room // n, room // n + 1, -(-room // n), 40 * GIB):
+                assert host_copies_would_not_fit(w, available_bytes=available, local_ranks=n) == (
+                    w > 0 and n * w >= room)
 
 
 def test_gate_reads_the_host_when_not_told(monkeypatch):

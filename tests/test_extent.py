@@ -406,3 +406,17 @@ def test_python_code_run_where_none_was_expected_cannot_free_items_under_the_rea
         timeout=120,
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_tensor_bytes_is_a_dense_copy_and_the_extent_is_where_the_bytes_lie():
+    from mapoffload.regions import tensor_bytes
+
+    base = torch.zeros(4, 6)
+    col = base[:, 1]
+    wide = torch.zeros(1).expand(1000)
+    meta = torch.empty(3, 5, dtype=torch.float16, device="meta")
+    assert tensor_bytes(base) == tensor_extent(base)[1] == 96  # contiguous: the two agree
+    assert tensor_bytes(col) == 16 and tensor_extent(col)[1] == (3 * 6 + 1) * 4  # a column spans its rows
+    assert tensor_bytes(wide) == 4000 and tensor_extent(wide)[1] == 4  # expanded: one element
+    assert tensor_bytes(meta) == 30 and tensor_extent(meta) == (0, 0)  # meta: a copy's size, no bytes anywhere
+    assert all(tensor_bytes(t) == t.nbytes for t in (base, col, wide, meta))  # torch's nbytes

@@ -46,6 +46,20 @@ def test_local_world_reads_torchrun_variable(monkeypatch):
     assert local_world(2).size == 2  # given wins
 
 
+def test_local_world_size_is_read_like_every_other_variable(monkeypatch):
+    # One parser for the package's environment (mapoffload._env): the same whole-number rule
+    # ("2.0" is 2, as for MAPOFFLOAD_COPY_THREADS) and the same error, naming the range.
+    from mapoffload._env import EnvSettingError
+
+    monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, "2.0")
+    assert local_world().size == 2
+    for bad in ("inf", "nan", "1e9", "0"):
+        monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, bad)
+        with pytest.raises(EnvSettingError, match="from 1 to 65536") as err:
+            local_world()
+        assert err.value.name == ENV_LOCAL_WORLD_SIZE
+
+
 @pytest.mark.parametrize("bad", ["two", "0", "-1", "1.5"])
 def test_local_world_refuses_garbage_naming_the_variable(monkeypatch, bad):
     monkeypatch.setenv(ENV_LOCAL_WORLD_SIZE, bad)
@@ -242,6 +256,18 @@ def test_staging_rings_divided_by_local_ranks_when_tight():
                                  available_bytes=256 * MIB) == (2, 1 * MIB, 2)
     assert staging_ring_settings(threads=4, slot_bytes=8 * MIB, slots=8, local_ranks=1,
                                  available_bytes=0) == (4, 8 * MIB, 8)
+
+
+def test_a_shrunk_ring_never_gets_larger_slots():
+    # Slots the user made smaller than the shrink's 1 MiB floor stay as they are (they grew to 1 MiB:
+    # "shrinking" a 64 KiB x 64 ring for 8 ranks in 1 MiB gave 8 slots of 1 MiB each).
+    from mapoffload.copier import MIN_SLOT_BYTES
+    from mapoffload.ranks import SHRUNK_SLOT_FLOOR_BYTES
+
+    assert MIN_SLOT_BYTES == 4096 < SHRUNK_SLOT_FLOOR_BYTES == MIB  # two bounds, two names
+    threads, slot_bytes, slots = staging_ring_settings(threads=4, slot_bytes=64 << 10, slots=64, local_ranks=8,
+                                                       available_bytes=1 * MIB)
+    assert slot_bytes == 64 << 10 and slots == 8 and threads == 4
 
 
 class Stack(torch.nn.Module):

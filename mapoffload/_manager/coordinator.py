@@ -41,6 +41,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
+from .._runs import merge_runs
 from .peers import PeerRegistry, overlap_bytes
 from .residency import ResidencyPlan, plan_residency, plan_shared
 
@@ -245,7 +246,7 @@ class PageCacheCoordinator:
 
     def _peers(self) -> PeerRegistry:
         if self._registry is None:
-            self._registry = PeerRegistry()
+            self._registry = PeerRegistry(root=CGROUP_ROOT)  # keyed on the cgroup the budget reads
         return self._registry
 
     def _peers_stamp_now(self) -> tuple:
@@ -406,14 +407,7 @@ def _ranges(measured) -> tuple[tuple[int, int, int, int], ...]:
             per_file.setdefault(ident, []).append([first, end])
     out = []
     for (dev, ino), spans in sorted(per_file.items()):
-        spans.sort()
-        merged = [spans[0]]
-        for a, b in spans[1:]:
-            if a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        out.extend((dev, ino, a, b) for a, b in merged)
+        out.extend((dev, ino, a, b) for a, b in merge_runs(spans))
     return tuple(out)
 
 

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
+from .._runs import merge_copies
 from .loads import DeviceCopies, Loaded, ReadsAround, file_places, written_in_place
 from .stores import CONSOLIDATED, MAPPED, LayerStore
 
@@ -128,13 +129,7 @@ class DeviceReadAround(ReadsAround, DeviceCopies):
                 spans.append([buffers[w.dtype].data_ptr() + w.dev_offset, w.host.data_ptr(), w.nbytes,
                               pinned_store and w.store == CONSOLIDATED])
         spans.sort(key=lambda s: s[0])
-        merged: list[list] = []
-        for s in spans:  # spans that continue each other on both sides, one copy
-            last = merged[-1] if merged else None
-            if last is not None and last[3] == s[3] and last[0] + last[2] == s[0] and last[1] + last[2] == s[1]:
-                last[2] += s[2]
-            else:
-                merged.append(s)
+        merged = merge_copies(spans)  # spans that continue each other on both sides, one copy
         return self.copier.copy_spans(
             [s[0] for s in merged], [s[1] for s in merged], [s[2] for s in merged], stream=stream,
             keepalive=(store.host_tensors(), buffers, buf), direct=[s[3] for s in merged],

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._log import logger
 from .._native import _core
+from .file_places import MapsView
 from .mapped_file import MappedFiles
 from .pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from .residency import ResidencyPlan
@@ -51,23 +52,28 @@ class LayerPages:
         self._missing = 0  # bytes of cached layers found missing at a use, since take_missing()
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._letting_go: Future | None = None  # the device path's last let-go (see before_streamed_read)
+        maps = MapsView()  # one snapshot of the maps for every layer's lookups
         for i in range(len(stores)):
-            self.spans(i)  # open the files now, before a path can come to name another file
+            self.spans(i, maps)  # open the files now, before a path can come to name another file
 
     # -- what the page cache holds of each layer -------------------------------------------
-    def spans(self, i: int):
-        """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it)."""
+    def spans(self, i: int, maps: MapsView | None = None):
+        """Merged spans of layer ``i``'s mapped weights (what the page cache holds of it).
+
+        ``maps``: the maps snapshot to find their files in (one is taken when needed and None).
+        """
         spans = self._spans.get(i)
         if spans is None:
             spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self._stores[i].weights if w.store == MAPPED])
-            self._extents[i] = file_extents(spans, self.files)
+            maps = MapsView() if maps is None else maps
+            self._extents[i] = file_extents(spans, self.files, maps)
             # The manager reads these pages itself: a fault's read-around would
             # bring a neighbouring layer back in, unmapped, where letting it go
             # cannot reach it. MADV_RANDOM (+ MADV_HUGEPAGE), by kernel capability.
             self.worker.advise(spans, self._extents[i])
             self._advised.append(spans)
             self._spans[i] = spans
-            self._edges[i] = folio_edges(spans)
+            self._edges[i] = folio_edges(spans, maps)
         return spans
 
     def extents(self, i: int) -> list:

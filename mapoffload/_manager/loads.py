@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .device_pool import DevicePool
+from .file_places import MapsView
 from .layer_pages import LayerPages
 from .stores import MAPPED, LayerStore, Weight, device_view
 
@@ -399,17 +400,16 @@ def written_in_place(store: LayerStore, said: set[str]) -> bool:
     return True
 
 
-def file_places(store: LayerStore, extents: list) -> list[tuple[Weight, int, int]]:
+def file_places(store: LayerStore, extents: list, maps: MapsView | None = None) -> list[tuple[Weight, int, int]]:
     """``(weight, extent index, byte offset in its file)`` of each mapped weight of a layer.
 
     ``extents`` are the layer's (``LayerPages.extents``: byte runs, several
     per file where its tensors are apart). Empty when a mapped weight's
     bytes are in none of them or its file is not held open: such a layer
-    cannot be read around its mapping.
+    cannot be read around its mapping. ``maps``: the snapshot to look the
+    weights up in (one is taken when None).
     """
-    from .._native import _core
-
-    table = _core.snapshot()
+    maps = MapsView() if maps is None else maps
     runs: dict[str, list[tuple[int, int, int]]] = {}
     for k, e in enumerate(extents):
         runs.setdefault(e.path, []).append((e.first, e.end, k))
@@ -417,12 +417,11 @@ def file_places(store: LayerStore, extents: list) -> list[tuple[Weight, int, int
     for w in store.weights:
         if w.store != MAPPED or w.nbytes == 0:
             continue  # an empty weight reads nothing: it stays on its mapping
-        a = w.host.data_ptr()
-        t = table.find(a)
-        if t < 0:
+        place = maps.place(w.host.data_ptr())
+        if place is None:
             return []
-        offset = table.offsets[t] + a - table.starts[t]
-        k = next((k for first, end, k in runs.get(table.paths[t], ()) if first <= offset < end), None)
+        offset = place.offset
+        k = next((k for first, end, k in runs.get(place.path, ()) if first <= offset < end), None)
         if k is None or extents[k].file is None:
             return []
         where.append((w, k, offset))

@@ -23,6 +23,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._log import logger
+from .._runs import merge_runs
+from .file_places import MapsView
 from .kernel import KernelCaps, kernel_caps, overrides
 from .mapped_file import MappedFile, MappedFiles
 from .._native import _core
@@ -41,37 +43,27 @@ class Extent:
 
 def layer_spans(addr_sizes: list[tuple[int, int]]) -> _core.SpanArray:
     """Spans of a layer's mapped weights, sorted, those that touch or overlap merged."""
-    merged: list[list[int]] = []
-    for a, n in sorted(addr_sizes):
-        if n <= 0:
-            continue
-        if merged and a <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], a + n - merged[-1][0])
-        else:
-            merged.append([a, n])
-    return _core.SpanArray([a for a, _ in merged], [n for _, n in merged])
+    merged = merge_runs((a, a + n) for a, n in addr_sizes)
+    return _core.SpanArray([a for a, _ in merged], [end - a for a, end in merged])
 
 
 def _fault_error(addr: int, what: str) -> OSError:
     """MappingFaultError naming the file behind ``addr`` and the offset in it."""
-    table = _core.snapshot()
-    k = table.find(addr)
-    if k < 0:
+    place = MapsView().place(addr)
+    if place is None:
         return _core.MappingFaultError(errno.EFAULT, f"{what}: address {addr:#x} is not mapped")
-    path = table.paths[k]
-    offset = table.offsets[k] + addr - table.starts[k]
     return _core.MappingFaultError(
         errno.EIO,
-        f"{what}: the file behind the mapping cannot be read at byte {offset} (truncated or gone under "
+        f"{what}: the file behind the mapping cannot be read at byte {place.offset} (truncated or gone under "
         "the mapping?); computing with it would be a SIGBUS",
-        path,
+        place.path,
     )
 
 
 PAGE_BYTES = 4096
 
 
-def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
+def file_extents(spans: _core.SpanArray, files: MappedFiles, maps: MapsView | None = None) -> list[Extent]:
     """The byte runs in each file behind ``spans``: one per run of bytes no other bytes interrupt.
 
     Spans whose file bytes share or touch a page are one run; a gap of a
@@ -85,37 +77,28 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles) -> list[Extent]:
 
     Each file is held open (``files``) from here on, so that later checks
     and page drops reach the inode that is mapped, whatever the path names
-    by then.
+    by then. ``maps``: the snapshot to look the spans up in (one is taken
+    when None).
     """
-    table = _core.snapshot()
-    paths, offsets, starts, ends = table.paths, table.offsets, table.starts, table.ends
-    devs, inodes = table.devs, table.inodes
+    maps = MapsView() if maps is None else maps
     by_path: dict[str, list[list[int]]] = {}
-    ident: dict[str, tuple[int, int]] = {}
+    ident: dict[str, tuple[tuple[int, int], int]] = {}
     for a, n in zip(spans.addrs, spans.sizes):
         stop = a + n
         while a < stop:  # a span merged across two mappings (two files side by side) is cut at the seam
-            k = table.find(a)
-            if k < 0:
+            place = maps.place(a)
+            if place is None:
                 break
-            upto = min(stop, ends[k])
-            if paths[k].startswith("/"):
-                first = offsets[k] + a - starts[k]
-                by_path.setdefault(paths[k], []).append([first, first + upto - a])
-                ident[paths[k]] = (devs[k], inodes[k])
+            upto = min(stop, a + place.room)
+            if place.path.startswith("/"):
+                by_path.setdefault(place.path, []).append([place.offset, place.offset + upto - a])
+                ident[place.path] = (place.dev, place.inode)
             a = upto
     out: list[Extent] = []
     for path, ranges in by_path.items():
         f = files.get(path, *ident[path])
-        ranges.sort()
-        run = ranges[0]
-        for r in ranges[1:]:
-            if r[0] <= -(-run[1] // PAGE_BYTES) * PAGE_BYTES:  # in or right after run's last page
-                run[1] = max(run[1], r[1])
-            else:
-                out.append(Extent(f, path, run[0], run[1]))
-                run = r
-        out.append(Extent(f, path, run[0], run[1]))
+        # Runs in or right after another's last page are one run of pages.
+        out.extend(Extent(f, path, first, end) for first, end in merge_runs(ranges, align=PAGE_BYTES))
     return out
 
 
@@ -146,7 +129,7 @@ FOLIO_BYTES = 2 << 20  # the aligned window a MADV_HUGEPAGE fault reads (one PMD
 EDGE_CHUNK = 128 << 10  # MADV_WILLNEED per call: the kernel reads at most its readahead size per call
 
 
-def folio_edges(spans: _core.SpanArray) -> _core.SpanArray:
+def folio_edges(spans: _core.SpanArray, maps: MapsView | None = None) -> _core.SpanArray:
     """The parts of each span that share an aligned 2 MiB file window with bytes outside it.
 
     A fault on a ``MADV_HUGEPAGE`` mapping reads the whole aligned window of
@@ -155,14 +138,15 @@ def folio_edges(spans: _core.SpanArray) -> _core.SpanArray:
     brings in up to 2 MiB of each neighbour, and letting it go cannot reach
     them (the folio is still mapped by the neighbour, or must be split).
     Alignment is in file offsets (the page cache's index), not addresses.
+    ``maps``: the snapshot to look the spans up in (one is taken when None).
     """
-    table = _core.snapshot()
+    maps = MapsView() if maps is None else maps
     addrs, sizes = [], []
     for a, n in zip(spans.addrs, spans.sizes):
-        k = table.find(a)
-        if k < 0:
+        place = maps.place(a)
+        if place is None:
             continue
-        off = table.offsets[k] + a - table.starts[k]
+        off = place.offset
         end = off + n
         head_end = min(end, -(-off // FOLIO_BYTES) * FOLIO_BYTES)
         tail_start = max(head_end, end // FOLIO_BYTES * FOLIO_BYTES)

@@ -8,9 +8,10 @@ waits for anybody: each process reads the others' latest records when it
 plans. A record whose process is gone (or whose pid was reused: the start
 time differs) is ignored and removed.
 
-Processes are peers when they share the tightest memory cgroup (they draw
-on one cap) - the record folder is named after it - and a pid namespace
-(where a record's pid names its writer).
+Processes are peers when they share the tightest memory cgroup, the one
+the budget plans against (they draw on one cap; uncapped, on the machine) -
+the record folder is named after it - and a pid namespace (where a record's
+pid names its writer).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
+from .._cgroup import tightest_cgroup
 from .._log import logger
 
 __all__ = ["Peer", "PeerRegistry", "overlap_bytes"]
@@ -40,20 +42,24 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _cgroup_key() -> str:
-    """The folder's name: this process's cgroup, as seen from its cgroup and pid namespaces.
+def _cgroup_key(root: str = "/") -> str:
+    """The folder's name: the cgroup whose cap the budget plans against, and this process's namespaces.
+
+    That cgroup is the tightest capped one on this process's path
+    (:func:`~mapoffload._cgroup.tightest_cgroup`, the one the budget reads),
+    not the leaf: processes in sibling cgroups under one capped parent draw
+    on one cap and must split it. Uncapped, every process draws on the
+    machine: they are all peers. It is read once, when the registry is made
+    (a record folder that changed under a running plan would lose its peers).
 
     A record's pid and start time mean something only to processes of the
     same pid namespace (elsewhere the pid is another process, or none, and a
-    live peer's record would be removed as stale), and ``/proc/self/cgroup``
-    names the same cgroup only within one cgroup namespace (every container
-    with its own reads ``0::/``): both namespaces are part of the key.
+    live peer's record would be removed as stale), and a cgroup's path names
+    the same cgroup only within one cgroup namespace (every container with
+    its own reads ``0::/``): both namespaces are part of the key.
     """
-    try:
-        with open("/proc/self/cgroup") as f:
-            text = f.read()
-    except OSError:
-        text = ""
+    level = tightest_cgroup(root=root)
+    text = "uncapped" if level is None else f"{level.version}:{level.path}"
     for ns in ("pid", "cgroup"):
         try:
             text += "\n" + os.readlink(f"/proc/self/ns/{ns}")
@@ -209,11 +215,11 @@ class PeerRegistry:
     process records, or make it write and remove files where they point.
     """
 
-    def __init__(self, folder: str | None = None) -> None:
+    def __init__(self, folder: str | None = None, *, root: str = "/") -> None:
         if folder is None:
             base = os.environ.get(ENV_PEERS_DIR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
-            folder = os.path.join(top, _cgroup_key())
+            folder = os.path.join(top, _cgroup_key(root))
             self._levels = (top, folder)
         else:
             self._levels = (folder,)

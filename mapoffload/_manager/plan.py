@@ -10,7 +10,7 @@ from .._progress import byte_bar
 from .placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
 from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
 from .stores import describe, layout, log_plan
-from ..budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from ..budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
 from ..regions import MappedRegions
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
             w.store = CONSOLIDATED
     # Pinned stores are copied by DMA straight from pinned memory (no
     # staging), so each pinned byte buys overlap; pin while the budget lasts.
-    budget = available_bytes // local_ranks - HOST_COPY_RESERVE_BYTES
+    budget = host_copy_room(available_bytes, local_ranks) // local_ranks  # this rank's share
     pin_allowed = cuda and host_store in ("auto", "pinned")
     if host_store == "pinned" and not cuda:
         logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", device)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from .._runs import merge_copies
 from ..regions import tensor_extent
 
 if TYPE_CHECKING:
@@ -88,19 +89,11 @@ class LayerStore:
         each other on both sides are merged.
         """
         if self._spans is None:
-            out: list[list] = []
-            for w in sorted(self.weights, key=lambda w: (str(w.dtype), w.dev_offset)):
-                src = w.host.data_ptr()
-                pinned = w.store == CONSOLIDATED and self.pinned
-                last = out[-1] if out else None
-                if (
-                    last is not None and last[0] == w.dtype and last[4] == pinned
-                    and last[1] + last[3] == w.dev_offset and last[2] + last[3] == src
-                ):
-                    last[3] += w.nbytes
-                else:
-                    out.append([w.dtype, w.dev_offset, src, w.nbytes, pinned])
-            self._spans = [tuple(s) for s in out]
+            merged = merge_copies(
+                (w.dev_offset, w.host.data_ptr(), w.nbytes, (w.dtype, w.store == CONSOLIDATED and self.pinned))
+                for w in sorted(self.weights, key=lambda w: (str(w.dtype), w.dev_offset))
+            )
+            self._spans = [(dtype, dst, src, n, pinned) for dst, src, n, (dtype, pinned) in merged]
         return self._spans
 
     def host_tensors(self) -> list[torch.Tensor]:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from ..regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -468,7 +469,7 @@ class ConversionCache:
         """
         from ..checkpoint import _read_file
 
-        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        payload = sum(tensor_bytes(t) for t in tensors.values())
         self._begin(payload)
         name, path = self._next_part()
         try:
@@ -479,7 +480,7 @@ class ConversionCache:
                                self._written + payload, whole=False) from exc
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
-                               "bytes": t.numel() * t.element_size()}
+                               "bytes": tensor_bytes(t)}
         views = _read_file(path)
         return {k: views[k] for k in tensors}
 
@@ -504,7 +505,7 @@ class ConversionCache:
                                self._written + payload, whole=False) from exc
         self._reserved.append(path)
         for k, v in views.items():
-            self.tensors[k] = {"file": name, "sources": [], "bytes": v.numel() * v.element_size()}
+            self.tensors[k] = {"file": name, "sources": [], "bytes": tensor_bytes(v)}
         return views
 
     def forget(self, names: Any) -> None:

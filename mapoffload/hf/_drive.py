@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .._log import logger
+from ..regions import tensor_bytes
 from ._converted import PART_BYTES, ConversionCache
 
 if TYPE_CHECKING:
@@ -115,14 +116,14 @@ class Session:
         tensors = [(s, t) for s, t in tensors if t is not None and t.device.type == "cpu"]
         if not tensors or all(self.regions.holds(t) for _, t in tensors if t.numel()):
             return
-        self._trim(sum(t.numel() * t.element_size() for _, t in tensors))
+        self._trim(sum(tensor_bytes(t) for _, t in tensors))
         if self.keep_fp8 and len(tensors) == 1 and self._keep_as_fp8(tensors[0][0], tensors[0][1], sources):
             return
         if not sources:
             self.reusable = False  # a conversion whose inputs we could not see: convert again next time
         for s, t in tensors:
             self.pending.append((s, sorted(sources)))
-            self.pending_bytes += t.numel() * t.element_size()
+            self.pending_bytes += tensor_bytes(t)
         if self.pending_bytes >= self.part_bytes:
             self.flush()
 
@@ -164,7 +165,7 @@ class Session:
             for owner, attr, name in ((plist, "original", "fp8_codes"), (plist[0], "scale", "fp8_scale")):
                 held = owner._parameters[attr]
                 self.pending.append((_Set(f"{target.name}{FP8_PART}{name}", owner, attr), sorted(sources)))
-                self.pending_bytes += held.numel() * held.element_size()
+                self.pending_bytes += tensor_bytes(held)
             if self.pending_bytes >= self.part_bytes:
                 self.flush()
         return True

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import LoadReport
+from ..regions import tensor_bytes
 from ._converted import ConversionCache
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def copy_mapped(model: torch.nn.Module, regions: Any) -> int:
                     continue
                 if id(t) not in done:
                     done[id(t)] = t.detach().clone()
-                    copied += t.numel() * t.element_size()
+                    copied += tensor_bytes(t)
                 if table is module._parameters:
                     t.data = done[id(t)]
                 else:
@@ -72,7 +73,7 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
     report = LoadReport(files=list(files), keep_mapping=keep_mapping, tensors=len(tensors),
                         missing_keys=sorted(missing), unexpected_keys=sorted(info.get("unexpected_keys") or ()))
     for (name, t), mapped in zip(tensors, held):
-        n = t.numel() * t.element_size()
+        n = tensor_bytes(t)
         if mapped:
             report.bytes_mapped += n
             continue

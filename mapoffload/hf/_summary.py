@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes
-from ..budget import HOST_COPY_RESERVE_BYTES
+from ..budget import HOST_COPY_RESERVE_BYTES, host_copy_room
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +189,8 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
     total = mapped + anonymous + pinned
     if available is None:
         return "host stores chosen against the host's available memory"
-    room = max(available - HOST_COPY_RESERVE_BYTES, 0)
+    n = getattr(m, "local_ranks", 1)
+    room = max(host_copy_room(available, n), 0)
     if mapped and not anonymous and not pinned:
         verdict = "a host copy would not fit: kept on the file mapping"
     elif pinned and not mapped:
@@ -198,6 +199,9 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
         verdict = "mapped where a host copy would not fit, copied for the rest"
     else:
         verdict = "host copies fit: copied into anonymous memory"
+    if n > 1:
+        return (f"{n} local ranks x {format_bytes(total)} against {format_bytes(available)} available less "
+                f"{n} x the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(room)}): {verdict}")
     return (f"{format_bytes(total)} against {format_bytes(available)} available less the "
             f"{format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(room)}): {verdict}")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..regions import tensor_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -16,7 +18,7 @@ def _param_bytes(module: torch.nn.Module) -> int:
     for p in module.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            total += p.numel() * p.element_size()
+            total += tensor_bytes(p)
     return total
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
 from ..budget import host_memory
+from ..regions import tensor_bytes
 from ._summary import OffloadRow
 from .blocks import find_block_lists
 
@@ -289,8 +290,8 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
 
     model, dev = handle.model, handle.device
     params, buffers = _rest_tensors(model)
-    rest_bytes = sum(p.numel() * p.element_size() for p in params)
-    buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers)
+    rest_bytes = sum(tensor_bytes(p) for p in params)
+    buffer_bytes = sum(tensor_bytes(b) for _, _, b in buffers)
     streaming = max((m.layer_bytes(i) for m in handle.managers.values() for i in range(len(m.layers))), default=0)
     streaming *= prefetch + 1
     if dev.type == "cuda":
@@ -314,13 +315,13 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
             handle.managers["rest"] = m
             handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"
         params, buffers = _rest_tensors(model)  # what is left: shared weights, buffers
-        rest_bytes = sum(p.numel() * p.element_size() for p in params)
+        rest_bytes = sum(tensor_bytes(p) for p in params)
     moved = 0
     for p in params:
         if p.device != dev:
             handle._saved.append((p, "", True, p.data))
             p.data = p.data.to(dev)
-            moved += p.numel() * p.element_size()
+            moved += tensor_bytes(p)
     for module, name, b in buffers:
         if b.device != dev:
             handle._saved.append((module, name, False, b))

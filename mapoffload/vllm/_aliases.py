@@ -28,6 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ..regions import tensor_bytes
+
 # Operations that never read a tensor's bytes (metadata, property getters, views).
 _LOOK = frozenset({
     "__get__", "__set__", "narrow", "view", "view_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
@@ -56,7 +58,7 @@ class SourceIndex:
         for key, t in tensors.items():
             if t.numel() and t.device.type == "cpu" and t.is_contiguous():
                 start = t.data_ptr()
-                spans.append((start, start + t.numel() * t.element_size(), key))
+                spans.append((start, start + tensor_bytes(t), key))
         spans.sort()
         self._starts = [s[0] for s in spans]
         self._spans = spans
@@ -70,7 +72,7 @@ class SourceIndex:
         if i < 0:
             return None
         start, end, key = self._spans[i]
-        if ptr + t.numel() * t.element_size() > end:
+        if ptr + tensor_bytes(t) > end:
             return None
         return key, ptr - start
 
@@ -83,7 +85,7 @@ class AliasRecorder(TorchFunctionMode):
 
     def __init__(self, params: dict[str, torch.Tensor], sources: SourceIndex) -> None:
         super().__init__()
-        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), name)
+        spans = sorted((p.data_ptr(), p.data_ptr() + tensor_bytes(p), name)
                        for name, p in params.items() if p.numel())
         self._starts = [s[0] for s in spans]
         self._spans = spans

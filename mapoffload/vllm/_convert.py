@@ -20,6 +20,7 @@ import torch
 
 from .._log import logger
 from ..checkpoint import _read_files
+from ..regions import tensor_bytes
 from ..hf._converted import ConversionCache, default_root, fingerprint
 from ._aliases import AliasRecorder, SourceIndex
 
@@ -45,13 +46,9 @@ def conversion_key(files: list[str], *, architecture: str, dtype: Any, hf_config
                        extra={"vllm_format": FORMAT, **extra})
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _slice(source: torch.Tensor, byte_offset: int, like: torch.Tensor) -> torch.Tensor:
     flat = source.reshape(-1).view(torch.uint8)
-    return flat[byte_offset: byte_offset + _nbytes(like)].view(like.dtype).view(like.shape)
+    return flat[byte_offset: byte_offset + tensor_bytes(like)].view(like.dtype).view(like.shape)
 
 
 def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
@@ -64,7 +61,7 @@ def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
         if name in aliases:
             key, offset = aliases[name]
             src = tensors.get(key)
-            if src is None or offset < 0 or offset + _nbytes(p) > _nbytes(src) or offset % p.element_size():
+            if src is None or offset < 0 or offset + tensor_bytes(p) > tensor_bytes(src) or offset % p.element_size():
                 return None
             plan[name] = _slice(src, offset, p)
         elif name in converted and converted[name].shape == p.shape and converted[name].dtype == p.dtype:
@@ -75,9 +72,9 @@ def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
     for name, t in plan.items():
         params[name].data = t
         if name in aliases:
-            bound.mapped += _nbytes(t)
+            bound.mapped += tensor_bytes(t)
         else:
-            bound.converted += _nbytes(t)
+            bound.converted += tensor_bytes(t)
     return bound
 
 
@@ -104,18 +101,18 @@ def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cach
         if alias is not None:
             p.data = alias.source.view(p.shape)
             aliases[name] = [alias.key, alias.byte_offset]
-            bound.mapped += _nbytes(p)
+            bound.mapped += tensor_bytes(p)
             continue
         if p.data_ptr() == bound_to[name].data_ptr() and p.numel() == bound_to[name].numel():
-            bound.converted += _nbytes(p)
+            bound.converted += tensor_bytes(p)
             continue
         cache.forget([name])  # a loader put other bytes in its place: a view of the checkpoint, or its own copy
         found = sources.find(p.data)
         if found is not None:
             aliases[name] = [found[0], found[1]]
-            bound.mapped += _nbytes(p)
+            bound.mapped += tensor_bytes(p)
         else:
-            bound.copied += _nbytes(p)
+            bound.copied += tensor_bytes(p)
             bound.copied_names.append(name)
     cache.forget(aliases)
     cache.meta = {"vllm": {"format": FORMAT, "aliases": aliases}}
