@@ -132,3 +132,29 @@ def test_the_device_path_keeps_placeholders_and_refuses_gradients_with_a_typed_e
         assert not any(mgr.is_loaded(i) for i in range(LAYERS))  # released, turn left
         with torch.no_grad():
             assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("reads", READS)
+def test_a_host_weight_edit_is_the_parameter_and_what_the_forward_computes_with(ckpt, reads):
+    path, x, _ = ckpt
+    checkpoint = load_file(path)
+    ref = mapped(path)
+    new = checkpoint["blocks.2.weight"] * 0.5
+    ref.blocks[2].weight = torch.nn.Parameter(new.clone())
+    with torch.no_grad():
+        want = ref(x)
+    model = mapped(path)
+    weight = model.blocks[2].weight
+    with _manager(model, reads) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+        mgr.update_cpu_weights({"blocks.2.weight": new})
+        assert model.blocks[2].weight is weight and torch.equal(weight, new)  # between forwards already
+        assert not MappedRegions().holds(weight)  # an owned tensor now: the mapping is left as it is
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(model(x), want)
+            assert torch.equal(model.blocks[2].weight, new)
+    assert torch.equal(model.blocks[2].weight, new)
+    assert torch.equal(load_file(path)["blocks.2.weight"], checkpoint["blocks.2.weight"])  # the file unchanged
