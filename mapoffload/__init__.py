@@ -32,6 +32,7 @@ from .checkpoint import (
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
 from ._shard import shard_tensor
 from .offload import LayerwiseOffloadManager
+from ._manager.grads import OffloadedGradientError
 from ._manager.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .ranks import LocalWorld, local_world
 from .regions import (
@@ -88,6 +89,7 @@ __all__ = [
     "LocalWorld",
     "MappedRegions",
     "MappingFaultError",
+    "OffloadedGradientError",
     "OffloadedWeight",
     "PageCacheCoordinator",
     "cgroup_memory_limit_bytes",

@@ -24,12 +24,18 @@ compute: room for them is part of the plan) and let go right after use,
 checked with ``mincore`` (``_manager/pages.let_go``), so it never evicts the cached
 set.
 
-Lifetime: while managed, a layer's parameter slots hold the real parameters
-(their data on the device) when the layer is loaded, and shape-correct
-placeholders that raise when computed with otherwise (``_manager/placeholder.py``).
+Lifetime: in place (``device="cpu"``) nothing moves, so the model stays a
+normal model: its parameter slots hold the real parameters, their data the
+host tensors (the mapped views themselves), between forwards too -
+``state_dict()``, ``save_pretrained()``, autograd (exact:
+``_manager/grads.py``) work. On the device path a layer's slots hold the real
+parameters (their data on the device) when the layer is loaded, and
+shape-correct placeholders that raise when computed with otherwise
+(``_manager/placeholder.py``); autograd through its reused device buffers is
+refused (:class:`~mapoffload.OffloadedGradientError`).
 ``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
-their host data: the model is whole and usable again, ``state_dict()``
-included. The manager is a context manager.
+their host data: the model is whole and usable again. The manager is a
+context manager.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from ._log import format_bytes, logger
 from ._manager.coordinator import coordinator
 from ._manager.device_read_around import DeviceReadAround
+from ._manager.grads import refuse_recorded_graph, refuse_weight_gradients
 from ._manager.layer_pages import LayerPages
 from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround
 from ._manager.residency import ResidencyPlan
@@ -296,6 +303,7 @@ class LayerwiseOffloadManager:
             if copier.device != self.device:
                 raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
         self.copier = copier
+        self._in_place = in_place  # the slots keep the real parameters: nothing moves
         self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
         self._pages = self._loads = self._rest = None
         try:
@@ -418,10 +426,11 @@ class LayerwiseOffloadManager:
 
     # -- parameter slots -------------------------------------------------------------------
     def _bind(self, w: Weight, data: torch.Tensor | None) -> None:
-        """Slots hold the real parameter with ``data``, or (None) the placeholder."""
+        """Slots hold the real parameter with ``data``, or (None) with its host data in place, the placeholder
+        on the device path."""
         if data is None:
             w.param.data = w.host  # never left pointing into a recycled device buffer
-            target = w.placeholder
+            target = w.param if self._in_place else w.placeholder
         else:
             w.param.data = data
             target = w.param
@@ -433,10 +442,13 @@ class LayerwiseOffloadManager:
             raise RuntimeError("this LayerwiseOffloadManager is closed")
         if self._engaged:
             return
+        from ._manager.placeholder import guard_conversions, stand_in  # imports torch
+
         for s in self._stores:
             for w in s.weights:
                 self._bind(w, None)
-        from ._manager.placeholder import guard_conversions  # imports torch
+                if self._in_place:
+                    stand_in(w.param, w.placeholder)  # answers conversions for the real parameter
 
         guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
         self._engaged = True
@@ -444,12 +456,14 @@ class LayerwiseOffloadManager:
     def _disengage(self) -> None:
         """Release everything and give the model its real parameters back (host data)."""
         self.release_all()
+        from ._manager.placeholder import stand_in, unguard_conversions
+
         for s in self._stores:
             for w in s.weights:
                 w.param.data = w.host
+                stand_in(w.param, None)
                 for module, attr in w.slots:
                     module._parameters[attr] = w.param
-        from ._manager.placeholder import unguard_conversions
 
         unguard_conversions(self.model)
         self._engaged = False
@@ -492,7 +506,7 @@ class LayerwiseOffloadManager:
         loaded.handle = None
 
     def release_layer(self, i: int) -> None:
-        """Drop layer ``i``'s device copy (its parameters become placeholders)."""
+        """Drop layer ``i``'s device copy (its parameters become placeholders; in place, their host tensors)."""
         i = self._check_index(i)
         self._kept.discard(i)
         loaded = self._loaded.pop(i, None)
@@ -757,11 +771,11 @@ class LayerwiseOffloadManager:
         """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
         import torch
 
-        if torch.is_grad_enabled() and any(w.param.requires_grad for w in self._stores[i].weights):
-            raise RuntimeError(
-                "LayerwiseOffloadManager is for inference: run the model under torch.no_grad() or "
-                "torch.inference_mode() (gradients through offloaded weights are not supported)"
-            )
+        if torch.is_grad_enabled():
+            if not self._in_place:
+                refuse_weight_gradients(self._stores[i])
+            elif i in self._loaded and self._loads.reuses(self._loaded[i]):
+                self.release_layer(i)  # read ahead into a reused buffer: autograd reads it through its mapping
         # A streamed layer is read ahead only as deep as the plan keeps
         # room for (its depth): any deeper, its pages would evict the
         # layer in use or a cached one.
@@ -779,38 +793,9 @@ class LayerwiseOffloadManager:
         def post_hook(module, args, output):
             self._finish_layer(i)
             if self._loads.recycles(i):
-                self._refuse_recorded_graph(i, output)
+                refuse_recorded_graph(self._stores[i], output)  # autograd saved views of reused device buffers
 
         return _eager(post_hook)
-
-    def _refuse_recorded_graph(self, i: int, output: Any) -> None:
-        """Refuse a layer output autograd recorded through device buffers.
-
-        Autograd saves the weights a backward needs, here views of the layer's
-        device buffers; those return to the pool when the layer is released
-        and the next layers overwrite them, so a backward would compute from
-        other layers' weights - silently wrong. (Direct CPU mode computes from
-        the host stores, which stay: its gradients are exact.)
-        """
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        if not torch.is_grad_enabled():
-            return
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
-            if self._loads.copies:
-                raise RuntimeError(
-                    f"layer {i} ({self._stores[i].name}) recorded autograd through the device pipeline: gradients "
-                    "would be computed from device buffers that later layers overwrite. Run it under "
-                    "torch.no_grad() or torch.inference_mode(), or take input gradients with device='cpu' "
-                    "(computes from the host stores, exact)"
-                )
-            raise RuntimeError(
-                f"layer {i} ({self._stores[i].name}) recorded autograd through a buffer it was read into around "
-                "the page cache (stream_reads='direct'), which the next streamed layer overwrites. Run it under "
-                "torch.no_grad() or torch.inference_mode(), or take input gradients with stream_reads='mapping' "
-                "(computes from the mapping, exact)"
-            )
 
     # -- host weights ------------------------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
@@ -921,7 +906,7 @@ class LayerwiseOffloadManager:
                     self._loads.value(w, self._loaded[store.index]).copy_(value)
                 else:
                     self._bind(w, w.host)
-            elif not self._engaged:
+            elif self._in_place or not self._engaged:
                 w.param.data = w.host
 
     # -- teardown --------------------------------------------------------------------------

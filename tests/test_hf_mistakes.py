@@ -139,10 +139,11 @@ def test_a_dtype_change_of_an_offloaded_model_says_how_to_get_that_dtype(gpt2):
     assert model.half().transformer.h[0].attn.c_attn.weight.dtype == torch.float16
 
 
+@pytest.mark.cuda
 def test_the_placeholder_error_names_the_call_the_user_has(gpt2):
     import transformers as tf
 
-    model = mapoffload.from_pretrained(tf.GPT2LMHeadModel, gpt2, device="cpu")
+    model = mapoffload.from_pretrained(tf.GPT2LMHeadModel, gpt2, device="cuda")
     weight = model.transformer.h[0].attn.c_attn.weight
     with pytest.raises(RuntimeError) as exc:
         weight.sum()
@@ -150,9 +151,23 @@ def test_the_placeholder_error_names_the_call_the_user_has(gpt2):
     assert "model.mapoffload_handle.close()" in text and "LayerwiseOffloadManager" not in text, text
     model.mapoffload_handle.close()
     built = tf.GPT2LMHeadModel.from_pretrained(gpt2).eval()
-    with mapoffload.offload(built, device="cpu"):
+    with mapoffload.offload(built, device="cuda"):
         with pytest.raises(RuntimeError, match=r"handle\.close\(\)"):
             built.transformer.h[1].mlp.c_fc.weight.sum()
+
+
+def test_in_place_there_is_no_placeholder_to_refuse_a_read(gpt2):
+    """On the CPU the weights are read where they are; a conversion still names the user's call."""
+    import transformers as tf
+
+    ref = tf.GPT2LMHeadModel.from_pretrained(gpt2).eval()
+    model = mapoffload.from_pretrained(tf.GPT2LMHeadModel, gpt2, device="cpu")
+    weight = model.transformer.h[0].attn.c_attn.weight
+    assert not isinstance(weight, mapoffload.OffloadedWeight)
+    assert torch.equal(weight, ref.transformer.h[0].attn.c_attn.weight)
+    with pytest.raises(TypeError, match=r"model\.mapoffload_handle\.close\(\)"):
+        model.half()
+    model.mapoffload_handle.close()
 
 
 def test_device_is_a_required_keyword_of_every_entry_point():

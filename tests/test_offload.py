@@ -47,19 +47,25 @@ def file_digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 @pytest.mark.parametrize("resident", [0, 2])
-def test_outputs_identical_and_only_resident_layers_hold_weights(ckpt, reference, prefetch, resident):
+def test_outputs_identical_and_only_resident_layers_hold_weights(ckpt, reference, prefetch, resident, twin):
     model = mapped_model(ckpt)
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=prefetch,
-                                  resident_layers=resident, host_store="mapped")
+                                  resident_layers=resident, host_store="mapped", cpu_twin=twin)
     mgr.register_forward_hooks()
     for _ in range(2):
         with torch.no_grad():
             assert torch.equal(model(IDS), expected_output(reference))
+    regions = MappedRegions()
     for i, block in enumerate(model.blocks):
         real = not isinstance(block.fc1.weight, OffloadedWeight)
-        assert real == (i < resident), (i, resident)
+        if twin:  # the device path: only the resident layers hold their (device) weights
+            assert real == (i < resident), (i, resident)
+        else:  # in place nothing moves: every layer holds its mapped weights, loaded or not
+            assert real and regions.holds(block.fc1.weight), i
+            assert torch.equal(block.fc1.weight, reference.blocks[i].fc1.weight), i
         assert mgr.is_loaded(i) == (i < resident)
     assert mgr.mapped_bytes > 0 and mgr.pinned_bytes == 0
     mgr.close()
@@ -201,13 +207,16 @@ def test_layer_path_errors():
         LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="disk")
 
 
-def test_gradients_raise_a_clear_error(reference):
+def test_gradients_raise_a_clear_error_on_the_device_path(reference):
+    from mapoffload import OffloadedGradientError
+
     model = TinyModel(width=32, layers=5)
     model.load_state_dict(reference.state_dict())
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True)  # in place they are exact
     mgr.register_forward_hooks()
-    with pytest.raises(RuntimeError, match="inference"):
+    with pytest.raises(OffloadedGradientError, match="inference") as info:
         model(IDS)
+    assert info.value.reason == "weights require grad" and info.value.name == "blocks.0"
     mgr.remove_forward_hooks()
 
 

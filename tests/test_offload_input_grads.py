@@ -1,15 +1,15 @@
 """Input gradients through frozen, offloaded weights (attribution, prompt
-tuning): exact in direct CPU mode, which computes from the host stores; the
-device pipeline (its CPU twin here; CUDA recycles buffers the same way)
-refuses clearly, since autograd would keep views of pooled buffers that
-later layers overwrite."""
+tuning): exact in place (``device="cpu"``), which computes from the host
+stores; the device pipeline (its CPU twin here; CUDA recycles buffers the
+same way) refuses clearly, with a typed error, since autograd would keep
+views of pooled buffers that later layers overwrite."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mapoffload import LayerwiseOffloadManager
+from mapoffload import LayerwiseOffloadManager, OffloadedGradientError
 
 from models import TinyModel
 
@@ -36,7 +36,7 @@ def frozen_pair():
     return ref, model
 
 
-def test_input_gradients_in_direct_mode_are_exact():
+def test_input_gradients_in_place_are_exact():
     ref, model = frozen_pair()
     want_y, want_g = blocks_grad(ref)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
@@ -52,9 +52,10 @@ def test_recording_autograd_through_the_device_pipeline_is_refused_clearly():
         want = ref(IDS)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True) as mgr:
         mgr.register_forward_hooks()
-        with pytest.raises(RuntimeError, match="device pipeline") as info:
+        with pytest.raises(OffloadedGradientError, match="device pipeline") as info:
             blocks_grad(model)
         assert "torch.no_grad" in str(info.value) and "blocks.0" in str(info.value)
+        assert (info.value.layer, info.value.reason) == (0, "autograd recorded")
         assert not any(mgr.is_loaded(i) for i in range(4))  # released, turn left
         with torch.no_grad():
             assert torch.equal(model(IDS), want)

@@ -58,7 +58,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
 def test_a_layer_run_without_hooks_fails_loudly_naming_the_layer(reference):
     model = TinyModel(width=32, layers=4)
     model.load_state_dict(reference.state_dict())
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True)  # the device path
     w = model.blocks[2].fc1.weight
     assert isinstance(w, OffloadedWeight)
     assert w.shape == reference.blocks[2].fc1.weight.shape and w.dtype == torch.float32
@@ -70,6 +70,11 @@ def test_a_layer_run_without_hooks_fails_loudly_naming_the_layer(reference):
     mgr.prefetch_layer(2, non_blocking=False)
     assert torch.equal(model.blocks[2].fc1.weight, reference.blocks[2].fc1.weight)
     mgr.close()
+    # In place nothing moves: without hooks the model runs from its host tensors as it is.
+    with LayerwiseOffloadManager(model, "blocks", device="cpu"):
+        assert not isinstance(model.blocks[2].fc1.weight, OffloadedWeight)
+        assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
+        assert model.state_dict().keys() == reference.state_dict().keys()
 
 
 def test_close_and_remove_hooks_give_the_model_back_whole(reference):
@@ -156,7 +161,7 @@ def test_fault_while_streaming_releases_the_layer_and_recovers(tmp_path, referen
 def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused(reference):
     model = TinyModel(width=32, layers=4)
     model.load_state_dict(reference.state_dict())
-    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True) as mgr:  # the device path
         w = model.blocks[0].fc1.weight
         assert isinstance(w, OffloadedWeight)
         assert w.device == torch.device("cpu") and not w.is_meta and w.get_device() == -1
@@ -164,6 +169,9 @@ def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused
         mgr.load_all_layers()  # loaded: real parameters in the slots
         with pytest.raises(ValueError, match="managed by another LayerwiseOffloadManager"):
             LayerwiseOffloadManager(model, "blocks", device="cpu")
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:  # in place: real parameters all along
+        with pytest.raises(ValueError, match="managed by another LayerwiseOffloadManager"):
+            LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as again:  # closed: free to take
         again.register_forward_hooks()
         assert torch.equal(no_grad_forward(model), no_grad_forward(reference))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mapoffload import LayerwiseOffloadManager, OffloadedWeight, empty_weights, load_checkpoint
+from mapoffload import LayerwiseOffloadManager, MappedRegions, OffloadedWeight, empty_weights, load_checkpoint
 from mapoffload._manager.placeholder import AlreadyOffloadedError
 from models import TinyModel, saveable_state
 
@@ -44,10 +44,11 @@ def _forward(model):
     lambda m: m.blocks.to(torch.float32),
     lambda m: m.blocks[1].to(torch.float32),
 ])
-def test_a_refused_conversion_changes_nothing(mapped_model, convert):
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
+def test_a_refused_conversion_changes_nothing(mapped_model, convert, twin):
     model = mapped_model
     expected = _forward(model)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=twin) as mgr:
         mgr.register_forward_hooks()
         before = _snapshot(model)
         with pytest.raises(RuntimeError, match=r"is offloaded by a LayerwiseOffloadManager and was converted"):
@@ -65,9 +66,12 @@ def test_an_allowed_conversion_still_runs(mapped_model):
     model = mapped_model
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         mgr.register_forward_hooks()
-        model.to("cpu")  # a device move the manager owns: placeholders stay
+        weight = model.blocks[0].fc1.weight
+        model.to("cpu")  # a device move the manager owns: the weights stay on their mapping
         model.to(torch.bfloat16)  # the same dtype: nothing to refuse
-        assert isinstance(model.blocks[0].fc1.weight, OffloadedWeight)
+        # In place the slots keep the real parameters, untouched by the conversion.
+        assert model.blocks[0].fc1.weight is weight and not isinstance(weight, OffloadedWeight)
+        assert MappedRegions().holds(weight)
         assert "_apply" in model.__dict__
     # Closed: the guard is gone and the model converts as any module does.
     assert "_apply" not in model.__dict__ and all("_apply" not in m.__dict__ for m in model.modules())

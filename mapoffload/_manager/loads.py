@@ -110,6 +110,10 @@ class InPlace:
         """Whether layer ``i`` computes from memory reused after it (autograd must not keep it)."""
         return False
 
+    def reuses(self, loaded: Loaded) -> bool:
+        """Whether this load computes from a buffer the next loads reuse (read again for autograd)."""
+        return False
+
     @property
     def window_bytes(self) -> int:
         """Anonymous memory holding the streaming window instead of the page cache (read-around buffers)."""
@@ -339,6 +343,9 @@ class ReadAround(ReadsAround, InPlace):
         # with this layer's bytes (the weights outside the layers fault with
         # read-around; the mapping path before a switch): let those go too.
         self._pages.let_go(i)
+
+    def reuses(self, loaded: Loaded) -> bool:
+        return "direct" in loaded.buffers
 
     def drop_in_flight(self, loaded: Loaded) -> None:
         if "direct" in loaded.buffers:

@@ -1,8 +1,9 @@
 """Placeholders for released weights: shape-correct, and loud when computed with.
 
-While a :class:`~mapoffload.LayerwiseOffloadManager` manages a layer, each of
-its parameter slots holds either the real parameter (its data on the device,
-while the layer is loaded) or an :class:`OffloadedWeight`: a parameter on the
+While a :class:`~mapoffload.LayerwiseOffloadManager` manages a layer on a
+device (CUDA, or the CPU twin), each of its parameter slots holds either the
+real parameter (its data on the device, while the layer is loaded) or an
+:class:`OffloadedWeight`: a parameter on the
 meta device, with the weight's shape, dtype and strides and no memory. Reading
 its metadata works (``shape``, ``dtype``, ``numel()``…, and ``device``, which
 answers the device the weight computes on, so code that inspects a model —
@@ -10,6 +11,11 @@ answers the device the weight computes on, so code that inspects a model —
 manager places it); anything that would read its values raises a
 ``RuntimeError`` naming the weight and its layer and saying how to load it —
 never a silent result computed from zeros or garbage.
+
+In place (``device="cpu"``) nothing moves and the slots keep the real
+parameters (the host tensors) all the time; a placeholder only stands in for
+its weight while a conversion (``model.to(...)``) runs, see
+:func:`stand_in`.
 """
 
 from __future__ import annotations
@@ -198,22 +204,55 @@ def owner_of(w: OffloadedWeight) -> object | None:
 # placeholder below it - a placeholder returns itself or raises, and converts
 # nothing - so a refused conversion raises before any tensor changed.
 
+#
+# In place (``device="cpu"``) the slots hold the real parameters, the mapped
+# tensors themselves, between forwards too. Each carries its placeholder as a
+# stand-in (:func:`stand_in`): while a conversion runs, the stand-ins take the
+# slots, so a dtype change is refused as above and a device move leaves the
+# weights on their mapping; then the real parameters are put back.
+
 _APPLY_STATE = threading.local()
 _GUARDS = "_mapoffload_apply_guards"
+_STAND_IN = "_mapoffload_stand_in"
+
+
+def stand_in(param: torch.nn.Parameter, placeholder: OffloadedWeight | None) -> None:
+    """``placeholder`` answers for the real ``param`` in conversions (None: no longer)."""
+    if placeholder is None:
+        param.__dict__.pop(_STAND_IN, None)
+    else:
+        param.__dict__[_STAND_IN] = placeholder
+
+
+def _swap_in_stand_ins(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any, Any]]:
+    swapped = []
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            s = None if p is None else p.__dict__.get(_STAND_IN)
+            if s is not None:
+                swapped.append((m, attr, p, s))
+                m._parameters[attr] = s
+    return swapped
 
 
 def _guarded_apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
     outer = not getattr(_APPLY_STATE, "active", False)
-    if outer:
+    if not outer:
+        return type(module)._apply(module, fn, *args, **kwargs)
+    swapped = _swap_in_stand_ins(module)
+    try:
         for p in module.parameters():
             if isinstance(p, OffloadedWeight):
                 fn(p)  # raises for a conversion the placeholder refuses
         _APPLY_STATE.active = True
-    try:
-        return type(module)._apply(module, fn, *args, **kwargs)
-    finally:
-        if outer:
+        try:
+            return type(module)._apply(module, fn, *args, **kwargs)
+        finally:
             _APPLY_STATE.active = False
+    finally:
+        for m, attr, p, s in swapped:
+            if m._parameters.get(attr) is s:
+                m._parameters[attr] = p
 
 
 def guard_conversions(model: torch.nn.Module) -> None:

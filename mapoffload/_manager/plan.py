@@ -120,7 +120,10 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
 
 
 def _outside_params(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[dict[int, torch.Tensor], dict[int, list]]:
-    """CPU parameters of the modules outside ``layers`` (by id), and the modules holding each."""
+    """CPU parameters of the modules outside ``layers`` that no manager offloads (by id), and the modules
+    holding each."""
+    from .rest import managed  # placeholders, and in place the real parameters another manager offloads
+
     inside = {id(m) for layer in layers for m in layer.modules()}
     holders: dict[int, list] = {}
     params: dict[int, torch.Tensor] = {}
@@ -128,7 +131,7 @@ def _outside_params(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
         if id(m) in inside:
             continue
         for p in m._parameters.values():
-            if p is not None and p.device.type == "cpu" and not isinstance(p, OffloadedWeight):
+            if p is not None and p.device.type == "cpu" and not managed(p):
                 holders.setdefault(id(p), []).append(m)
                 params[id(p)] = p
     return params, holders

@@ -136,15 +136,15 @@ class OffloadHandle:
 
 
 def _rest_tensors(model: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, str, Any]]]:
-    """Parameters not held by a manager (placeholders skipped, each object
-    once) and every buffer, as (module, name, tensor)."""
-    from .._manager.placeholder import OffloadedWeight
+    """Parameters not held by a manager (placeholders and, in place, the managed real
+    parameters skipped; each object once) and every buffer, as (module, name, tensor)."""
+    from .._manager.rest import managed
 
     params, seen = [], set()
     buffers = []
     for module in model.modules():
         for p in module._parameters.values():
-            if p is None or isinstance(p, OffloadedWeight) or id(p) in seen:
+            if p is None or managed(p) or id(p) in seen:
                 continue
             seen.add(id(p))
             params.append(p)
