@@ -4,8 +4,8 @@ Every engine of this module runs in one subprocess (tests/vllm_runs.py), one
 after another: vLLM's import is the slow part. Per architecture: vLLM's own
 loader; ours keeping the mapping with the CPU's packed GEMM (tokens and
 logprobs must be vLLM's, bit for bit); ours computing from the mapped weights
-(a second start: the conversion folder is reused), against vLLM's loader
-computing the same way.
+(its own conversion: packing decides what vLLM rebuilds) against vLLM's loader
+computing the same way; and a second start of that, which maps the folder.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def _runs(folders: dict[str, str]) -> list[dict]:
             {**base, "name": f"{arch}/vllm", "load_format": "auto"},
             {**base, "name": f"{arch}/packed", "load_format": "mapoffload", "extra": KEEP_PACKED},
             {**base, "name": f"{arch}/mapped", "load_format": "mapoffload", "extra": KEEP_MAPPED},
+            {**base, "name": f"{arch}/mapped_again", "load_format": "mapoffload", "extra": KEEP_MAPPED},
             {**base, "name": f"{arch}/vllm_unpacked", "load_format": "mapoffload", "extra": COPY_UNPACKED},
         ]
     llama = {"folder": folders["llama"], "prompts": PROMPTS, "max_tokens": 8, "load_format": "mapoffload"}
@@ -86,12 +87,14 @@ def test_mapped_compute_equals_vllms_loader_computing_alike(engines, arch):
     assert ours["tokens"] == _ok(results, f"{arch}/vllm")["tokens"]
 
 
+@pytest.mark.parametrize("run", ["mapped", "mapped_again"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_weights_stay_mapped(engines, arch):
+def test_weights_stay_mapped(engines, arch, run):
     """Every parameter is a view of a file: the checkpoint's, or the conversion folder's (the process's
-    mappings say so, not the loader's own report), and the report agrees with them."""
+    mappings say so, not the loader's own report), and the report agrees with them -- the weights
+    vLLM rebuilds after loading (the CPU MoE kernel's prepacked experts) included."""
     results, _ = engines
-    where = _ok(results, f"{arch}/mapped")["where"]
+    where = _ok(results, f"{arch}/{run}")["where"]
     assert where["unmapped"] == [] and where["anonymous"] == 0 and where["other"] == 0
     assert where["checkpoint"] > 0, "nothing stayed a view of the checkpoint"
     bound = where["bound"]
@@ -103,9 +106,12 @@ def test_weights_stay_mapped(engines, arch):
 def test_second_start_maps_the_conversion(engines, arch):
     results, folders = engines
     assert _ok(results, f"{arch}/packed")["where"]["bound"]["reused"] is False
-    assert _ok(results, f"{arch}/mapped")["where"]["bound"]["reused"] is True
+    assert _ok(results, f"{arch}/mapped")["where"]["bound"]["reused"] is False  # packing is part of the key
+    again, first = _ok(results, f"{arch}/mapped_again"), _ok(results, f"{arch}/mapped")
+    assert again["where"]["bound"]["reused"] is True
+    assert (again["tokens"], again["logprobs"]) == (first["tokens"], first["logprobs"])
     root = os.path.join(folders[arch], ".mapoffload-converted")
-    assert [n for n in os.listdir(root) if not n.startswith(".")], "no finished conversion folder"
+    assert len([n for n in os.listdir(root) if not n.startswith(".")]) == 2, "one conversion per packing"
 
 
 def test_copies_as_vllm_does_without_keep_mapping(engines):

@@ -35,8 +35,25 @@ class Bound:
     converted: int = 0  # bytes in the conversion folder (mapped too)
     copied: int = 0  # bytes a weight loader put in memory of its own
     reused: bool = False  # the conversion folder was there already
-    folder: str | None = None  # where the conversion lives (None: nothing converted)
+    folder: str | None = None  # where the conversion lives (None: none kept)
     copied_names: list[str] = field(default_factory=list)
+    sources: SourceIndex | None = field(default=None, repr=False)  # the checkpoint's tensors, by address
+
+    def recount(self, model: torch.nn.Module) -> None:
+        """Count where ``model``'s parameters are now (after vLLM's post-processing replaced some):
+        views of the checkpoint, of another file (the conversion folder), or memory of their own."""
+        from ..regions import MappedRegions
+
+        params = [p for p in model.parameters() if p.numel()]
+        in_files = MappedRegions().classify(params)
+        self.mapped = self.converted = self.copied = 0
+        for p, in_file in zip(params, in_files):
+            if self.sources is not None and self.sources.find(p.data) is not None:
+                self.mapped += tensor_bytes(p)
+            elif in_file:
+                self.converted += tensor_bytes(p)
+            else:
+                self.copied += tensor_bytes(p)
 
 
 def conversion_key(files: list[str], *, architecture: str, dtype: Any, hf_config: Any, extra: dict) -> str:
@@ -68,7 +85,7 @@ def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
             plan[name] = converted[name]
         else:
             return None
-    bound = Bound(reused=True, folder=cache.path)
+    bound = Bound(reused=True)
     for name, t in plan.items():
         params[name].data = t
         if name in aliases:
@@ -118,20 +135,19 @@ def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cach
     cache.meta = {"vllm": {"format": FORMAT, "aliases": aliases}}
     if bound.copied_names:
         logger.warning("vLLM's loaders replaced %d parameter(s) with memory of their own (%s): they are not "
-                       "mapped and the conversion will not hold them", len(bound.copied_names),
-                       ", ".join(bound.copied_names[:5]))
-    if bound.copied_names:
-        cache.abandon()  # a later start could not rebuild those parameters from the folder
-        return bound
-    cache.commit()
-    bound.folder = cache.path if bound.converted else None
+                       "mapped, and no conversion is kept (a later start could not rebuild them from it)",
+                       len(bound.copied_names), ", ".join(bound.copied_names[:5]))
+        cache.abandon()
     return bound
 
 
 def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir: str | None,
-                folder: str, check_loaded: Any) -> Bound:
-    """Bind ``model``'s parameters to the checkpoint ``files`` and the conversion ``key``
-    (reused when finished and whole, written otherwise)."""
+                folder: str, check_loaded: Any) -> tuple[Bound, ConversionCache]:
+    """Bind ``model``'s parameters to the checkpoint ``files`` and the conversion ``key``.
+
+    A finished, whole conversion is reused; otherwise one is written, and returned *unfinished*:
+    the caller adds what post-processing rebuilds, then commits it (or abandons it on failure).
+    """
     params = dict(model.named_parameters())
     tensors = _read_files(files)
     root = cache_dir or default_root(folder)
@@ -139,9 +155,11 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
     if cache.reused:
         bound = _rebind(params, cache, tensors)
         if bound is not None:
-            bound.folder = cache.path if bound.converted else None
-            return bound
+            bound.sources = SourceIndex(tensors)
+            return bound, cache
         logger.warning("conversion %s does not cover this model's parameters: converting again", cache.path)
         cache = ConversionCache(root, key)
     os.makedirs(root, exist_ok=True)
-    return _convert(model, params, cache, tensors, check_loaded)
+    bound = _convert(model, params, cache, tensors, check_loaded)
+    bound.sources = SourceIndex(tensors)
+    return bound, cache

@@ -10,6 +10,7 @@ conversion folder (what vLLM builds: see :mod:`._convert`). Options go through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -22,6 +23,7 @@ from ._compute import mapped_linear
 from ._convert import Bound, bind_mapped, conversion_key
 from ._errors import VllmLoadError, VllmVersionError
 from ._options import LoaderOptions
+from ._postprocess import PostProcessed
 
 TESTED = ((0, 32), (0, 33))  # vLLM versions from the first (inclusive) to the second (exclusive)
 
@@ -94,7 +96,8 @@ class _Loader:
             return DefaultModelLoader(config).load_model(vllm_config=vllm_config, model_config=model_config,
                                                           prefix=prefix)
 
-    def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str) -> str:  # noqa: ANN001
+    def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str,
+             pack: bool) -> str:  # noqa: ANN001
         import vllm
 
         parallel = vllm_config.parallel_config
@@ -109,15 +112,18 @@ class _Loader:
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
                               extra={"vllm": vllm.__version__, **layout, "quantization": model_config.quantization,
-                                     "parameters": shapes})
+                                     "pack": pack, "parameters": shapes})
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
         from vllm.config import get_current_vllm_config
 
-        return self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__)
+        bound, cache = self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__,
+                                  pack=False)
+        _finish(bound, cache)
+        return bound
 
-    def _bind(self, model, model_config, vllm_config, architecture: str) -> Bound:  # noqa: ANN001
+    def _bind(self, model, model_config, vllm_config, architecture: str, pack: bool):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         folder = _local_folder(model_config.model)
@@ -127,8 +133,9 @@ class _Loader:
             if loaded is not None:  # vLLM's own check: every parameter came from the checkpoint
                 DefaultModelLoader.track_weights_loading(self, m, loaded, quantized=False)  # type: ignore[arg-type]
 
-        return bind_mapped(model, files, key=self._key(files, model, model_config, vllm_config, architecture),
-                           cache_dir=self.options.cache_dir, folder=folder, check_loaded=check_loaded)
+        key = self._key(files, model, model_config, vllm_config, architecture, pack)
+        return bind_mapped(model, files, key=key, cache_dir=self.options.cache_dir, folder=folder,
+                           check_loaded=check_loaded)
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:  # noqa: ANN001
         """Build vLLM's model, bind its weights to the mapping (or copy them, as asked or as the gate
@@ -153,9 +160,17 @@ class _Loader:
             return model
         with set_default_torch_dtype(model_config.dtype), device:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        bound = self._bind(model, model_config, vllm_config, architecture)
-        with mapped_linear(not pack):
-            process_weights_after_loading(model, model_config, device)
+        bound, cache = self._bind(model, model_config, vllm_config, architecture, pack)
+        post = PostProcessed(cache)
+        try:
+            with post.watching(model) if not bound.copied_names else contextlib.nullcontext(), \
+                    mapped_linear(not pack):
+                process_weights_after_loading(model, model_config, device)
+        except BaseException:
+            cache.abandon()
+            raise
+        _finish(bound, cache)
+        bound.recount(model)
         where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
                  else "no conversion needed")
         logger.info("mapoffload: vLLM %s kept on the mapping (%s): %s mapped from the checkpoint, %s converted "
@@ -163,6 +178,14 @@ class _Loader:
                     format_bytes(bound.converted), where, format_bytes(bound.copied), compute)
         model.mapoffload_bound = bound
         return model.eval()
+
+
+def _finish(bound: Bound, cache) -> None:  # noqa: ANN001
+    """Commit a conversion written by this start (a reused one is already whole)."""
+    if not cache.reused and not bound.copied_names:
+        cache.commit()
+    if cache.reused or (not bound.copied_names and cache.tensors):
+        bound.folder = cache.path
 
 
 def make_loader_class() -> type:
