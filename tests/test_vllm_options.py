@@ -1,0 +1,71 @@
+"""The vLLM load format's options, version range and entry point (no vLLM needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from mapoffload.vllm import VllmLoadError, VllmVersionError
+from mapoffload.vllm._options import LoaderOptions
+from mapoffload.vllm.loader import TESTED, _local_folder, _safetensors_files, check_version
+
+
+def test_defaults_and_values():
+    assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions(None, None, None)
+    assert LoaderOptions.parse({"keep_mapping": True, "pack": False, "cache_dir": "/x"}) == \
+        LoaderOptions(True, False, "/x")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ([("keep_mapping", True)], "must be a dict"),
+    ({"keep_maping": True}, "unknown key(s) ['keep_maping']"),
+    ({"keep_mapping": "yes"}, "keep_mapping"),
+    ({"pack": 1}, "'pack'"),
+    ({"cache_dir": ""}, "cache_dir"),
+])
+def test_bad_options_are_named(extra, needle):
+    with pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse(extra)
+    assert needle in str(info.value)
+
+
+def test_unknown_key_lists_the_known_ones():
+    with pytest.raises(VllmLoadError, match="keep_mapping: .*pack: .*cache_dir: "):
+        LoaderOptions.parse({"nope": 1})
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1rc1", "0.32.0+cpu"])
+def test_tested_versions_pass(version):
+    check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "0.4.2"])
+def test_other_versions_name_both(version):
+    with pytest.raises(VllmVersionError) as info:
+        check_version(version)
+    low, high = TESTED
+    assert version in str(info.value) and f">={low[0]}.{low[1]},<{high[0]}.{high[1]}" in str(info.value)
+
+
+def test_folder_and_files_are_checked(tmp_path):
+    with pytest.raises(VllmLoadError, match="maps a local folder"):
+        _local_folder("meta-llama/Llama-3-8B")
+    import torch
+
+    torch.save({"w": torch.zeros(2)}, str(tmp_path / "pytorch_model.bin"))
+    with pytest.raises(VllmLoadError, match="safetensors checkpoints only"):
+        _safetensors_files(str(tmp_path))
+
+
+def test_entry_point_is_the_register_function():
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "mapoffload"]
+    assert [ep.value for ep in eps] == ["mapoffload.vllm:register"]
+
+
+def test_importing_mapoffload_never_imports_vllm():
+    code = "import sys, mapoffload, mapoffload.vllm, mapoffload.vllm.loader; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "False"
