@@ -76,9 +76,12 @@ def _print_conversions(data: dict) -> None:
     for root, entries in by_root.items():
         done = [c for c in entries if c["finished"]]
         print(f"conversions: {len(done)} in {root}")  # a path, whole (as the first line's)
-        words = [f"{c['key']}: {c['tensors']} tensors, {format_bytes(c['bytes'])}" for c in done]
+        words = [f"{c['key']}: {c['tensors']} tensors, {format_bytes(c['bytes'])}"
+                 + (" (vLLM)" if c.get("for") == "vllm" else "") for c in done]
         if done:
-            words.append("a load reuses the one made for the same folder, class, dtype, config and versions")
+            words.append("a load reuses the one made for the same folder, class, dtype, config and versions"
+                         + (" (vLLM: and parallel layout, packing)" if any(c.get("for") == "vllm" for c in done)
+                            else ""))
         unfinished = len(entries) - len(done)
         if unfinished:
             words.append(f"{unfinished} unfinished (no manifest: converted again by the next load)")

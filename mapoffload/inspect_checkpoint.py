@@ -134,16 +134,19 @@ def entry_points(path: str, gate_keeps: bool) -> dict[str, str]:
 
 
 def _dir_bytes(path: str) -> int:
+    """Bytes the folder's files take on disk (a vLLM conversion's part is sparse: what vLLM kept
+    unchanged is a view of the checkpoint, a hole in the part)."""
     total = 0
     for entry in os.scandir(path):
         if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
+            st = entry.stat(follow_symlinks=False)
+            total += min(st.st_size, st.st_blocks * 512)
     return total
 
 
 def conversions(folder: str) -> list[dict]:
-    """The conversion folders ``from_pretrained`` (or a pipeline's component)
-    left beside the checkpoint in ``folder``: ``<folder>/.mapoffload-converted/<fingerprint>/``,
+    """The conversion folders ``from_pretrained`` (or a pipeline's component, or vLLM's
+    ``mapoffload`` load format: ``"for"`` says which) left beside the checkpoint in ``folder``: ``<folder>/.mapoffload-converted/<fingerprint>/``,
     finished when its manifest is there (:mod:`mapoffload.hf._converted`).
 
     Which one a later load reuses depends on what it asks for (class, dtype,
@@ -161,19 +164,23 @@ def conversions(folder: str) -> list[dict]:
         path = os.path.join(root, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        tensors, finished = 0, False
+        tensors, finished, made_for = 0, False, None
         if not name.startswith("."):  # ".<key>.<random>": a conversion being written, or one that died
             try:
                 with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-                    tensors = len(json.load(f)["tensors"])
+                    manifest = json.load(f)
+                tensors = len(manifest["tensors"])
+                meta = manifest.get("meta") or {}
+                made_for = "vllm" if isinstance(meta, dict) and "vllm" in meta else "transformers"
                 finished = True
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
         try:
             nbytes = _dir_bytes(path)
         except OSError:
             nbytes = 0
-        out.append({"path": path, "key": name, "finished": finished, "tensors": tensors, "bytes": nbytes})
+        out.append({"path": path, "key": name, "finished": finished, "tensors": tensors, "bytes": nbytes,
+                    "for": made_for})
     return out
 
 

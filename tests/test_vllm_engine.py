@@ -135,3 +135,13 @@ def test_damaged_conversion_is_rebuilt(engines):
     assert rebuilt["where"]["unmapped"] == []
     assert (rebuilt["tokens"], rebuilt["logprobs"]) == (_ok(results, "llama/mapped")["tokens"],
                                                          _ok(results, "llama/mapped")["logprobs"])
+
+
+def test_inspect_lists_the_vllm_conversions(engines):
+    from mapoffload.inspect_checkpoint import conversions
+
+    _, folders = engines
+    found = [c for c in conversions(folders["llama"]) if c["finished"]]
+    assert found and {c["for"] for c in found} == {"vllm"}
+    out = subprocess.run(["mapoffload", "inspect", folders["llama"]], capture_output=True, text=True, check=True)
+    assert "(vLLM)" in out.stdout
