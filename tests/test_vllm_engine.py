@@ -97,6 +97,7 @@ def test_weights_stay_mapped(engines, arch, run):
     where = _ok(results, f"{arch}/{run}")["where"]
     assert where["unmapped"] == [] and where["anonymous"] == 0 and where["other"] == 0
     assert where["checkpoint"] > 0, "nothing stayed a view of the checkpoint"
+    assert where["managers"] == 1  # mapped and unpacked: its decoder layers stream under the host's budget
     bound = where["bound"]
     assert bound["copied"] == 0
     assert (bound["mapped"], bound["converted"]) == (where["checkpoint"], where["conversion"])

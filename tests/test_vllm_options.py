@@ -14,9 +14,9 @@ from mapoffload.vllm.loader import TESTED, _local_folder, _safetensors_files, ch
 
 
 def test_defaults_and_values():
-    assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions(None, None, None)
-    assert LoaderOptions.parse({"keep_mapping": True, "pack": False, "cache_dir": "/x"}) == \
-        LoaderOptions(True, False, "/x")
+    assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions(None, None, None, None)
+    assert LoaderOptions.parse({"keep_mapping": True, "pack": False, "cache_dir": "/x", "stream_layers": True}) == \
+        LoaderOptions(True, False, "/x", True)
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -25,6 +25,9 @@ def test_defaults_and_values():
     ({"keep_mapping": "yes"}, "keep_mapping"),
     ({"pack": 1}, "'pack'"),
     ({"cache_dir": ""}, "cache_dir"),
+    ({"stream_layers": "auto"}, "stream_layers"),
+    ({"stream_layers": True, "pack": True}, "cannot go with"),
+    ({"stream_layers": True, "keep_mapping": False}, "cannot go with"),
 ])
 def test_bad_options_are_named(extra, needle):
     with pytest.raises(VllmLoadError) as info:

@@ -50,3 +50,25 @@ def save_tiny(arch: str, folder: str, *, seed: int = 0, dtype: str = "bfloat16")
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     return folder
+
+
+def save_llama(folder: str, *, hidden: int = 1024, intermediate: int = 4096, layers: int = 12,
+               vocab: int = 32000, seed: int = 0) -> str:
+    """A Llama of a chosen size (bf16, random weights): ``layers=12`` is about 0.5 GB."""
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                            num_key_value_heads=max(1, hidden // 256), max_position_embeddings=256,
+                            tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder

@@ -49,10 +49,26 @@ def _where(model) -> dict:  # noqa: ANN001
             out["checkpoint"] += n
         else:
             out["other"] += n
+    out["managers"] = len(getattr(model, "mapoffload_managers", None) or [])
     bound = getattr(model, "mapoffload_bound", None)
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
                                                "copied": bound.copied, "reused": bound.reused}
     return out
+
+
+def _status() -> dict:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def _corrupt(folder: str) -> None:
@@ -78,8 +94,11 @@ def run(spec: dict) -> dict:
               enforce_eager=True, max_model_len=128, load_format=spec["load_format"], seed=0, **kwargs)
     try:
         sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
+        result = {"tokens": [], "logprobs": [], "after_init": _status()}
+        read = _read_bytes()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp, use_tqdm=False)
-        result = {"tokens": [], "logprobs": []}
+        result["read_bytes"] = _read_bytes() - read
+        result["after_generate"] = _status()
         for o in outs:
             c = o.outputs[0]
             result["tokens"].append(list(c.token_ids))

@@ -12,6 +12,9 @@ KEYS = {
                     "does, absent asks the host-copy gate",
     "pack": "true packs linear weights for the CPU's GEMM library (an owned copy, faster), false computes "
             "from the mapped weights; absent packs exactly when the weights are copies",
+    "stream_layers": "true streams the decoder layers through the page cache under the host's budget (a "
+                     "fixed set stays cached, the rest is read and let go each forward), false never; absent "
+                     "streams whenever weights are mapped and computed unpacked",
     "cache_dir": "the folder conversions are written to (default: beside the checkpoint, as for from_pretrained)",
 }
 
@@ -23,6 +26,7 @@ class LoaderOptions:
     keep_mapping: bool | None = None
     pack: bool | None = None
     cache_dir: str | None = None
+    stream_layers: bool | None = None
 
     @classmethod
     def parse(cls, extra: Any) -> LoaderOptions:
@@ -43,11 +47,14 @@ class LoaderOptions:
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
             raise VllmLoadError(f"model_loader_extra_config: unknown key(s) {unknown} for load format "
                                 f"'mapoffload' (it takes {known})")
-        for key in ("keep_mapping", "pack"):
+        for key in ("keep_mapping", "pack", "stream_layers"):
             if extra.get(key) is not None and not isinstance(extra[key], bool):
                 raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be true, false or absent, "
                                     f"got {extra[key]!r}")
         cache_dir = extra.get("cache_dir")
         if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
             raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}")
-        return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir)
+        if extra.get("stream_layers") and (extra.get("keep_mapping") is False or extra.get("pack")):
+            raise VllmLoadError("model_loader_extra_config: stream_layers=true streams mapped weights computed "
+                                "unpacked; it cannot go with keep_mapping=false or pack=true")
+        return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir, extra.get("stream_layers"))

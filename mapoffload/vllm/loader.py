@@ -24,6 +24,7 @@ from ._convert import Bound, bind_mapped, conversion_key
 from ._errors import VllmLoadError, VllmVersionError
 from ._options import LoaderOptions
 from ._postprocess import PostProcessed
+from ._stream import stream_layers
 
 TESTED = ((0, 32), (0, 33))  # vLLM versions from the first (inclusive) to the second (exclusive)
 
@@ -84,6 +85,8 @@ class _Loader:
         keep = self.options.keep_mapping
         if keep is not None:
             return keep, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
+        if self.options.stream_layers:
+            return True, "stream_layers=true in model_loader_extra_config"
         weight_bytes = sum(os.path.getsize(f) for f in files)
         keep = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=f"vLLM {architecture}")
         return keep, "host copies would not fit (the gate)" if keep else "host copies fit (the gate)"
@@ -171,6 +174,8 @@ class _Loader:
             raise
         _finish(bound, cache)
         bound.recount(model)
+        stream = self.options.stream_layers if self.options.stream_layers is not None else not pack
+        model.mapoffload_managers = stream_layers(model) if stream else []
         where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
                  else "no conversion needed")
         logger.info("mapoffload: vLLM %s kept on the mapping (%s): %s mapped from the checkpoint, %s converted "

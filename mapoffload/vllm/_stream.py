@@ -1,0 +1,31 @@
+"""Decoder layers streamed through the page cache inside a vLLM engine.
+
+With the weights mapped and computed unpacked, a vLLM model is a plain
+module over file pages: :class:`mapoffload.LayerwiseOffloadManager` with
+``device="cpu"`` (in place: nothing moves, parameters stay the mapped tensors)
+over each stack of decoder layers lets the process-wide page-cache
+coordinator plan which layers stay cached under the host's budget (the
+tightest cgroup cap) and read ahead and let go the rest around each forward.
+Uncapped, the plan keeps every layer: the hooks only check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._log import logger
+from ..hf.blocks import find_block_lists
+
+
+def stream_layers(model: torch.nn.Module, *, prefetch_layers: int = 1) -> list:
+    """One in-place manager per stack of ``model`` with its forward hooks registered; returns them."""
+    from ..offload import LayerwiseOffloadManager
+
+    managers = []
+    for path, _ in find_block_lists(model):
+        manager = LayerwiseOffloadManager(model, path, device="cpu", prefetch_layers=prefetch_layers)
+        manager.register_forward_hooks()
+        managers.append(manager)
+        logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
+                    len(manager.resident_layer_bytes()), manager)
+    return managers
