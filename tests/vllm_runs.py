@@ -49,7 +49,10 @@ def _where(model) -> dict:  # noqa: ANN001
             out["checkpoint"] += n
         else:
             out["other"] += n
-    out["managers"] = len(getattr(model, "mapoffload_managers", None) or [])
+    managers = getattr(model, "mapoffload_managers", None) or []
+    out["managers"] = len(managers)
+    out["streaming"] = [{"stream_reads": m.stream_reads, "resident": sum(m.resident_layer_bytes()),
+                         "mapped": m.mapped_bytes, "repr": repr(m)} for m in managers]
     bound = getattr(model, "mapoffload_bound", None)
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
                                                "copied": bound.copied, "reused": bound.reused}
