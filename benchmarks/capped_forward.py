@@ -24,6 +24,12 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 which)
   mapoffload-direct  the same with stream_reads="direct" (O_DIRECT from the
                 start; issue 18's tight caps)
+  plain         the plain API (issue 25): the model built on meta (empty_weights,
+                AutoModelForCausalLM.from_config), load_checkpoint(model, folder,
+                keep_mapping=True), LayerwiseOffloadManager(model, "model.layers",
+                device="cpu", prefetch_layers=1) with its default stream_reads="auto",
+                hooks registered
+  plain-mapping (not run by default) the same with stream_reads="mapping"
   twin-mapping, twin-direct  (not run by default) the device pipeline's CPU
                 twin over the layers (LayerwiseOffloadManager(cpu_twin=True,
                 host_store="mapped")): each layer copied through the copier
@@ -50,7 +56,9 @@ reads the cgroup's usage as its baseline and sets the cap
   base+10%      baseline + 10 % of the checkpoint's bytes
 
 (swap capped too: v1 memory.memsw.limit_in_bytes where present, v2
-memory.swap.max = 0). The baseline is the cgroup's whole usage, so it holds
+memory.swap.max = 0). The baseline is the cgroup's whole usage (with
+``--baseline vmrss``: the process's VmRSS after the imports, issue 25's
+setup, where the libraries' unmapped page cache is not part of the cap), so it holds
 the page cache of the libraries the imports read (~180 MiB of ~440 MiB here;
 ``cgroup_baseline_file_cache`` in the JSON): under the cap that cache is
 reclaimable, and the model gets up to that much more than its budget.
@@ -73,6 +81,8 @@ Columns:
                       come from the disk again in every forward when only the
                       budget can stay in memory (0 without a cap)
   read/bound          read MB/fwd over the bound
+  read/ckpt           read MB/fwd over the checkpoint's bytes (issue 25: <= 1.1 when
+                      nothing can stay cached)
   fwd s               mean wall seconds of forwards 2..N
   fwd / tf            over transformers' under the same cap in the same run
   disk s              read MB/fwd at the disk's sequential bandwidth (measured
@@ -115,7 +125,7 @@ pip install ".[bench]").
 
 Run (as root, on a machine with cgroups): python benchmarks/capped_forward.py
      [--hidden 1024] [--intermediate 3584] [--layers 24] [--vocab 32000]
-     [--dtype float32|bfloat16] [--seq 128] [--forwards 4] [--caps none,50,10]
+     [--dtype float32|bfloat16] [--tie] [--baseline cgroup|vmrss] [--seq 128] [--forwards 4] [--caps none,50,10]
      [--contenders transformers,mapoffload] [--threads N] [--timeout 900]
      [--dir /a/disk/not/tmpfs] [--keep] [--json out.json] [--fp8 [--figure out.png]]
 """
@@ -136,10 +146,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "twin-mapping", "twin-direct",
-              "cuda-mapping", "cuda-direct", "cuda-fp8")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "plain", "plain-mapping",
+              "twin-mapping", "twin-direct", "cuda-mapping", "cuda-direct", "cuda-fp8")
 FP8_PAIRS = (("mapoffload-fp8", "mapoffload"), ("cuda-fp8", "cuda-mapping"))  # --fp8: (fp8, its bf16 twin)
-DEFAULT_CONTENDERS = CONTENDERS[:4]
+DEFAULT_CONTENDERS = CONTENDERS[:5]
 MIB = 1 << 20
 MB = 1e6
 NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
@@ -228,6 +238,14 @@ def _proc_io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
 
 
+def _vmrss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmRSS in /proc/self/status")
+
+
 def _major_faults() -> int:
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[9])  # field 12, majflt
@@ -265,6 +283,9 @@ def child(args: argparse.Namespace) -> None:
     if args.cgroup:
         row["cgroup_baseline"] = baseline = _cg_usage(args.cgroup)
         row["cgroup_baseline_file_cache"] = _cg_file_cache(args.cgroup)
+        row["vmrss_baseline"] = _vmrss()
+        if args.baseline == "vmrss":  # issue 25's setup: the libraries' unmapped page cache is not given
+            baseline = row["vmrss_baseline"]
         if args.fraction is not None:
             if baseline is None:
                 raise OSError(f"cannot read the usage of {args.cgroup}")
@@ -291,6 +312,17 @@ def child(args: argparse.Namespace) -> None:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cuda",
                                            stream_reads="auto" if args.contender == "cuda-fp8"
                                            else args.contender[len("cuda-"):])
+    elif args.contender.startswith("plain"):  # the plain API: load_checkpoint + LayerwiseOffloadManager
+        from transformers import AutoConfig
+
+        with mapoffload.empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.folder), dtype=dtype)
+        mapoffload.load_checkpoint(model, args.folder, keep_mapping=True)
+        model.eval()
+        plain = mapoffload.LayerwiseOffloadManager(
+            model, "model.layers", device="cpu", prefetch_layers=1,
+            stream_reads="mapping" if args.contender == "plain-mapping" else "auto")
+        plain.register_forward_hooks()
     else:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
     row["load_s"] = time.perf_counter() - t0
@@ -336,6 +368,13 @@ def child(args: argparse.Namespace) -> None:
         row["stream_reads"] = {"model.layers": [twin.stream_reads, twin.stream_reads_why]}
         row["twin_plan"] = twin.residency.describe()
         twin.close()
+    if args.contender.startswith("plain"):
+        from mapoffload._manager.coordinator import coordinator
+
+        row["stream_reads"] = {"model.layers": [plain.stream_reads, plain.stream_reads_why]}
+        row["page_cache_after"] = coordinator().describe()
+        row["plans_after"] = {"model.layers": plain.residency.describe()}
+        plain.close()
     row["anon_peak_forwards"] = sampler.stop()
     row["anon_peak"] = max(row["anon_peak_load"], row["anon_peak_forwards"])
     row["anon_samples"] = sampler.samples
@@ -416,7 +455,7 @@ def run(contender: str, cap: str, folder: str, out: str, sizes: dict, args: argp
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--contender", contender, "--cap", cap,
            "--folder", folder, "--out", out, "--dtype", args.dtype, "--vocab", str(args.vocab),
            "--seq", str(args.seq), "--forwards", str(args.forwards), "--threads", str(args.threads),
-           "--checkpoint-bytes", str(sizes["checkpoint_bytes"])]
+           "--checkpoint-bytes", str(sizes["checkpoint_bytes"]), "--baseline", args.baseline]
     if cap != "none":
         cmd += ["--fraction", str(int(cap) / 100)]
     with memory_cgroup(NO_LIMIT) as cgroup:
@@ -468,7 +507,7 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
     na = "-"
     if r["outcome"] != "yes":
         return [r["contender"], cap, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
-                na, na, f"{bound / MB:.0f}", na, na, na, na, na,
+                na, na, f"{bound / MB:.0f}", na, na, na, na, na, na,
                 f"{r['anon_peak'] / MIB:.0f}" if "anon_peak" in r else na, na]
     read = _mean_rest(r["forward_read_bytes"])
     fwd = _mean_rest(r["forward_s"])
@@ -476,7 +515,8 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
     r["read_bytes_per_forward"], r["forward_s_mean"], r["disk_s_per_forward"] = read, fwd, disk_s
     return [
         r["contender"], cap, "yes", f"{r['load_s']:.2f}", f"{read / MB:.0f}", f"{r['forward_read_bytes'][0] / MB:.0f}",
-        f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{fwd:.3f}",
+        f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{read / r.get('folder_bytes', ckpt):.2f}",
+        f"{fwd:.3f}",
         f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
         f"{r['anon_peak'] / MIB:.0f} (+{(r['anon_peak'] - r['anon_baseline']) / MIB:.0f})",
         "-" if r.get("logits_equal") is None else "yes" if r["logits_equal"] else "NO",
@@ -525,10 +565,14 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 64)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = heads)")
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tie", action="store_true", help="tie the head to the embedding (tie_word_embeddings)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--forwards", type=int, default=4)
     ap.add_argument("--caps", default="none,50,10",
                     help="comma list: none, or a percentage of the checkpoint's bytes above the baseline")
+    ap.add_argument("--baseline", choices=("cgroup", "vmrss"), default="cgroup",
+                    help="what the caps are above: the cgroup's usage after the imports (the libraries' page "
+                         "cache included) or the process's VmRSS then (issue 25's setup: that cache is not given)")
     ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                     help="which to run (transformers without a cap always runs: its logits are the reference)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's)")
@@ -594,7 +638,7 @@ def main(argv=None) -> int:
         folder = os.path.join(work, "model")
         sizes = generate(folder, args)
         print(f"model: Llama-style, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
-              f"vocab {args.vocab}, {args.dtype}: {sizes['params'] / 1e6:.1f} M parameters, "
+              f"vocab {args.vocab}{' tied' if args.tie else ''}, {args.dtype}: {sizes['params'] / 1e6:.1f} M parameters, "
               f"{sizes['checkpoint_bytes'] / MIB:.1f} MiB in {sizes['shards']} shard(s), "
               f"generated in {sizes['generate_s']:.1f} s")
         folders = {c: folder for c in CONTENDERS}
@@ -639,13 +683,13 @@ def main(argv=None) -> int:
     rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"])) for r in results]
     print()
     print_table(["contender", "cap", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
-                 "read/bound", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
+                 "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
     if args.fp8:
         _fp8_targets(results, sizes, args)
     emit_json("capped_forward", {
         "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
-        "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "seq": args.seq,
-        "forwards": args.forwards, "caps": caps, "threads": args.threads or None, "timeout_s": args.timeout,
+        "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tie": args.tie, "seq": args.seq,
+        "forwards": args.forwards, "caps": caps, "baseline": args.baseline, "threads": args.threads or None, "timeout_s": args.timeout,
         "python": sys.version.split()[0], "torch": torch.__version__, "transformers": _version("transformers"),
         "mapoffload": _version("mapoffload"), **sizes, **disk, "results": results,
     }, args.json)

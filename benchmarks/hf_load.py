@@ -138,12 +138,13 @@ def generate(folder: str, args: argparse.Namespace) -> dict:
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-        max_position_embeddings=max(2048, args.seq), tie_word_embeddings=False,
+        max_position_embeddings=max(2048, args.seq), tie_word_embeddings=bool(getattr(args, "tie", False)),
     )
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device="cpu")  # buffers are not saved: only parameters need values
+    model.tie_weights()  # to_empty made new parameters: a tied head is the embedding again (saved once)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

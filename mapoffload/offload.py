@@ -53,7 +53,7 @@ from ._manager.coordinator import coordinator
 from ._manager.device_read_around import DeviceReadAround
 from ._manager.grads import refuse_recorded_graph, refuse_weight_gradients
 from ._manager.layer_pages import LayerPages
-from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround
+from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround, layer_buffer_bytes
 from ._manager.residency import ResidencyPlan
 from ._manager.rest import RestGuard
 from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
@@ -322,6 +322,8 @@ class LayerwiseOffloadManager:
             self._forwards = 0
             self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
             self._direct_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
+            self._direct_why = ""  # what the probe said when they do
+            self._refused = ""  # why auto reads through the mapping where the files take O_DIRECT
             self._loaded: dict[int, Loaded] = {}
             self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
             self._hooks: list = []
@@ -334,6 +336,7 @@ class LayerwiseOffloadManager:
             coordinator().join(self)  # plans the page cache for every manager, this one included
             if self._stream_reads == "direct":
                 self._read_around("stream_reads='direct'")
+                coordinator().place_buffers()  # its buffers are charged before they are made
             self._engage()
         except BaseException:
             # Nothing half-made stays behind: the plan, threads, files, an owned copier.
@@ -653,20 +656,30 @@ class LayerwiseOffloadManager:
             self.stream_reads_why = why
             return
         if self.stream_reads == "direct":
+            fits, why = coordinator().read_around_fits(self, self._loads.planned_bytes)
+            if not fits:  # the cap or the plan changed under the buffers: through the mapping again
+                self._loads.pause(why)
+                self.stream_reads_why = self._refused = why
+                logger.info("%s: %s", self._stack_name, why)
+                coordinator().place_buffers()
             return
-        if isinstance(self._loads, ReadsAround):
-            self._read_around("no replica maps these bytes now")  # paused for replicas that are gone
+        if isinstance(self._loads, ReadsAround) and self._loads.paused:
+            # Paused for replicas that are gone, or for room the plan now has.
+            replicas_gone = self._loads.paused.startswith("replicas")
+            self._try_read_around("no replica maps these bytes now" if replicas_gone or not self._direct_why
+                                  else self._direct_why)
             return
         plan = self.residency
         if plan is None or not plan.streamed:
             self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
             return
         if self._direct_capable is None:
-            self._direct_capable, why = self._probe_direct()
-            if self._direct_capable:
-                self._read_around(why)
-                return
-            self.stream_reads_why = why
+            self._direct_capable, self._direct_why = self._probe_direct()
+            if not self._direct_capable:
+                self.stream_reads_why = self._direct_why
+                self._direct_why = ""
+        if self._direct_capable and self._try_read_around(self._direct_why):
+            return
         now = _process_read_bytes()
         last, self._reads_at_forward = self._reads_at_forward, now
         # The counter is the process's: since this stack's last forward, every model of the process
@@ -680,10 +693,27 @@ class LayerwiseOffloadManager:
             return  # the first forward reads the cached set in too
         read = now - last
         self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
-        self.stream_reads_why = (f"the last forward read {format_bytes(read)}, the plan streams "
-                                 f"{format_bytes(expected)} ({read / max(expected, 1):.2f}x)")
+        self.stream_reads_why = (f"{self._refused + '; ' if self._refused else ''}the last forward read "
+                                 f"{format_bytes(read)}, the plan streams {format_bytes(expected)} "
+                                 f"({read / max(expected, 1):.2f}x)")
         if self._excess >= 2:
-            self._read_around(self.stream_reads_why + f", twice in a row over {READ_AROUND_RATIO}x")
+            self._try_read_around(self.stream_reads_why + f", twice in a row over {READ_AROUND_RATIO}x")
+
+    def _try_read_around(self, why: str) -> bool:
+        """``auto``: read around the page cache from the next layer on where the plan's room holds the
+        buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
+        depth = self.residency.depth if self.residency is not None else self.prefetch_layers
+        count = self._loads.reader.buffers if isinstance(self._loads, ReadsAround) else 1 + depth
+        fits, refused = coordinator().read_around_fits(self, count * layer_buffer_bytes(self._stores, self._pages))
+        if not fits:
+            if refused != self._refused:
+                logger.info("%s: %s", self._stack_name, refused)
+            self.stream_reads_why = self._refused = refused
+            return False
+        self._refused = ""
+        self._read_around(why)
+        coordinator().place_buffers()  # the plan charges the buffers from now on
+        return True
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept

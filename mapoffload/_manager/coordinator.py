@@ -93,6 +93,7 @@ class PageCacheCoordinator:
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.window_buffers = 0
+        self.buffers = 0  # read-around buffers the plan charges (ReadsAround.planned_bytes, every member)
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
@@ -289,7 +290,8 @@ class PageCacheCoordinator:
         self.budget = budget
         room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
         # Read-around buffers hold the streaming window in anonymous memory, which
-        # the measure counted as "other"; the plan reserves that window itself.
+        # the measure counted as "other"; the plan reserves that window itself -
+        # every buffer a reader may make, made yet or not (_planned_buffers).
         self.window_buffers = sum(m._loads.window_bytes for m in measured)
         room += self.window_buffers
         sizes = [m._pages.mapped_sizes() for m in measured]
@@ -301,6 +303,23 @@ class PageCacheCoordinator:
             extra = extra * mine // (mine + self._others)  # split as the room is
         self._last = ([weakref.ref(m) for m in measured], sizes, windows, cached, str(budget))
         self._place(measured, sizes, windows, cached, extra, str(budget))
+
+    def place_buffers(self) -> None:
+        """The last measure placed again with the read-around buffers as they are now (a stack began or
+        stopped reading around; a full plan if the members changed). Not measured again: mid-run the
+        allocator holds what the last forward's activations left, which the margin is there for."""
+        with self._lock:
+            refs, sizes, windows, cached, why = self._last
+            measured = [r() for r in refs]
+            now = [m for m in self.managers() if m._page_cache_given is None]
+            if self.budget is None or len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
+                self._plan()
+                return
+            try:
+                self._place(measured, sizes, windows, cached, self.cache_extra, why)
+            except BaseException:
+                self._stale = True  # cut short: the next forward plans again
+                raise
 
     def _place_again(self) -> None:
         """The last plan's measure placed again without the thin share (a full plan if the members changed)."""
@@ -319,8 +338,9 @@ class PageCacheCoordinator:
     def _place(self, measured, sizes, windows: int, cached: int, extra: int, why: str) -> None:
         """Plan the measured managers' layers in ``self.room`` (+ ``extra`` for cached ones) and apply it."""
         self.cache_extra = extra
+        self.buffers = _planned_buffers(measured)
         plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
-                            cache_only=extra)
+                            cache_only=extra, buffers=self.buffers)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
         plans = [_with_always(p, self.always_bytes) for p in plans]
         for m, plan in zip(measured, plans):
@@ -330,6 +350,40 @@ class PageCacheCoordinator:
         self._publish(measured, plans, cached)
         if len(self.managers()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())
+
+    def read_around_fits(self, manager: LayerwiseOffloadManager, need: int) -> tuple[bool, str]:
+        """Whether ``manager`` may read its streamed layers around the page cache into ``need`` bytes of
+        buffers under the last measured plan, and why not.
+
+        The buffers are anonymous memory: with the other members' they must fit in the room the plan
+        has for the layers (never in the cached set's thin share of the margin, which the kernel may
+        need back), and the plan that charges them must stream no more than the one through the
+        mapping (buffers that push cached layers out read more). A manager with a share of its own
+        (``page_cache_bytes``) is not weighed here.
+        """
+        with self._lock:
+            refs, sizes, windows, _, _ = self._last
+            measured = [r() for r in refs]
+            if self.budget is None or not any(m is manager for m in measured) or any(m is None for m in measured):
+                return True, ""
+            others = _planned_buffers([m for m in measured if m is not manager])
+            if others + need > self.room:
+                besides = f" beside {format_bytes(others)} of other stacks'" if others else ""
+                return False, (f"its read-around buffers ({format_bytes(need)}{besides}) do not fit the "
+                               f"{format_bytes(self.room)} the page-cache plan has for the layers under "
+                               f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}: "
+                               "streamed layers are read through the mapping")
+            kw = dict(prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
+                      cache_only=self.cache_extra)
+            mine = _planned_buffers([manager])
+            mapping = plan_shared(sizes, self.room, buffers=others, **kw)
+            around = plan_shared(sizes, self.room, buffers=others + max(need, mine), **kw)
+            more = sum(p.streamed_bytes for p in around) - sum(p.streamed_bytes for p in mapping)
+            if more > 0:
+                return False, (f"its read-around buffers ({format_bytes(need)}) would take the room of cached "
+                               f"layers ({format_bytes(more)} more read per forward): streamed layers are read "
+                               "through the mapping")
+            return True, ""
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""
@@ -391,6 +445,11 @@ class PageCacheCoordinator:
         if self.replicas:
             text += f"; cached set shared with {len(self.replicas)} replica{'s' if len(self.replicas) != 1 else ''}"
         return text
+
+
+def _planned_buffers(managers) -> int:
+    """Read-around buffers of ``managers`` as the plan charges them (``ReadsAround.planned_bytes``)."""
+    return sum(getattr(m._loads, "planned_bytes", 0) for m in managers)
 
 
 def _with_always(plan: ResidencyPlan, always: int) -> ResidencyPlan:

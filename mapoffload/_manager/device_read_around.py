@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .._runs import merge_copies
-from .loads import DeviceCopies, Loaded, ReadsAround, file_places, written_in_place
+from .loads import DeviceCopies, Loaded, ReadsAround, file_places, layer_buffer_bytes, written_in_place
 from .stores import CONSOLIDATED, MAPPED, LayerStore
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ class DeviceReadAround(ReadsAround, DeviceCopies):
 
         # The same stores, pool, streams and copier (one device path, now reading around).
         self.__dict__.update(base.__dict__)
-        self.reader = DirectReader(buffers=max(1, buffers), pin_device=self.device.index if self._cuda else None)
+        self.reader = DirectReader(buffers=max(1, buffers), buffer_bytes=layer_buffer_bytes(self._stores, self._pages)
+                                   or None, pin_device=self.device.index if self._cuda else None)
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._outstanding = 0  # direct loads holding (or reading into) a buffer: at most one per buffer
         self._written: set[str] = set()  # layers logged as written in place (written_in_place)

@@ -46,7 +46,7 @@ from typing import Any
 from .._log import format_bytes, logger
 from .._native import _core
 
-__all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader"]
+__all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader", "buffer_capacity"]
 
 DIRECT_ALIGN: int = _core.DIRECT_ALIGN
 _GROW_QUANTUM = 2 << 20  # buffers grow to the next multiple: layers of nearly one size share one capacity
@@ -54,6 +54,12 @@ _GROW_QUANTUM = 2 << 20  # buffers grow to the next multiple: layers of nearly o
 
 def _round_up(n: int, q: int) -> int:
     return -(-n // q) * q
+
+
+def buffer_capacity(ranges: Sequence[tuple[int, int]]) -> int:
+    """Bytes one read of these ``(first, end)`` file ranges takes in a buffer (each range from its
+    first page to its last): the ``buffer_bytes`` a reader of them needs at the least."""
+    return max(sum(_core.direct_span(a, b - a) for a, b in ranges), DIRECT_ALIGN)
 
 
 class DirectFile:

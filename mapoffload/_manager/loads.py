@@ -260,6 +260,16 @@ class ReadsAround:
         """The reader's buffers (the window in anonymous, on CUDA pinned, memory); 0 while paused."""
         return 0 if self.paused else self.reader.held_bytes
 
+    @property
+    def planned_bytes(self) -> int:
+        """The buffers as the page-cache plan charges them: the ``1 + depth`` the reader may make, each
+        of the largest layer's bytes, or what it holds if more (buffers are made at the first reads,
+        after the plan); 0 while paused."""
+        if self.paused:
+            return 0
+        per_layer = self.reader.buffer_bytes or layer_buffer_bytes(self._stores, self._pages)
+        return max(self.reader.held_bytes, self.reader.buffers * per_layer)
+
 
 class ReadAround(ReadsAround, InPlace):
     """In place, with the streamed layers read around the page cache (``O_DIRECT``).
@@ -280,7 +290,8 @@ class ReadAround(ReadsAround, InPlace):
         from .direct_read import DirectReader
 
         super().__init__(stores, pages)
-        self.reader = DirectReader(buffers=max(1, buffers))
+        # Buffers of the largest layer's bytes, made so: what the plan charges (planned_bytes).
+        self.reader = DirectReader(buffers=max(1, buffers), buffer_bytes=layer_buffer_bytes(stores, pages) or None)
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
         self._outstanding = 0  # direct loads started and not released: at most one per buffer
@@ -375,6 +386,14 @@ class _DirectRead:
             return self.future.result()
         except BaseException:
             return None
+
+
+def layer_buffer_bytes(stores: list[LayerStore], pages: LayerPages) -> int:
+    """Bytes of the read-around buffer the largest layer's mapped weights take (0: none mapped)."""
+    from .direct_read import buffer_capacity
+
+    return max((buffer_capacity([(e.first, e.end) for e in pages.extents(i)])
+                for i, s in enumerate(stores) if s.bytes_in(MAPPED)), default=0)
 
 
 def written_in_place(store: LayerStore, said: set[str]) -> bool:

@@ -128,7 +128,7 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
 
 def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
                 prefetch_layers: list[int] | None = None, windows: int = 1,
-                cache_only: int = 0) -> list[ResidencyPlan]:
+                cache_only: int = 0, buffers: int = 0) -> list[ResidencyPlan]:
     """One plan for several stacks that share a page cache of ``budget`` bytes.
 
     ``members`` holds each stack's layer sizes, in the order their layers
@@ -147,6 +147,13 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     (read-around buffers are anonymous memory, which the kernel cannot
     reclaim), the cached set fills what is left of both. Each plan's
     ``budget`` is the room with ``cache_only`` in it.
+
+    ``buffers`` bytes of anonymous memory the stacks' machinery holds while
+    layers stream (read-around buffers: the window read into them instead of
+    the page cache, one set per stack that reads around) are charged like
+    the window: what is kept beside the cached layers is the larger of the
+    two, never the sum (the buffers *are* the window of a stack that reads
+    around) and never less than the buffers.
     """
     n = len(members)
     prefetch = list(prefetch_layers) if prefetch_layers is not None else [1] * n
@@ -158,12 +165,14 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         raise ValueError(f"windows must be >= 1, not {windows}")
     if cache_only < 0:
         raise ValueError(f"cache_only must be >= 0, not {cache_only}")
+    if buffers < 0:
+        raise ValueError(f"buffers must be >= 0, not {buffers}")
     sizes = [tuple(int(b) for b in m) for m in members]
     if any(b < 0 for m in sizes for b in m):
         raise ValueError("layer sizes must be >= 0")
     room = max(0, int(budget) - int(always_bytes))
     total = room + int(cache_only)
-    if sum(map(sum, sizes)) <= total:
+    if sum(map(sum, sizes)) <= total - int(buffers):
         return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p)
                 for s, p in zip(sizes, prefetch)]
     depths = []
@@ -173,6 +182,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
         window = max(((1 + depths[k]) * max(sizes[k]) for k in streaming), default=0) * windows
+        window = max(window, int(buffers))
         left = total - window
         cached: list[list[int]] = []
         for s in sizes:
