@@ -237,6 +237,37 @@ def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch, block):
     assert dense.mapoffload_report.fp8_weights == 0 and dense.mapoffload_report.converted_tensors > 0
 
 
+@pytest.mark.parametrize("anchor", ["", "$"])
+def test_stacked_fp8_experts_pair_codes_with_scales_in_either_spelling_of_the_sources(anchor):
+    # The converter transformers makes to dequantize Mixtral's experts names its sources
+    # `.experts.*.w1.weight$` / `.experts.*.w1.weight_scale_inv$` in 5.19 and without the `$` in 5.24:
+    # whichever is installed, both spellings pair each weight with its scales, in the weights' order.
+    from types import SimpleNamespace
+
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    from mapoffload.hf._drive import _fused_fp8
+
+    experts, rows, cols = 3, 4, 8
+    codes = {w: [torch.randn(rows, cols).to(torch.float8_e4m3fn) for _ in range(experts)] for w in ("w1", "w3")}
+    scales = {w: [torch.rand(1, 2) for _ in range(experts)] for w in ("w1", "w3")}
+    inputs = {}  # scales collected first, in another order: the pairing is by name, not by position
+    for w in ("w3", "w1"):
+        inputs[f".experts.*.{w}.weight_scale_inv{anchor}"] = scales[w]
+    for w in ("w1", "w3"):
+        inputs[f".experts.*.{w}.weight{anchor}"] = codes[w]
+    inputs[".experts.*.w1.activation_scale" + anchor] = [torch.ones(()) for _ in range(experts)]
+    converter = SimpleNamespace(operations=[None, MergeModulelist(dim=0), Concatenate(dim=1)],
+                                source_patterns=list(inputs), target_patterns=[".experts.gate_up_proj"])
+    fused = _fused_fp8(converter, inputs, "model.layers.0.mlp.experts.gate_up_proj", {})
+    assert fused is not None
+    want = [torch.cat([torch.stack(d["w1"]), torch.stack(d["w3"])], dim=1) for d in (codes, scales)]
+    assert all(torch.equal(got.float(), w.float()) for got, w in zip(fused, want))
+    assert fused[0].dtype == torch.float8_e4m3fn and fused[1].shape == (experts, 2, 2)
+    del inputs[".experts.*.w3.weight_scale_inv" + anchor]  # a weight without its scales: not kept as fp8
+    assert _fused_fp8(converter, inputs, "model.layers.0.mlp.experts.gate_up_proj", {}) is None
+
+
 def test_custom_code_folder_is_refused_without_trust_remote_code(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "tiny-custom", "architectures": ["TinyCustomModel"],

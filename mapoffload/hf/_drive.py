@@ -232,13 +232,33 @@ def _resolved(item: Any) -> Any:
     return item() if callable(item) else item
 
 
+def _scale_source_of(weight_pattern: str) -> str:
+    """The source pattern a dequantizing converter collects a weight's block
+    scales under, as ``Fp8Dequantize`` pairs them: ``<w>.weight`` ->
+    ``<w>.weight_scale_inv``. transformers 5.19 anchors both with a regex
+    ``$`` (``.experts.*.w1.weight$`` / ``.experts.*.w1.weight_scale_inv$``: its
+    ``FineGrainedFP8HfQuantizer.update_weight_conversions``, paired back by
+    ``Fp8Dequantize._scale_pattern_for``); 5.24 does not (``f"{key}_scale_inv"``).
+    The anchor is kept where it is, so the keys stay the ones the converter's
+    later ops are given."""
+    base, anchor = (weight_pattern[:-1], "$") if weight_pattern.endswith("$") else (weight_pattern, "")
+    return f"{base}_scale_inv{anchor}"
+
+
 def _fused_fp8(converter: Any, inputs: dict[str, list[Any]], layer_name: str, kwargs: dict) -> Any:
     """The converter's ops after ``Fp8Dequantize`` (stack the experts, join
     gate and up) run by transformers on the fp8 codes, and again on the block
     scales: ``(codes, scales)`` of the one tensor it makes, or None."""
-    codes = {k: [_resolved(t) for t in v] for k, v in inputs.items() if not k.endswith(("_scale_inv", "_scale"))}
-    scales = {k[: -len("_scale_inv")]: [_resolved(t) for t in v] for k, v in inputs.items() if k.endswith("_scale_inv")}
+    # a source pattern's name without its regex anchor: a scale (`_scale_inv`), an unused activation scale (`_scale`)
+    def is_scale(k: str) -> bool:
+        return k.removesuffix("$").endswith(("_scale_inv", "_scale"))
+
+    codes = {k: [_resolved(t) for t in v] for k, v in inputs.items() if not is_scale(k)}
+    # in the weights' order, under the weights' keys: the ops join them in that order
+    scales = {k: [_resolved(t) for t in inputs[_scale_source_of(k)]] for k in codes if _scale_source_of(k) in inputs}
     if not codes or codes.keys() != scales.keys():
+        logger.info("fp8 codes of %s cannot be kept (sources %s not paired with scales): dequantized",
+                    layer_name, sorted(inputs))
         return None
     out = []
     for tensors in (codes, scales):
