@@ -93,6 +93,8 @@ def run(spec: dict) -> dict:
     kwargs = {}
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
               enforce_eager=True, max_model_len=128, load_format=spec["load_format"], seed=0, **kwargs)
     try:
@@ -106,7 +108,9 @@ def run(spec: dict) -> dict:
             c = o.outputs[0]
             result["tokens"].append(list(c.token_ids))
             result["logprobs"].append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-        result["where"] = llm.apply_model(_where)[0]
+        ranks = llm.apply_model(_where)
+        result["where"] = ranks[0]
+        result["ranks"] = ranks
         return result
     finally:
         del llm
