@@ -39,6 +39,18 @@ def test_a_row_slice_is_an_alias_at_its_offset(tmp_path):
     assert rec.aliases["w"].key == "b" and rec.aliases["w"].byte_offset == 4 * 4 * 4
 
 
+def test_an_empty_padding_tail_keeps_the_alias(tmp_path):
+    """vLLM's vocabulary loader: copy the rows, then zero the padding rows past them -- none when the
+    vocabulary needs no padding. An empty slice reads nothing: the parameter stays an alias."""
+    src, mapped, params = _setup(tmp_path, {"w": ((8, 4), torch.float32)})
+    rec = AliasRecorder(params, SourceIndex(mapped))
+    with rec, torch.no_grad():
+        params["w"][:8].data.copy_(mapped["a"])
+        params["w"][8:].data.fill_(0)
+    assert set(rec.aliases) == {"w"} and rec.materialized == set()
+    assert torch.count_nonzero(params["w"]) == 0
+
+
 def test_partial_copies_stack_into_the_file(tmp_path):
     src, mapped, params = _setup(tmp_path, {"qkv": ((16, 4), torch.float32)})
     rec = AliasRecorder(params, SourceIndex(mapped))

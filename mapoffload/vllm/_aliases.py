@@ -148,8 +148,8 @@ class AliasRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in _MAYBE_VIEW:
             out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and self._owner(out) is not None:
-                return out  # a view: nothing was read
+            if isinstance(out, torch.Tensor) and (out.numel() == 0 or self._owner(out) is not None):
+                return out  # a view (or nothing at all, as an empty padding tail): nothing was read
         for t in touched:
             if t in self.aliases:
                 self._materialize(t)

@@ -1,0 +1,371 @@
+"""vLLM's CPU build serving a >= 1 GiB bf16 Llama: its default loader against
+the ``mapoffload`` load format, in the same run.
+
+Generates a ``LlamaConfig`` model (default hidden 2048, intermediate 5632,
+12 layers, 16 heads, vocab 32000, untied: about 1.4 GiB in bfloat16), random
+weights with a fixed seed, saved with ``save_pretrained`` into ``--dir``
+(kept and reused when it holds the same model; its conversion folder is
+removed first, so "first start" converts). Each contender is one fresh
+process running ``vllm.LLM(...)`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``VLLM_CPU_KVCACHE_SPACE=1``, ``enforce_eager``, ``skip_tokenizer_init``), the
+checkpoint warm in the page cache:
+
+  dummy              load_format="dummy": vLLM's footprint with random weights (no checkpoint read)
+  vllm               load_format="auto": vLLM's default loader (copies, packs for oneDNN)
+  packed 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": true}; the 2nd maps the conversion
+  mapped 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": false}; the 2nd maps the conversion
+
+Columns: ``LLM()`` seconds (import of vLLM apart: the same for all) and their
+ratio to vLLM's; RssAnon / RssFile after init (``/proc/self/status`` of the
+engine's process); anonymous MiB over vLLM's import and its KV cache (RssAnon
+after init less RssAnon after ``import vllm`` less ``VLLM_CPU_KVCACHE_SPACE``):
+everything else the engine holds, weights and vLLM's own buffers alike, so an
+upper bound of what the weights cost. (The dummy loader is no footprint without
+weights: it fills real, anonymous parameters, and holds what vLLM's loader
+holds; its row shows it.) Decode tokens/s: ``--requests`` greedy requests of
+``--tokens`` tokens at once (``ignore_eos``) after a short warm-up, the best of
+``--rounds``; the requests' tokens compared with vLLM's. Then the replicas:
+two engine processes at once on the folder, vLLM's loader and ours mapped (2nd
+start), each after a short generate; the ``Pss`` of their mappings of the
+folder's files (checkpoint and conversion, from ``/proc/PID/smaps``) plus their
+anonymous MiB over import and KV cache, against one model.
+
+Run: python benchmarks/vllm_serve.py [--dir /tmp/mapoffload-vllm-bench] [--hidden 2048]
+     [--intermediate 5632] [--layers 12] [--vocab 32000] [--tokens 64] [--requests 4]
+     [--rounds 2] [--no-replicas] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+MIB = 1 << 20
+KEEP_PACKED = {"keep_mapping": True, "pack": True}
+KEEP_MAPPED = {"keep_mapping": True, "pack": False}
+# name, load_format, extra, measure decode
+CONTENDERS = [
+    ("dummy", "dummy", None, False),
+    ("vllm", "auto", None, True),
+    ("packed 1st", "mapoffload", KEEP_PACKED, False),
+    ("packed 2nd", "mapoffload", KEEP_PACKED, True),
+    ("mapped 1st", "mapoffload", KEEP_MAPPED, False),
+    ("mapped 2nd", "mapoffload", KEEP_MAPPED, True),
+]
+REPLICAS = [("vllm", "auto", None), ("mapped", "mapoffload", KEEP_MAPPED)]
+
+
+def _status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
+
+
+def child(spec: dict) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_gib"])
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import_s = time.perf_counter() - t0
+    after_import = _status()
+    kwargs = {}
+    if spec["extra"] is not None:
+        kwargs["model_loader_extra_config"] = spec["extra"]
+    t1 = time.perf_counter()
+    llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=256, load_format=spec["load_format"], seed=0, **kwargs)
+    init_s = time.perf_counter() - t1
+    after_init = _status()
+
+    def bound_of(model):  # noqa: ANN001, ANN202
+        b = getattr(model, "mapoffload_bound", None)
+        return None if b is None else {"mapped": b.mapped, "converted": b.converted, "copied": b.copied,
+                                       "reused": b.reused, "folder": b.folder}
+
+    kv = int(spec["kv_gib"] * 2**30)
+    result = {"name": spec["name"], "import_s": import_s, "init_s": init_s, "after_import": after_import,
+              "after_init": after_init, "kv_bytes": kv, "bound": llm.apply_model(bound_of)[0],
+              "anon_over_base": after_init["RssAnon"] - after_import["RssAnon"] - kv}
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(spec["requests"], spec["vocab"])]
+    if spec.get("replica"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        result["after_generate"] = _status()
+        result["anon_over_base"] = result["after_generate"]["RssAnon"] - after_import["RssAnon"] - kv
+        print("READY " + json.dumps(result), flush=True)
+        sys.stdin.readline()  # the parent has read our smaps
+        return
+    if spec["decode"]:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        sp = SamplingParams(max_tokens=spec["tokens"], temperature=0, ignore_eos=True)
+        rounds = []
+        for _ in range(spec["rounds"]):
+            t2 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            rounds.append(time.perf_counter() - t2)
+        result["decode_rounds_s"] = rounds
+        result["decode_s"] = min(rounds)
+        result["generated"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["after_decode"] = _status()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _spawn(spec: dict, log) -> subprocess.Popen:  # noqa: ANN001
+    return subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _run(spec: dict, log_path: str) -> dict:
+    with open(log_path, "a") as log:
+        log.write(f"\n===== {spec['name']} =====\n")
+        log.flush()
+        proc = _spawn(spec, log)
+        out, _ = proc.communicate(timeout=1200)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        with open(log_path) as f:
+            sys.stderr.write(f.read()[-6000:])
+        raise SystemExit(f"{spec['name']}: child failed (rc {proc.returncode}); log in {log_path}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _pss_of(pid: int, folder: str) -> int:
+    """Sum of ``Pss`` over ``pid``'s mappings of files under ``folder``."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                parts = line.split(maxsplit=5)
+                inside = len(parts) > 5 and parts[5].strip().startswith(folder + os.sep)
+            elif inside and first == "Pss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _replicas(spec: dict, log_path: str, folder: str) -> dict:
+    """Two engines at once on ``folder``: their Pss of its files and their anonymous memory."""
+    with open(log_path, "a") as log:
+        log.write(f"\n===== replicas {spec['name']} =====\n")
+        log.flush()
+        procs = [_spawn({**spec, "replica": True}, log) for _ in range(2)]
+        ready = []
+        try:
+            for p in procs:
+                while True:
+                    line = p.stdout.readline()
+                    if not line:
+                        raise SystemExit(f"replica {spec['name']}: exited (rc {p.wait()}); log in {log_path}")
+                    if line.startswith("READY "):
+                        ready.append(json.loads(line[len("READY "):]))
+                        break
+            pss = [_pss_of(p.pid, folder) for p in procs]
+            anon = []
+            for p in procs:
+                with open(f"/proc/{p.pid}/status") as f:
+                    anon += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssAnon:")]
+        finally:
+            for p in procs:
+                try:
+                    p.stdin.write("\n")
+                    p.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            for p in procs:
+                p.wait(timeout=120)
+    return {"name": spec["name"], "pss_files": pss, "anon": anon, "init_s": [r["init_s"] for r in ready],
+            "anon_over_base": [r["anon_over_base"] for r in ready]}
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".safetensors"))
+
+
+def build(args: argparse.Namespace) -> str:
+    """Save the model into ``args.dir`` unless it holds this very model already."""
+    want = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers, "heads": args.heads,
+            "kv_heads": args.kv_heads, "vocab": args.vocab, "seed": 0}
+    marker = os.path.join(args.dir, "bench-model.json")
+    try:
+        with open(marker) as f:
+            if json.load(f) == want:
+                print(f"model: reusing {args.dir}")
+                return args.dir
+    except (OSError, ValueError):
+        pass
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.save_pretrained(args.dir)
+    del model
+    with open(marker, "w") as f:
+        json.dump(want, f)
+    print(f"model: saved to {args.dir} in {time.perf_counter() - t0:.1f} s")
+    return args.dir
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=os.path.join(os.environ.get("MAPOFFLOAD_BENCH_DIR", "/tmp"),
+                                                  "mapoffload-vllm-bench"))
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request in the decode measurement")
+    ap.add_argument("--requests", type=int, default=4, help="greedy requests at once in the decode measurement")
+    ap.add_argument("--rounds", type=int, default=2, help="decode measurements per contender (the best counts)")
+    ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of every engine")
+    ap.add_argument("--no-replicas", action="store_true", help="skip the two-replica PSS measurement")
+    ap.add_argument("--json", help="also write the JSON here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+
+    from _common import emit_json, machine, print_table
+
+    args.dir = os.path.abspath(args.dir)
+    print(f"machine: {machine()}; load average {_load()}")
+    folder = build(args)
+    shutil.rmtree(os.path.join(folder, ".mapoffload-converted"), ignore_errors=True)
+    folder = os.path.realpath(folder)
+    weights = _folder_bytes(folder)
+    print(f"model: {weights / 2**30:.2f} GiB bf16 ({args.layers} layers, hidden {args.hidden}, "
+          f"intermediate {args.intermediate}, vocab {args.vocab})")
+    for path in (os.path.join(folder, n) for n in os.listdir(folder)):  # warm: every contender alike
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                while f.read(64 * MIB):
+                    pass
+    log_path = os.path.join(folder, "bench.log")
+    open(log_path, "w").close()
+    base = {"folder": folder, "tokens": args.tokens, "requests": args.requests, "vocab": args.vocab,
+            "rounds": args.rounds, "kv_gib": args.kv_gib}
+    results = []
+    t_all = time.perf_counter()
+    for name, load_format, extra, decode in CONTENDERS:
+        r = _run({**base, "name": name, "load_format": load_format, "extra": extra, "decode": decode}, log_path)
+        r["load_average"] = _load()
+        results.append(r)
+        print(f"  {name}: LLM() {r['init_s']:.1f} s, RssAnon {r['after_init']['RssAnon'] / MIB:.0f} MiB"
+              + (f", {r['generated'] / r['decode_s']:.2f} tok/s" if "decode_s" in r else "")
+              + f" (load {r['load_average']})", flush=True)
+    replicas = []
+    if not args.no_replicas:
+        for name, load_format, extra in REPLICAS:
+            rep = _replicas({**base, "name": name, "load_format": load_format, "extra": extra, "decode": False},
+                            log_path, folder)
+            replicas.append(rep)
+            print(f"  replicas {name}: Pss of the folder's files {[round(x / MIB) for x in rep['pss_files']]} MiB, "
+                  f"RssAnon {[round(x / MIB) for x in rep['anon']]} MiB", flush=True)
+    total_s = time.perf_counter() - t_all
+
+    by = {r["name"]: r for r in results}
+    vllm = by["vllm"]
+    rows = []
+    for r in results:
+        b = r["bound"]
+        tok_s = r["generated"] / r["decode_s"] if "decode_s" in r else None
+        r["tokens_per_s"] = tok_s
+        rows.append([
+            r["name"], f"{r['init_s']:.1f}", f"{r['init_s'] / vllm['init_s']:.2f}x",
+            f"{r['import_s'] + r['init_s']:.1f}", f"{r['after_init']['RssAnon'] / MIB:.0f}",
+            f"{r['after_init']['RssFile'] / MIB:.0f}", f"{r['anon_over_base'] / MIB:.0f}",
+            f"{100 * r['anon_over_base'] / weights:.1f}",
+            "-" if b is None else f"{b['mapped'] / MIB:.0f} / {b['converted'] / MIB:.0f} / {b['copied'] / MIB:.0f}",
+            "-" if tok_s is None else f"{tok_s:.2f}",
+            "-" if tok_s is None else f"{tok_s / vllm['tokens_per_s']:.2f}x",
+            "-" if "tokens" not in r else str(r["tokens"] == vllm["tokens"]),
+        ])
+    print()
+    print_table(["contender", "LLM() s", "vs vllm", "import+LLM() s", "RssAnon MiB", "RssFile MiB",
+                 "anon over import+KV MiB", "% of model", "mapped / converted / copied MiB", "decode tok/s",
+                 "vs vllm", "tokens == vllm"], rows)
+    if replicas:
+        rrows = []
+        for rep in replicas:
+            pss, over = sum(rep["pss_files"]), sum(rep["anon_over_base"])
+            rep["weights_total"] = pss + over
+            rrows.append([rep["name"], " + ".join(f"{x / MIB:.0f}" for x in rep["pss_files"]),
+                          " + ".join(f"{x / MIB:.0f}" for x in rep["anon_over_base"]),
+                          f"{(pss + over) / MIB:.0f}", f"{(pss + over) / weights:.2f}x"])
+        print()
+        print_table(["two replicas", "Pss of the folder's files MiB", "anon over import+KV MiB",
+                     "sum MiB", "vs one model"], rrows)
+
+    mapped2, packed2 = by["mapped 2nd"], by["packed 2nd"]
+    limit = 0.05 * weights + 64 * MIB
+    targets = {
+        "anon_mapped": [mapped2["anon_over_base"], limit, mapped2["anon_over_base"] <= limit],
+        "second_start_mapped": [mapped2["init_s"] / vllm["init_s"], 1.2, mapped2["init_s"] <= 1.2 * vllm["init_s"]],
+        "second_start_packed": [packed2["init_s"] / vllm["init_s"], 1.2, packed2["init_s"] <= 1.2 * vllm["init_s"]],
+        "mapped_decode_vs_vllm_packed": [mapped2["tokens_per_s"] / vllm["tokens_per_s"], 0.8,
+                                         mapped2["tokens_per_s"] >= 0.8 * vllm["tokens_per_s"]],
+    }
+    if replicas:
+        ours = next(r for r in replicas if r["name"] == "mapped")
+        targets["replicas_mapped"] = [ours["weights_total"] / weights, 1.1, ours["weights_total"] <= 1.1 * weights]
+    print(f"\ntotal {total_s:.0f} s; load average now {_load()}")
+    print(f"target: mapped anon over import+KV <= 5 % + 64 MiB = {limit / MIB:.0f} MiB: "
+          f"{mapped2['anon_over_base'] / MIB:.0f} MiB ({'met' if targets['anon_mapped'][2] else 'MISSED'})")
+    for key, label in (("second_start_mapped", "mapped 2nd start"), ("second_start_packed", "packed 2nd start")):
+        v, lim, ok = targets[key]
+        print(f"target: {label} <= 1.2x vLLM's LLM() seconds: {v:.2f}x ({'met' if ok else 'MISSED'})")
+    v, lim, ok = targets["mapped_decode_vs_vllm_packed"]
+    print(f"target: mapped decode >= 0.8x vLLM's packed decode: {v:.2f}x ({'met' if ok else 'MISSED'})")
+    if "replicas_mapped" in targets:
+        v, lim, ok = targets["replicas_mapped"]
+        print(f"target: two mapped replicas <= 1.1x one model: {v:.2f}x ({'met' if ok else 'MISSED'})")
+    emit_json("vllm_serve", {"weights_bytes": weights, "args": {
+        k: v for k, v in vars(args).items() if k != "child"}, "results": results, "replicas": replicas,
+        "targets": targets, "total_s": total_s}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
