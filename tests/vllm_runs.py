@@ -55,7 +55,8 @@ def _where(model) -> dict:  # noqa: ANN001
                          "mapped": m.mapped_bytes, "repr": repr(m)} for m in managers]
     bound = getattr(model, "mapoffload_bound", None)
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
-                                               "copied": bound.copied, "reused": bound.reused}
+                                               "copied": bound.copied, "reused": bound.reused,
+                                               "packed": bound.packed}
     return out
 
 

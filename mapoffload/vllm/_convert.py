@@ -34,6 +34,7 @@ class Bound:
     mapped: int = 0  # bytes that are views of the checkpoint files
     converted: int = 0  # bytes in the conversion folder (mapped too)
     copied: int = 0  # bytes a weight loader put in memory of its own
+    packed: int = 0  # bytes of weights vLLM's CPU backend replaced by its GEMM library's packed copies
     reused: bool = False  # the conversion folder was there already
     folder: str | None = None  # where the conversion lives (None: none kept)
     copied_names: list[str] = field(default_factory=list)

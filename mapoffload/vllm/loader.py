@@ -19,6 +19,7 @@ import torch
 from .._files import checkpoint_files
 from .._log import format_bytes, logger
 from ..checkpoint import keep_checkpoint_mapped
+from ..regions import tensor_bytes
 from ._compute import mapped_linear
 from ._convert import Bound, bind_mapped, conversion_key
 from ._errors import VllmLoadError, VllmVersionError
@@ -164,6 +165,7 @@ class _Loader:
         with set_default_torch_dtype(model_config.dtype), device:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         bound, cache = self._bind(model, model_config, vllm_config, architecture, pack)
+        before = {name: tensor_bytes(p) for name, p in model.named_parameters()}
         post = PostProcessed(cache)
         try:
             with post.watching(model) if not bound.copied_names else contextlib.nullcontext(), \
@@ -174,13 +176,16 @@ class _Loader:
             raise
         _finish(bound, cache)
         bound.recount(model)
+        after = {name: p.numel() for name, p in model.named_parameters()}
+        bound.packed = sum(n for name, n in before.items() if not after.get(name))  # handed to the GEMM library
         stream = self.options.stream_layers if self.options.stream_layers is not None else not pack
         model.mapoffload_managers = stream_layers(model) if stream else []
         where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
                  else "no conversion needed")
+        packed = f", {format_bytes(bound.packed)} packed into the GEMM library's own copies" if bound.packed else ""
         logger.info("mapoffload: vLLM %s kept on the mapping (%s): %s mapped from the checkpoint, %s converted "
-                    "(mapped; %s), %s copied; linear layers %s", architecture, why, format_bytes(bound.mapped),
-                    format_bytes(bound.converted), where, format_bytes(bound.copied), compute)
+                    "(mapped; %s), %s copied%s; linear layers %s", architecture, why, format_bytes(bound.mapped),
+                    format_bytes(bound.converted), where, format_bytes(bound.copied), packed, compute)
         model.mapoffload_bound = bound
         return model.eval()
 
