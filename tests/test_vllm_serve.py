@@ -109,7 +109,10 @@ class Server:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a real server: the engine in its own process
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(_serve_command(folder, self.port), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                     # not the repository root: `python -c` puts the current directory on
+                                     # sys.path, and its mapoffload/ (no built extension) would shadow ours
+                                     cwd=os.path.dirname(os.path.abspath(log_path)))
 
     def log(self, tail: int = 8000) -> str:
         with open(self.log_path, "rb") as f:
