@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
-from mapoffload._manager.device_read_around import DeviceReadAround
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.offload.device_read_around import DeviceReadAround
+from mapoffload.pagecache.direct_read import DirectReader
 
 from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
 
@@ -236,7 +236,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     Released means given back to the device pool for the next layer, not freed: ``device_bytes`` (in
     use + pooled) is then every buffer the pool ever handed out - counted here by watching it hand them
     out - all of them back in the pool; only ``close()`` frees them (0)."""
-    from mapoffload._manager.device_pool import DevicePool
+    from mapoffload.offload.device_pool import DevicePool
 
     handed: dict[int, torch.Tensor] = {}  # id -> every distinct buffer take() returned
     real_take = DevicePool.take
@@ -293,7 +293,7 @@ import os, threading, torch
 from stacks import Stack, mapped, IN
 from safetensors.torch import save_file
 from mapoffload import LayerwiseOffloadManager
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.pagecache.direct_read import DirectReader
 torch.manual_seed(0)
 ref = Stack()
 path = {str(tmp_path / "stack.safetensors")!r}
@@ -389,7 +389,7 @@ def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monke
     # releases it. Were it lost, the count of loads holding a buffer would stay raised
     # and, once at the number of buffers, every streamed layer would quietly go back
     # to the mapping path.
-    from mapoffload._manager import device_read_around as dra
+    from mapoffload.offload import device_read_around as dra
 
     path, x, want = ckpt
     model = mapped(path)

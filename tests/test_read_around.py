@@ -16,7 +16,7 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 from stacks import drain, layer_resident, mapped, warm_read_bytes
 
 # The module (mapoffload.offload is also the name of the Hugging Face entry point).
-offload_module = importlib.import_module("mapoffload.offload")
+offload_module = importlib.import_module("mapoffload.offload.manager")
 
 
 def _layer(model) -> int:
@@ -167,7 +167,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
                                                                                      twin):
     # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
     # pair's bound reading around, 0.72x through the page cache they share (shared_cap.py).
-    from mapoffload._manager import coordinator as coordinator_module
+    from mapoffload.pagecache import coordinator as coordinator_module
 
     coord = coordinator_module.coordinator()
     replicas: list[int] = []

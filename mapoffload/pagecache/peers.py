@@ -23,7 +23,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
-from .._cgroup import tightest_cgroup
+from ..memory.cgroup import tightest_cgroup
 from .._log import logger
 
 __all__ = ["Peer", "PeerRegistry", "overlap_bytes"]

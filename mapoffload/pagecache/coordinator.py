@@ -4,7 +4,7 @@ The page cache a process may fill belongs to the host (its cgroup), not to
 one stack. Every :class:`~mapoffload.LayerwiseOffloadManager` registers here
 when it is made and leaves when it closes; each registration, each departure
 and each change of the cgroup's cap (checked at most once per forward) makes
-one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
+one plan for all of them (:func:`~mapoffload.pagecache.residency.plan_shared`):
 
 - the budget is measured once, with every registered layer's resident bytes
   and the mapped weights outside the stacks that every forward reads (a
@@ -46,7 +46,7 @@ from .peers import PeerRegistry, overlap_bytes
 from .residency import ResidencyPlan, plan_residency, plan_shared
 
 if TYPE_CHECKING:
-    from ..budget import PageCacheBudget
+    from ..memory.budget import PageCacheBudget
     from ..offload import LayerwiseOffloadManager
 
 __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
@@ -57,7 +57,7 @@ REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of it
 
 def read_cap() -> int | None:
     """The tightest cgroup memory cap on this process now (None: uncapped)."""
-    from ..budget import cgroup_memory_limit_bytes
+    from ..memory.budget import cgroup_memory_limit_bytes
 
     found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
     return None if found is None else found[0]
@@ -262,8 +262,8 @@ class PageCacheCoordinator:
             raise
 
     def _plan_all(self) -> None:
-        from ..budget import page_cache_budget
-        from ..regions import resident_bytes
+        from ..memory.budget import page_cache_budget
+        from ..memory.regions import resident_bytes
 
         members = self.managers()
         measured = [m for m in members if m._page_cache_given is None]
@@ -485,7 +485,7 @@ def _peer_resident(peer) -> int:
 
 def _always_read(measured) -> list[tuple[object, int]]:
     """The mapped weights outside every registered stack that each forward reads, once each."""
-    from .plan import always_read_tensors
+    from ..offload.plan import always_read_tensors
 
     by_model: dict[int, tuple[object, list]] = {}
     for m in measured:

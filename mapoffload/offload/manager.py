@@ -2,36 +2,36 @@
 
 Each layer's weights are held on the host in the store the budget allows
 (``mapped`` / ``consolidated`` pinned or pageable / ``strided``, see
-``_manager/stores.py``), copied into per-layer device buffers through the native
+``offload/stores.py``), copied into per-layer device buffers through the native
 copier on a copy stream, and released after the layer ran. The manager
 sequences layers and hooks; how a layer is made ready is one of two load
-paths (``_manager/loads.py``: in place, or device copies), each of which can
+paths (``offload/loads.py``: in place, or device copies), each of which can
 read the streamed layers around the page cache (``stream_reads``:
-``ReadAround``, ``_manager/device_read_around.py``).
+``ReadAround``, ``offload/device_read_around.py``).
 
 With ``device="cpu"`` a layer computes from its host store directly: there
 is nothing to copy it to, and a second copy in anonymous memory would only
 cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
 CPU buffers (the whole machinery runs and is tested without a GPU).
 
-Residency (``_manager/residency.py``, planned for every manager of the
-process by ``_manager/coordinator.py``): on every device, the layers' mapped
+Residency (``pagecache/residency.py``, planned for every manager of the
+process by ``pagecache/coordinator.py``): on every device, the layers' mapped
 pages are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
 CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
 compute: room for them is part of the plan) and let go right after use,
-checked with ``mincore`` (``_manager/pages.let_go``), so it never evicts the cached
+checked with ``mincore`` (``pagecache/pages.let_go``), so it never evicts the cached
 set.
 
 Lifetime: in place (``device="cpu"``) nothing moves, so the model stays a
 normal model: its parameter slots hold the real parameters, their data the
 host tensors (the mapped views themselves), between forwards too -
 ``state_dict()``, ``save_pretrained()``, autograd (exact:
-``_manager/grads.py``) work. On the device path a layer's slots hold the real
+``offload/grads.py``) work. On the device path a layer's slots hold the real
 parameters (their data on the device) when the layer is loaded, and
 shape-correct placeholders that raise when computed with otherwise
-(``_manager/placeholder.py``); autograd through its reused device buffers is
+(``offload/placeholder.py``); autograd through its reused device buffers is
 refused (:class:`~mapoffload.OffloadedGradientError`).
 ``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
 their host data: the model is whole and usable again. The manager is a
@@ -48,16 +48,16 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._log import format_bytes, logger
-from ._manager.coordinator import coordinator
-from ._manager.device_read_around import DeviceReadAround
-from ._manager.grads import refuse_recorded_graph, refuse_weight_gradients
-from ._manager.layer_pages import LayerPages
-from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround, layer_buffer_bytes
-from ._manager.residency import ResidencyPlan
-from ._manager.rest import RestGuard
-from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
-from .copier import Copier, resolve_settings
+from .._log import format_bytes, logger
+from ..pagecache.coordinator import coordinator
+from .device_read_around import DeviceReadAround
+from .grads import refuse_recorded_graph, refuse_weight_gradients
+from .layer_pages import LayerPages
+from .loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround, layer_buffer_bytes
+from ..pagecache.residency import ResidencyPlan
+from .rest import RestGuard
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
+from ..copier import Copier, resolve_settings
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +87,7 @@ def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -
     """A copier with the default settings, its ring shrunk when the local ranks' rings would not fit."""
     if local_ranks <= 1:
         return Copier(device)
-    from .ranks import staging_ring_settings
+    from ..memory.ranks import staging_ring_settings
 
     threads, slot_bytes, slots = resolve_settings()
     threads, slot_bytes, slots = staging_ring_settings(
@@ -223,7 +223,7 @@ class LayerwiseOffloadManager:
         it are done.
     kernel_caps
         What to assume of the kernel's page-cache behaviour instead of
-        measuring it (``_manager/kernel.py``): text as for the variable
+        measuring it (``pagecache/kernel.py``): text as for the variable
         ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``,
         ``"no-populate-read"``, ``"no-pageout"``, ...), which it replaces.
         Default: the variable, then a run-time probe per device.
@@ -235,6 +235,8 @@ class LayerwiseOffloadManager:
     change identity between forwards, so a graph traced through them would
     bake in one forward's tensors - and the rest of the model is compiled.
     """
+
+    __module__ = "mapoffload.offload"  # where it is imported from (the package), and pickled by
 
     def __init__(
         self,
@@ -256,10 +258,10 @@ class LayerwiseOffloadManager:
     ) -> None:
         import torch
 
-        from .budget import host_memory_available_bytes
-        from .ranks import local_world
+        from ..memory.budget import host_memory_available_bytes
+        from ..memory.ranks import local_world
 
-        from ._manager import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
+        from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
         if host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")
@@ -445,7 +447,7 @@ class LayerwiseOffloadManager:
             raise RuntimeError("this LayerwiseOffloadManager is closed")
         if self._engaged:
             return
-        from ._manager.placeholder import guard_conversions, stand_in  # imports torch
+        from .placeholder import guard_conversions, stand_in  # imports torch
 
         for s in self._stores:
             for w in s.weights:
@@ -459,7 +461,7 @@ class LayerwiseOffloadManager:
     def _disengage(self) -> None:
         """Release everything and give the model its real parameters back (host data)."""
         self.release_all()
-        from ._manager.placeholder import stand_in, unguard_conversions
+        from .placeholder import stand_in, unguard_conversions
 
         for s in self._stores:
             for w in s.weights:
@@ -623,7 +625,7 @@ class LayerwiseOffloadManager:
 
     def _probe_direct(self) -> tuple[bool, str]:
         """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""
-        from ._native import _core
+        from .._native import _core
 
         files = {e.path: e.file for i in self.residency.streamed for e in self._pages.extents(i)}
         for path, f in files.items():
