@@ -129,7 +129,7 @@ def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
         assert mgr.stream_reads == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        if not mgr._probe_direct()[0]:
+        if not mgr._reads.probe_direct()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
         assert mgr.stream_reads == "direct", mgr.stream_reads_why
         assert "O_DIRECT" in mgr.stream_reads_why
@@ -255,7 +255,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.is_loaded(0) and mgr.is_loaded(1)
         assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
-        mgr._read_around("a test")
+        mgr._reads.read_around("a test")
         assert isinstance(mgr._loads, DeviceReadAround) and mgr.stream_reads_why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()

@@ -80,7 +80,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_direct(mgr) -> None:
-    capable, why = mgr._probe_direct()
+    capable, why = mgr._reads.probe_direct()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 
