@@ -355,7 +355,7 @@ def child(args: argparse.Namespace) -> None:
             row["forward_major_faults"].append(_major_faults() - mf0)
     torch.save(logits.cpu().clone(), args.out)
     if handle is not None:
-        from mapoffload._manager.coordinator import coordinator
+        from mapoffload.pagecache.coordinator import coordinator
 
         row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
         # The plan after the forwards (it may have changed: a cap hit gives the thin margin back).
@@ -369,7 +369,7 @@ def child(args: argparse.Namespace) -> None:
         row["twin_plan"] = twin.residency.describe()
         twin.close()
     if args.contender.startswith("plain"):
-        from mapoffload._manager.coordinator import coordinator
+        from mapoffload.pagecache.coordinator import coordinator
 
         row["stream_reads"] = {"model.layers": [plain.stream_reads, plain.stream_reads_why]}
         row["page_cache_after"] = coordinator().describe()

@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from mapoffload._core import SpanArray, advise_pageout, advise_random, populate_read
-    from mapoffload._manager.direct_read import DirectReader
+    from mapoffload.pagecache.direct_read import DirectReader
 
     torch.set_num_threads(1)  # the checksum; the reads have threads of their own
     size = os.path.getsize(args.file)
@@ -232,7 +232,7 @@ def sweep_child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from mapoffload._manager.direct_read import DirectReader
+    from mapoffload.pagecache.direct_read import DirectReader
 
     size = os.path.getsize(args.file)
     layer = args.layer_mib * MIB

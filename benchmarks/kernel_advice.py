@@ -42,10 +42,10 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import emit_json, print_table
-from mapoffload._manager import pages
-from mapoffload._manager.kernel import kernel_caps
-from mapoffload._manager.mapped_file import MappedFiles
-from mapoffload._manager.pages import PageWorker, file_extents, layer_spans
+from mapoffload.pagecache import pages
+from mapoffload.pagecache.kernel import kernel_caps
+from mapoffload.pagecache.mapped_file import MappedFiles
+from mapoffload.pagecache.pages import PageWorker, file_extents, layer_spans
 from mapoffload._native import _core
 
 MIB = 1 << 20

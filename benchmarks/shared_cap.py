@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
     import torch
     from torch import nn
     from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
-    from mapoffload._manager.coordinator import coordinator
+    from mapoffload.pagecache.coordinator import coordinator
 
     path, layers, rows, cols, go, out, forwards, stream_reads = sys.argv[1:9]
     layers, rows, cols, forwards = int(layers), int(rows), int(cols), int(forwards)

@@ -8,7 +8,7 @@ and re-read) instead of being copied into anonymous or pinned memory. See
 from __future__ import annotations
 
 from ._native import _core
-from .budget import (
+from .memory.budget import (
     GIB_BYTES,
     HOST_COPY_RESERVE_BYTES,
     HostMemory,
@@ -32,10 +32,10 @@ from .checkpoint import (
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
 from ._shard import shard_tensor
 from .offload import LayerwiseOffloadManager
-from ._manager.grads import OffloadedGradientError
-from ._manager.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
-from .ranks import LocalWorld, local_world
-from .regions import (
+from .offload.grads import OffloadedGradientError
+from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
+from .memory.ranks import LocalWorld, local_world
+from .memory.regions import (
     CowMapping,
     CowReport,
     MappedRegions,
@@ -62,7 +62,7 @@ def __getattr__(name: str):
     # OffloadedWeight subclasses torch.nn.Parameter: importing it imports
     # torch, which `import mapoffload` itself never does.
     if name == "OffloadedWeight":
-        from ._manager.placeholder import OffloadedWeight
+        from .offload.placeholder import OffloadedWeight
 
         return OffloadedWeight
     # The Hugging Face integration imports torch (and transformers/diffusers

@@ -22,9 +22,9 @@ from ._header import read_safetensors_header
 from ._log import format_bytes, logger
 from ._progress import byte_bar
 from ._shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
-from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
-from .ranks import local_world
-from .regions import tensor_bytes
+from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from .memory.ranks import local_world
+from .memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -406,7 +406,7 @@ def load_checkpoint(
     """
     import torch
 
-    from .regions import MappedRegions
+    from .memory.regions import MappedRegions
 
     t0 = time.perf_counter()
     files = checkpoint_files(path)

@@ -152,7 +152,7 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    from .budget import MAX_HOST_GIB
+    from .memory.budget import MAX_HOST_GIB
 
     if not math.isfinite(value) or value <= 0 or value > MAX_HOST_GIB:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB, at most {MAX_HOST_GIB}")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ._log import format_bytes
-from .budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB, rss_anon_bytes
-from .regions import tensor_bytes
+from .memory.budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB, rss_anon_bytes
+from .memory.regions import tensor_bytes
 
 __all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
@@ -120,7 +120,7 @@ def resolve_device(name: str | None):
 # twice that and more.
 BOOKKEEPING_BYTES = 1 << 20
 BOOKKEEPING_PER_TENSOR_BYTES = 4 << 10
-# The read-around buffers (``_manager/direct_read.py``) grow in 2 MiB steps.
+# The read-around buffers (``pagecache/direct_read.py``) grow in 2 MiB steps.
 READ_AROUND_QUANTUM = 2 << 20
 
 
@@ -250,7 +250,7 @@ def _check_room(cfg: DemoConfig, device, layer_bytes: int, folder: str) -> None:
     """
     import shutil
 
-    from .budget import host_memory
+    from .memory.budget import host_memory
 
     size = layer_bytes * cfg.layers
     acts = 4 * (3 * cfg.tokens * cfg.tokens + 16 * cfg.tokens * cfg.width)
@@ -324,7 +324,7 @@ def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
 def _held_anon_bytes() -> int:
     """RssAnon once the allocator gave its freed memory back (glibc keeps freed
     blocks, activations' among them, after its mmap threshold grew)."""
-    from .budget import release_freed_memory
+    from .memory.budget import release_freed_memory
 
     release_freed_memory()
     return rss_anon_bytes()
@@ -350,11 +350,11 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from .budget import host_copies_would_not_fit, host_memory_available_bytes
+    from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
     from .checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
     from .copier import Copier
     from .offload import LayerwiseOffloadManager
-    from .regions import cow_report
+    from .memory.regions import cow_report
 
     out = sys.stdout if out is None else out  # the stream at the call, not at import
 

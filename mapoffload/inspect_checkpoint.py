@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from ._files import checkpoint_components, checkpoint_files
 from ._header import read_safetensors_header
 from ._native import _core
-from .budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
+from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
 
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
 

@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-# Page-cache peers (other processes under this cgroup: mapoffload._manager.peers)
+# Page-cache peers (other processes under this cgroup: mapoffload.pagecache.peers)
 # are this session's own and its children's: another test run on the same
 # machine must not become a rank that splits the budget of this one.
 if "MAPOFFLOAD_PEERS_DIR" not in os.environ:
@@ -104,7 +104,7 @@ def fresh_page_cache_coordinator(monkeypatch):
     frees it (its hooks hold it in a cycle), and its cap, peers and thin
     margin history carry over. A fresh one per test takes all of that out;
     whatever a test leaves open is closed when it ends."""
-    from mapoffload._manager import coordinator as coordinator_module
+    from mapoffload.pagecache import coordinator as coordinator_module
 
     fresh = coordinator_module.PageCacheCoordinator()
     monkeypatch.setattr(coordinator_module, "_COORDINATOR", fresh)

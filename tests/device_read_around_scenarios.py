@@ -95,9 +95,9 @@ class Setup:
 
     def __init__(self, folder: str, buffers: int, *, fail_register: bool = False) -> None:
         from mapoffload import _core
-        from mapoffload._manager.device_read_around import DeviceReadAround
-        from mapoffload._manager.pages import Extent
-        from mapoffload._manager.stores import MAPPED, LayerStore, Weight
+        from mapoffload.offload.device_read_around import DeviceReadAround
+        from mapoffload.pagecache.pages import Extent
+        from mapoffload.offload.stores import MAPPED, LayerStore, Weight
         from mapoffload.copier import Copier
 
         self.fake = fake = FakeCuda(os.environ[ENV])

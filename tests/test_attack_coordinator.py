@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from mapoffload import LayerwiseOffloadManager
-from mapoffload._manager import coordinator as coordinator_module
-from mapoffload._manager import peers as peers_module
-from mapoffload._manager.peers import PeerRegistry
+from mapoffload.pagecache import coordinator as coordinator_module
+from mapoffload.pagecache import peers as peers_module
+from mapoffload.pagecache.peers import PeerRegistry
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
@@ -132,7 +132,7 @@ def test_a_record_without_a_start_time_is_no_live_peer(tmp_path):
 READ_PEERS = textwrap.dedent(
     """
     import json, sys
-    from mapoffload._manager.peers import PeerRegistry
+    from mapoffload.pagecache.peers import PeerRegistry
     print(json.dumps([p.pid for p in PeerRegistry(sys.argv[1]).peers()]))
     """
 )
@@ -242,7 +242,7 @@ def test_our_folder_that_others_could_write_is_closed_and_their_records_not_read
 IN_NAMESPACE = textwrap.dedent(
     """
     import os, sys
-    from mapoffload._manager.peers import PeerRegistry
+    from mapoffload.pagecache.peers import PeerRegistry
     reg = PeerRegistry()
     reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
     print(os.getpid(), reg.folder, flush=True)
@@ -328,7 +328,7 @@ FORKED = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     from stacks import SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
     from mapoffload import LayerwiseOffloadManager
-    from mapoffload._manager.coordinator import coordinator
+    from mapoffload.pagecache.coordinator import coordinator
 
     from safetensors.torch import load_file
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
-from mapoffload._manager.device_read_around import DeviceReadAround
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.offload.device_read_around import DeviceReadAround
+from mapoffload.pagecache.direct_read import DirectReader
 
 from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
 
@@ -129,7 +129,7 @@ def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
         assert mgr.stream_reads == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        if not mgr._probe_direct()[0]:
+        if not mgr._reads.probe_direct()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
         assert mgr.stream_reads == "direct", mgr.stream_reads_why
         assert "O_DIRECT" in mgr.stream_reads_why
@@ -236,7 +236,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     Released means given back to the device pool for the next layer, not freed: ``device_bytes`` (in
     use + pooled) is then every buffer the pool ever handed out - counted here by watching it hand them
     out - all of them back in the pool; only ``close()`` frees them (0)."""
-    from mapoffload._manager.device_pool import DevicePool
+    from mapoffload.offload.device_pool import DevicePool
 
     handed: dict[int, torch.Tensor] = {}  # id -> every distinct buffer take() returned
     real_take = DevicePool.take
@@ -255,7 +255,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.is_loaded(0) and mgr.is_loaded(1)
         assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
-        mgr._read_around("a test")
+        mgr._reads.read_around("a test")
         assert isinstance(mgr._loads, DeviceReadAround) and mgr.stream_reads_why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
@@ -293,7 +293,7 @@ import os, threading, torch
 from stacks import Stack, mapped, IN
 from safetensors.torch import save_file
 from mapoffload import LayerwiseOffloadManager
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.pagecache.direct_read import DirectReader
 torch.manual_seed(0)
 ref = Stack()
 path = {str(tmp_path / "stack.safetensors")!r}
@@ -389,7 +389,7 @@ def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monke
     # releases it. Were it lost, the count of loads holding a buffer would stay raised
     # and, once at the number of buffers, every streamed layer would quietly go back
     # to the mapping path.
-    from mapoffload._manager import device_read_around as dra
+    from mapoffload.offload import device_read_around as dra
 
     path, x, want = ckpt
     model = mapped(path)

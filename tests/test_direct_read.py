@@ -1,4 +1,4 @@
-"""Reading file bytes around the page cache (csrc/direct_read.*, mapoffload/_manager/direct_read.py).
+"""Reading file bytes around the page cache (csrc/direct_read.*, mapoffload/pagecache/direct_read.py).
 
 The bytes are the file's for every alignment and size, on both paths; a
 truncated file is a MappingFaultError naming it; filesystems without O_DIRECT
@@ -18,7 +18,7 @@ import torch
 
 from mapoffload import MappingFaultError, drop_page_cache
 from mapoffload._core import DIRECT_ALIGN, direct_span, file_resident_bytes, open_for_reading, read_ranges
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.pagecache.direct_read import DirectReader
 from mapoffload._native import _core
 
 MIB = 1 << 20

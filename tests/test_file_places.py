@@ -1,4 +1,4 @@
-"""The one address -> (file, offset) lookup (``_manager/file_places.py``): what
+"""The one address -> (file, offset) lookup (``pagecache/file_places.py``): what
 it answers, against a pure-Python reading of ``/proc/self/maps``, and one maps
 snapshot for a whole manager's layers (each lookup took its own: two a layer)."""
 
@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
-from mapoffload._manager.file_places import MapsView
+from mapoffload.pagecache.file_places import MapsView
 from mapoffload._native import _core
 
 import maps_reference

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mapoffload import CudaError
-from mapoffload._manager.direct_read import DirectReader
+from mapoffload.pagecache.direct_read import DirectReader
 from mapoffload._native import _core
 
 from fakecuda import cudaErrorMemoryAllocation
@@ -192,7 +192,7 @@ def test_pinned_layer_stores_register_through_the_loader_and_survive_a_refusal(f
     """The manager's pinned layer stores (``stores._pin_exact``): registered once,
     unregistered when the buffer goes; a refusal leaves the buffer pageable (its
     copies staged), logged, and no CUDA error behind for torch's next launch check."""
-    from mapoffload._manager import stores
+    from mapoffload.offload import stores
 
     buf, pinned = stores._pin_exact(3 * 4096 + 5, device=0)
     assert pinned and _registered(fake) == 1

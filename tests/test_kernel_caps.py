@@ -1,4 +1,4 @@
-"""Page-cache advice by kernel capability (``mapoffload/_manager/kernel.py``).
+"""Page-cache advice by kernel capability (``mapoffload/pagecache/kernel.py``).
 
 Kernels before 5.18 (Ubuntu 22.04's 5.15, RHEL 9's 5.14) read 4 KiB per
 fault under ``MADV_RANDOM``: a layer read by faults is 16,384 reads per
@@ -37,10 +37,10 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache
 from mapoffload._env import EnvSettingError
-from mapoffload._manager import kernel, pages
-from mapoffload._manager.kernel import ENV_KERNEL_CAPS, KernelCaps, kernel_caps, parse_overrides
-from mapoffload._manager.mapped_file import MappedFiles
-from mapoffload._manager.pages import DROPPED, PageWorker, file_extents, layer_spans
+from mapoffload.pagecache import kernel, pages
+from mapoffload.pagecache.kernel import ENV_KERNEL_CAPS, KernelCaps, kernel_caps, parse_overrides
+from mapoffload.pagecache.mapped_file import MappedFiles
+from mapoffload.pagecache.pages import DROPPED, PageWorker, file_extents, layer_spans
 from mapoffload._native import _core
 
 from page_cache import cachestat, memory_pressure

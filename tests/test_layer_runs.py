@@ -134,8 +134,8 @@ def test_a_span_across_two_files_mapped_side_by_side_is_cut_at_the_seam(tmp_path
     import ctypes
     import mmap
 
-    from mapoffload._manager.mapped_file import MappedFiles
-    from mapoffload._manager.pages import file_extents, layer_spans
+    from mapoffload.pagecache.mapped_file import MappedFiles
+    from mapoffload.pagecache.pages import file_extents, layer_spans
 
     page = mmap.PAGESIZE
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"

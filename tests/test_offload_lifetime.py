@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError, empty_weights, load_checkpoint
-from mapoffload._manager.placeholder import OffloadedWeight
+from mapoffload.offload.placeholder import OffloadedWeight
 
 from models import IDS, TinyModel, mixed_model, no_grad_forward, saveable_state
 
@@ -178,7 +178,7 @@ def test_placeholders_report_the_managers_device_and_a_second_manager_is_refused
 
 
 def test_building_copied_stores_never_holds_two_copies_of_the_model(monkeypatch):
-    import mapoffload._manager.plan as plan  # where the manager calls it from (imported by name there)
+    from mapoffload.offload import plan  # where the manager calls it from (imported by name there)
 
     torch.manual_seed(5)
     model = TinyModel(width=64, layers=4)

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint
-from mapoffload._manager import coordinator as coordinator_module
-from mapoffload._manager.residency import plan_residency, plan_shared
+from mapoffload.pagecache import coordinator as coordinator_module
+from mapoffload.pagecache.residency import plan_residency, plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
@@ -178,7 +178,7 @@ PEER = textwrap.dedent(
     import torch
     from torch import nn
     from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
-    from mapoffload._manager.coordinator import coordinator
+    from mapoffload.pagecache.coordinator import coordinator
 
     path, go, out = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -277,7 +277,7 @@ def test_replicas_of_the_same_bytes_share_the_cached_set(tmp_path):
 
 
 def test_a_dead_peers_record_is_ignored_and_removed(tmp_path):
-    from mapoffload._manager.peers import PeerRegistry
+    from mapoffload.pagecache.peers import PeerRegistry
 
     reg = PeerRegistry(str(tmp_path / "peers"))
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -317,7 +317,7 @@ def test_a_failed_start_leaves_nothing_behind(ckpt, cap, monkeypatch):
 
 def test_a_peers_resident_bytes_are_measured_here_not_taken_from_its_record(tmp_path):
     """A record's resident number is from when it was written; the plan measures the peer's files now."""
-    from mapoffload._manager.peers import Peer, measure_resident
+    from mapoffload.pagecache.peers import Peer, measure_resident
 
     path = tmp_path / "w.bin"
     path.write_bytes(os.urandom(4 << 20))

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mapoffload._cgroup import tightest_cgroup
-from mapoffload._manager.peers import PeerRegistry
+from mapoffload.memory.cgroup import tightest_cgroup
+from mapoffload.pagecache.peers import PeerRegistry
 from mapoffload.budget import cgroup_memory_limit_bytes, page_cache_budget
 
 from cgroups import memory_cgroup
@@ -67,7 +67,7 @@ PEER = textwrap.dedent(
     import torch
     from torch import nn
     from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
-    from mapoffload._manager.coordinator import coordinator
+    from mapoffload.pagecache.coordinator import coordinator
 
     path, go, out = sys.argv[1], sys.argv[2], sys.argv[3]
 

@@ -15,8 +15,8 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
 from stacks import drain, layer_resident, mapped, warm_read_bytes
 
-# The module (mapoffload.offload is also the name of the Hugging Face entry point).
-offload_module = importlib.import_module("mapoffload.offload")
+# The stream-reads policy's module (its /proc/self/io reader is replaced here).
+offload_module = importlib.import_module("mapoffload.offload.stream_reads")
 
 
 def _layer(model) -> int:
@@ -150,7 +150,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
         assert mgr.stream_reads == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
-        monkeypatch.setattr(mgr, "_probe_direct", lambda: (False, "tmpfs, say"))
+        monkeypatch.setattr(mgr._reads, "probe_direct", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
         monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
@@ -167,7 +167,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
                                                                                      twin):
     # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
     # pair's bound reading around, 0.72x through the page cache they share (shared_cap.py).
-    from mapoffload._manager import coordinator as coordinator_module
+    from mapoffload.pagecache import coordinator as coordinator_module
 
     coord = coordinator_module.coordinator()
     replicas: list[int] = []
@@ -231,7 +231,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
             LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
         for model, mgr in ((a, ma), (b, mb)):
-            monkeypatch.setattr(mgr, "_probe_direct", lambda: (False, "tmpfs, say"))
+            monkeypatch.setattr(mgr._reads, "probe_direct", lambda: (False, "tmpfs, say"))
             mgr.register_forward_hooks()
             streamed = mgr.residency.streamed_bytes
             assert streamed > 0

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
-from mapoffload._manager import coordinator as coordinator_module
-from mapoffload._manager.residency import plan_shared
+from mapoffload.pagecache import coordinator as coordinator_module
+from mapoffload.pagecache.residency import plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
@@ -80,7 +80,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_direct(mgr) -> None:
-    capable, why = mgr._probe_direct()
+    capable, why = mgr._reads.probe_direct()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 

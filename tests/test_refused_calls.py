@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload import LayerwiseOffloadManager, MappedRegions, OffloadedWeight, empty_weights, load_checkpoint
-from mapoffload._manager.placeholder import AlreadyOffloadedError
+from mapoffload.offload.placeholder import AlreadyOffloadedError
 from models import TinyModel, saveable_state
 
 

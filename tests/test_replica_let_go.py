@@ -15,8 +15,8 @@ import textwrap
 import pytest
 
 from mapoffload import _core
-from mapoffload._manager.mapped_file import MappedFiles
-from mapoffload._manager.pages import KEPT, file_extents, layer_spans, let_go
+from mapoffload.pagecache.mapped_file import MappedFiles
+from mapoffload.pagecache.pages import KEPT, file_extents, layer_spans, let_go
 
 MIB = 1 << 20
 SIZE = 8 * MIB
@@ -25,8 +25,8 @@ CHILD = textwrap.dedent(
     """
     import ctypes, mmap, sys
     from mapoffload import _core
-    from mapoffload._manager.mapped_file import MappedFiles
-    from mapoffload._manager.pages import file_extents, layer_spans, let_go
+    from mapoffload.pagecache.mapped_file import MappedFiles
+    from mapoffload.pagecache.pages import file_extents, layer_spans, let_go
     path = sys.argv[1]
     f = open(path, "rb")
     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -70,7 +70,7 @@ CHILD = textwrap.dedent(
             before = read_bytes()
             assert torch.equal(model(x), want)
             reads.append(read_bytes() - before)
-    from mapoffload._manager.coordinator import coordinator
+    from mapoffload.pagecache.coordinator import coordinator
     c = coordinator()
     print(json.dumps({{"cached": plan.cached, "streamed": plan.streamed, "streamed_bytes": plan.streamed_bytes,
                       "reads": reads, "cap": cap, "other": other, "cache_extra": c.cache_extra,

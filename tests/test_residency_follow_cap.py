@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mapoffload import LayerwiseOffloadManager
-from mapoffload._manager import coordinator as coordinator_module
+from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
 
 from stacks import LAYERS, mapped

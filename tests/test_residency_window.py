@@ -28,7 +28,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 from mapoffload._native import _core
-from mapoffload._manager.pages import DRAINED, KEPT, PAGEOUT
+from mapoffload.pagecache.pages import DRAINED, KEPT, PAGEOUT
 
 from stacks import LAYERS, drain, mapped
 
@@ -115,7 +115,7 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
 
 
 def test_the_plan_keeps_room_for_the_prefetch_depth():
-    from mapoffload._manager.residency import plan_residency
+    from mapoffload.pagecache.residency import plan_residency
 
     # 10 layers of 10, room for 6: depth 1 keeps 4 cached, depth 3 keeps 2, depth 5 keeps none.
     assert plan_residency([10] * 10, 60, prefetch_layers=1).cached == (0, 1, 2, 3)

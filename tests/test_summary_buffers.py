@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 import mapoffload
 from mapoffload import rss_anon_bytes
 from mapoffload._log import format_bytes
-from mapoffload._manager import coordinator as coordinator_module
+from mapoffload.pagecache import coordinator as coordinator_module
 from fake_cgroups import v2_cap
 from stacks import mapped
 

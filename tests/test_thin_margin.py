@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mapoffload import LayerwiseOffloadManager, _core
-from mapoffload._manager import coordinator as coordinator_module
-from mapoffload._manager.residency import plan_shared
+from mapoffload.pagecache import coordinator as coordinator_module
+from mapoffload.pagecache.residency import plan_shared
 from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
 
 from stacks import LAYERS, mapped

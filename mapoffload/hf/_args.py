@@ -13,6 +13,27 @@ from typing import Any
 
 from .._files import _looks_remote
 
+RESTS = ("auto", "device", "stream")  # offload(..., rest=)
+# The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
+# config's dtype, else the checkpoint's).
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "float64")
+_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
+                  "fp64": "float64", "double": "float64"}
+
+
+def check_dtype(dtype: Any) -> None:
+    """Refuse a dtype a conversion cannot be made for (before anything is loaded): one of
+    :data:`DTYPE_NAMES` or the torch dtype it names."""
+    if isinstance(dtype, str):
+        if dtype in DTYPE_NAMES:
+            return
+    elif type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        if str(dtype).removeprefix("torch.") in DTYPE_NAMES:
+            return
+    hint = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch.").lower())
+    raise ValueError(f"dtype {dtype!r} is not one a conversion takes: {', '.join(DTYPE_NAMES)} (or that torch "
+                     f"dtype){f'; did you mean {hint!r}?' if hint else ''}")
+
 
 def check_folder(folder: Any, what: str, *, beside: str) -> str:
     """``folder`` as a path to a local folder, or a one-line error.
@@ -123,7 +144,6 @@ def check_offload_args(*, layers: Any = "auto", rest: Any = "auto", prefetch_lay
                        host_store: Any = None, stream_reads: Any = "auto") -> None:
     """The offload arguments, checked before anything is loaded or offloaded."""
     from ..offload import HOST_STORES, STREAM_READS
-    from .offload import RESTS
 
     check_layers(layers)
     if rest not in RESTS:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .._log import logger
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 from ._converted import PART_BYTES, ConversionCache
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class Session:
         load under a tight cap was OOM-killed by memory nothing used."""
         self.made_since_trim += made
         if self.made_since_trim >= TRIM_BYTES:
-            from ..budget import release_freed_memory
+            from ..memory.budget import release_freed_memory
 
             release_freed_memory()
             self.made_since_trim = 0
@@ -312,7 +312,7 @@ def _wrap_load(original):
         s = _session()
         if s is None:
             return original(model, state_dict, load_config, *args, **kwargs)
-        from ..regions import MappedRegions
+        from ..memory.regions import MappedRegions
 
         s.loads += 1
         fp8: dict[str, dict[str, Any]] = {}
@@ -409,7 +409,7 @@ def _wrap_load_dict(original):
         s = _session()
         if s is None:
             return original(model, state_dict, *args, **kwargs)
-        from ..regions import MappedRegions
+        from ..memory.regions import MappedRegions
 
         s.loads += 1
         if s.cache.reused:
@@ -472,7 +472,7 @@ def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = N
                 setattr(owner, name, original)
             del _INSTALLED[len(_INSTALLED) - len(saved):]
             if session.loads:  # the temporaries of the conversions, back to the kernel
-                from ..budget import release_freed_memory
+                from ..memory.budget import release_freed_memory
 
                 release_freed_memory()
             if ok and session.reusable:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import LoadReport
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 from ._converted import ConversionCache
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
     """The :class:`LoadReport` of a load by transformers or diffusers, from the
     model as it is (classified with one ``MappedRegions`` snapshot): every
     anonymous state-dict byte under a reason."""
-    from ..regions import MappedRegions
+    from ..memory.regions import MappedRegions
 
     tensors = _storages(model)
     held = MappedRegions().classify([t for _, t in tensors])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes
-from ..budget import HOST_COPY_RESERVE_BYTES, host_copy_room
+from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copy_room
 
 if TYPE_CHECKING:
     import torch
@@ -108,8 +108,8 @@ class OffloadRow:
 
 def _measure(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int, int, int]:
     """(mapped, anonymous, pinned, device, total) bytes of ``tensors``, each storage range once."""
-    from .._manager.stores import describe
-    from ..regions import MappedRegions
+    from ..offload.stores import describe
+    from ..memory.regions import MappedRegions
 
     seen: set[tuple[str, int, int]] = set()
     host: list[torch.Tensor] = []
@@ -209,7 +209,7 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
 def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, host_store_given: bool,
               modules: bool = False, why: str | None = None) -> OffloadRow:
     """The row of one manager (a stack, or the streamed rest when ``modules``)."""
-    from .._manager.buffers import held_buffers
+    from ..offload.buffers import held_buffers
 
     mapped, anonymous, pinned, _, total = _measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
@@ -263,12 +263,12 @@ REUSED = "reused"
 def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Module | None = None,
                 component: str = "") -> OffloadRow | None:
     """The row of the working buffers the managers' machinery holds now
-    (:mod:`mapoffload._manager.buffers`: read-around buffers, staging slots,
+    (:mod:`mapoffload.offload.buffers`: read-around buffers, staging slots,
     the CPU twin's device buffers) and, for a model with fp8 weights, the
     process's fp8 working buffers; None when there are none. Not weights:
     its ``nbytes`` is 0, so it is no part of "a full host copy"."""
     from .._fp8_workspace import workspace
-    from .._manager.buffers import held_buffers
+    from ..offload.buffers import held_buffers
     from ..fp8 import fp8_weights
 
     kinds: dict[str, list[int]] = {}
@@ -358,7 +358,7 @@ def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any]
     for r in rows:
         name = f"{r.component}.{r.unit}" if r.component else r.unit
         lines.append(_wrap(f"{name}: {r.where}; {r.residency}. Why: {r.why}.", "    "))
-    from .._manager.coordinator import coordinator
+    from ..pagecache.coordinator import coordinator
 
     if coordinator().managers():
         lines.append(_wrap(f"page cache (one plan for every stack of this process): {coordinator().describe()}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -17,30 +17,12 @@ import json
 
 from .._files import CheckpointError, _looks_remote, open_regular
 from ..checkpoint import LoadReport
+from ._args import DTYPE_NAMES, check_dtype
 from ._extras import require
 
 __all__ = ["DTYPE_NAMES", "check_dtype", "check_model_folder", "convert_pretrained", "model_class_for", "named_class"]
 
-# The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
-# config's dtype, else the checkpoint's).
-DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "float64")
-_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
-                  "fp64": "float64", "double": "float64"}
 _CONFIG_READ_LIMIT = 64 << 20  # a config.json larger than this is not one
-
-
-def check_dtype(dtype: Any) -> None:
-    """Refuse a dtype a conversion cannot be made for (before anything is loaded): one of
-    :data:`DTYPE_NAMES` or the torch dtype it names."""
-    if isinstance(dtype, str):
-        if dtype in DTYPE_NAMES:
-            return
-    elif type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
-        if str(dtype).removeprefix("torch.") in DTYPE_NAMES:
-            return
-    hint = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch.").lower())
-    raise ValueError(f"dtype {dtype!r} is not one a conversion takes: {', '.join(DTYPE_NAMES)} (or that torch "
-                     f"dtype){f'; did you mean {hint!r}?' if hint else ''}")
 
 
 def _read_json(path: str) -> Any:

@@ -205,7 +205,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_map
         warnings.warn(f"{folder} into {name} ({cls.__name__}): " + "; ".join(problems), stacklevel=4)
     copied = 0
     if keep_mapping is False:
-        from ..regions import MappedRegions
+        from ..memory.regions import MappedRegions
 
         copied = copy_mapped(model, MappedRegions())
     report = load_report(model, files, info, cache, keep_mapping is not False, copied, time.perf_counter() - start,

@@ -16,9 +16,10 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
-from ..budget import host_memory
-from ..regions import tensor_bytes
+from ..memory.budget import host_memory
+from ..memory.regions import tensor_bytes
 from ._summary import OffloadRow
+from ._args import RESTS
 from .blocks import find_block_lists
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OffloadHandle", "OffloadRow", "offload"]
 
-RESTS = ("auto", "device", "stream")
 
 
 def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]]:
@@ -138,7 +138,7 @@ class OffloadHandle:
 def _rest_tensors(model: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, str, Any]]]:
     """Parameters not held by a manager (placeholders and, in place, the managed real
     parameters skipped; each object once) and every buffer, as (module, name, tensor)."""
-    from .._manager.rest import managed
+    from ..offload.placeholder import managed
 
     params, seen = [], set()
     buffers = []
@@ -269,7 +269,7 @@ def offload(
 
 def _refuse_offloaded(model: torch.nn.Module) -> None:
     """An offloaded model is refused before anything is built, naming what holds it."""
-    from .._manager.placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+    from ..offload.placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
 
     for name, p in model.named_parameters():
         marker = getattr(p, "_mapoffload_manager", None)

@@ -221,7 +221,7 @@ def load_pretrained(
         warnings.warn(message, stacklevel=3)
     copied = 0
     if keep_mapping is False:
-        from ..regions import MappedRegions
+        from ..memory.regions import MappedRegions
 
         copied = copy_mapped(model, MappedRegions())
     report = load_report(model, files, info, session.cache, keep_mapping is not False, copied,
@@ -319,7 +319,7 @@ def from_pretrained(
         :class:`~mapoffload.LoadReport`, ``model.mapoffload_handle`` the
         :class:`OffloadHandle` (``summary()``, ``close()``) or None.
     """
-    from .convert import check_dtype
+    from ._args import check_dtype
     from .offload import offload
 
     check_transformers_kwargs(model_kwargs)

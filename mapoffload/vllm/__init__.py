@@ -14,27 +14,12 @@ See :mod:`mapoffload.vllm.loader` for what it does and
 
 from __future__ import annotations
 
-import logging
-
 from ._errors import VllmLoadError, VllmVersionError
+from ._logging import share_vllm_handlers
 
 LOAD_FORMAT = "mapoffload"
 
 __all__ = ["LOAD_FORMAT", "VllmLoadError", "VllmVersionError", "register"]
-
-
-def _share_vllm_handlers() -> None:
-    """Let the library's log lines show in vLLM's output, formatted as vLLM's own (when the
-    application configured no handler for the ``mapoffload`` logger)."""
-    ours = logging.getLogger("mapoffload")
-    if ours.handlers:
-        return
-    theirs = logging.getLogger("vllm")
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = not theirs.handlers
 
 
 def register() -> None:
@@ -45,5 +30,5 @@ def register() -> None:
 
     from .loader import make_loader_class
 
-    _share_vllm_handlers()
+    share_vllm_handlers()
     register_model_loader(LOAD_FORMAT)(make_loader_class())

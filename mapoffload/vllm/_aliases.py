@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 
 # Operations that never read a tensor's bytes (metadata, property getters, views).
 _LOOK = frozenset({

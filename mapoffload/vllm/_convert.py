@@ -20,7 +20,7 @@ import torch
 
 from .._log import logger
 from ..checkpoint import _read_files
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 from ..hf._converted import ConversionCache, default_root, fingerprint
 from ._aliases import AliasRecorder, SourceIndex
 
@@ -43,7 +43,7 @@ class Bound:
     def recount(self, model: torch.nn.Module) -> None:
         """Count where ``model``'s parameters are now (after vLLM's post-processing replaced some):
         views of the checkpoint, of another file (the conversion folder), or memory of their own."""
-        from ..regions import MappedRegions
+        from ..memory.regions import MappedRegions
 
         params = [p for p in model.parameters() if p.numel()]
         in_files = MappedRegions().classify(params)

@@ -21,7 +21,7 @@ import torch
 
 from .._log import logger
 from ..hf._converted import PART_BYTES, ConversionCache
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 
 PREFIX = "post:"  # names of rebuilt weights in the conversion folder
 

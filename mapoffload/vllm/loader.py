@@ -147,9 +147,9 @@ class _Loader:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from . import _share_vllm_handlers
+        from ._logging import share_vllm_handlers
 
-        _share_vllm_handlers()  # vLLM configures its logging after the plugins load
+        share_vllm_handlers()  # vLLM configures its logging after the plugins load
         device = self._refuse(vllm_config, model_config)
         folder = _local_folder(model_config.model)
         files = _safetensors_files(folder)

@@ -10,8 +10,8 @@ from .._progress import byte_bar
 from .placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
 from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
 from .stores import describe, layout, log_plan
-from ..budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
-from ..regions import MappedRegions
+from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
+from ..memory.regions import MappedRegions
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
 def _outside_params(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[dict[int, torch.Tensor], dict[int, list]]:
     """CPU parameters of the modules outside ``layers`` that no manager offloads (by id), and the modules
     holding each."""
-    from .rest import managed  # placeholders, and in place the real parameters another manager offloads
+    from .placeholder import managed  # placeholders, and in place the real parameters another manager offloads
 
     inside = {id(m) for layer in layers for m in layer.modules()}
     holders: dict[int, list] = {}

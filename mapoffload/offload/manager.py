@@ -2,36 +2,36 @@
 
 Each layer's weights are held on the host in the store the budget allows
 (``mapped`` / ``consolidated`` pinned or pageable / ``strided``, see
-``_manager/stores.py``), copied into per-layer device buffers through the native
+``offload/stores.py``), copied into per-layer device buffers through the native
 copier on a copy stream, and released after the layer ran. The manager
 sequences layers and hooks; how a layer is made ready is one of two load
-paths (``_manager/loads.py``: in place, or device copies), each of which can
+paths (``offload/loads.py``: in place, or device copies), each of which can
 read the streamed layers around the page cache (``stream_reads``:
-``ReadAround``, ``_manager/device_read_around.py``).
+``ReadAround``, ``offload/device_read_around.py``).
 
 With ``device="cpu"`` a layer computes from its host store directly: there
 is nothing to copy it to, and a second copy in anonymous memory would only
 cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
 CPU buffers (the whole machinery runs and is tested without a GPU).
 
-Residency (``_manager/residency.py``, planned for every manager of the
-process by ``_manager/coordinator.py``): on every device, the layers' mapped
+Residency (``pagecache/residency.py``, planned for every manager of the
+process by ``pagecache/coordinator.py``): on every device, the layers' mapped
 pages are planned against the page cache the host leaves
 (:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
 memory across forwards; the streamed set is read once per forward (on the
 CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
 compute: room for them is part of the plan) and let go right after use,
-checked with ``mincore`` (``_manager/pages.let_go``), so it never evicts the cached
+checked with ``mincore`` (``pagecache/pages.let_go``), so it never evicts the cached
 set.
 
 Lifetime: in place (``device="cpu"``) nothing moves, so the model stays a
 normal model: its parameter slots hold the real parameters, their data the
 host tensors (the mapped views themselves), between forwards too -
 ``state_dict()``, ``save_pretrained()``, autograd (exact:
-``_manager/grads.py``) work. On the device path a layer's slots hold the real
+``offload/grads.py``) work. On the device path a layer's slots hold the real
 parameters (their data on the device) when the layer is loaded, and
 shape-correct placeholders that raise when computed with otherwise
-(``_manager/placeholder.py``); autograd through its reused device buffers is
+(``offload/placeholder.py``); autograd through its reused device buffers is
 refused (:class:`~mapoffload.OffloadedGradientError`).
 ``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
 their host data: the model is whole and usable again. The manager is a
@@ -40,24 +40,24 @@ context manager.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import threading
 import os
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._log import format_bytes, logger
-from ._manager.coordinator import coordinator
-from ._manager.device_read_around import DeviceReadAround
-from ._manager.grads import refuse_recorded_graph, refuse_weight_gradients
-from ._manager.layer_pages import LayerPages
-from ._manager.loads import DeviceCopies, InPlace, Loaded, ReadAround, ReadsAround, layer_buffer_bytes
-from ._manager.residency import ResidencyPlan
-from ._manager.rest import RestGuard
-from ._manager.stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
-from .copier import Copier, resolve_settings
+from .._log import format_bytes, logger
+from ..pagecache.coordinator import coordinator
+from ..pagecache.member import StackMember
+from .grads import refuse_weight_gradients
+from .layer_pages import LayerPages
+from .loads import DeviceCopies, InPlace, Loaded
+from .stream_reads import STREAM_READS, StreamReads
+from .turn import LayerTurn, register_hooks
+from . import host_edits
+from ..pagecache.residency import ResidencyPlan
+from .rest import RestGuard
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
+from ..copier import Copier, resolve_settings
 
 if TYPE_CHECKING:
     import torch
@@ -65,29 +65,13 @@ if TYPE_CHECKING:
 __all__ = ["LayerwiseOffloadManager"]
 
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
-STREAM_READS = ("auto", "mapping", "direct")
-# A warm forward reading more than this times what the plan streams (and the
-# weights read every forward) is the kernel re-reading evicted pages.
-READ_AROUND_RATIO = 1.2
-
-
-def _process_read_bytes() -> int | None:
-    """Bytes this process had read from storage (``/proc/self/io`` read_bytes); None where unreadable."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -> Copier:
     """A copier with the default settings, its ring shrunk when the local ranks' rings would not fit."""
     if local_ranks <= 1:
         return Copier(device)
-    from .ranks import staging_ring_settings
+    from ..memory.ranks import staging_ring_settings
 
     threads, slot_bytes, slots = resolve_settings()
     threads, slot_bytes, slots = staging_ring_settings(
@@ -115,39 +99,6 @@ def _name_of(model, layers) -> str:
         if module is layers:
             return name or type(model).__name__
     return f"{len(layers)} layers"
-
-
-def _eager(fn):
-    """``fn`` run eagerly under ``torch.compile`` (TorchDynamo skips it, and what it calls).
-
-    A layer's weights change identity between forwards (placeholders, then
-    buffers recycled from a pool): a graph traced through them would bake in
-    one forward's tensors. So the hooks and the layers' forwards always run
-    eagerly; what lies outside the layers is compiled as usual.
-    """
-    import torch
-
-    return torch.compiler.disable(fn, recursive=True)
-
-
-class _ForwardGuard:
-    """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
-
-    __slots__ = ("layer", "guarded", "had", "previous")
-
-    def __init__(self, layer, guarded) -> None:
-        self.layer, self.guarded = layer, guarded
-        self.had = "forward" in layer.__dict__
-        self.previous = layer.__dict__.get("forward")
-        layer.forward = guarded
-
-    def remove(self) -> None:
-        if self.layer.__dict__.get("forward") is not self.guarded:
-            return  # replaced since by someone else: theirs stays
-        if self.had:
-            self.layer.forward = self.previous
-        else:
-            del self.layer.forward
 
 
 class LayerwiseOffloadManager:
@@ -223,7 +174,7 @@ class LayerwiseOffloadManager:
         it are done.
     kernel_caps
         What to assume of the kernel's page-cache behaviour instead of
-        measuring it (``_manager/kernel.py``): text as for the variable
+        measuring it (``pagecache/kernel.py``): text as for the variable
         ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``,
         ``"no-populate-read"``, ``"no-pageout"``, ...), which it replaces.
         Default: the variable, then a run-time probe per device.
@@ -235,6 +186,8 @@ class LayerwiseOffloadManager:
     change identity between forwards, so a graph traced through them would
     bake in one forward's tensors - and the rest of the model is compiled.
     """
+
+    __module__ = "mapoffload.offload"  # where it is imported from (the package), and pickled by
 
     def __init__(
         self,
@@ -256,10 +209,10 @@ class LayerwiseOffloadManager:
     ) -> None:
         import torch
 
-        from .budget import host_memory_available_bytes
-        from .ranks import local_world
+        from ..memory.budget import host_memory_available_bytes
+        from ..memory.ranks import local_world
 
-        from ._manager import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
+        from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
         if host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")
@@ -295,7 +248,7 @@ class LayerwiseOffloadManager:
                        local_ranks=self.local_ranks, direct=in_place)
         if page_cache_bytes is not None and page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        if stream_reads not in STREAM_READS:
+        if stream_reads not in STREAM_READS:  # (before anything is built)
             raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
         owns_copier = copier is None
         if not in_place:
@@ -305,37 +258,28 @@ class LayerwiseOffloadManager:
         self.copier = copier
         self._in_place = in_place  # the slots keep the real parameters: nothing moves
         self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
-        self._pages = self._loads = self._rest = None
+        self._pages = self._loads = self._rest = self._member = None
         try:
             self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
             self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
                 self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
                 copy_on_compute_stream=copy_on_compute_stream)
             self._rest = RestGuard(model, self.layers, self._pages.files)  # the mapped weights outside the layers
-            # The page-cache plan is the process's (every manager under one budget).
-            self._page_cache_given = page_cache_bytes
-            self.residency: ResidencyPlan | None = None
-            self._stream_reads = stream_reads
-            self.stream_reads_why = ""
-            self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
-            self._forward_marks: dict[int, int] | None = None  # every manager's forwards then (coordinator)
-            self._forwards = 0
-            self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
-            self._direct_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
-            self._direct_why = ""  # what the probe said when they do
-            self._refused = ""  # why auto reads through the mapping where the files take O_DIRECT
+            # The page-cache plan is the process's (every stack under one budget): this stack's
+            # part of it is its member.
+            self._member = StackMember(name=self._stack_name, model=model, layers=self.layers, pages=self._pages,
+                                       loads=self._loads, prefetch_layers=prefetch_layers, given=page_cache_bytes,
+                                       always_read=_plan.always_read_tensors, owner=self)
+            self._reads = StreamReads(self, stream_reads)
             self._loaded: dict[int, Loaded] = {}
             self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
             self._hooks: list = []
-            self._turn = threading.Condition()
-            self._held = threading.local()  # .layers: the turns this thread holds, innermost last
-            self._owner: threading.Thread | None = None
-            self._depth = 0
+            self._turn = LayerTurn()
             self._engaged = False
             self._closed = False
-            coordinator().join(self)  # plans the page cache for every manager, this one included
-            if self._stream_reads == "direct":
-                self._read_around("stream_reads='direct'")
+            coordinator().join(self._member)  # plans the page cache for every manager, this one included
+            if stream_reads == "direct":
+                self._reads.read_around("stream_reads='direct'")
                 coordinator().place_buffers()  # its buffers are charged before they are made
             self._engage()
         except BaseException:
@@ -352,7 +296,8 @@ class LayerwiseOffloadManager:
     def _abandon(self, owned_copier) -> None:
         """A constructor that failed: leave the coordinator, close what was opened."""
         try:
-            coordinator().leave(self)
+            if self._member is not None:
+                coordinator().leave(self._member)
         except Exception:
             logger.debug("leaving the page-cache plan after a failed start", exc_info=True)
         if self._loads is not None:
@@ -411,17 +356,14 @@ class LayerwiseOffloadManager:
         """
         if page_cache_bytes is not None and page_cache_bytes < 0:
             raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        self._page_cache_given = page_cache_bytes
+        self._member.given = page_cache_bytes
         coordinator().replan()
         return self.residency
 
-    def _apply_residency(self, plan: ResidencyPlan, why: str) -> None:
-        """The coordinator's plan for these layers: carried out from the next layer on."""
-        if plan == self.residency:
-            return
-        self.residency = plan
-        self._pages.apply(plan)
-        logger.info("residency of %s: %s; %s", self._stack_name, plan.describe(), why)
+    @property
+    def residency(self) -> ResidencyPlan | None:
+        """The page-cache plan for these layers: which stay cached, which stream (the coordinator's)."""
+        return self._member.residency if self._member is not None else None
 
     def resident_layer_bytes(self) -> list[int]:
         """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
@@ -445,7 +387,7 @@ class LayerwiseOffloadManager:
             raise RuntimeError("this LayerwiseOffloadManager is closed")
         if self._engaged:
             return
-        from ._manager.placeholder import guard_conversions, stand_in  # imports torch
+        from .placeholder import guard_conversions, stand_in  # imports torch
 
         for s in self._stores:
             for w in s.weights:
@@ -459,7 +401,7 @@ class LayerwiseOffloadManager:
     def _disengage(self) -> None:
         """Release everything and give the model its real parameters back (host data)."""
         self.release_all()
-        from ._manager.placeholder import stand_in, unguard_conversions
+        from .placeholder import stand_in, unguard_conversions
 
         for s in self._stores:
             for w in s.weights:
@@ -528,8 +470,7 @@ class LayerwiseOffloadManager:
         layer turn may have been held by a parent thread that does not exist
         here: it starts free, with a fresh lock.
         """
-        self._turn = threading.Condition()
-        self._owner, self._depth = None, 0
+        self._turn.after_fork_in_child()
         self._pages.after_fork_in_child()
         for i, loaded in list(self._loaded.items()):
             if not loaded.ready:
@@ -559,12 +500,7 @@ class LayerwiseOffloadManager:
         self._engage()
         if self._hooks:
             return
-        for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
-            self._hooks.append(layer.register_forward_hook(self._make_post_hook(i), always_call=True))
-            self._hooks.append(_ForwardGuard(layer, self._make_forward(i, layer.forward)))
-        # Before anything of a forward reads the mapping (the embedding first).
-        self._hooks.append(self.model.register_forward_pre_hook(_eager(self._before_forward), prepend=True))
+        self._hooks = register_hooks(self)
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
@@ -573,7 +509,7 @@ class LayerwiseOffloadManager:
         layer is half-way through its hooks when the model is given back, and
         a hook that a forward already started runs as a no-op afterwards.
         """
-        self._enter_layer()
+        self._turn.enter()
         try:
             for h in self._hooks:
                 h.remove()
@@ -581,221 +517,27 @@ class LayerwiseOffloadManager:
             if self._engaged:
                 self._disengage()
         finally:
-            self._leave_layer()
-
-    def _before_forward(self, module, args) -> None:
-        """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
-        coordinator().follow_cap()
-        coordinator().note_forward(self)
-        self._choose_stream_reads()
-        self._rest.check()
+            self._turn.leave()
 
     @property
     def stream_reads(self) -> str:
         """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
-        loads = self._loads
-        return "direct" if isinstance(loads, ReadsAround) and not loads.paused else "mapping"
+        return self._reads.mode
 
-    def _read_around(self, why: str) -> None:
-        """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
+    @property
+    def stream_reads_why(self) -> str:
+        """Why streamed layers are read as they are."""
+        return self._reads.why
 
-        In place they compute from the buffers they are read into; on the
-        device path (and its CPU twin) they are copied from them into the
-        device buffers - on CUDA by DMA, the buffers being pinned.
-        """
-        if self.stream_reads == "direct":
-            return
-        if isinstance(self._loads, ReadsAround):  # paused: read around again
-            self._loads.resume()
-            self.stream_reads_why = why
-            logger.info("%s: streamed layers are read around the page cache again: %s", self._stack_name, why)
-            return
-        depth = self.residency.depth if self.residency is not None else self.prefetch_layers
-        if isinstance(self._loads, InPlace):
-            self._loads = ReadAround(self._stores, self._pages, buffers=1 + depth)
-            where = "read around the page cache (O_DIRECT)"
-        else:
-            self._loads = DeviceReadAround(self._loads, buffers=1 + depth)
-            where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
-                     if self._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
-        self.stream_reads_why = why
-        logger.info("%s: streamed layers are %s from now on: %s", self._stack_name, where, why)
-
-    def _probe_direct(self) -> tuple[bool, str]:
-        """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""
-        from ._native import _core
-
-        files = {e.path: e.file for i in self.residency.streamed for e in self._pages.extents(i)}
-        for path, f in files.items():
-            if f is None or f.fd < 0:
-                return False, f"{path} is not held open"
-            try:
-                fd, method, why = _core.open_for_reading(f.fd, True)
-            except OSError as e:
-                return False, f"{path}: {e}"
-            os.close(fd)
-            if method != "direct":
-                return False, f"{path} is read buffered ({why})"
-        return True, (f"the plan streams {len(self.residency.streamed)} layers and their files take O_DIRECT "
-                      "(reads at the bound, no page-cache work on the compute path)")
-
-    def _choose_stream_reads(self) -> None:
-        """``stream_reads="auto"``, at a forward's start: direct once layers stream and their files take
-        ``O_DIRECT``; else measure what the last forward read, and read around the cache when it thrashed."""
-        if self._stream_reads != "auto":
-            return
-        replicas = coordinator().replicas
-        if replicas:
-            # O_DIRECT reads are each process's own; through the page cache one replica's read
-            # of a layer serves the other, and the last to let it go drops it.
-            why = (f"replicas (pid {', '.join(map(str, replicas))}) map the same bytes: streamed layers "
-                   "are read through the shared page cache")
-            if self.stream_reads == "direct":
-                self._loads.pause(why)
-                logger.info("%s: %s", self._stack_name, why)
-            self.stream_reads_why = why
-            return
-        if self.stream_reads == "direct":
-            fits, why = coordinator().read_around_fits(self, self._loads.planned_bytes)
-            if not fits:  # the cap or the plan changed under the buffers: through the mapping again
-                self._loads.pause(why)
-                self.stream_reads_why = self._refused = why
-                logger.info("%s: %s", self._stack_name, why)
-                coordinator().place_buffers()
-            return
-        if isinstance(self._loads, ReadsAround) and self._loads.paused:
-            # Paused for replicas that are gone, or for room the plan now has.
-            replicas_gone = self._loads.paused.startswith("replicas")
-            self._try_read_around("no replica maps these bytes now" if replicas_gone or not self._direct_why
-                                  else self._direct_why)
-            return
-        plan = self.residency
-        if plan is None or not plan.streamed:
-            self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
-            return
-        if self._direct_capable is None:
-            self._direct_capable, self._direct_why = self._probe_direct()
-            if not self._direct_capable:
-                self.stream_reads_why = self._direct_why
-                self._direct_why = ""
-        if self._direct_capable and self._try_read_around(self._direct_why):
-            return
-        now = _process_read_bytes()
-        last, self._reads_at_forward = self._reads_at_forward, now
-        # The counter is the process's: since this stack's last forward, every model of the process
-        # may have run (a pipeline's other components, a model served beside this one), each as
-        # many forwards as it did. What they were all planned to read is the measure.
-        expected, self._forward_marks = coordinator().streamed_since(self._forward_marks)
-        if now is None or last is None:
-            return
-        self._forwards += 1
-        if self._forwards < 2:
-            return  # the first forward reads the cached set in too
-        read = now - last
-        self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
-        self.stream_reads_why = (f"{self._refused + '; ' if self._refused else ''}the last forward read "
-                                 f"{format_bytes(read)}, the plan streams {format_bytes(expected)} "
-                                 f"({read / max(expected, 1):.2f}x)")
-        if self._excess >= 2:
-            self._try_read_around(self.stream_reads_why + f", twice in a row over {READ_AROUND_RATIO}x")
-
-    def _try_read_around(self, why: str) -> bool:
-        """``auto``: read around the page cache from the next layer on where the plan's room holds the
-        buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
-        depth = self.residency.depth if self.residency is not None else self.prefetch_layers
-        count = self._loads.reader.buffers if isinstance(self._loads, ReadsAround) else 1 + depth
-        fits, refused = coordinator().read_around_fits(self, count * layer_buffer_bytes(self._stores, self._pages))
-        if not fits:
-            if refused != self._refused:
-                logger.info("%s: %s", self._stack_name, refused)
-            self.stream_reads_why = self._refused = refused
-            return False
-        self._refused = ""
-        self._read_around(why)
-        coordinator().place_buffers()  # the plan charges the buffers from now on
-        return True
+    def _before_forward(self, module, args) -> None:
+        """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
+        coordinator().follow_cap()
+        coordinator().note_forward(self._member)
+        self._reads.choose()
+        self._rest.check()
 
     def _releasable(self, j: int) -> bool:
         return j >= self.resident_layers and j not in self._kept
-
-    # One layer runs at a time: from its pre-hook to its post-hook (an
-    # always-call hook, run when the forward raises too) the layer owns the
-    # manager's loaded layers and device pool. Without that, one thread's
-    # hooks would release and recycle buffers another thread's layer is
-    # computing with. Another thread's layer waits; the owning thread may
-    # nest (a model run re-entrantly); a dead owner does not block anyone.
-    def _enter_layer(self) -> None:
-        me = threading.current_thread()
-        with self._turn:
-            while self._owner is not None and self._owner is not me and self._owner.is_alive():
-                self._turn.wait()
-            if self._owner is not me:
-                self._owner, self._depth = me, 0
-            self._depth += 1
-
-    def _leave_layer(self) -> None:
-        with self._turn:
-            if self._owner is threading.current_thread():
-                self._depth -= 1
-                if self._depth <= 0:
-                    self._owner = None
-                    self._turn.notify_all()
-
-    # torch runs always-call post-hooks for an ``Exception`` only: a
-    # KeyboardInterrupt (the manager's own interruptible wait included),
-    # SystemExit or GeneratorExit inside a layer skips them. The layer's
-    # forward is wrapped, and the pre-hook guards itself, so that whatever
-    # leaves the layer finishes its turn; a per-thread record of the turns
-    # held (``_held``) makes finishing twice harmless.
-    def _held_turns(self) -> list[int]:
-        held = getattr(self._held, "layers", None)
-        if held is None:
-            held = self._held.layers = []
-        return held
-
-    def _finish_layer(self, i: int) -> None:
-        """Release layer ``i`` and leave its turn, once, if this thread holds it."""
-        held = self._held_turns()
-        if i not in held:
-            return
-        del held[len(held) - 1 - held[::-1].index(i)]
-        try:
-            if self._releasable(i):
-                self.release_layer(i)
-        finally:
-            self._leave_layer()
-
-    def _make_forward(self, i: int, forward):
-        @functools.wraps(forward)
-        def guarded_forward(*args, **kwargs):
-            try:
-                return forward(*args, **kwargs)
-            except Exception:
-                raise  # torch runs the always-call post-hook
-            except BaseException:
-                self._finish_layer(i)  # torch runs no hook for these
-                raise
-
-        return _eager(guarded_forward)
-
-    def _make_pre_hook(self, i: int):
-        def pre_hook(module, args):
-            self._enter_layer()
-            if not self._hooks:
-                # Removed (or closed) by another thread while this forward
-                # was on its way here: the model is whole, nothing to load.
-                self._leave_layer()
-                return
-            self._held_turns().append(i)
-            try:
-                self._start_layer(i)
-            except Exception:
-                raise  # torch runs the always-call post-hook, which finishes the turn
-            except BaseException:
-                self._finish_layer(i)
-                raise
-
-        return _eager(pre_hook)
 
     def _start_layer(self, i: int) -> None:
         """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
@@ -819,15 +561,7 @@ class LayerwiseOffloadManager:
         for j in window:
             self.prefetch_layer(j)
 
-    def _make_post_hook(self, i: int):
-        def post_hook(module, args, output):
-            self._finish_layer(i)
-            if self._loads.recycles(i):
-                refuse_recorded_graph(self._stores[i], output)  # autograd saved views of reused device buffers
-
-        return _eager(post_hook)
-
-    # -- host weights ------------------------------------------------------------------------
+    # -- host weights (host_edits.py) ------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
         try:
             return self._by_name[name]
@@ -836,43 +570,22 @@ class LayerwiseOffloadManager:
 
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, host tensor)`` for every managed weight, mapped ones included."""
-        for s in self._stores:
-            for w in s.weights:
-                for n in w.names:
-                    yield n, w.host
+        return host_edits.iter_cpu_weights(self._stores)
 
     def cpu_weights_checksum(self) -> str:
         """SHA-256 over names and host bytes: the same whether a weight is mapped or copied."""
-        import torch
-
-        h = hashlib.sha256()
-        for name, t in sorted(self.iter_cpu_weights(), key=lambda kv: kv[0]):
-            h.update(name.encode())
-            h.update(str(t.dtype).encode())
-            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return host_edits.checksum(self.iter_cpu_weights())
 
     def sync_layer_to_cpu(self, i: int) -> None:
-        """Write layer ``i``'s device weights back to its host stores.
-
-        Mapped weights are never written (a write would turn their pages
-        anonymous); consolidated and strided stores are updated.
-        """
-        i = self._check_index(i)
-        if i not in self._loaded or not self._loads.copies:
-            return  # nothing on the device to write back (in place: the host store is what computes)
-        self._ensure(i)
-        loaded = self._loaded[i]
-        for w in self._stores[i].weights:
-            self._loads.write_back(w, loaded)
+        """Write layer ``i``'s device weights back to its host stores (never a mapped one: see
+        :func:`~mapoffload.offload.host_edits.sync_layer_to_cpu`)."""
+        host_edits.sync_layer_to_cpu(self, i)
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
-        """Replace host weights; a mapped entry becomes an owned tensor.
+        """Replace host weights; a mapped entry becomes an owned tensor, the file is never written.
 
-        The checkpoint file is never written. A loaded layer's device copy is
-        updated as well. A value of another dtype is converted when that loses
-        no kind of information (``torch.can_cast``: float64 into float32 is
-        fine, complex into real or float into int is not).
+        A loaded layer's device copy is updated as well; a value of another dtype is converted when
+        that loses no kind of information (``torch.can_cast``).
 
         Raises
         ------
@@ -883,61 +596,7 @@ class LayerwiseOffloadManager:
         TypeError
             The value is not a tensor, or its dtype cannot be cast to the weight's.
         """
-        import torch
-
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        settled = False  # the device has finished every copy queued so far
-        for name, value in items:
-            store, w = self._weight(name)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name}: the new value is a {type(value).__name__}, not a tensor")
-            if tuple(value.shape) != w.shape:
-                raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
-            if value.device.type == "meta":
-                raise ValueError(f"{name}: the new value is on the meta device (it has no data)")
-            if not torch.can_cast(value.dtype, w.dtype):
-                raise TypeError(
-                    f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
-                )
-            value = value.detach().to(device="cpu", dtype=w.dtype)
-            loaded = self._loaded.get(store.index)
-            if loaded is not None and not loaded.ready:
-                # A prefetch in flight reads the host store: let it finish (and
-                # bind), so that the write below is not torn into it and the
-                # device copy is updated too. A failed one is released: the
-                # next load reads the new weights.
-                try:
-                    self._ensure(store.index)
-                except Exception:
-                    logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
-            if w.store == MAPPED:
-                # An owned tensor of its own (the strided store's kind), same
-                # layout and extent: the mapping is left as it is.
-                with torch.inference_mode(False):
-                    w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
-                w.host.copy_(value)
-                w.store = STRIDED
-                store.invalidate()
-                self._pages.forget(store.index)
-                self._loads.forget(store.index)
-            else:
-                if self._cuda and store.pinned and w.store == CONSOLIDATED and not settled:
-                    # A pinned store is copied by DMA straight from it, when the
-                    # device reaches the copy - not when it was queued: a copy
-                    # still pending (a released layer, a forward the host has
-                    # run ahead of) would read this write into a forward queued
-                    # before the update. Staged and strided sources were read
-                    # into the staging slots before their copies were queued.
-                    torch.cuda.synchronize(self.device)
-                    settled = True
-                w.host.copy_(value)
-            if self.is_loaded(store.index):
-                if self._loads.copies:
-                    self._loads.value(w, self._loaded[store.index]).copy_(value)
-                else:
-                    self._bind(w, w.host)
-            elif self._in_place or not self._engaged:
-                w.param.data = w.host
+        host_edits.update_cpu_weights(self, named_tensors)
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -949,16 +608,16 @@ class LayerwiseOffloadManager:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
         # hook or prefetch engages the placeholders again.
-        self._enter_layer()
+        self._turn.enter()
         try:
             self.remove_forward_hooks()
             if self._engaged:
                 self._disengage()
             self._closed = True
         finally:
-            self._leave_layer()
+            self._turn.leave()
         try:
-            coordinator().leave(self)  # the other managers share what these layers leave
+            coordinator().leave(self._member)  # the other stacks share what these layers leave
         finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
             self._loads.close()
             self._pages.close()

@@ -338,7 +338,7 @@ class PageWorker:
     kernel_caps
         What to assume of the kernel instead of finding it out (text as for
         ``MAPOFFLOAD_KERNEL_CAPS``, e.g. ``"no-large-folios"``, or a whole
-        :class:`~mapoffload._manager.kernel.KernelCaps`); None: the variable,
+        :class:`~mapoffload.pagecache.kernel.KernelCaps`); None: the variable,
         then the run-time probe. Validated here.
 
     Attributes

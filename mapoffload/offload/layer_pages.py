@@ -16,10 +16,10 @@ from typing import Any
 
 from .._log import logger
 from .._native import _core
-from .file_places import MapsView
-from .mapped_file import MappedFiles
-from .pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
-from .residency import ResidencyPlan
+from ..pagecache.file_places import MapsView
+from ..pagecache.mapped_file import MappedFiles
+from ..pagecache.pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
+from ..pagecache.residency import ResidencyPlan
 from .stores import MAPPED, LayerStore
 
 __all__ = ["LayerPages"]

@@ -23,10 +23,10 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
-from .._cgroup import tightest_cgroup
+from ..memory.cgroup import tightest_cgroup
 from .._log import logger
 
-__all__ = ["Peer", "PeerRegistry", "overlap_bytes"]
+__all__ = ["Peer", "PeerRegistry", "measure_resident", "overlap_bytes", "resident_now"]
 
 ENV_PEERS_DIR = "MAPOFFLOAD_PEERS_DIR"
 RECORD_MAX_BYTES = 1 << 20  # a record names a few ranges per file; anything larger is not one
@@ -341,3 +341,14 @@ class PeerRegistry:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 logger.debug("ignored page-cache record %s: %s", path, e)
         return out
+
+
+def resident_now(peer: Peer) -> int:
+    """What a peer holds of its ranges now, measured here (mincore); its record's number where it cannot be.
+
+    A record's own number is from when it was written: records are written
+    again only when what they map changes, so it goes stale as the peer
+    streams.
+    """
+    found = measure_resident(peer)
+    return peer.resident_bytes if found is None else min(found, peer.mapped_bytes)

@@ -2,10 +2,10 @@
 
 Under a host cap too tight for the streaming window, copying a streamed layer
 out of its mapping makes the kernel evict pages of the layers in use and read
-them again, as on the CPU (:class:`~mapoffload._manager.loads.ReadAround`;
+them again, as on the CPU (:class:`~mapoffload.offload.loads.ReadAround`;
 issue 18). Here a streamed layer's file bytes are read with ``O_DIRECT`` into
 one of ``1 + depth`` reused, page-aligned buffers of a
-:class:`~mapoffload._manager.direct_read.DirectReader` - page-locked on CUDA
+:class:`~mapoffload.pagecache.direct_read.DirectReader` - page-locked on CUDA
 (``cudaHostRegister``) - and the copier copies each mapped weight's bytes
 from that buffer into the layer's device buffers with ``direct=True``: on
 CUDA a DMA straight from the pinned buffer (disk -> pinned buffer -> device,
@@ -51,7 +51,7 @@ from .stores import CONSOLIDATED, MAPPED, LayerStore
 
 if TYPE_CHECKING:
     from ..copier import CopyHandle
-    from .direct_read import DirectBuffer
+    from ..pagecache.direct_read import DirectBuffer
 
 __all__ = ["DeviceReadAround"]
 
@@ -70,7 +70,7 @@ class DeviceReadAround(ReadsAround, DeviceCopies):
     """
 
     def __init__(self, base: DeviceCopies, buffers: int) -> None:
-        from .direct_read import DirectReader
+        from ..pagecache.direct_read import DirectReader
 
         # The same stores, pool, streams and copier (one device path, now reading around).
         self.__dict__.update(base.__dict__)

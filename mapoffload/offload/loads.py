@@ -16,7 +16,7 @@ layers read around the page cache (``O_DIRECT``) into reused buffers;
 ``DeviceReadAround`` (``device_read_around.py``) is ``DeviceCopies`` with
 the same reads, copied from those buffers (pinned on CUDA). The manager
 sequences them; the page cache is
-:class:`~mapoffload._manager.layer_pages.LayerPages`'.
+:class:`~mapoffload.offload.layer_pages.LayerPages`'.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .device_pool import DevicePool
-from .file_places import MapsView
+from ..pagecache.file_places import MapsView
 from .layer_pages import LayerPages
 from .stores import MAPPED, LayerStore, Weight, device_view
 
@@ -278,7 +278,7 @@ class ReadAround(ReadsAround, InPlace):
     through its mapping makes the kernel evict pages of the layer in use and
     read them again (issue 18: 2.3x the checkpoint per forward at +6 %).
     Here a streamed layer's file bytes are read into one of a few reused,
-    page-aligned buffers (:class:`~mapoffload._manager.direct_read.DirectReader`,
+    page-aligned buffers (:class:`~mapoffload.pagecache.direct_read.DirectReader`,
     ``1 + depth`` of them: the plan's window, now anonymous instead of page
     cache) and its weights bind to views of the buffer; cached layers compute
     from their mapping as in :class:`InPlace`. A layer that finds no buffer
@@ -287,7 +287,7 @@ class ReadAround(ReadsAround, InPlace):
     """
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, buffers: int) -> None:
-        from .direct_read import DirectReader
+        from ..pagecache.direct_read import DirectReader
 
         super().__init__(stores, pages)
         # Buffers of the largest layer's bytes, made so: what the plan charges (planned_bytes).
@@ -390,7 +390,7 @@ class _DirectRead:
 
 def layer_buffer_bytes(stores: list[LayerStore], pages: LayerPages) -> int:
     """Bytes of the read-around buffer the largest layer's mapped weights take (0: none mapped)."""
-    from .direct_read import buffer_capacity
+    from ..pagecache.direct_read import buffer_capacity
 
     return max((buffer_capacity([(e.first, e.end) for e in pages.extents(i)])
                 for i, s in enumerate(stores) if s.bytes_in(MAPPED)), default=0)
@@ -407,7 +407,7 @@ def written_in_place(store: LayerStore, said: set[str]) -> bool:
     pagemap cannot be read the layer takes the mapping (always right). Logged
     once per layer (``said`` holds the names already logged)."""
     from .._native import _core
-    from ..regions import tensor_spans
+    from ..memory.regions import tensor_spans
 
     hosts = [w.host for w in store.weights if w.store == MAPPED and w.nbytes]
     if not hosts:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..offload import LayerwiseOffloadManager
+    from .manager import LayerwiseOffloadManager
 
 __all__ = ["HeldBuffers", "held_buffers"]
 

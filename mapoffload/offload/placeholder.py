@@ -279,3 +279,8 @@ def unguard_conversions(model: torch.nn.Module) -> None:
                 del d["_apply"]
         else:
             d[_GUARDS] = n
+
+
+def managed(t: torch.Tensor) -> bool:
+    """A weight some manager offloads (another stack of the same model): its manager checks it."""
+    return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__

@@ -1,10 +1,11 @@
 """The process's page-cache coordinator: one budget for every offload manager.
 
 The page cache a process may fill belongs to the host (its cgroup), not to
-one stack. Every :class:`~mapoffload.LayerwiseOffloadManager` registers here
-when it is made and leaves when it closes; each registration, each departure
+one stack. Every :class:`~mapoffload.LayerwiseOffloadManager` registers its stack
+here (a :class:`~mapoffload.pagecache.member.StackMember`) when it is made and
+leaves when it closes; the coordinator talks to members only; each registration, each departure
 and each change of the cgroup's cap (checked at most once per forward) makes
-one plan for all of them (:func:`~mapoffload._manager.residency.plan_shared`):
+one plan for all of them (:func:`~mapoffload.pagecache.residency.plan_shared`):
 
 - the budget is measured once, with every registered layer's resident bytes
   and the mapped weights outside the stacks that every forward reads (a
@@ -41,13 +42,13 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
-from .._runs import merge_runs
-from .peers import PeerRegistry, overlap_bytes
+from .member import always_read_of, file_ranges_of, planned_buffers
+from .peers import PeerRegistry, overlap_bytes, resident_now
 from .residency import ResidencyPlan, plan_residency, plan_shared
 
 if TYPE_CHECKING:
-    from ..budget import PageCacheBudget
-    from ..offload import LayerwiseOffloadManager
+    from ..memory.budget import PageCacheBudget
+    from .member import StackMember
 
 __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
 
@@ -57,7 +58,7 @@ REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of it
 
 def read_cap() -> int | None:
     """The tightest cgroup memory cap on this process now (None: uncapped)."""
-    from ..budget import cgroup_memory_limit_bytes
+    from ..memory.budget import cgroup_memory_limit_bytes
 
     found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
     return None if found is None else found[0]
@@ -102,7 +103,7 @@ class PageCacheCoordinator:
         self.cache_extra = 0
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
-        self._last: tuple = ([], [], 1, 0, "")  # the last measured plan's inputs (see _place_again)
+        self._last: tuple = ([], [], 1, 0, "")  # the last measured plan's inputs (see _place_last)
         # Forwards each registered manager began (note_forward), for streamed_since.
         self._forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Plan again at the next forward whatever the cap and the peers say:
@@ -111,19 +112,23 @@ class PageCacheCoordinator:
         self._stale = False
 
     # -- membership --------------------------------------------------------------------------
-    def managers(self) -> list[LayerwiseOffloadManager]:
-        """The registered managers still alive, in registration order."""
+    def members(self) -> list[StackMember]:
+        """The registered members still alive, in registration order."""
         return [m for m in (r() for r in self._members) if m is not None]
 
-    def join(self, manager: LayerwiseOffloadManager) -> None:
-        """Register a manager and plan again for all (a manager whose plan failed is not registered)."""
+    def managers(self) -> list[object]:
+        """The managers (owners) of the registered members still alive, in registration order."""
+        return [o for o in (m.owner for m in self.members()) if o is not None]
+
+    def join(self, member: StackMember) -> None:
+        """Register a stack and plan again for all (a member whose plan failed is not registered)."""
         with self._lock:
-            self._members = [r for r in self._members if r() is not None and r() is not manager]
-            self._members.append(weakref.ref(manager, self._collected))
+            self._members = [r for r in self._members if r() is not None and r() is not member]
+            self._members.append(weakref.ref(member, self._collected))
             try:
                 self._plan()
             except BaseException:
-                self._members = [r for r in self._members if r() is not None and r() is not manager]
+                self._members = [r for r in self._members if r() is not None and r() is not member]
                 raise
 
     def _collected(self, ref: weakref.ref) -> None:
@@ -131,15 +136,15 @@ class PageCacheCoordinator:
         self._stale = True
         with self._lock:
             self._members = [r for r in self._members if r is not ref and r() is not None]
-            if not any(m._page_cache_given is None for m in self.managers()):
+            if not any(m.given is None for m in self.members()):
                 self._published = None
                 self._withdraw()  # no measured manager maps those bytes now
 
-    def leave(self, manager: LayerwiseOffloadManager) -> None:
-        """Unregister a manager; the others share what it leaves."""
+    def leave(self, member: StackMember) -> None:
+        """Unregister a stack; the others share what it leaves."""
         with self._lock:
             before = len(self._members)
-            self._members = [r for r in self._members if r() is not None and r() is not manager]
+            self._members = [r for r in self._members if r() is not None and r() is not member]
             if len(self._members) == before:
                 return
             if self._members:
@@ -156,10 +161,10 @@ class PageCacheCoordinator:
         self._stale = True  # which is the next forward's (the cap and the folder did not change)
 
     # -- forwards ----------------------------------------------------------------------------
-    def note_forward(self, manager: LayerwiseOffloadManager) -> None:
-        """A forward of ``manager``'s model began (counted for :meth:`streamed_since`)."""
+    def note_forward(self, member: StackMember) -> None:
+        """A forward of ``member``'s model began (counted for :meth:`streamed_since`)."""
         with self._lock:
-            self._forward_counts[manager] = self._forward_counts.get(manager, 0) + 1
+            self._forward_counts[member] = self._forward_counts.get(member, 0) + 1
 
     def streamed_since(self, marks: dict[int, int] | None) -> tuple[int, dict[int, int]]:
         """``(bytes, marks now)``: what the plans stream in the forwards every registered manager
@@ -192,7 +197,7 @@ class PageCacheCoordinator:
         listing of the peers' folder (a ``stat`` per record); the plan (a
         ``mincore`` over the layers) runs only on a change.
         """
-        if not any(m._page_cache_given is None for m in self.managers()):
+        if not any(m.given is None for m in self.members()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
         lost = self._cached_lost() if self.cache_extra else 0
@@ -209,7 +214,7 @@ class PageCacheCoordinator:
                     # Nothing else changed: the last measure, without the thin share. (Measured
                     # again now, "other memory" would hold what the forward's activations left
                     # in the allocator, which the margin is already there for.)
-                    self._place_again()
+                    self._place_last(0)  # without the thin share
                     return
             if self._stale:
                 logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
@@ -230,10 +235,10 @@ class PageCacheCoordinator:
         shared with streamed neighbours) count.
         """
         lost = 0
-        for m in self.managers():
-            missing = m._pages.take_missing()
+        for m in self.members():
+            missing = m.take_missing()
             plan = m.residency
-            if m._page_cache_given is not None or plan is None or not plan.cached:
+            if m.given is not None or plan is None or not plan.cached:
                 continue
             if missing > (1 << 20) + plan.cached_bytes // 100:
                 lost += missing
@@ -262,25 +267,25 @@ class PageCacheCoordinator:
             raise
 
     def _plan_all(self) -> None:
-        from ..budget import page_cache_budget
-        from ..regions import resident_bytes
+        from ..memory.budget import page_cache_budget
+        from ..memory.regions import resident_bytes
 
-        members = self.managers()
-        measured = [m for m in members if m._page_cache_given is None]
-        given = [m for m in members if m._page_cache_given is not None]
+        members = self.members()
+        measured = [m for m in members if m.given is None]
+        given = [m for m in members if m.given is not None]
         for m in given:
-            m._pages.watch = False  # a share of its own: no thin margin to check
-            plan = plan_residency(m._pages.mapped_sizes(), m._page_cache_given, prefetch_layers=m.prefetch_layers)
-            m._apply_residency(plan, f"page cache for these layers: {format_bytes(m._page_cache_given)} (given)")
+            m.watch(False)  # a share of its own: no thin margin to check
+            plan = plan_residency(m.sizes(), m.given, prefetch_layers=m.prefetch_layers)
+            m.apply(plan, f"page cache for these layers: {format_bytes(m.given)} (given)")
         if not measured:
             if self._published is not None:
                 # The record named measured managers' bytes: none is left to share them.
                 self._published = None
                 self._peers().withdraw()
             return
-        always = _always_read(measured)
+        always = always_read_of(measured)
         self.always_bytes = sum(n for _, n in always)
-        cached = sum(sum(m._pages.resident_bytes()) for m in measured)
+        cached = sum(sum(m.resident_bytes()) for m in measured)
         cached += sum(resident_bytes([t for t, _ in always])) if always else 0
         cap = read_cap()
         if cap != self._cap:
@@ -288,13 +293,13 @@ class PageCacheCoordinator:
         self._cap = cap
         budget = page_cache_budget(cached, root=CGROUP_ROOT)
         self.budget = budget
-        room = budget.usable - sum(m._page_cache_given for m in given) - self.always_bytes
+        room = budget.usable - sum(m.given for m in given) - self.always_bytes
         # Read-around buffers hold the streaming window in anonymous memory, which
         # the measure counted as "other"; the plan reserves that window itself -
         # every buffer a reader may make, made yet or not (_planned_buffers).
-        self.window_buffers = sum(m._loads.window_bytes for m in measured)
+        self.window_buffers = sum(m.window_bytes for m in measured)
         room += self.window_buffers
-        sizes = [m._pages.mapped_sizes() for m in measured]
+        sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
         self.room = max(0, room)
@@ -309,28 +314,19 @@ class PageCacheCoordinator:
         stopped reading around; a full plan if the members changed). Not measured again: mid-run the
         allocator holds what the last forward's activations left, which the margin is there for."""
         with self._lock:
-            refs, sizes, windows, cached, why = self._last
-            measured = [r() for r in refs]
-            now = [m for m in self.managers() if m._page_cache_given is None]
-            if self.budget is None or len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
-                self._plan()
-                return
-            try:
-                self._place(measured, sizes, windows, cached, self.cache_extra, why)
-            except BaseException:
-                self._stale = True  # cut short: the next forward plans again
-                raise
+            self._place_last(None if self.budget is not None else -1)
 
-    def _place_again(self) -> None:
-        """The last plan's measure placed again without the thin share (a full plan if the members changed)."""
+    def _place_last(self, extra: int | None) -> None:
+        """The last plan's measure placed again, with ``extra`` for the cached set (None: as it is;
+        -1: plan afresh), or a full plan if the members changed since."""
         refs, sizes, windows, cached, why = self._last
         measured = [r() for r in refs]
-        now = [m for m in self.managers() if m._page_cache_given is None]
-        if len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
+        now = [m for m in self.members() if m.given is None]
+        if extra == -1 or len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
             self._plan()
             return
         try:
-            self._place(measured, sizes, windows, cached, 0, why)
+            self._place(measured, sizes, windows, cached, self.cache_extra if extra is None else extra, why)
         except BaseException:
             self._stale = True  # cut short: the next forward plans again
             raise
@@ -338,21 +334,21 @@ class PageCacheCoordinator:
     def _place(self, measured, sizes, windows: int, cached: int, extra: int, why: str) -> None:
         """Plan the measured managers' layers in ``self.room`` (+ ``extra`` for cached ones) and apply it."""
         self.cache_extra = extra
-        self.buffers = _planned_buffers(measured)
+        self.buffers = planned_buffers(measured)
         plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
                             cache_only=extra, buffers=self.buffers)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
         plans = [_with_always(p, self.always_bytes) for p in plans]
         for m, plan in zip(measured, plans):
-            m._apply_residency(plan, why)
-            m._pages.watch = bool(extra)
-            m._pages.take_missing()  # what went missing before this plan is not its loss
+            m.apply(plan, why)
+            m.watch(bool(extra))
+            m.take_missing()  # what went missing before this plan is not its loss
         self._publish(measured, plans, cached)
-        if len(self.managers()) > 1 or self.replicas or self.ranks:
+        if len(self.members()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())
 
-    def read_around_fits(self, manager: LayerwiseOffloadManager, need: int) -> tuple[bool, str]:
-        """Whether ``manager`` may read its streamed layers around the page cache into ``need`` bytes of
+    def read_around_fits(self, member: StackMember, need: int) -> tuple[bool, str]:
+        """Whether ``member`` may read its streamed layers around the page cache into ``need`` bytes of
         buffers under the last measured plan, and why not.
 
         The buffers are anonymous memory: with the other members' they must fit in the room the plan
@@ -364,9 +360,9 @@ class PageCacheCoordinator:
         with self._lock:
             refs, sizes, windows, _, _ = self._last
             measured = [r() for r in refs]
-            if self.budget is None or not any(m is manager for m in measured) or any(m is None for m in measured):
+            if self.budget is None or not any(m is member for m in measured) or any(m is None for m in measured):
                 return True, ""
-            others = _planned_buffers([m for m in measured if m is not manager])
+            others = planned_buffers([m for m in measured if m is not member])
             if others + need > self.room:
                 besides = f" beside {format_bytes(others)} of other stacks'" if others else ""
                 return False, (f"its read-around buffers ({format_bytes(need)}{besides}) do not fit the "
@@ -375,7 +371,7 @@ class PageCacheCoordinator:
                                "streamed layers are read through the mapping")
             kw = dict(prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
                       cache_only=self.cache_extra)
-            mine = _planned_buffers([manager])
+            mine = planned_buffers([member])
             mapping = plan_shared(sizes, self.room, buffers=others, **kw)
             around = plan_shared(sizes, self.room, buffers=others + max(need, mine), **kw)
             more = sum(p.streamed_bytes for p in around) - sum(p.streamed_bytes for p in mapping)
@@ -396,7 +392,7 @@ class PageCacheCoordinator:
         self._others = 0
         if not peers or not mine:
             return room, 1
-        ranges = _ranges(measured)
+        ranges = file_ranges_of(measured)
         others = 0
         for p in peers:
             shared = overlap_bytes(ranges, p.ranges)
@@ -405,7 +401,7 @@ class PageCacheCoordinator:
             else:
                 self.ranks.append(p.pid)
                 # What it holds was "other memory" in our measure: it is its share of the budget.
-                room += _peer_resident(p) + p.buffer_bytes  # its cache and its read-around buffers
+                room += resident_now(p) + p.buffer_bytes  # its cache and its read-around buffers
                 others += p.mapped_bytes
         if others:
             room = room * mine // (mine + others)
@@ -413,24 +409,24 @@ class PageCacheCoordinator:
         return room, 1 + len(self.replicas)
 
     def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
-        ranges = _ranges(measured)
+        ranges = file_ranges_of(measured)
         window = max(((1 + p.depth) * max(p.layer_bytes, default=0) for p in plans if p.streamed), default=0)
         mapped = sum(sum(p.layer_bytes) for p in plans)
         key = (ranges, mapped, window, self.window_buffers)
         if key == self._published:
             return  # unchanged: peers need not plan again
-        paths = {ident: path for m in measured for ident, _, _, path in m._pages.file_ranges()}
+        paths = {ident: path for m in measured for ident, _, _, path in m.file_ranges()}
         self._peers().publish(ranges, mapped, cached, window, paths, buffers=self.window_buffers)
         self._published = key
 
     # -- what it shows -----------------------------------------------------------------------
     def layer_residency(self) -> list[tuple[str, list[int]]]:
         """``(stack name, resident bytes of each layer)`` for every registered manager, measured now."""
-        return [(m._stack_name, m.resident_layer_bytes()) for m in self.managers()]
+        return [(m.name, m.resident_bytes()) for m in self.members()]
 
     def describe(self) -> str:
         """One line: the budget, what is cached and streamed across all stacks, the peers."""
-        members = self.managers()
+        members = self.members()
         plans = [m.residency for m in members if m.residency is not None]
         cached = sum(p.cached_bytes for p in plans)
         streamed = sum(p.streamed_bytes for p in plans)
@@ -447,58 +443,10 @@ class PageCacheCoordinator:
         return text
 
 
-def _planned_buffers(managers) -> int:
-    """Read-around buffers of ``managers`` as the plan charges them (``ReadsAround.planned_bytes``)."""
-    return sum(getattr(m._loads, "planned_bytes", 0) for m in managers)
-
-
 def _with_always(plan: ResidencyPlan, always: int) -> ResidencyPlan:
     from dataclasses import replace
 
     return replace(plan, always_bytes=always)
-
-
-def _ranges(measured) -> tuple[tuple[int, int, int, int], ...]:
-    """(dev, inode, first, end) of every file range the managers' mapped layers read, merged per file."""
-    per_file: dict[tuple[int, int], list[list[int]]] = {}
-    for m in measured:
-        for ident, first, end, _ in m._pages.file_ranges():
-            per_file.setdefault(ident, []).append([first, end])
-    out = []
-    for (dev, ino), spans in sorted(per_file.items()):
-        out.extend((dev, ino, a, b) for a, b in merge_runs(spans))
-    return tuple(out)
-
-
-def _peer_resident(peer) -> int:
-    """What a peer holds of its ranges now, measured here (mincore); its record's number where it cannot be.
-
-    A record's own number is from when it was written: records are written
-    again only when what they map changes, so it goes stale as the peer
-    streams.
-    """
-    from .peers import measure_resident
-
-    found = measure_resident(peer)
-    return peer.resident_bytes if found is None else min(found, peer.mapped_bytes)
-
-
-def _always_read(measured) -> list[tuple[object, int]]:
-    """The mapped weights outside every registered stack that each forward reads, once each."""
-    from .plan import always_read_tensors
-
-    by_model: dict[int, tuple[object, list]] = {}
-    for m in measured:
-        entry = by_model.setdefault(id(m.model), (m.model, []))
-        entry[1].extend(m.layers)
-    seen: set[int] = set()
-    out = []
-    for model, layers in by_model.values():
-        for t, n in always_read_tensors(model, layers):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                out.append((t, n))
-    return out
 
 
 _COORDINATOR = PageCacheCoordinator()

@@ -3,7 +3,7 @@
 What each level holds (cap, usage, file cache) is read here, once per call,
 and every decision taken against a cgroup starts from these levels: the
 host headroom and the page-cache budget (:mod:`mapoffload.budget`) and the
-peers' registry (:mod:`mapoffload._manager.peers`: the processes that draw on
+peers' registry (:mod:`mapoffload.pagecache.peers`: the processes that draw on
 one cap).
 """
 
@@ -104,7 +104,7 @@ class CgroupLevel:
     The one reading of a cgroup that every budget decides from: the host
     headroom (:func:`cgroup_memory_limit_bytes`), the page-cache budget
     (:func:`page_cache_budget`) and the peers' registry (processes drawing on
-    one cap: :mod:`mapoffload._manager.peers`).
+    one cap: :mod:`mapoffload.pagecache.peers`).
     """
 
     version: str  # "v2" or "v1"

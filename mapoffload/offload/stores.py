@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
 from .._runs import merge_copies
-from ..regions import tensor_extent
+from ..memory.regions import tensor_extent
 
 if TYPE_CHECKING:
     import torch

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from .._log import logger
 from .._native import _core
-from .mapped_file import MappedFiles
-from .pages import Extent, check_extents, file_extents, layer_spans
+from ..pagecache.mapped_file import MappedFiles
+from ..pagecache.pages import Extent, check_extents, file_extents, layer_spans
 
 if TYPE_CHECKING:
     import torch
@@ -33,17 +33,12 @@ __all__ = ["RestGuard"]
 WHAT = "the weights outside the managed layers"
 
 
-def managed(t: torch.Tensor) -> bool:
-    """A weight some manager offloads (another stack of the same model): its manager checks it."""
-    from .placeholder import OffloadedWeight  # imports torch
-
-    return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__
-
-
 def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list[torch.Tensor], tuple]:
     """CPU parameters and buffers of the modules outside ``layers`` that no manager offloads, each once;
     and a key of where they are held (module and address of each place, a tensor held twice
     counted twice: tying a head to an embedding changes it, though no tensor is added)."""
+    from .placeholder import managed  # imports torch (the placeholders subclass nn.Parameter)
+
     inside = {id(m) for layer in layers for m in layer.modules()}
     seen: set[int] = set()
     out = []
@@ -76,7 +71,7 @@ class RestGuard:
 
     def _advise_tables(self) -> None:
         """``MADV_RANDOM`` (no huge pages) over the rest's lookup tables: a fault reads its own page."""
-        from ..regions import tensor_extent
+        from ..memory.regions import tensor_extent
         from .plan import lookup_tables
 
         self._unadvise()
@@ -102,7 +97,7 @@ class RestGuard:
         self._unadvise()
 
     def _refresh(self) -> None:
-        from ..regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
+        from ..memory.regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
 
         tensors, key = outside_tensors(self._model, self._layers)  # the lookup tables depend on their holders too
         if key == self._key:

@@ -1,0 +1,194 @@
+"""How a stack's streamed layers are read: through the mapping, or around the page cache (``O_DIRECT``).
+
+``stream_reads=`` of :class:`~mapoffload.LayerwiseOffloadManager`: ``"mapping"``, ``"direct"``, or
+``"auto"`` - the policy here, decided at each forward's start (:meth:`StreamReads.choose`): direct
+once the plan streams layers and their files take ``O_DIRECT`` and the plan's room holds the
+buffers (``PageCacheCoordinator.read_around_fits``); through the shared page cache while replicas map
+the same bytes; else measured with ``/proc/self/io``, and around the cache when two warm forwards in
+a row read more than ``READ_AROUND_RATIO`` x what the plans stream. Switching swaps the stack's load
+path for its read-around form (``loads.ReadAround``, ``device_read_around.DeviceReadAround``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING
+
+from .._log import format_bytes, logger
+from ..pagecache.coordinator import coordinator
+from .device_read_around import DeviceReadAround
+from .loads import InPlace, ReadAround, ReadsAround, layer_buffer_bytes
+
+if TYPE_CHECKING:
+    from .manager import LayerwiseOffloadManager
+
+__all__ = ["READ_AROUND_RATIO", "STREAM_READS", "StreamReads"]
+
+STREAM_READS = ("auto", "mapping", "direct")
+# A warm forward reading more than this times what the plan streams (and the
+# weights read every forward) is the kernel re-reading evicted pages.
+READ_AROUND_RATIO = 1.2
+
+
+def _process_read_bytes() -> int | None:
+    """Bytes this process had read from storage (``/proc/self/io`` read_bytes); None where unreadable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class StreamReads:
+    """The ``stream_reads`` setting of one manager, and the ``auto`` policy's state.
+
+    ``why`` says why streamed layers are read as they are (``stream_reads_why``).
+    """
+
+    def __init__(self, manager: LayerwiseOffloadManager, setting: str) -> None:
+        if setting not in STREAM_READS:
+            raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {setting!r}")
+        self._m = weakref.proxy(manager)  # the manager owns this part
+        self.setting = setting
+        self.why = ""
+        self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
+        self._forward_marks: dict[int, int] | None = None  # every stack's forwards then (coordinator)
+        self._forwards = 0
+        self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
+        self._direct_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
+        self._direct_why = ""  # what the probe said when they do
+        self._refused = ""  # why auto reads through the mapping where the files take O_DIRECT
+
+    @property
+    def mode(self) -> str:
+        """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
+        loads = self._m._loads
+        return "direct" if isinstance(loads, ReadsAround) and not loads.paused else "mapping"
+
+    def read_around(self, why: str) -> None:
+        """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
+
+        In place they compute from the buffers they are read into; on the
+        device path (and its CPU twin) they are copied from them into the
+        device buffers - on CUDA by DMA, the buffers being pinned.
+        """
+        m = self._m
+        if self.mode == "direct":
+            return
+        if isinstance(m._loads, ReadsAround):  # paused: read around again
+            m._loads.resume()
+            self.why = why
+            logger.info("%s: streamed layers are read around the page cache again: %s", m._stack_name, why)
+            return
+        depth = m.residency.depth if m.residency is not None else m.prefetch_layers
+        if isinstance(m._loads, InPlace):
+            m._loads = ReadAround(m._stores, m._pages, buffers=1 + depth)
+            where = "read around the page cache (O_DIRECT)"
+        else:
+            m._loads = DeviceReadAround(m._loads, buffers=1 + depth)
+            where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
+                     if m._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
+        m._member.loads = m._loads  # the plan charges its buffers
+        self.why = why
+        logger.info("%s: streamed layers are %s from now on: %s", m._stack_name, where, why)
+
+    def probe_direct(self) -> tuple[bool, str]:
+        """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""
+        from .._native import _core
+
+        m = self._m
+        files = {e.path: e.file for i in m.residency.streamed for e in m._pages.extents(i)}
+        for path, f in files.items():
+            if f is None or f.fd < 0:
+                return False, f"{path} is not held open"
+            try:
+                fd, method, why = _core.open_for_reading(f.fd, True)
+            except OSError as e:
+                return False, f"{path}: {e}"
+            os.close(fd)
+            if method != "direct":
+                return False, f"{path} is read buffered ({why})"
+        return True, (f"the plan streams {len(m.residency.streamed)} layers and their files take O_DIRECT "
+                      "(reads at the bound, no page-cache work on the compute path)")
+
+    def choose(self) -> None:
+        """``stream_reads="auto"``, at a forward's start: direct once layers stream and their files take
+        ``O_DIRECT``; else measure what the last forward read, and read around the cache when it thrashed."""
+        m = self._m
+        if self.setting != "auto":
+            return
+        replicas = coordinator().replicas
+        if replicas:
+            # O_DIRECT reads are each process's own; through the page cache one replica's read
+            # of a layer serves the other, and the last to let it go drops it.
+            why = (f"replicas (pid {', '.join(map(str, replicas))}) map the same bytes: streamed layers "
+                   "are read through the shared page cache")
+            if self.mode == "direct":
+                m._loads.pause(why)
+                logger.info("%s: %s", m._stack_name, why)
+            self.why = why
+            return
+        if self.mode == "direct":
+            fits, why = coordinator().read_around_fits(m._member, m._loads.planned_bytes)
+            if not fits:  # the cap or the plan changed under the buffers: through the mapping again
+                m._loads.pause(why)
+                self.why = self._refused = why
+                logger.info("%s: %s", m._stack_name, why)
+                coordinator().place_buffers()
+            return
+        if isinstance(m._loads, ReadsAround) and m._loads.paused:
+            # Paused for replicas that are gone, or for room the plan now has.
+            replicas_gone = m._loads.paused.startswith("replicas")
+            self._try("no replica maps these bytes now" if replicas_gone or not self._direct_why
+                      else self._direct_why)
+            return
+        plan = m.residency
+        if plan is None or not plan.streamed:
+            self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
+            return
+        if self._direct_capable is None:
+            self._direct_capable, self._direct_why = self.probe_direct()
+            if not self._direct_capable:
+                self.why = self._direct_why
+                self._direct_why = ""
+        if self._direct_capable and self._try(self._direct_why):
+            return
+        now = _process_read_bytes()
+        last, self._reads_at_forward = self._reads_at_forward, now
+        # The counter is the process's: since this stack's last forward, every model of the process
+        # may have run (a pipeline's other components, a model served beside this one), each as
+        # many forwards as it did. What they were all planned to read is the measure.
+        expected, self._forward_marks = coordinator().streamed_since(self._forward_marks)
+        if now is None or last is None:
+            return
+        self._forwards += 1
+        if self._forwards < 2:
+            return  # the first forward reads the cached set in too
+        read = now - last
+        self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
+        self.why = (f"{self._refused + '; ' if self._refused else ''}the last forward read "
+                    f"{format_bytes(read)}, the plan streams {format_bytes(expected)} "
+                    f"({read / max(expected, 1):.2f}x)")
+        if self._excess >= 2:
+            self._try(self.why + f", twice in a row over {READ_AROUND_RATIO}x")
+
+    def _try(self, why: str) -> bool:
+        """``auto``: read around the page cache from the next layer on where the plan's room holds the
+        buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
+        m = self._m
+        depth = m.residency.depth if m.residency is not None else m.prefetch_layers
+        count = m._loads.reader.buffers if isinstance(m._loads, ReadsAround) else 1 + depth
+        fits, refused = coordinator().read_around_fits(m._member, count * layer_buffer_bytes(m._stores, m._pages))
+        if not fits:
+            if refused != self._refused:
+                logger.info("%s: %s", m._stack_name, refused)
+            self.why = self._refused = refused
+            return False
+        self._refused = ""
+        self.read_around(why)
+        coordinator().place_buffers()  # the plan charges the buffers from now on
+        return True

@@ -1,0 +1,201 @@
+"""The package's layout: one-way imports and small modules (issue 25).
+
+Every ``import`` of ``mapoffload``'s own modules, at any depth in a module (a function's lazy import
+too, not those under ``if TYPE_CHECKING:``), is an edge of the module graph. The graph has no
+circle; the layers import downward only (running -> page cache -> memory): ``mapoffload.memory``
+imports neither ``pagecache`` nor ``offload``, and ``mapoffload.pagecache`` does not import
+``offload``; and no module is longer than ``MAX_LINES``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mapoffload")
+MAX_LINES = 450
+# Modules still over MAX_LINES (issue 25 asks for about 400), each held to the lines it has now:
+# the list only shrinks (an entry back under MAX_LINES is taken out: the test below).
+OVER = {
+    "mapoffload.checkpoint": 556,
+    "mapoffload.demo": 539,
+    "mapoffload.hf._converted": 617,
+    "mapoffload.hf._drive": 483,
+    "mapoffload.offload.loads": 454,
+    "mapoffload.offload.manager": 640,
+    "mapoffload.pagecache.coordinator": 476,
+    "mapoffload.pagecache.direct_read": 685,
+}
+
+
+def _modules() -> dict[str, str | None]:
+    """Dotted name -> path of every module of the package (None: the native extension, from its stubs)."""
+    out: dict[str, str | None] = {}
+    top = os.path.dirname(PACKAGE)
+    for folder, _, files in os.walk(PACKAGE):
+        for f in files:
+            path = os.path.join(folder, f)
+            parts = os.path.relpath(path, top).split(os.sep)
+            if f.endswith(".py"):
+                parts[-1] = parts[-1][:-3]
+                if parts[-1] == "__init__":
+                    parts.pop()
+                out[".".join(parts)] = path
+            elif f.endswith(".pyi") and not os.path.exists(path[:-1]):
+                parts[-1] = parts[-1][:-4]
+                out[".".join(parts)] = None
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    found: list = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    walk_one(other)
+                continue
+            walk_one(child)
+
+    def walk_one(child: ast.AST) -> None:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            found.append(child)
+        walk(child)
+
+    walk(tree)
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        if path is not None:
+            package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in _imports(tree):
+                if isinstance(node, ast.Import):
+                    edges.update(a.name for a in node.names if a.name in modules)
+                    continue
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    if sub in modules:
+                        edges.add(sub)
+                    elif target in modules:
+                        edges.add(target)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return out
+
+
+def test_the_graph_sees_the_imports():
+    graph = module_graph()
+    assert "mapoffload.pagecache.coordinator" in graph["mapoffload.offload.manager"]
+    assert "mapoffload._core" in graph["mapoffload._native"]  # the extension, known from its stubs
+    assert "mapoffload.memory.ranks" in graph["mapoffload.memory.budget"]  # a function's lazy import counts
+
+
+def test_no_import_circle():
+    assert _circles(module_graph()) == []
+
+
+def test_a_circle_is_found():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("layer, above", [
+    ("mapoffload.memory", ("mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
+    ("mapoffload.pagecache", ("mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
+])
+def test_layers_import_downward_only(layer, above):
+    graph = module_graph()
+    wrong = sorted((m, t) for m, targets in graph.items() if m == layer or m.startswith(layer + ".")
+                   for t in targets if any(t == a or t.startswith(a + ".") for a in above))
+    assert wrong == []
+
+
+def test_nothing_process_wide_in_the_offload_parts():
+    names = set(module_graph())
+    for process_wide in ("coordinator", "peers", "kernel", "direct_read"):
+        assert f"mapoffload.pagecache.{process_wide}" in names
+        assert f"mapoffload.offload.{process_wide}" not in names
+    assert not any(n.startswith("mapoffload._manager") for n in names)
+
+
+def test_no_module_over_the_line_limit():
+    over = {}
+    for name, path in _modules().items():
+        if path is None:
+            continue
+        with open(path) as f:
+            lines = sum(1 for _ in f)
+        if lines > OVER.get(name, MAX_LINES):
+            over[name] = lines
+    assert over == {}
+
+
+def test_the_exceptions_are_still_needed():
+    """An entry of OVER that fits MAX_LINES now is taken out of it."""
+    modules = _modules()
+    for name in OVER:
+        with open(modules[name]) as f:
+            assert sum(1 for _ in f) > MAX_LINES, name
