@@ -426,6 +426,19 @@ class ConversionCache:
         cache.reused = True
         return cache
 
+    def discard(self) -> None:
+        """Remove this finished conversion: its user found it unusable, and the one written next must
+        take its place (:meth:`commit` otherwise keeps a finished folder of the same key). Views
+        already mapped from it stay valid."""
+        try:
+            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
+            os.rename(self.path, aside)
+        except OSError as exc:
+            logger.warning("conversion %s cannot be removed (%s)", self.path, exc)
+            return
+        shutil.rmtree(aside, ignore_errors=True)
+        self.tensors, self.meta, self.reused = {}, {}, False
+
     def consumed_sources(self) -> set[str]:
         """Checkpoint keys the cached targets were made from."""
         return {s for e in self.tensors.values() for s in e["sources"]}

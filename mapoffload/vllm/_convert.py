@@ -72,12 +72,19 @@ def _slice(source: torch.Tensor, byte_offset: int, like: torch.Tensor) -> torch.
 def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
             tensors: dict[str, torch.Tensor]) -> Bound | None:
     """Bind every parameter from a finished conversion; None (nothing changed) when it does not cover them."""
-    aliases = cache.meta.get("vllm", {}).get("aliases", {})
+    vllm_meta = cache.meta.get("vllm")
+    aliases = vllm_meta.get("aliases") if isinstance(vllm_meta, dict) else None
+    if not isinstance(aliases, dict):
+        return None
     plan: dict[str, torch.Tensor] = {}
     converted = cache.mapped()
     for name, p in params.items():
         if name in aliases:
-            key, offset = aliases[name]
+            entry = aliases[name]
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and type(entry[1]) is int):
+                return None  # a manifest this module did not write: convert again
+            key, offset = entry
             src = tensors.get(key)
             if src is None or offset < 0 or offset + tensor_bytes(p) > tensor_bytes(src) or offset % p.element_size():
                 return None
@@ -97,13 +104,13 @@ def _rebind(params: dict[str, torch.nn.Parameter], cache: ConversionCache,
 
 
 def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cache: ConversionCache,
-             tensors: dict[str, torch.Tensor], check_loaded: Any) -> Bound:
+             tensors: dict[str, torch.Tensor], sources: SourceIndex, check_loaded: Any) -> Bound:
     specs = {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
     views = cache.reserve(specs)
     for name, p in params.items():
         p.data = views[name]
     bound_to = {name: p.data for name, p in params.items()}
-    recorder = AliasRecorder(dict(bound_to), SourceIndex(tensors))
+    recorder = AliasRecorder(dict(bound_to), sources)
     try:
         with recorder, torch.no_grad():
             loaded = model.load_weights(iter(tensors.items()))
@@ -111,8 +118,7 @@ def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cach
     except BaseException:
         cache.abandon()
         raise
-    sources = SourceIndex(tensors)
-    bound = Bound()
+    bound = Bound(sources=sources)
     aliases: dict[str, list] = {}
     for name, p in params.items():
         alias = recorder.aliases.get(name)
@@ -151,16 +157,16 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
     """
     params = dict(model.named_parameters())
     tensors = _read_files(files)
+    sources = SourceIndex(tensors)  # one index of the checkpoint's addresses for the whole load
     root = cache_dir or default_root(folder)
     cache = ConversionCache.open(root, key)
     if cache.reused:
         bound = _rebind(params, cache, tensors)
         if bound is not None:
-            bound.sources = SourceIndex(tensors)
+            bound.sources = sources
             return bound, cache
         logger.warning("conversion %s does not cover this model's parameters: converting again", cache.path)
+        cache.discard()  # else the folder written next is dropped for it, and every start converts again
         cache = ConversionCache(root, key)
     os.makedirs(root, exist_ok=True)
-    bound = _convert(model, params, cache, tensors, check_loaded)
-    bound.sources = SourceIndex(tensors)
-    return bound, cache
+    return _convert(model, params, cache, tensors, sources, check_loaded), cache
