@@ -21,7 +21,7 @@ MAX_LINES = 450
 OVER = {
     "mapoffload.checkpoint": 556,
     "mapoffload.demo": 539,
-    "mapoffload.hf._converted": 617,
+    "mapoffload.hf._converted": 559,
     "mapoffload.hf._drive": 483,
     "mapoffload.offload.loads": 454,
     "mapoffload.offload.manager": 640,

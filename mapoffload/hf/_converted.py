@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from ._st_write import reserve_safetensors, write_safetensors  # noqa: F401  (ConversionCache writes parts with them)
 from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ FORMAT = 1
 PART_BYTES = 256 << 20  # pending converted bytes written out as one part
 MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
-_ALIGN = 4096  # data start in each part: page-aligned, so every tensor maps page-aligned within its dtype order
 WRITER = ".writer"  # in a work folder: the lock file its live writer holds (flock)
 # tempfile.mkdtemp(prefix=".<key>.") names: eight of its characters after the prefix
 _WORK = re.compile(r"\.[0-9a-f]{24}\.[a-z0-9_]{8}")
@@ -61,11 +61,6 @@ _ASIDE = re.compile(r"\.[0-9a-f]{24}\.old\.[a-z0-9_]{8}")  # a damaged folder mo
 UNMARKED_GRACE_S = 3600.0  # a work folder without a writer mark, untouched this long, is a dead one's
 _HELD: dict[int, int] = {}  # writer-mark fd -> pid that holds it (a forked child closes its copies)
 
-_ST_CODES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
 
 
 def default_root(folder: str) -> str:
@@ -155,72 +150,6 @@ def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, 
         "extra": repr(extra),
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def _layout(specs: dict[str, tuple[tuple[int, ...], Any]]) -> tuple[bytes, list[tuple[str, int, int]]]:
-    """A safetensors header for tensors of ``specs`` (name -> (shape, dtype)), padded so the data
-    starts page-aligned, and ``(name, offset, nbytes)`` in data order: widest dtype first, so every
-    tensor stays aligned to its element size."""
-    import torch
-
-    def width(k: str) -> int:
-        return torch.empty((), dtype=specs[k][1]).element_size()
-
-    order = sorted(specs, key=lambda k: (-width(k), k))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "mapoffload"}}
-    placed = []
-    offset = 0
-    for k in order:
-        shape, dtype = specs[k]
-        code = _ST_CODES.get(str(dtype).removeprefix("torch."))
-        if code is None:
-            raise TypeError(f"{k!r}: dtype {dtype} cannot be stored in a safetensors file")
-        n = width(k)
-        for d in shape:
-            n *= int(d)
-        header[k] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
-        placed.append((k, offset, n))
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * ((-(8 + len(text))) % _ALIGN)
-    return len(text).to_bytes(8, "little") + text, placed
-
-
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (CPU) as one safetensors file without an in-memory copy
-    of the whole: the header (see :func:`_layout`), then each tensor's bytes
-    straight from its storage."""
-    import torch
-
-    head, placed = _layout({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    with open(path, "wb") as f:
-        f.write(head)
-        for k, _, _ in placed:
-            t = tensors[k].detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.contiguous()
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # 1-D first: a 0-d tensor cannot change its element size
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def reserve_safetensors(path: str, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:
-    """Create ``path`` as a safetensors file for ``specs`` whose data is not written yet (a sparse
-    file: no disk blocks until written) and return each tensor as a writable view of a *shared*
-    mapping of it: what is written into a view lands in the file through the page cache, never
-    in anonymous memory. Bytes never written read as zeros and take no space."""
-    import torch
-
-    head, placed = _layout(specs)
-    size = len(head) + sum(n for _, _, n in placed)
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(size)
-    whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    base = len(head)
-    return {k: whole[base + o: base + o + n].view(specs[k][1]).view(specs[k][0]) for k, o, n in placed}
 
 
 class ConversionWriteError(OSError):
