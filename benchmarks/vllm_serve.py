@@ -14,6 +14,7 @@ checkpoint warm in the page cache:
   vllm               load_format="auto": vLLM's default loader (copies, packs for oneDNN)
   packed 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": true}; the 2nd maps the conversion
   mapped 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": false}; the 2nd maps the conversion
+  mapped unstreamed  the mapped 2nd start with {"stream_layers": false} (no per-layer page-cache hooks)
 
 Columns: ``LLM()`` seconds (import of vLLM apart: the same for all) and their
 ratio to vLLM's; RssAnon / RssFile after init (``/proc/self/status`` of the
@@ -32,7 +33,7 @@ anonymous MiB over import and KV cache, against one model.
 
 Run: python benchmarks/vllm_serve.py [--dir /tmp/mapoffload-vllm-bench] [--hidden 2048]
      [--intermediate 5632] [--layers 12] [--vocab 32000] [--tokens 64] [--requests 4]
-     [--rounds 2] [--no-replicas] [--json out.json]
+     [--rounds 2] [--no-replicas] [--only NAME,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ CONTENDERS = [
     ("mapped 1st", "mapoffload", KEEP_MAPPED, False),
     ("mapped 2nd", "mapoffload", KEEP_MAPPED, True),
 ]
+# Beside the contenders: the mapped 2nd start without the decoder layers streamed through the page
+# cache (stream_layers false: no per-layer hooks), what the hooks cost a decode step.
+EXTRA = {
+    "mapped unstreamed": ("mapoffload", {**KEEP_MAPPED, "stream_layers": False}, True, {}),
+}
 REPLICAS = [("vllm", "auto", None), ("mapped", "mapoffload", KEEP_MAPPED)]
 
 
@@ -260,6 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="decode measurements per contender (the best counts)")
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of every engine")
     ap.add_argument("--no-replicas", action="store_true", help="skip the two-replica PSS measurement")
+    ap.add_argument("--only", help="comma-separated contenders to run (vllm always runs: the ratios' base); "
+                                   "the targets are judged only where their contenders ran")
     ap.add_argument("--json", help="also write the JSON here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -288,8 +296,17 @@ def main(argv=None) -> int:
             "rounds": args.rounds, "kv_gib": args.kv_gib}
     results = []
     t_all = time.perf_counter()
-    for name, load_format, extra, decode in CONTENDERS:
-        r = _run({**base, "name": name, "load_format": load_format, "extra": extra, "decode": decode}, log_path)
+    runs = [(name, fmt, extra, decode, {}) for name, fmt, extra, decode in CONTENDERS]
+    runs += [(name, *spec) for name, spec in EXTRA.items()]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        unknown = sorted(set(wanted) - {r[0] for r in runs})
+        if unknown:
+            raise SystemExit(f"--only: unknown contender(s) {unknown}; there are {[r[0] for r in runs]}")
+        runs = [r for r in runs if r[0] in wanted or r[0] == "vllm"]
+    for name, load_format, extra, decode, more in runs:
+        r = _run({**base, "name": name, "load_format": load_format, "extra": extra, "decode": decode, **more},
+                 log_path)
         r["load_average"] = _load()
         results.append(r)
         print(f"  {name}: LLM() {r['init_s']:.1f} s, RssAnon {r['after_init']['RssAnon'] / MIB:.0f} MiB"
@@ -338,6 +355,11 @@ def main(argv=None) -> int:
         print_table(["two replicas", "Pss of the folder's files MiB", "anon over import+KV MiB",
                      "sum MiB", "vs one model"], rrows)
 
+    if "mapped 2nd" not in by or "packed 2nd" not in by:
+        emit_json("vllm_serve", {"weights_bytes": weights, "args": {
+            k: v for k, v in vars(args).items() if k != "child"}, "results": results, "replicas": replicas,
+            "total_s": total_s}, args.json)
+        return 0
     mapped2, packed2 = by["mapped 2nd"], by["packed 2nd"]
     limit = 0.05 * weights + 64 * MIB
     targets = {

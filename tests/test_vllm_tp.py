@@ -1,6 +1,7 @@
 """Tensor parallelism (vLLM's CPU backend, two ranks on this host's two cores): each rank's
 shards are its own conversion (the rank is part of the key), every parameter of both ranks is
-a view of a file, and the tokens are those of vLLM's loader with the same two ranks."""
+a view of a file, the tokens are those of vLLM's loader with the same two ranks, and each rank's
+page-cache coordinator plans with the other."""
 
 from __future__ import annotations
 
@@ -44,5 +45,11 @@ def test_two_ranks(tmp_path):
     assert len(ranks) == 2
     for where in ranks:
         assert where["unmapped"] == [] and where["bound"]["copied"] == 0
+    # One plan between them: each rank's page-cache coordinator knows the other as a rank under
+    # this cap (other bytes: it splits the budget with it), neither as a replica.
+    pids = [where["pid"] for where in ranks]
+    assert len(set(pids)) == 2
+    for i, where in enumerate(ranks):
+        assert where["peers"]["ranks"] == [pids[1 - i]] and where["peers"]["replicas"] == [], where["peers"]
     root = os.path.join(folder, ".mapoffload-converted")
     assert len([n for n in os.listdir(root) if not n.startswith(".")]) == 4  # two ranks x two packings

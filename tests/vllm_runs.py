@@ -3,10 +3,13 @@
 Not a test module: ``tests/test_vllm_engine.py`` runs it in a subprocess (vLLM's
 import costs tens of seconds; every engine after the first a few). Input on
 stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
-"prompts", "max_tokens", "before": null | "corrupt"}]}``. Output: one line
-``RESULTS <json>`` with, per run, the tokens and logprobs of every prompt, and
-where each parameter's bytes live (the checkpoint's files, a conversion folder,
-anonymous memory) as the process's mappings say.
+"prompts", "max_tokens", "before": null | "corrupt", "hold": null | PATH}]}``.
+Output: one line ``RESULTS <json>`` with, per run, the tokens and logprobs of
+every prompt, where each parameter's bytes live (the checkpoint's files, a
+conversion folder, anonymous memory) as the process's mappings say, and the
+page-cache coordinator's peers (other ranks and replicas under this cap). With
+``hold``, a run prints ``HOLD <json>`` once it has generated and keeps its
+engine up until the file PATH exists (a parent measures several at once).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -53,6 +57,12 @@ def _where(model) -> dict:  # noqa: ANN001
     out["managers"] = len(managers)
     out["streaming"] = [{"stream_reads": m.stream_reads, "resident": sum(m.resident_layer_bytes()),
                          "mapped": m.mapped_bytes, "repr": repr(m)} for m in managers]
+    from mapoffload.pagecache.coordinator import coordinator
+
+    c = coordinator()
+    c.follow_cap()  # the peers as they are now (a forward reads them too)
+    out["pid"] = os.getpid()
+    out["peers"] = {"ranks": list(c.ranks), "replicas": list(c.replicas), "describe": c.describe()}
     bound = getattr(model, "mapoffload_bound", None)
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
                                                "copied": bound.copied, "reused": bound.reused,
@@ -112,6 +122,11 @@ def run(spec: dict) -> dict:
         ranks = llm.apply_model(_where)
         result["where"] = ranks[0]
         result["ranks"] = ranks
+        if spec.get("hold"):  # a file path: say so, and keep the engine up until the file exists
+            sys.stdout.write("HOLD " + json.dumps(result) + "\n")
+            sys.stdout.flush()
+            while not os.path.exists(spec["hold"]):
+                time.sleep(0.1)
         return result
     finally:
         del llm
