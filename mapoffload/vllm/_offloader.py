@@ -85,42 +85,54 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
     return OffloadRequest(None, int(gib * (1 << 30)), options.prefetch_layers, f"cpu_offload_gb={gib:g}")
 
 
+class LayerTaker:
+    """What :class:`MapoffloadOffloader` does with the layers ``make_layers`` hands it (no vLLM here):
+    takes the first ones, as vLLM's UVA offloader does (``request.layers`` of them, or layers until
+    ``request.max_bytes`` is reached), and moves their (still empty) parameters to the host."""
+
+    def __init__(self, request: OffloadRequest) -> None:
+        self.request = request
+        self.stacks: list[list[torch.nn.Module]] = []  # the layers taken, per make_layers call
+        self.layers = 0
+        self.bytes = 0
+
+    def _wants(self) -> bool:
+        if self.request.layers is not None:
+            return self.layers < self.request.layers
+        return self.bytes < (self.request.max_bytes or 0)
+
+    def wrap(self, modules_generator) -> list[torch.nn.Module]:  # noqa: ANN001
+        modules, taken = [], []
+        for module in modules_generator:  # one at a time: a taken layer leaves the device before the next
+            params = list(module.parameters())
+            if params and self._wants():
+                self.layers += 1
+                self.bytes += sum(tensor_bytes(p) for p in params)
+                for p in params:  # (untouched host pages: no memory until the loader binds them)
+                    if p.device.type != "cpu":
+                        p.data = torch.empty_like(p.data, device="cpu")
+                taken.append(module)
+            modules.append(module)
+        if taken:
+            self.stacks.append(taken)
+        return modules
+
+
 def make_offloader(request: OffloadRequest) -> Any:
-    """A :class:`MapoffloadOffloader` (a vLLM ``BaseOffloader``; the class is made here, over vLLM's)."""
+    """A ``MapoffloadOffloader``: a vLLM ``BaseOffloader`` (the class is made here, over vLLM's) whose
+    ``wrap_modules`` is a :class:`LayerTaker`'s; ``.taker`` says what it took."""
     from vllm.model_executor.offloader.base import BaseOffloader
 
     class MapoffloadOffloader(BaseOffloader):
-        """Takes the first layers ``make_layers`` builds, as vLLM's UVA offloader does, and moves their
-        empty parameters to the host (no device memory): the loader maps them and streams them."""
+        """Takes the first layers ``make_layers`` builds and moves them to the host (see the module)."""
 
         supports_tower_offload = False  # decoder stacks only: the manager sequences a stack
 
         def __init__(self) -> None:
-            self.request = request
-            self.stacks: list[list[torch.nn.Module]] = []
-            self.layers = 0
-            self.bytes = 0
-
-        def _wants(self) -> bool:
-            if self.request.layers is not None:
-                return self.layers < self.request.layers
-            return self.bytes < (self.request.max_bytes or 0)
+            self.taker = LayerTaker(request)
 
         def wrap_modules(self, modules_generator, prefix: str = "") -> list[torch.nn.Module]:  # noqa: ANN001
-            modules, taken = [], []
-            for module in modules_generator:  # one at a time: a taken layer leaves the device before the next
-                params = list(module.parameters())
-                if params and self._wants():
-                    self.layers += 1
-                    self.bytes += sum(tensor_bytes(p) for p in params)
-                    for p in params:  # (untouched host pages: no memory until the loader binds them)
-                        if p.device.type != "cpu":
-                            p.data = torch.empty_like(p.data, device="cpu")
-                    taken.append(module)
-                modules.append(module)
-            if taken:
-                self.stacks.append(taken)
-            return modules
+            return self.taker.wrap(modules_generator)
 
     return MapoffloadOffloader()
 
@@ -138,9 +150,9 @@ def installed(offloader: Any) -> Iterator[None]:
         set_offloader(previous)
 
 
-def offloaded_names(model: torch.nn.Module, offloader: Any) -> dict[str, torch.nn.Parameter]:
+def offloaded_names(model: torch.nn.Module, taker: LayerTaker) -> dict[str, torch.nn.Parameter]:
     """The offloaded layers' parameters, by their names in ``model``."""
-    ids = {id(p) for stack in offloader.stacks for layer in stack for p in layer.parameters()}
+    ids = {id(p) for stack in taker.stacks for layer in stack for p in layer.parameters()}
     return {n: p for n, p in model.named_parameters() if id(p) in ids}
 
 
@@ -152,21 +164,21 @@ def check_still_mapped(params: dict[str, torch.nn.Parameter], before: dict[str, 
                             f"cannot stay on the mapping; load without offload_layers/--cpu-offload-gb")
 
 
-def start_managers(model: torch.nn.Module, offloader: Any, device: torch.device) -> list:
+def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:
     """One device-path manager per offloaded stack, hooks registered; logs what streams how."""
     from ..offload import LayerwiseOffloadManager
 
     twin = device.type == "cpu"
     managers = []
-    for stack in offloader.stacks:
-        manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=offloader.request.prefetch,
+    for stack in taker.stacks:
+        manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=taker.request.prefetch,
                                           cpu_twin=twin, host_store="mapped")  # never a host copy of them
         manager.register_forward_hooks()
         managers.append(manager)
         copier = manager.copier
         logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s through "
-                    "the copier%s: %d staging slots of %s, prefetch depth %d", offloader.request.why, len(stack),
+                    "the copier%s: %d staging slots of %s, prefetch depth %d", taker.request.why, len(stack),
                     format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
                     " (the device pipeline's CPU twin)" if twin else "", copier.slots,
-                    format_bytes(copier.staging_bytes), offloader.request.prefetch)
+                    format_bytes(copier.staging_bytes), taker.request.prefetch)
     return managers

@@ -211,7 +211,7 @@ class _Loader:
         offloader = make_offloader(request)
         with installed(offloader), set_default_torch_dtype(model_config.dtype), device:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        offloaded = offloaded_names(model, offloader)
+        offloaded = offloaded_names(model, offloader.taker)
         if not offloaded:
             raise VllmLoadError(f"vLLM {architecture} builds no decoder layers through make_layers ({request.why}): "
                                 f"nothing to offload; load without it")
@@ -234,11 +234,11 @@ class _Loader:
             raise
         _finish(bound, cache)
         bound.recount(model)
-        model.mapoffload_managers = start_managers(model, offloader, device)
+        model.mapoffload_managers = start_managers(model, offloader.taker, device)
         model.mapoffload_bound = bound
         logger.info("mapoffload: vLLM %s: %d offloaded layers kept on the mapping (%s): %s mapped from the "
                     "checkpoint, %s converted (%s); the rest, %s, loaded onto %s by vLLM's loader", architecture,
-                    offloader.layers, request.why, format_bytes(bound.mapped), format_bytes(bound.converted),
+                    offloader.taker.layers, request.why, format_bytes(bound.mapped), format_bytes(bound.converted),
                     bound.folder or "no conversion needed", format_bytes(bound.copied), device)
         return model.eval()
 
