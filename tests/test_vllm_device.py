@@ -6,7 +6,8 @@ each forward; ``cpu_twin=true`` runs that pipeline on vLLM's CPU backend
 (copied into separate buffers, as to a GPU). One subprocess, five engines
 (tests/vllm_runs.py): vLLM's own loader packed and unpacked, the twin with one
 layer (first start: converts; second: maps the conversion), and the twin with
-the layers a ``cpu_offload_gb`` amount covers.
+the layers a ``cpu_offload_gb`` amount covers; and one refused at load (no
+``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def engines(tmp_path_factory):
         {**base, "name": "twin_again", "load_format": "mapoffload", "extra": TWIN},
         {**base, "name": "twin_gb", "load_format": "mapoffload", "extra": {"cpu_twin": True, "prefetch_layers": 2},
          "engine": {"cpu_offload_gb": gib}},
+        {**base, "name": "not_eager", "load_format": "mapoffload", "extra": TWIN, "engine": {"enforce_eager": False}},
     ]
     proc = subprocess.run([sys.executable, RUNS_PY], input=json.dumps({"runs": runs}), capture_output=True,
                           text=True, timeout=900)
@@ -125,3 +127,9 @@ def test_cpu_offload_gb_counts_whole_layers_as_vllm_does(engines):
     results, _ = engines
     stack = _ok(results, "twin_gb")["where"]["streaming"][0]
     assert stack["layers"] == 2 and stack["slots"] >= 1
+
+
+def test_an_engine_that_would_capture_graphs_is_refused_naming_enforce_eager(engines):
+    results, _ = engines
+    error = results["not_eager"].get("error", "")
+    assert error.startswith("VllmLoadError") and "enforce_eager=True (--enforce-eager)" in error

@@ -73,6 +73,8 @@ def test_what_is_offloaded():
     ({}, {"gib": 1, "params": ["experts"], "device": "cuda"}, "cpu_offload_params"),
     ({"offload_layers": 1}, {"group": 2, "device": "cuda"}, "offload_group_size=2"),
     ({"offload_layers": 1}, {"device": "xpu"}, "not xpu"),
+    ({"cpu_twin": True, "pack": True}, {"gib": 1}, "pack=true and stream_layers=true cannot go with"),
+    ({"stream_layers": True}, {"gib": 1, "device": "cuda"}, "cannot go with cpu_offload_gb"),
 ])
 def test_refusals_name_what_to_change(extra, kwargs, needle):
     with pytest.raises(VllmLoadError) as info:
@@ -133,3 +135,22 @@ def test_hidden_parameters_are_neither_read_nor_written_and_come_back():
         layer.bias.data = torch.zeros(3)  # replaced meanwhile: stays, for the caller to find
     assert layer.weight.data_ptr() == weight.data_ptr() and torch.equal(layer.weight.data, before)
     assert layer.bias.data_ptr() != bias.data_ptr()
+
+
+def test_an_offloaded_weight_that_is_not_mapped_is_refused_by_name(tmp_path):
+    from mapoffload.vllm._offloader import check_still_mapped
+    from safetensors.torch import save_file
+
+    from mapoffload.checkpoint import _read_files
+
+    save_file({"w": torch.ones(64, 64)}, str(tmp_path / "m.safetensors"))
+    mapped = torch.nn.Parameter(_read_files([str(tmp_path / "m.safetensors")])["w"], requires_grad=False)
+    owned = torch.nn.Parameter(torch.ones(64, 64), requires_grad=False)
+    params = {"layers.0.w": mapped, "layers.0.v": owned}
+    before = {n: p.data_ptr() for n, p in params.items()}
+    check_still_mapped({"layers.0.w": mapped}, before)
+    with pytest.raises(VllmLoadError, match=r"memory of their own \(layers\.0\.v\)"):
+        check_still_mapped(params, before)
+    mapped.data = torch.zeros(64, 64)  # replaced by post-processing
+    with pytest.raises(VllmLoadError, match="layers.0.w"):
+        check_still_mapped({"layers.0.w": mapped}, before)

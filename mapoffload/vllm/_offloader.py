@@ -65,6 +65,9 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
             raise VllmLoadError("model_loader_extra_config['cpu_twin'] runs offloaded layers through the device "
                                 "pipeline's CPU twin: give offload_layers (or --cpu-offload-gb) too")
         return None
+    if options.pack or options.stream_layers:
+        raise VllmLoadError("offloaded layers stay mapped and stream through the copier: pack=true and "
+                            "stream_layers=true cannot go with cpu_offload_gb (or offload_layers)")
     if device.type not in ("cpu", "cuda"):
         raise VllmLoadError(f"the mapoffload load format streams offloaded layers to CUDA devices (or the CPU "
                             f"twin), not {device}; load with load_format='auto'")
@@ -157,11 +160,18 @@ def offloaded_names(model: torch.nn.Module, taker: LayerTaker) -> dict[str, torc
 
 
 def check_still_mapped(params: dict[str, torch.nn.Parameter], before: dict[str, int]) -> None:
-    """Raise when vLLM's post-processing replaced an offloaded parameter (it would no longer be mapped)."""
-    changed = [n for n, p in params.items() if p.device.type != "cpu" or p.data_ptr() != before[n]]
+    """Raise when an offloaded parameter is not on a file mapping (a loader gave it memory of its own)
+    or vLLM's post-processing replaced it."""
+    from ..memory.regions import MappedRegions
+
+    names = list(params)
+    in_files = MappedRegions().classify([params[n].data for n in names])
+    changed = [n for n, in_file in zip(names, in_files)
+               if not in_file or params[n].device.type != "cpu" or params[n].data_ptr() != before[n]]
     if changed:
-        raise VllmLoadError(f"vLLM rebuilds offloaded weights after loading ({', '.join(changed[:4])}): they "
-                            f"cannot stay on the mapping; load without offload_layers/--cpu-offload-gb")
+        raise VllmLoadError(f"vLLM's loaders or post-processing put offloaded weights in memory of their own "
+                            f"({', '.join(changed[:4])}): they cannot stay on the mapping; load without "
+                            f"offload_layers/--cpu-offload-gb")
 
 
 def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:
