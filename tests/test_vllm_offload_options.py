@@ -60,6 +60,8 @@ def test_what_is_offloaded():
     assert (gb.layers, gb.max_bytes, gb.prefetch) == (None, 1 << 29, 3) and "cpu_offload_gb=0.5" in gb.why
     assert _request({"offload_layers": 1}, device="cuda").layers == 1
     assert _request({}, device="cuda", gib=2).max_bytes == 2 << 30
+    # vLLM's own offloader offloads nothing on its CPU backend: neither do we, unless asked for the twin
+    assert _request({}, gib=2) is None and _request({"pack": True}, gib=2) is None
 
 
 @pytest.mark.parametrize("extra,kwargs,needle", [
@@ -74,6 +76,7 @@ def test_what_is_offloaded():
     ({"offload_layers": 1}, {"group": 2, "device": "cuda"}, "offload_group_size=2"),
     ({"offload_layers": 1}, {"device": "xpu"}, "not xpu"),
     ({"cpu_twin": True, "pack": True}, {"gib": 1}, "pack=true and stream_layers=true cannot go with"),
+    ({"offload_layers": 2}, {"gib": 0}, "cpu_twin']=true runs"),
     ({"stream_layers": True}, {"gib": 1, "device": "cuda"}, "cannot go with cpu_offload_gb"),
 ])
 def test_refusals_name_what_to_change(extra, kwargs, needle):

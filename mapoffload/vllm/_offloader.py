@@ -65,6 +65,11 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
             raise VllmLoadError("model_loader_extra_config['cpu_twin'] runs offloaded layers through the device "
                                 "pipeline's CPU twin: give offload_layers (or --cpu-offload-gb) too")
         return None
+    if device.type == "cpu" and not options.cpu_twin and options.offload_layers is None:
+        logger.info("mapoffload: cpu_offload_gb=%g on vLLM's CPU backend: nothing to offload to (as for vLLM's "
+                    "own offloader); cpu_twin=true in model_loader_extra_config runs the device pipeline's CPU twin",
+                    gib)
+        return None
     if options.pack or options.stream_layers:
         raise VllmLoadError("offloaded layers stay mapped and stream through the copier: pack=true and "
                             "stream_layers=true cannot go with cpu_offload_gb (or offload_layers)")
