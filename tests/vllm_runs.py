@@ -3,13 +3,17 @@
 Not a test module: ``tests/test_vllm_engine.py`` runs it in a subprocess (vLLM's
 import costs tens of seconds; every engine after the first a few). Input on
 stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
-"prompts", "max_tokens", "before": null | "corrupt", "hold": null | PATH}]}``.
-Output: one line ``RESULTS <json>`` with, per run, the tokens and logprobs of
-every prompt, where each parameter's bytes live (the checkpoint's files, a
-conversion folder, anonymous memory) as the process's mappings say, and the
-page-cache coordinator's peers (other ranks and replicas under this cap). With
-``hold``, a run prints ``HOLD <json>`` once it has generated and keeps its
-engine up until the file PATH exists (a parent measures several at once).
+"prompts", "max_tokens", "before": null | "corrupt", "engine": {more LLM(...) keywords},
+"hold": null | PATH}]}``. Output: one line ``RESULTS <json>`` with, per run, the
+tokens and logprobs of every prompt, where each parameter's bytes live (the
+checkpoint's files, a conversion folder, anonymous memory) as the process's
+mappings say, and the page-cache coordinator's peers (other ranks and replicas
+under this cap); for the managers on the device path (offloaded layers), the
+bytes their copier moved during ``generate``, the forwards counted by a hook of
+our own, each layer's parameter bytes (from the parameters' shapes) and whether
+their host weights are mapped. With ``hold``, a run prints ``HOLD <json>`` once
+it has generated and keeps its engine up until the file PATH exists (a parent
+measures several at once).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -37,10 +42,12 @@ def _maps() -> list[tuple[int, int, str]]:
 def _where(model) -> dict:  # noqa: ANN001
     import mapoffload
 
-    params = [(n, p) for n, p in model.named_parameters() if p.numel()]
+    every = [(n, p) for n, p in model.named_parameters() if p.numel()]
+    params = [(n, p) for n, p in every if type(p).__name__ != "OffloadedWeight"]
     mapped = mapoffload.MappedRegions().classify([p for _, p in params])
     rows = _maps()
-    out = {"checkpoint": 0, "conversion": 0, "anonymous": 0, "other": 0, "unmapped": []}
+    out = {"checkpoint": 0, "conversion": 0, "anonymous": 0, "other": 0, "unmapped": [],
+           "placeholders": sum(p.numel() * p.element_size() for _, p in every if type(p).__name__ == "OffloadedWeight")}
     for (name, p), is_mapped in zip(params, mapped):
         n = p.numel() * p.element_size()
         path = next((r[2] for r in rows if r[0] <= p.data_ptr() < r[1]), "")
@@ -56,7 +63,7 @@ def _where(model) -> dict:  # noqa: ANN001
     managers = getattr(model, "mapoffload_managers", None) or []
     out["managers"] = len(managers)
     out["streaming"] = [{"stream_reads": m.stream_reads, "resident": sum(m.resident_layer_bytes()),
-                         "mapped": m.mapped_bytes, "repr": repr(m)} for m in managers]
+                         "mapped": m.mapped_bytes, "repr": repr(m), **_device_path(m)} for m in managers]
     from mapoffload.pagecache.coordinator import coordinator
 
     c = coordinator()
@@ -68,6 +75,34 @@ def _where(model) -> dict:  # noqa: ANN001
                                                "copied": bound.copied, "reused": bound.reused,
                                                "packed": bound.packed}
     return out
+
+
+def _device_path(manager) -> dict:  # noqa: ANN001
+    """What a device-path manager (a copier's) did since :func:`_arm`."""
+    import mapoffload
+
+    if manager.copier is None:
+        return {}
+    host = [t for _, t in manager.iter_cpu_weights()]
+    return {"copied": manager.copier.stats().bytes - getattr(manager, "_test_copied", 0),
+            "forwards": getattr(manager, "_test_forwards", None), "slots": manager.copier.slots,
+            "layers": len(manager.layers), "layer_bytes": [manager.layer_bytes(i) for i in range(len(manager.layers))],
+            "param_bytes": [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in manager.layers],
+            "host_mapped": all(mapoffload.MappedRegions().classify(host)), "host_bytes": sum(t.nbytes for t in host)}
+
+
+def _arm(model) -> None:  # noqa: ANN001
+    """Count the forwards from now on (a pre-hook on each device-path stack's first layer), and the copier's bytes."""
+    for m in getattr(model, "mapoffload_managers", None) or []:
+        if m.copier is None:
+            continue
+        m._test_forwards = 0
+        m._test_copied = m.copier.stats().bytes
+
+        def count(*_args, m=m) -> None:  # noqa: ANN001
+            m._test_forwards += 1
+
+        m.layers[0].register_forward_pre_hook(count)
 
 
 def _status() -> dict:
@@ -101,16 +136,18 @@ def run(spec: dict) -> dict:
 
     if spec.get("before") == "corrupt":
         _corrupt(spec["folder"])
-    kwargs = {}
+    kwargs = dict(spec.get("engine") or {})
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
-              enforce_eager=True, max_model_len=128, load_format=spec["load_format"], seed=0, **kwargs)
+              enforce_eager=kwargs.pop("enforce_eager", True), max_model_len=128, load_format=spec["load_format"],
+              seed=0, **kwargs)
     try:
         sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
         result = {"tokens": [], "logprobs": [], "after_init": _status()}
+        llm.apply_model(_arm)
         read = _read_bytes()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp, use_tqdm=False)
         result["read_bytes"] = _read_bytes() - read
@@ -141,6 +178,7 @@ def main() -> None:
         try:
             results[r["name"]] = run(r)
         except Exception as exc:  # reported per run: one failing engine does not hide the others
+            traceback.print_exc()  # the stderr a failing test shows
             results[r["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
     sys.stdout.write("RESULTS " + json.dumps(results) + "\n")
 

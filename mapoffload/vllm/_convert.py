@@ -12,7 +12,9 @@ the load entirely.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,28 @@ class Bound:
                 self.converted += tensor_bytes(p)
             else:
                 self.copied += tensor_bytes(p)
+
+
+@contextlib.contextmanager
+def hidden(params: Iterable[torch.nn.Parameter], device: torch.device) -> Iterator[None]:
+    """While active, ``params`` are views of one scratch buffer on ``device`` (as big as the largest
+    of them): vLLM's weight loaders and post-processing run over them without reading or writing
+    their real bytes (what lands in the scratch is thrown away). Their data is put back after,
+    unless something replaced it meanwhile (then that stays, for the caller to find)."""
+    params = [p for p in params if p.numel()]
+    size = max((tensor_bytes(p) for p in params), default=0)
+    scratch = torch.empty(size, dtype=torch.uint8, device=device)
+    low, high = scratch.data_ptr(), scratch.data_ptr() + size
+    saved = []
+    for p in params:
+        saved.append((p, p.data))
+        p.data = scratch[:tensor_bytes(p)].view(p.dtype).view(p.shape)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            if p.device == scratch.device and low <= p.data_ptr() < high:
+                p.data = data
 
 
 def conversion_key(files: list[str], *, architecture: str, dtype: Any, hf_config: Any, extra: dict) -> str:
@@ -149,13 +173,17 @@ def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cach
 
 
 def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir: str | None,
-                folder: str, check_loaded: Any) -> tuple[Bound, ConversionCache]:
+                folder: str, check_loaded: Any, only: set[str] | None = None) -> tuple[Bound, ConversionCache]:
     """Bind ``model``'s parameters to the checkpoint ``files`` and the conversion ``key``.
+
+    ``only``: bind just these parameters (the device path's offloaded layers); vLLM's loaders fill
+    the others as they do, when they run (a reused conversion binds without running them).
 
     A finished, whole conversion is reused; otherwise one is written, and returned *unfinished*:
     the caller adds what post-processing rebuilds, then commits it (or abandons it on failure).
     """
-    params = dict(model.named_parameters())
+    every = dict(model.named_parameters())
+    params = every if only is None else {n: p for n, p in every.items() if n in only}
     tensors = _read_files(files)
     sources = SourceIndex(tensors)  # one index of the checkpoint's addresses for the whole load
     root = cache_dir or default_root(folder)

@@ -16,6 +16,12 @@ KEYS = {
                      "fixed set stays cached, the rest is read and let go each forward), false never; absent "
                      "streams whenever weights are mapped and computed unpacked",
     "cache_dir": "the folder conversions are written to (default: beside the checkpoint, as for from_pretrained)",
+    "offload_layers": "how many decoder layers (the first ones, as vLLM's --cpu-offload-gb takes them) stay on the "
+                      "mapping and are streamed to the device by the copier each forward (absent: vLLM's "
+                      "--cpu-offload-gb amount, else none)",
+    "prefetch_layers": "how many offloaded layers ahead the copier streams (default 1)",
+    "cpu_twin": "true on vLLM's CPU backend runs the offloaded layers through the device pipeline's CPU twin "
+                "(copied through the copier into separate buffers each forward, as on a GPU)",
 }
 
 
@@ -27,6 +33,9 @@ class LoaderOptions:
     pack: bool | None = None
     cache_dir: str | None = None
     stream_layers: bool | None = None
+    offload_layers: int | None = None
+    prefetch_layers: int = 1
+    cpu_twin: bool = False
 
     @classmethod
     def parse(cls, extra: Any) -> LoaderOptions:
@@ -47,14 +56,26 @@ class LoaderOptions:
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
             raise VllmLoadError(f"model_loader_extra_config: unknown key(s) {unknown} for load format "
                                 f"'mapoffload' (it takes {known})")
-        for key in ("keep_mapping", "pack", "stream_layers"):
+        for key in ("keep_mapping", "pack", "stream_layers", "cpu_twin"):
             if extra.get(key) is not None and not isinstance(extra[key], bool):
                 raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be true, false or absent, "
                                     f"got {extra[key]!r}")
         cache_dir = extra.get("cache_dir")
         if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
             raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}")
+        for key, low in (("offload_layers", 1), ("prefetch_layers", 0)):
+            value = extra.get(key)
+            if value is not None and (type(value) is not int or value < low):
+                raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be a whole number >= {low} or absent, "
+                                    f"got {value!r}")
+        if extra.get("offload_layers") is not None and (extra.get("keep_mapping") is False or extra.get("pack")
+                                                        or extra.get("stream_layers")):
+            raise VllmLoadError("model_loader_extra_config: offload_layers keeps the offloaded layers mapped and "
+                                "streams them through the copier; it cannot go with keep_mapping=false, pack=true "
+                                "or stream_layers=true")
         if extra.get("stream_layers") and (extra.get("keep_mapping") is False or extra.get("pack")):
             raise VllmLoadError("model_loader_extra_config: stream_layers=true streams mapped weights computed "
                                 "unpacked; it cannot go with keep_mapping=false or pack=true")
-        return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir, extra.get("stream_layers"))
+        prefetch = extra.get("prefetch_layers")
+        return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir, extra.get("stream_layers"),
+                   extra.get("offload_layers"), 1 if prefetch is None else prefetch, bool(extra.get("cpu_twin")))

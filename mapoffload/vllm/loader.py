@@ -21,8 +21,10 @@ from .._log import format_bytes, logger
 from ..checkpoint import keep_checkpoint_mapped
 from ..regions import tensor_bytes
 from ._compute import mapped_linear
-from ._convert import Bound, bind_mapped, conversion_key
+from ._convert import Bound, bind_mapped, conversion_key, hidden
 from ._errors import VllmLoadError, VllmVersionError
+from ._offloader import check_still_mapped, installed, make_offloader, offload_request, offloaded_names, \
+    start_managers
 from ._options import LoaderOptions
 from ._postprocess import PostProcessed
 from ._stream import stream_layers
@@ -71,16 +73,21 @@ class _Loader:
     def download_model(self, model_config) -> None:  # noqa: ANN001
         _safetensors_files(_local_folder(model_config.model))
 
-    def _refuse(self, vllm_config, model_config) -> torch.device:  # noqa: ANN001
+    def _refuse(self, vllm_config, model_config):  # noqa: ANN001
+        """The load device and what it offloads (None: nothing), or a :class:`VllmLoadError` saying why not."""
         load_device = self.load_config.device or vllm_config.device_config.device
         device = torch.device(load_device)
-        if device.type != "cpu":
-            raise VllmLoadError(f"the mapoffload load format serves vLLM's CPU backend (this engine loads onto "
-                                f"{device}); load with load_format='auto'")
         if model_config.quantization is not None:
             raise VllmLoadError(f"quantization {model_config.quantization!r} is not kept mapped by the mapoffload "
                                 f"load format (vLLM rebuilds its weights); load with load_format='auto'")
-        return device
+        if self.options.keep_mapping is False:  # vLLM's own loader, and its own offloader, as asked
+            return device, None
+        request = offload_request(self.options, vllm_config, device, enforce_eager=bool(model_config.enforce_eager))
+        if device.type != "cpu" and request is None:
+            raise VllmLoadError(f"on {device} the mapoffload load format keeps only offloaded layers on the mapping "
+                                f"(offload_layers in model_loader_extra_config, or --cpu-offload-gb, with "
+                                f"--enforce-eager); nothing is offloaded here: load with load_format='auto'")
+        return device, request
 
     def _keep(self, files: list[str], architecture: str) -> tuple[bool, str]:
         keep = self.options.keep_mapping
@@ -101,7 +108,7 @@ class _Loader:
                                                           prefix=prefix)
 
     def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str,
-             pack: bool) -> str:  # noqa: ANN001
+             pack: bool, only: set[str] | None = None) -> str:  # noqa: ANN001
         import vllm
 
         parallel = vllm_config.parallel_config
@@ -116,7 +123,8 @@ class _Loader:
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
                               extra={"vllm": vllm.__version__, **layout, "quantization": model_config.quantization,
-                                     "pack": pack, "parameters": shapes})
+                                     "pack": pack, "parameters": shapes,
+                                     **({} if only is None else {"offloaded": sorted(only)})})
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
@@ -127,7 +135,8 @@ class _Loader:
         _finish(bound, cache)
         return bound
 
-    def _bind(self, model, model_config, vllm_config, architecture: str, pack: bool):  # noqa: ANN001
+    def _bind(self, model, model_config, vllm_config, architecture: str, pack: bool,
+              only: set[str] | None = None):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         folder = _local_folder(model_config.model)
@@ -137,9 +146,9 @@ class _Loader:
             if loaded is not None:  # vLLM's own check: every parameter came from the checkpoint
                 DefaultModelLoader.track_weights_loading(self, m, loaded, quantized=False)  # type: ignore[arg-type]
 
-        key = self._key(files, model, model_config, vllm_config, architecture, pack)
+        key = self._key(files, model, model_config, vllm_config, architecture, pack, only)
         return bind_mapped(model, files, key=key, cache_dir=self.options.cache_dir, folder=folder,
-                           check_loaded=check_loaded)
+                           check_loaded=check_loaded, only=only)
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:  # noqa: ANN001
         """Build vLLM's model, bind its weights to the mapping (or copy them, as asked or as the gate
@@ -150,10 +159,12 @@ class _Loader:
         from ._logging import share_vllm_handlers
 
         share_vllm_handlers()  # vLLM configures its logging after the plugins load
-        device = self._refuse(vllm_config, model_config)
+        device, request = self._refuse(vllm_config, model_config)
         folder = _local_folder(model_config.model)
         files = _safetensors_files(folder)
         architecture = (model_config.architectures or ["model"])[0]
+        if request is not None:
+            return self._load_offloaded(vllm_config, model_config, prefix, device, request, architecture)
         keep, why = self._keep(files, architecture)
         pack = self.options.pack if self.options.pack is not None else not keep
         compute = "packed for the CPU GEMM library (owned copies)" if pack else "computed from the mapped weights"
@@ -187,6 +198,48 @@ class _Loader:
                     "(mapped; %s), %s copied%s; linear layers %s", architecture, why, format_bytes(bound.mapped),
                     format_bytes(bound.converted), where, format_bytes(bound.copied), packed, compute)
         model.mapoffload_bound = bound
+        return model.eval()
+
+    def _load_offloaded(self, vllm_config, model_config, prefix: str, device: torch.device, request,
+                        architecture: str) -> torch.nn.Module:  # noqa: ANN001
+        """The device path (see :mod:`._offloader`): the offloaded layers mapped and streamed by the
+        copier, everything else loaded onto the device by vLLM's own loader."""
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        offloader = make_offloader(request)
+        with installed(offloader), set_default_torch_dtype(model_config.dtype), device:
+            model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        offloaded = offloaded_names(model, offloader.taker)
+        if not offloaded:
+            raise VllmLoadError(f"vLLM {architecture} builds no decoder layers through make_layers ({request.why}): "
+                                f"nothing to offload; load without it")
+        bound, cache = self._bind(model, model_config, vllm_config, architecture, False, set(offloaded))
+        try:
+            if bound.reused:  # the binding ran no loader: vLLM's fills the rest, as it does (onto the device)
+                config = dataclasses.replace(self.load_config, load_format="safetensors",
+                                             model_loader_extra_config={})
+                with hidden(offloaded.values(), torch.device("cpu")):
+                    DefaultModelLoader(config).load_weights(model, model_config)
+            before = {n: p.data_ptr() for n, p in offloaded.items()}
+            # On a device, vLLM's post-processing would copy host weights there and back (owned copies):
+            # the offloaded ones are hidden from it. On the CPU they stay in place, computed unpacked.
+            with hidden(offloaded.values(), device) if device.type != "cpu" else contextlib.nullcontext(), \
+                    mapped_linear(device.type == "cpu"):
+                process_weights_after_loading(model, model_config, device)
+            check_still_mapped(offloaded, before)
+        except BaseException:
+            cache.abandon()
+            raise
+        _finish(bound, cache)
+        bound.recount(model)
+        model.mapoffload_managers = start_managers(model, offloader.taker, device)
+        model.mapoffload_bound = bound
+        logger.info("mapoffload: vLLM %s: %d offloaded layers kept on the mapping (%s): %s mapped from the "
+                    "checkpoint, %s converted (%s); the rest, %s, loaded onto %s by vLLM's loader", architecture,
+                    offloader.taker.layers, request.why, format_bytes(bound.mapped), format_bytes(bound.converted),
+                    bound.folder or "no conversion needed", format_bytes(bound.copied), device)
         return model.eval()
 
 

@@ -1,0 +1,199 @@
+"""The device path: the decoder layers vLLM is told to offload stay on the mapping.
+
+vLLM offloads weights through its offloader (``vllm.model_executor.offloader``):
+``make_layers`` hands every decoder layer to ``get_offloader().wrap_modules``
+as it is built, and its UVA offloader (``--cpu-offload-gb``) copies the first
+layers' weights into pinned host memory until the amount is reached. With the
+``mapoffload`` load format, :class:`MapoffloadOffloader` is the offloader
+while the loader builds the model: it takes the first layers the same way
+(``offload_layers``, or vLLM's ``--cpu-offload-gb`` amount in whole layers)
+and moves their (still empty) parameters to the host so they never take device memory.
+The loader binds those parameters to the mapping, vLLM's own loader fills the
+rest onto the device, and a :class:`~mapoffload.LayerwiseOffloadManager` per
+stack streams the offloaded layers to the device each forward through the
+copier (pinned staging ring, ``prefetch_layers`` ahead, released after use).
+On vLLM's CPU backend ``cpu_twin=true`` runs that very pipeline on the CPU.
+
+vLLM's CUDA graphs would capture one forward's slot buffers (the manager
+gives each layer buffers of its own per load), so the path needs
+``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._log import format_bytes, logger
+from ..memory.regions import tensor_bytes
+from ._errors import VllmLoadError
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """Which layers to offload: the first ``layers``, or the first layers holding ``max_bytes``."""
+
+    layers: int | None
+    max_bytes: int | None
+    prefetch: int
+    why: str
+
+
+def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
+                    enforce_eager: bool) -> OffloadRequest | None:
+    """What the engine asks to offload (None: nothing); refuses what the path cannot do, by name."""
+    offload = getattr(vllm_config, "offload_config", None)
+    uva = getattr(offload, "uva", None)
+    gib = float(getattr(uva, "cpu_offload_gb", 0) or 0)
+    group = int(getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0)
+    if group:
+        raise VllmLoadError(f"vLLM's prefetch offloader (offload_group_size={group}) copies the layers into "
+                            f"pinned memory; with load format 'mapoffload' give offload_layers in "
+                            f"model_loader_extra_config (or --cpu-offload-gb) instead")
+    if options.offload_layers is not None and gib:
+        raise VllmLoadError(f"both offload_layers={options.offload_layers} (model_loader_extra_config) and "
+                            f"cpu_offload_gb={gib:g} are set: give one")
+    if gib and getattr(uva, "cpu_offload_params", None):
+        raise VllmLoadError("cpu_offload_params: the mapoffload load format offloads whole decoder layers; "
+                            "leave cpu_offload_params unset (or use offload_layers)")
+    if options.offload_layers is None and not gib:
+        if options.cpu_twin:
+            raise VllmLoadError("model_loader_extra_config['cpu_twin'] runs offloaded layers through the device "
+                                "pipeline's CPU twin: give offload_layers (or --cpu-offload-gb) too")
+        return None
+    if device.type == "cpu" and not options.cpu_twin and options.offload_layers is None:
+        logger.info("mapoffload: cpu_offload_gb=%g on vLLM's CPU backend: nothing to offload to (as for vLLM's "
+                    "own offloader); cpu_twin=true in model_loader_extra_config runs the device pipeline's CPU twin",
+                    gib)
+        return None
+    if options.pack or options.stream_layers:
+        raise VllmLoadError("offloaded layers stay mapped and stream through the copier: pack=true and "
+                            "stream_layers=true cannot go with cpu_offload_gb (or offload_layers)")
+    if device.type not in ("cpu", "cuda"):
+        raise VllmLoadError(f"the mapoffload load format streams offloaded layers to CUDA devices (or the CPU "
+                            f"twin), not {device}; load with load_format='auto'")
+    if device.type == "cpu" and not options.cpu_twin:
+        raise VllmLoadError("offloading layers to a device on vLLM's CPU backend: there is no device (the layers "
+                            "compute from the mapping in place: stream_layers); model_loader_extra_config"
+                            "['cpu_twin']=true runs the device pipeline's CPU twin")
+    if device.type != "cpu" and options.cpu_twin:
+        raise VllmLoadError(f"model_loader_extra_config['cpu_twin'] is for vLLM's CPU backend; this engine loads "
+                            f"onto {device}")
+    if not enforce_eager:
+        raise VllmLoadError("offloaded layers are streamed into buffers made for each forward, which CUDA graphs "
+                            "(and vLLM's compiled graphs) would capture once: start the engine with "
+                            "enforce_eager=True (--enforce-eager)")
+    if options.offload_layers is not None:
+        return OffloadRequest(options.offload_layers, None, options.prefetch_layers,
+                              f"offload_layers={options.offload_layers}")
+    return OffloadRequest(None, int(gib * (1 << 30)), options.prefetch_layers, f"cpu_offload_gb={gib:g}")
+
+
+class LayerTaker:
+    """What :class:`MapoffloadOffloader` does with the layers ``make_layers`` hands it (no vLLM here):
+    takes the first ones, as vLLM's UVA offloader does (``request.layers`` of them, or layers until
+    ``request.max_bytes`` is reached), and moves their (still empty) parameters to the host."""
+
+    def __init__(self, request: OffloadRequest) -> None:
+        self.request = request
+        self.stacks: list[list[torch.nn.Module]] = []  # the layers taken, per make_layers call
+        self.layers = 0
+        self.bytes = 0
+
+    def _wants(self) -> bool:
+        if self.request.layers is not None:
+            return self.layers < self.request.layers
+        return self.bytes < (self.request.max_bytes or 0)
+
+    def wrap(self, modules_generator) -> list[torch.nn.Module]:  # noqa: ANN001
+        modules, taken = [], []
+        for module in modules_generator:  # one at a time: a taken layer leaves the device before the next
+            params = list(module.parameters())
+            if params and self._wants():
+                self.layers += 1
+                self.bytes += sum(tensor_bytes(p) for p in params)
+                for p in params:  # (untouched host pages: no memory until the loader binds them)
+                    if p.device.type != "cpu":
+                        p.data = torch.empty_like(p.data, device="cpu")
+                taken.append(module)
+            modules.append(module)
+        if taken:
+            self.stacks.append(taken)
+        return modules
+
+
+def make_offloader(request: OffloadRequest) -> Any:
+    """A ``MapoffloadOffloader``: a vLLM ``BaseOffloader`` (the class is made here, over vLLM's) whose
+    ``wrap_modules`` is a :class:`LayerTaker`'s; ``.taker`` says what it took."""
+    from vllm.model_executor.offloader.base import BaseOffloader
+
+    class MapoffloadOffloader(BaseOffloader):
+        """Takes the first layers ``make_layers`` builds and moves them to the host (see the module)."""
+
+        supports_tower_offload = False  # decoder stacks only: the manager sequences a stack
+
+        def __init__(self) -> None:
+            self.taker = LayerTaker(request)
+
+        def wrap_modules(self, modules_generator, prefix: str = "") -> list[torch.nn.Module]:  # noqa: ANN001
+            return self.taker.wrap(modules_generator)
+
+    return MapoffloadOffloader()
+
+
+@contextlib.contextmanager
+def installed(offloader: Any) -> Iterator[None]:
+    """``offloader`` is vLLM's offloader while the model is built; the one before is put back after."""
+    from vllm.model_executor.offloader.base import get_offloader, set_offloader
+
+    previous = get_offloader()
+    set_offloader(offloader)
+    try:
+        yield
+    finally:
+        set_offloader(previous)
+
+
+def offloaded_names(model: torch.nn.Module, taker: LayerTaker) -> dict[str, torch.nn.Parameter]:
+    """The offloaded layers' parameters, by their names in ``model``."""
+    ids = {id(p) for stack in taker.stacks for layer in stack for p in layer.parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+
+def check_still_mapped(params: dict[str, torch.nn.Parameter], before: dict[str, int]) -> None:
+    """Raise when an offloaded parameter is not on a file mapping (a loader gave it memory of its own)
+    or vLLM's post-processing replaced it."""
+    from ..memory.regions import MappedRegions
+
+    names = list(params)
+    in_files = MappedRegions().classify([params[n].data for n in names])
+    changed = [n for n, in_file in zip(names, in_files)
+               if not in_file or params[n].device.type != "cpu" or params[n].data_ptr() != before[n]]
+    if changed:
+        raise VllmLoadError(f"vLLM's loaders or post-processing put offloaded weights in memory of their own "
+                            f"({', '.join(changed[:4])}): they cannot stay on the mapping; load without "
+                            f"offload_layers/--cpu-offload-gb")
+
+
+def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:
+    """One device-path manager per offloaded stack, hooks registered; logs what streams how."""
+    from ..offload import LayerwiseOffloadManager
+
+    twin = device.type == "cpu"
+    managers = []
+    for stack in taker.stacks:
+        manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=taker.request.prefetch,
+                                          cpu_twin=twin, host_store="mapped")  # never a host copy of them
+        manager.register_forward_hooks()
+        managers.append(manager)
+        copier = manager.copier
+        logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s through "
+                    "the copier%s: %d staging slots of %s, prefetch depth %d", taker.request.why, len(stack),
+                    format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
+                    " (the device pipeline's CPU twin)" if twin else "", copier.slots,
+                    format_bytes(copier.staging_bytes), taker.request.prefetch)
+    return managers

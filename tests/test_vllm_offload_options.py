@@ -1,0 +1,159 @@
+"""The vLLM device path's options and refusals, and the layer choice, without vLLM (fake configs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mapoffload.vllm import VllmLoadError
+from mapoffload.vllm._convert import hidden
+from mapoffload.vllm._offloader import LayerTaker, OffloadRequest, offload_request
+from mapoffload.vllm._options import LoaderOptions
+from mapoffload.vllm.loader import _Loader
+
+
+def _config(gib: float = 0, params=(), group: int = 0, device: str = "cpu"):
+    offload = SimpleNamespace(uva=SimpleNamespace(cpu_offload_gb=gib, cpu_offload_params=set(params)),
+                              prefetch=SimpleNamespace(offload_group_size=group))
+    return SimpleNamespace(offload_config=offload, device_config=SimpleNamespace(device=device))
+
+
+def _request(extra: dict, device: str = "cpu", eager: bool = True, **config):
+    return offload_request(LoaderOptions.parse(extra), _config(**config), torch.device(device), enforce_eager=eager)
+
+
+def test_offload_options_parse():
+    opts = LoaderOptions.parse({"offload_layers": 3, "prefetch_layers": 2, "cpu_twin": True})
+    assert (opts.offload_layers, opts.prefetch_layers, opts.cpu_twin) == (3, 2, True)
+    assert LoaderOptions.parse({}).offload_layers is None and LoaderOptions.parse({}).prefetch_layers == 1
+    assert LoaderOptions.parse({"prefetch_layers": 0}).prefetch_layers == 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"offload_layers": 0}, "['offload_layers'] must be a whole number >= 1"),
+    ({"offload_layers": "2"}, "offload_layers"),
+    ({"offload_layers": True}, "offload_layers"),
+    ({"offload_layers": 1.5}, "offload_layers"),
+    ({"prefetch_layers": -1}, "['prefetch_layers'] must be a whole number >= 0"),
+    ({"cpu_twin": "yes"}, "['cpu_twin'] must be true, false or absent"),
+    ({"offload_layers": 1, "keep_mapping": False}, "cannot go with keep_mapping=false"),
+    ({"offload_layers": 1, "pack": True}, "pack=true"),
+    ({"offload_layers": 1, "stream_layers": True}, "stream_layers=true"),
+])
+def test_bad_offload_options_are_named(extra, needle):
+    with pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse(extra)
+    assert needle in str(info.value)
+
+
+def test_unknown_key_lists_the_offload_keys():
+    with pytest.raises(VllmLoadError, match="offload_layers: .*prefetch_layers: .*cpu_twin: "):
+        LoaderOptions.parse({"offload": 1})
+
+
+def test_what_is_offloaded():
+    assert _request({}) is None
+    assert _request({"offload_layers": 2, "cpu_twin": True}) == OffloadRequest(2, None, 1, "offload_layers=2")
+    gb = _request({"cpu_twin": True, "prefetch_layers": 3}, gib=0.5)
+    assert (gb.layers, gb.max_bytes, gb.prefetch) == (None, 1 << 29, 3) and "cpu_offload_gb=0.5" in gb.why
+    assert _request({"offload_layers": 1}, device="cuda").layers == 1
+    assert _request({}, device="cuda", gib=2).max_bytes == 2 << 30
+    # vLLM's own offloader offloads nothing on its CPU backend: neither do we, unless asked for the twin
+    assert _request({}, gib=2) is None and _request({"pack": True}, gib=2) is None
+
+
+@pytest.mark.parametrize("extra,kwargs,needle", [
+    ({"offload_layers": 1}, {"device": "cuda", "eager": False}, "enforce_eager=True (--enforce-eager)"),
+    ({}, {"device": "cuda", "eager": False, "gib": 1}, "enforce_eager"),
+    ({"offload_layers": 1, "cpu_twin": True}, {"eager": False}, "enforce_eager"),
+    ({"offload_layers": 1}, {}, "cpu_twin']=true runs the device pipeline's CPU twin"),
+    ({"offload_layers": 1, "cpu_twin": True}, {"device": "cuda"}, "cpu_twin'] is for vLLM's CPU backend"),
+    ({"cpu_twin": True}, {}, "give offload_layers"),
+    ({"offload_layers": 1}, {"gib": 1, "device": "cuda"}, "give one"),
+    ({}, {"gib": 1, "params": ["experts"], "device": "cuda"}, "cpu_offload_params"),
+    ({"offload_layers": 1}, {"group": 2, "device": "cuda"}, "offload_group_size=2"),
+    ({"offload_layers": 1}, {"device": "xpu"}, "not xpu"),
+    ({"cpu_twin": True, "pack": True}, {"gib": 1}, "pack=true and stream_layers=true cannot go with"),
+    ({"offload_layers": 2}, {"gib": 0}, "cpu_twin']=true runs"),
+    ({"stream_layers": True}, {"gib": 1, "device": "cuda"}, "cannot go with cpu_offload_gb"),
+])
+def test_refusals_name_what_to_change(extra, kwargs, needle):
+    with pytest.raises(VllmLoadError) as info:
+        _request(extra, **kwargs)
+    assert needle in str(info.value)
+
+
+def _loader(extra: dict) -> _Loader:
+    loader = _Loader()
+    loader.options = LoaderOptions.parse(extra)
+    loader.load_config = SimpleNamespace(device=None)
+    return loader
+
+
+def test_a_gpu_engine_with_nothing_offloaded_is_refused_and_one_without_enforce_eager_too():
+    model = SimpleNamespace(quantization=None, enforce_eager=True)
+    with pytest.raises(VllmLoadError, match="nothing is offloaded here: load with load_format='auto'"):
+        _loader({})._refuse(_config(device="cuda"), model)
+    with pytest.raises(VllmLoadError, match="enforce_eager"):
+        _loader({"offload_layers": 2})._refuse(_config(device="cuda"), SimpleNamespace(quantization=None,
+                                                                                        enforce_eager=False))
+    device, request = _loader({"offload_layers": 2})._refuse(_config(device="cuda"), model)
+    assert device.type == "cuda" and request.layers == 2
+    # keep_mapping=false: vLLM's own loader and offloader (its cpu_offload_gb included), on any device
+    assert _loader({"keep_mapping": False})._refuse(_config(device="cuda", gib=1), model)[1] is None
+    with pytest.raises(VllmLoadError, match="quantization 'fp8'"):
+        _loader({"offload_layers": 1})._refuse(_config(device="cuda"), SimpleNamespace(quantization="fp8",
+                                                                                        enforce_eager=True))
+
+
+def _layers(n: int) -> list[torch.nn.Module]:
+    return [torch.nn.Linear(8, 4, bias=False) for _ in range(n)]  # 32 floats: 128 bytes each
+
+
+def test_the_first_layers_are_taken_across_make_layers_calls():
+    taker = LayerTaker(OffloadRequest(3, None, 1, "offload_layers=3"))
+    first, second = _layers(2), _layers(2)
+    assert taker.wrap(iter(first)) == first and taker.wrap(iter(second)) == second
+    assert taker.stacks == [first, second[:1]] and (taker.layers, taker.bytes) == (3, 3 * 128)
+    assert taker.wrap(iter([torch.nn.ReLU()])) and len(taker.stacks) == 2  # no parameters: never taken
+
+
+@pytest.mark.parametrize("max_bytes,taken", [(1, 1), (128, 1), (129, 2), (10_000, 4)])
+def test_a_byte_amount_takes_layers_until_it_is_reached_as_vllms_uva_offloader(max_bytes, taken):
+    taker = LayerTaker(OffloadRequest(None, max_bytes, 1, "cpu_offload_gb"))
+    layers = _layers(4)
+    taker.wrap(iter(layers))
+    assert taker.stacks == [layers[:taken]]
+
+
+def test_hidden_parameters_are_neither_read_nor_written_and_come_back():
+    layer = torch.nn.Linear(4, 3)
+    weight, bias = layer.weight.data, layer.bias.data
+    before = weight.clone()
+    with hidden([layer.weight, layer.bias], torch.device("cpu")):
+        assert layer.weight.data_ptr() != weight.data_ptr() and layer.weight.shape == (3, 4)
+        layer.weight.data.copy_(torch.full((3, 4), 7.0))  # what a loader writes lands in the scratch
+        layer.bias.data = torch.zeros(3)  # replaced meanwhile: stays, for the caller to find
+    assert layer.weight.data_ptr() == weight.data_ptr() and torch.equal(layer.weight.data, before)
+    assert layer.bias.data_ptr() != bias.data_ptr()
+
+
+def test_an_offloaded_weight_that_is_not_mapped_is_refused_by_name(tmp_path):
+    from mapoffload.vllm._offloader import check_still_mapped
+    from safetensors.torch import save_file
+
+    from mapoffload.checkpoint import _read_files
+
+    save_file({"w": torch.ones(64, 64)}, str(tmp_path / "m.safetensors"))
+    mapped = torch.nn.Parameter(_read_files([str(tmp_path / "m.safetensors")])["w"], requires_grad=False)
+    owned = torch.nn.Parameter(torch.ones(64, 64), requires_grad=False)
+    params = {"layers.0.w": mapped, "layers.0.v": owned}
+    before = {n: p.data_ptr() for n, p in params.items()}
+    check_still_mapped({"layers.0.w": mapped}, before)
+    with pytest.raises(VllmLoadError, match=r"memory of their own \(layers\.0\.v\)"):
+        check_still_mapped(params, before)
+    mapped.data = torch.zeros(64, 64)  # replaced by post-processing
+    with pytest.raises(VllmLoadError, match="layers.0.w"):
+        check_still_mapped({"layers.0.w": mapped}, before)
