@@ -149,11 +149,60 @@ def test_an_offloaded_weight_that_is_not_mapped_is_refused_by_name(tmp_path):
     save_file({"w": torch.ones(64, 64)}, str(tmp_path / "m.safetensors"))
     mapped = torch.nn.Parameter(_read_files([str(tmp_path / "m.safetensors")])["w"], requires_grad=False)
     owned = torch.nn.Parameter(torch.ones(64, 64), requires_grad=False)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].w, model.layers[0].v = mapped, owned
     params = {"layers.0.w": mapped, "layers.0.v": owned}
     before = {n: p.data_ptr() for n, p in params.items()}
-    check_still_mapped({"layers.0.w": mapped}, before)
+    check_still_mapped(model, {"layers.0.w": mapped}, before)
     with pytest.raises(VllmLoadError, match=r"memory of their own \(layers\.0\.v\)"):
-        check_still_mapped(params, before)
+        check_still_mapped(model, params, before)
     mapped.data = torch.zeros(64, 64)  # replaced by post-processing
     with pytest.raises(VllmLoadError, match="layers.0.w"):
-        check_still_mapped({"layers.0.w": mapped}, before)
+        check_still_mapped(model, {"layers.0.w": mapped}, before)
+
+
+def _mapped_param(tmp_path, name: str = "m") -> torch.nn.Parameter:
+    from safetensors.torch import save_file
+
+    from mapoffload.checkpoint import _read_files
+
+    path = str(tmp_path / f"{name}.safetensors")
+    save_file({"w": torch.ones(64, 64)}, path)
+    return torch.nn.Parameter(_read_files([path])["w"], requires_grad=False)
+
+
+def test_a_parameter_post_processing_replaces_over_the_scratch_is_refused_by_name(tmp_path):
+    # vLLM 0.32's UnquantizedFusedMoEMethod.process_weights_after_loading (CUDA, first load) calls
+    # replace_parameter(layer, "w13_weight", w13.contiguous()): a *new* Parameter over the data it sees,
+    # which under `hidden` is the scratch. `hidden` puts the old object's data back, so the old object
+    # looks mapped while the model computes from the scratch: the check must look at the model.
+    from mapoffload.vllm._offloader import check_still_mapped
+
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.w13_weight = _mapped_param(tmp_path)
+    offloaded = dict(model.named_parameters())
+    before = {n: p.data_ptr() for n, p in offloaded.items()}
+    with hidden(offloaded.values(), torch.device("cpu")):
+        w13 = model.experts.w13_weight
+        setattr(model.experts, "w13_weight", torch.nn.Parameter(w13.data.contiguous(), requires_grad=False))
+    assert offloaded["experts.w13_weight"].data_ptr() == before["experts.w13_weight"]  # the old one came back
+    with pytest.raises(VllmLoadError, match=r"experts\.w13_weight"):
+        check_still_mapped(model, offloaded, before)
+
+
+def test_a_parameter_replaced_by_a_view_of_the_same_mapped_bytes_is_fine(tmp_path):
+    # (the CPU twin: replace_parameter over w13.contiguous() of a mapped, contiguous tensor is the same bytes)
+    from mapoffload.vllm._offloader import check_still_mapped
+
+    model = torch.nn.Module()
+    model.w = _mapped_param(tmp_path)
+    offloaded = dict(model.named_parameters())
+    before = {n: p.data_ptr() for n, p in offloaded.items()}
+    model.w = torch.nn.Parameter(model.w.data.contiguous(), requires_grad=False)
+    check_still_mapped(model, offloaded, before)
+    del model.w  # removed outright (replace_parameter(layer, name, None))
+    model.register_parameter("w", None)
+    with pytest.raises(VllmLoadError, match=r"\(w\)"):
+        check_still_mapped(model, offloaded, before)

@@ -164,19 +164,28 @@ def offloaded_names(model: torch.nn.Module, taker: LayerTaker) -> dict[str, torc
     return {n: p for n, p in model.named_parameters() if id(p) in ids}
 
 
-def check_still_mapped(params: dict[str, torch.nn.Parameter], before: dict[str, int]) -> None:
-    """Raise when an offloaded parameter is not on a file mapping (a loader gave it memory of its own)
-    or vLLM's post-processing replaced it."""
+def check_still_mapped(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+                       before: dict[str, int]) -> None:
+    """Raise when an offloaded parameter, as ``model`` holds it now, is not on a file mapping (a loader
+    gave it memory of its own), moved, or is gone.
+
+    Looked up by name in ``model``, not through the objects in ``params``: vLLM's post-processing may
+    register a *new* Parameter in a layer (``replace_parameter``: the unquantized MoE method does on
+    its first load), over the data it saw, which under :func:`~._convert.hidden` is the scratch,
+    while the old object gets its mapped data back and would look fine.
+    """
     from ..memory.regions import MappedRegions
 
-    names = list(params)
-    in_files = MappedRegions().classify([params[n].data for n in names])
-    changed = [n for n, in_file in zip(names, in_files)
-               if not in_file or params[n].device.type != "cpu" or params[n].data_ptr() != before[n]]
+    current = dict(model.named_parameters(remove_duplicate=False))
+    names = [n for n in params if n in current]
+    in_files = MappedRegions().classify([current[n].data for n in names])
+    changed = [n for n in params if n not in current]
+    changed += [n for n, in_file in zip(names, in_files)
+                if not in_file or current[n].device.type != "cpu" or current[n].data_ptr() != before[n]]
     if changed:
-        raise VllmLoadError(f"vLLM's loaders or post-processing put offloaded weights in memory of their own "
-                            f"({', '.join(changed[:4])}): they cannot stay on the mapping; load without "
-                            f"offload_layers/--cpu-offload-gb")
+        raise VllmLoadError(f"vLLM's loaders or post-processing replaced offloaded weights, or put them in memory "
+                            f"of their own ({', '.join(changed[:4])}): they cannot stay on the mapping; load "
+                            f"without offload_layers/--cpu-offload-gb")
 
 
 def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:

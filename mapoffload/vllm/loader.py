@@ -228,7 +228,7 @@ class _Loader:
             with hidden(offloaded.values(), device) if device.type != "cpu" else contextlib.nullcontext(), \
                     mapped_linear(device.type == "cpu"):
                 process_weights_after_loading(model, model_config, device)
-            check_still_mapped(offloaded, before)
+            check_still_mapped(model, offloaded, before)
         except BaseException:
             cache.abandon()
             raise
