@@ -206,3 +206,68 @@ def test_a_parameter_replaced_by_a_view_of_the_same_mapped_bytes_is_fine(tmp_pat
     model.register_parameter("w", None)
     with pytest.raises(VllmLoadError, match=r"\(w\)"):
         check_still_mapped(model, offloaded, before)
+
+
+class _FakeManager:
+    """Stands in for LayerwiseOffloadManager: the n-th construction (``fail_at``) or hook registration fails."""
+
+    made: list = []
+    fail_at: int | None = None
+    fail_hooks_at: int | None = None
+
+    def __init__(self, model, layers, **kwargs) -> None:  # noqa: ANN001
+        if len(type(self).made) == type(self).fail_at:
+            raise RuntimeError("no device memory for the staging ring")
+        self.layers, self.closed, self.hooked = layers, False, False
+        self.copier = SimpleNamespace(slots=2, staging_bytes=4096)
+        type(self).made.append(self)
+
+    def register_forward_hooks(self) -> None:
+        if len(type(self).made) - 1 == type(self).fail_hooks_at:
+            raise RuntimeError("hooks")
+        self.hooked = True
+
+    def layer_bytes(self, i: int) -> int:
+        return 128
+
+    def resident_layer_bytes(self) -> list[int]:
+        return [128] * len(self.layers)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_manager(monkeypatch):
+    import importlib
+
+    offload = importlib.import_module("mapoffload.offload")  # the subpackage (the loaders import it so)
+    monkeypatch.setattr(offload, "LayerwiseOffloadManager", _FakeManager)
+    monkeypatch.setattr(_FakeManager, "made", [])
+    monkeypatch.setattr(_FakeManager, "fail_at", None)
+    monkeypatch.setattr(_FakeManager, "fail_hooks_at", None)
+    return _FakeManager
+
+
+@pytest.mark.parametrize("where", ["fail_at", "fail_hooks_at"])
+def test_managers_started_before_one_that_fails_are_closed(fake_manager, where):
+    from mapoffload.vllm._offloader import start_managers
+
+    taker = LayerTaker(OffloadRequest(4, None, 1, "offload_layers=4"))
+    taker.wrap(iter(_layers(2)))
+    taker.wrap(iter(_layers(2)))
+    setattr(fake_manager, where, 1)  # the second stack's manager fails
+    with pytest.raises(RuntimeError):
+        start_managers(torch.nn.Module(), taker, torch.device("cpu"))
+    assert fake_manager.made and all(m.closed for m in fake_manager.made)  # no hooks or copier threads left
+
+
+@pytest.mark.parametrize("where", ["fail_at", "fail_hooks_at"])
+def test_streaming_managers_started_before_one_that_fails_are_closed(fake_manager, monkeypatch, where):
+    from mapoffload.vllm import _stream
+
+    monkeypatch.setattr(_stream, "find_block_lists", lambda model: [("a", None), ("b", None)])
+    setattr(fake_manager, where, 1)
+    with pytest.raises(RuntimeError):
+        _stream.stream_layers(torch.nn.Module())
+    assert fake_manager.made and all(m.closed for m in fake_manager.made)

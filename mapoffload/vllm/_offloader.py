@@ -188,21 +188,38 @@ def check_still_mapped(model: torch.nn.Module, params: dict[str, torch.nn.Parame
                             f"without offload_layers/--cpu-offload-gb")
 
 
+@contextlib.contextmanager
+def closed_on_failure(managers: list) -> Iterator[list]:
+    """The managers appended to ``managers`` inside are closed (hooks removed, copier threads stopped,
+    the page-cache plan left) when anything inside raises: a load that fails half-way leaves none
+    running on a model nobody holds."""
+    try:
+        yield managers
+    except BaseException:
+        for manager in reversed(managers):
+            try:
+                manager.close()
+            except Exception:  # the first error is the one to see
+                logger.debug("closing a manager after a failed start", exc_info=True)
+        raise
+
+
 def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:
-    """One device-path manager per offloaded stack, hooks registered; logs what streams how."""
+    """One device-path manager per offloaded stack, hooks registered; logs what streams how.
+    When one fails to start, those started before it are closed."""
     from ..offload import LayerwiseOffloadManager
 
     twin = device.type == "cpu"
-    managers = []
-    for stack in taker.stacks:
-        manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=taker.request.prefetch,
-                                          cpu_twin=twin, host_store="mapped")  # never a host copy of them
-        manager.register_forward_hooks()
-        managers.append(manager)
-        copier = manager.copier
-        logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s through "
-                    "the copier%s: %d staging slots of %s, prefetch depth %d", taker.request.why, len(stack),
-                    format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
-                    " (the device pipeline's CPU twin)" if twin else "", copier.slots,
-                    format_bytes(copier.staging_bytes), taker.request.prefetch)
+    with closed_on_failure([]) as managers:
+        for stack in taker.stacks:
+            manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=taker.request.prefetch,
+                                              cpu_twin=twin, host_store="mapped")  # never a host copy of them
+            managers.append(manager)
+            manager.register_forward_hooks()
+            copier = manager.copier
+            logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
+                        "through the copier%s: %d staging slots of %s, prefetch depth %d", taker.request.why,
+                        len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
+                        " (the device pipeline's CPU twin)" if twin else "", copier.slots,
+                        format_bytes(copier.staging_bytes), taker.request.prefetch)
     return managers

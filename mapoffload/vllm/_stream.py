@@ -18,14 +18,16 @@ from ..hf.blocks import find_block_lists
 
 
 def stream_layers(model: torch.nn.Module, *, prefetch_layers: int = 1) -> list:
-    """One in-place manager per stack of ``model`` with its forward hooks registered; returns them."""
+    """One in-place manager per stack of ``model`` with its forward hooks registered; returns them.
+    When one fails to start, those started before it are closed."""
     from ..offload import LayerwiseOffloadManager
+    from ._offloader import closed_on_failure
 
-    managers = []
-    for path, _ in find_block_lists(model):
-        manager = LayerwiseOffloadManager(model, path, device="cpu", prefetch_layers=prefetch_layers)
-        manager.register_forward_hooks()
-        managers.append(manager)
-        logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
-                    len(manager.resident_layer_bytes()), manager)
+    with closed_on_failure([]) as managers:
+        for path, _ in find_block_lists(model):
+            manager = LayerwiseOffloadManager(model, path, device="cpu", prefetch_layers=prefetch_layers)
+            managers.append(manager)
+            manager.register_forward_hooks()
+            logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
+                        len(manager.resident_layer_bytes()), manager)
     return managers
