@@ -271,3 +271,22 @@ def test_streaming_managers_started_before_one_that_fails_are_closed(fake_manage
     with pytest.raises(RuntimeError):
         _stream.stream_layers(torch.nn.Module())
     assert fake_manager.made and all(m.closed for m in fake_manager.made)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"cpu_twin": True, "keep_mapping": False}, "['cpu_twin']"),
+    ({"prefetch_layers": 2, "keep_mapping": False}, "['prefetch_layers']"),
+])
+def test_device_path_keys_with_keep_mapping_false_are_refused_by_name(extra, needle):
+    # keep_mapping=false is vLLM's own loader and offloader: the keys of ours would be ignored silently
+    with pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse(extra)
+    assert needle in str(info.value) and "keep_mapping=false" in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-backend", "gpu-backend"])  # (no cuda marker)
+def test_prefetch_layers_with_nothing_offloaded_is_refused_by_name(device):
+    # as cpu_twin is: without offload_layers or --cpu-offload-gb there is nothing for the copier to stream ahead
+    with pytest.raises(VllmLoadError, match=r"\['prefetch_layers'\].*give offload_layers"):
+        _request({"prefetch_layers": 2}, device=device)
+    assert _request({"prefetch_layers": 2, "offload_layers": 1, "cpu_twin": True}).prefetch == 2

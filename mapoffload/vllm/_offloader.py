@@ -64,6 +64,10 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
         if options.cpu_twin:
             raise VllmLoadError("model_loader_extra_config['cpu_twin'] runs offloaded layers through the device "
                                 "pipeline's CPU twin: give offload_layers (or --cpu-offload-gb) too")
+        if options.prefetch_asked:
+            raise VllmLoadError(f"model_loader_extra_config['prefetch_layers']={options.prefetch_layers} is how many "
+                                f"offloaded layers the copier streams ahead: give offload_layers (or "
+                                f"--cpu-offload-gb) too, or leave prefetch_layers out")
         return None
     if device.type == "cpu" and not options.cpu_twin and options.offload_layers is None:
         logger.info("mapoffload: cpu_offload_gb=%g on vLLM's CPU backend: nothing to offload to (as for vLLM's "

@@ -36,6 +36,7 @@ class LoaderOptions:
     offload_layers: int | None = None
     prefetch_layers: int = 1
     cpu_twin: bool = False
+    prefetch_asked: bool = False  # prefetch_layers was given (not the default)
 
     @classmethod
     def parse(cls, extra: Any) -> LoaderOptions:
@@ -73,9 +74,17 @@ class LoaderOptions:
             raise VllmLoadError("model_loader_extra_config: offload_layers keeps the offloaded layers mapped and "
                                 "streams them through the copier; it cannot go with keep_mapping=false, pack=true "
                                 "or stream_layers=true")
+        if extra.get("keep_mapping") is False:  # vLLM's own loader and offloader: ours would be ignored
+            for key, given in (("cpu_twin", extra.get("cpu_twin")), ("prefetch_layers",
+                                                                     extra.get("prefetch_layers") is not None)):
+                if given:
+                    raise VllmLoadError(f"model_loader_extra_config[{key!r}] is for the layers the mapoffload load "
+                                        f"format offloads; keep_mapping=false loads with vLLM's own loader and "
+                                        f"offloader: leave {key} out (or keep_mapping unset)")
         if extra.get("stream_layers") and (extra.get("keep_mapping") is False or extra.get("pack")):
             raise VllmLoadError("model_loader_extra_config: stream_layers=true streams mapped weights computed "
                                 "unpacked; it cannot go with keep_mapping=false or pack=true")
         prefetch = extra.get("prefetch_layers")
         return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir, extra.get("stream_layers"),
-                   extra.get("offload_layers"), 1 if prefetch is None else prefetch, bool(extra.get("cpu_twin")))
+                   extra.get("offload_layers"), 1 if prefetch is None else prefetch, bool(extra.get("cpu_twin")),
+                   prefetch is not None)
