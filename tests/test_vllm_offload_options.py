@@ -290,3 +290,34 @@ def test_prefetch_layers_with_nothing_offloaded_is_refused_by_name(device):
     with pytest.raises(VllmLoadError, match=r"\['prefetch_layers'\].*give offload_layers"):
         _request({"prefetch_layers": 2}, device=device)
     assert _request({"prefetch_layers": 2, "offload_layers": 1, "cpu_twin": True}).prefetch == 2
+
+
+class _MLAAttention(torch.nn.Module):
+    """As vLLM 0.32's MLAAttention: its process_weights_after_loading derives W_UK/W_UV from kv_b_proj once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_b_proj = torch.nn.Linear(8, 4, bias=False)
+
+    def process_weights_after_loading(self, act_dtype) -> None:  # noqa: ANN001
+        self.W_UK = self.kv_b_proj.weight.data.clone()
+
+
+def test_an_offloaded_layer_whose_post_processing_derives_from_its_weights_is_refused_by_name():
+    # On a GPU the offloaded weights are hidden (a scratch) from post-processing: MLA would derive W_UK/W_UV
+    # from the scratch, silently; streamed each forward, the derived copies would never follow anyway.
+    from mapoffload.vllm._offloader import refuse_derived_weights
+
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.mla_attn = _MLAAttention()
+    layer.mlp = torch.nn.Linear(8, 8)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer, torch.nn.Linear(2, 2)])
+    taker = LayerTaker(OffloadRequest(1, None, 1, "offload_layers=1"))
+    taker.wrap(iter(model.layers))
+    with pytest.raises(VllmLoadError, match=r"layers\.0\.self_attn\.mla_attn.*kv_b_proj.*offload_layers"):
+        refuse_derived_weights(model, taker)
+    plain = LayerTaker(OffloadRequest(1, None, 1, "offload_layers=1"))
+    plain.wrap(iter(_layers(2)))
+    refuse_derived_weights(torch.nn.ModuleList(plain.stacks[0]), plain)  # nothing derived: fine

@@ -162,6 +162,27 @@ def installed(offloader: Any) -> Iterator[None]:
         set_offloader(previous)
 
 
+# Submodules whose weights vLLM's post-processing turns into other tensors once, at load (vLLM 0.32's
+# MLAAttention.process_weights_after_loading: W_UK/W_UV from kv_b_proj).
+DERIVED_FROM = ("kv_b_proj",)
+
+
+def refuse_derived_weights(model: torch.nn.Module, taker: LayerTaker) -> None:
+    """Raise when an offloaded layer holds a module whose post-processing derives tensors from its
+    weights: on a device it would derive them from the scratch its hidden weights point at (silently
+    wrong), and the copies it keeps would not follow the weights streamed each forward."""
+    taken = {id(m) for stack in taker.stacks for layer in stack for m in layer.modules()}
+    found = [f"{name} ({attr})" for name, module in model.named_modules() if id(module) in taken
+             for attr in DERIVED_FROM
+             if isinstance(getattr(module, attr, None), torch.nn.Module)
+             and callable(getattr(module, "process_weights_after_loading", None))]
+    if found:
+        raise VllmLoadError(f"{', '.join(found[:4])}: vLLM's post-processing derives tensors from these weights once "
+                            f"(MLA attention's W_UK/W_UV), which offloaded layers streamed each forward cannot "
+                            f"keep; the mapoffload device path does not serve this architecture: load without "
+                            f"offload_layers/--cpu-offload-gb ({taker.request.why})")
+
+
 def offloaded_names(model: torch.nn.Module, taker: LayerTaker) -> dict[str, torch.nn.Parameter]:
     """The offloaded layers' parameters, by their names in ``model``."""
     ids = {id(p) for stack in taker.stacks for layer in stack for p in layer.parameters()}
