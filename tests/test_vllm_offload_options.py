@@ -321,3 +321,21 @@ def test_an_offloaded_layer_whose_post_processing_derives_from_its_weights_is_re
     plain = LayerTaker(OffloadRequest(1, None, 1, "offload_layers=1"))
     plain.wrap(iter(_layers(2)))
     refuse_derived_weights(torch.nn.ModuleList(plain.stacks[0]), plain)  # nothing derived: fine
+
+
+def test_the_offloader_before_is_put_back_when_building_the_model_raises(monkeypatch):
+    import sys
+    import types
+
+    from mapoffload.vllm._offloader import installed
+
+    state = {"offloader": "vllm's own"}
+    base = types.ModuleType("vllm.model_executor.offloader.base")  # a stand-in for vLLM's module-level global
+    base.get_offloader = lambda: state["offloader"]
+    base.set_offloader = lambda o: state.__setitem__("offloader", o)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.offloader.base", base)
+    with pytest.raises(RuntimeError, match="create_model"):
+        with installed("ours"):
+            assert state["offloader"] == "ours"
+            raise RuntimeError("create_model failed")
+    assert state["offloader"] == "vllm's own"
