@@ -218,7 +218,7 @@ class _FakeManager:
     def __init__(self, model, layers, **kwargs) -> None:  # noqa: ANN001
         if len(type(self).made) == type(self).fail_at:
             raise RuntimeError("no device memory for the staging ring")
-        self.layers, self.closed, self.hooked = layers, False, False
+        self.layers, self.closed, self.hooked, self.kwargs = layers, False, False, kwargs
         self.copier = SimpleNamespace(slots=2, staging_bytes=4096)
         type(self).made.append(self)
 
@@ -339,3 +339,17 @@ def test_the_offloader_before_is_put_back_when_building_the_model_raises(monkeyp
             assert state["offloader"] == "ours"
             raise RuntimeError("create_model failed")
     assert state["offloader"] == "vllm's own"
+
+
+def test_a_prefetch_deeper_than_the_offloaded_stack_is_bounded_and_the_log_says_so(fake_manager, caplog):
+    import logging
+
+    from mapoffload.vllm._offloader import start_managers
+
+    taker = LayerTaker(OffloadRequest(2, None, 5, "offload_layers=2"))
+    taker.wrap(iter(_layers(4)))
+    with caplog.at_level(logging.INFO, logger="mapoffload"):
+        start_managers(torch.nn.Module(), taker, torch.device("cpu"))
+    assert fake_manager.made[0].kwargs["prefetch_layers"] == 1  # nothing beyond the stack to stream ahead
+    line = next(r.getMessage() for r in caplog.records if r.name == "mapoffload" and "prefetch depth" in r.getMessage())
+    assert "prefetch depth 1 (prefetch_layers=5: 2 layers offloaded)" in line

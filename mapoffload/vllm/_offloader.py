@@ -235,16 +235,21 @@ def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.devi
     from ..offload import LayerwiseOffloadManager
 
     twin = device.type == "cpu"
+    asked = taker.request.prefetch
     with closed_on_failure([]) as managers:
         for stack in taker.stacks:
-            manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=taker.request.prefetch,
+            # A layer prefetches the ones after it in its stack: no deeper than the stack (a deeper depth
+            # would only size read-around buffers for layers that are not there).
+            depth = min(asked, max(0, len(stack) - 1))
+            manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=depth,
                                               cpu_twin=twin, host_store="mapped")  # never a host copy of them
             managers.append(manager)
             manager.register_forward_hooks()
             copier = manager.copier
+            bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
             logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
-                        "through the copier%s: %d staging slots of %s, prefetch depth %d", taker.request.why,
+                        "through the copier%s: %d staging slots of %s, prefetch depth %d%s", taker.request.why,
                         len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
                         " (the device pipeline's CPU twin)" if twin else "", copier.slots,
-                        format_bytes(copier.staging_bytes), taker.request.prefetch)
+                        format_bytes(copier.staging_bytes), depth, bounded)
     return managers
