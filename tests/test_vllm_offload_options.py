@@ -202,6 +202,10 @@ def test_a_parameter_replaced_by_a_view_of_the_same_mapped_bytes_is_fine(tmp_pat
     before = {n: p.data_ptr() for n, p in offloaded.items()}
     model.w = torch.nn.Parameter(model.w.data.contiguous(), requires_grad=False)
     check_still_mapped(model, offloaded, before)
+    mapped = model.w
+    model.w = torch.nn.Parameter(mapped.data.clone(), requires_grad=False)  # vLLM's CPU MoE prepack: an owned copy
+    with pytest.raises(VllmLoadError, match=r"memory of their own \(w\)"):
+        check_still_mapped(model, offloaded, before)
     del model.w  # removed outright (replace_parameter(layer, name, None))
     model.register_parameter("w", None)
     with pytest.raises(VllmLoadError, match=r"\(w\)"):
