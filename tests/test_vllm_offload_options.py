@@ -357,3 +357,23 @@ def test_a_prefetch_deeper_than_the_offloaded_stack_is_bounded_and_the_log_says_
     assert fake_manager.made[0].kwargs["prefetch_layers"] == 1  # nothing beyond the stack to stream ahead
     line = next(r.getMessage() for r in caplog.records if r.name == "mapoffload" and "prefetch depth" in r.getMessage())
     assert "prefetch depth 1 (prefetch_layers=5: 2 layers offloaded)" in line
+
+
+def test_asking_more_layers_than_the_model_builds_offloads_them_all_and_warns_naming_the_key(caplog):
+    import logging
+
+    from mapoffload.vllm._offloader import note_shortfall
+
+    taker = LayerTaker(OffloadRequest(10, None, 1, "offload_layers=10"))
+    taker.wrap(iter(_layers(3)))
+    with caplog.at_level(logging.WARNING, logger="mapoffload"):
+        note_shortfall(taker, "LlamaForCausalLM")
+    assert taker.layers == 3
+    assert any("offload_layers=10" in r.getMessage() and "3 decoder layers" in r.getMessage()
+               for r in caplog.records if r.name == "mapoffload" and r.levelno == logging.WARNING)
+    caplog.clear()
+    enough = LayerTaker(OffloadRequest(2, None, 1, "offload_layers=2"))
+    enough.wrap(iter(_layers(3)))
+    with caplog.at_level(logging.WARNING, logger="mapoffload"):
+        note_shortfall(enough, "LlamaForCausalLM")
+    assert not caplog.records

@@ -162,6 +162,16 @@ def installed(offloader: Any) -> Iterator[None]:
         set_offloader(previous)
 
 
+def note_shortfall(taker: LayerTaker, architecture: str) -> None:
+    """Warn when ``offload_layers`` asks more layers than the model builds here (this pipeline stage's
+    decoder layers): all of them are offloaded, as vLLM's UVA offloader takes all for a large amount."""
+    asked = taker.request.layers
+    if asked is not None and taker.layers and taker.layers < asked:
+        logger.warning("mapoffload: offload_layers=%d in model_loader_extra_config, but vLLM %s builds %d decoder "
+                       "layers here: all %d are offloaded (nothing of them stays on the device)", asked,
+                       architecture, taker.layers, taker.layers)
+
+
 # Submodules whose weights vLLM's post-processing turns into other tensors once, at load (vLLM 0.32's
 # MLAAttention.process_weights_after_loading: W_UK/W_UV from kv_b_proj).
 DERIVED_FROM = ("kv_b_proj",)

@@ -24,7 +24,7 @@ from ._compute import mapped_linear
 from ._convert import Bound, bind_mapped, conversion_key, hidden
 from ._errors import VllmLoadError, VllmVersionError
 from ._offloader import check_still_mapped, installed, make_offloader, offload_request, offloaded_names, \
-    refuse_derived_weights, start_managers
+    note_shortfall, refuse_derived_weights, start_managers
 from ._options import LoaderOptions
 from ._postprocess import PostProcessed
 from ._stream import stream_layers
@@ -213,6 +213,7 @@ class _Loader:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         offloaded = offloaded_names(model, offloader.taker)
         refuse_derived_weights(model, offloader.taker)
+        note_shortfall(offloader.taker, architecture)
         if not offloaded:
             raise VllmLoadError(f"vLLM {architecture} builds no decoder layers through make_layers ({request.why}): "
                                 f"nothing to offload; load without it")
