@@ -14,9 +14,9 @@ from mapoffload.vllm._options import LoaderOptions
 from mapoffload.vllm.loader import _Loader
 
 
-def _config(gib: float = 0, params=(), group: int = 0, device: str = "cpu"):
+def _config(gib: float = 0, params=(), group: int = 0, device: str = "cpu", backend: str = "auto"):
     offload = SimpleNamespace(uva=SimpleNamespace(cpu_offload_gb=gib, cpu_offload_params=set(params)),
-                              prefetch=SimpleNamespace(offload_group_size=group))
+                              prefetch=SimpleNamespace(offload_group_size=group), offload_backend=backend)
     return SimpleNamespace(offload_config=offload, device_config=SimpleNamespace(device=device))
 
 
@@ -377,3 +377,13 @@ def test_asking_more_layers_than_the_model_builds_offloads_them_all_and_warns_na
     with caplog.at_level(logging.WARNING, logger="mapoffload"):
         note_shortfall(enough, "LlamaForCausalLM")
     assert not caplog.records
+
+
+def test_the_offload_backend_vllm_would_choose_decides():
+    # vLLM's create_offloader: offload_backend="uva" ignores the prefetch fields (with a warning), "prefetch"
+    # the UVA ones; "auto" prefers prefetch when both are set
+    assert _request({}, device="cuda", gib=1, group=2, backend="uva").max_bytes == 1 << 30
+    with pytest.raises(VllmLoadError, match="offload_group_size=2"):
+        _request({}, device="cuda", gib=1, group=2)
+    with pytest.raises(VllmLoadError, match=r"prefetch offloader \(offload_group_size=2\)"):
+        _request({}, device="cuda", gib=1, group=2, backend="prefetch")

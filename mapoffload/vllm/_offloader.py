@@ -50,8 +50,13 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
     uva = getattr(offload, "uva", None)
     gib = float(getattr(uva, "cpu_offload_gb", 0) or 0)
     group = int(getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0)
-    if group:
-        raise VllmLoadError(f"vLLM's prefetch offloader (offload_group_size={group}) copies the layers into "
+    # As vLLM's create_offloader chooses: "uva" ignores the prefetch fields, "prefetch" the UVA ones.
+    backend = getattr(offload, "offload_backend", "auto") or "auto"
+    if backend == "uva":
+        group = 0
+    if group or backend == "prefetch":
+        what = f"offload_group_size={group}" if group else "offload_backend='prefetch'"
+        raise VllmLoadError(f"vLLM's prefetch offloader ({what}) copies the layers into "
                             f"pinned memory; with load format 'mapoffload' give offload_layers in "
                             f"model_loader_extra_config (or --cpu-offload-gb) instead")
     if options.offload_layers is not None and gib:
