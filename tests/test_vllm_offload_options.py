@@ -75,9 +75,10 @@ def test_what_is_offloaded():
     ({}, {"gib": 1, "params": ["experts"], "device": "cuda"}, "cpu_offload_params"),
     ({"offload_layers": 1}, {"group": 2, "device": "cuda"}, "offload_group_size=2"),
     ({"offload_layers": 1}, {"device": "xpu"}, "not xpu"),
-    ({"cpu_twin": True, "pack": True}, {"gib": 1}, "pack=true and stream_layers=true cannot go with"),
+    ({"cpu_twin": True, "pack": True}, {"gib": 1}, "['pack']=true cannot go with cpu_offload_gb=1"),
+    ({"cpu_twin": True, "stream_layers": True}, {"gib": 1}, "['stream_layers']=true cannot go with cpu_offload_gb=1"),
     ({"offload_layers": 2}, {"gib": 0}, "cpu_twin']=true runs"),
-    ({"stream_layers": True}, {"gib": 1, "device": "cuda"}, "cannot go with cpu_offload_gb"),
+    ({"stream_layers": True}, {"gib": 1, "device": "cuda"}, "['stream_layers']=true cannot go with cpu_offload_gb=1"),
 ])
 def test_refusals_name_what_to_change(extra, kwargs, needle):
     with pytest.raises(VllmLoadError) as info:

@@ -80,8 +80,11 @@ def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
                     gib)
         return None
     if options.pack or options.stream_layers:
-        raise VllmLoadError("offloaded layers stay mapped and stream through the copier: pack=true and "
-                            "stream_layers=true cannot go with cpu_offload_gb (or offload_layers)")
+        key = "pack" if options.pack else "stream_layers"
+        given = f"offload_layers={options.offload_layers}" if options.offload_layers is not None \
+            else f"cpu_offload_gb={gib:g}"
+        raise VllmLoadError(f"model_loader_extra_config[{key!r}]=true cannot go with {given}: offloaded layers stay "
+                            f"mapped and stream through the copier; leave {key} out")
     if device.type not in ("cpu", "cuda"):
         raise VllmLoadError(f"the mapoffload load format streams offloaded layers to CUDA devices (or the CPU "
                             f"twin), not {device}; load with load_format='auto'")
