@@ -57,6 +57,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py, smaps.py; appended: shadows nothing
 MIB = 1 << 20
 KEEP_PACKED = {"keep_mapping": True, "pack": True}
 KEEP_MAPPED = {"keep_mapping": True, "pack": False}
@@ -194,22 +195,10 @@ def _run(spec: dict, log_path: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _pss_of(pid: int, folder: str) -> int:
-    """Sum of ``Pss`` over ``pid``'s mappings of files under ``folder``."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):
-                parts = line.split(maxsplit=5)
-                inside = len(parts) > 5 and parts[5].strip().startswith(folder + os.sep)
-            elif inside and first == "Pss:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def _replicas(spec: dict, log_path: str, folder: str) -> dict:
     """Two engines at once on ``folder``: their Pss of its files and their anonymous memory."""
+    from smaps import pss_under
+
     with open(log_path, "a") as log:
         log.write(f"\n===== replicas {spec['name']} =====\n")
         log.flush()
@@ -224,7 +213,7 @@ def _replicas(spec: dict, log_path: str, folder: str) -> dict:
                     if line.startswith("READY "):
                         ready.append(json.loads(line[len("READY "):]))
                         break
-            pss = [_pss_of(p.pid, folder) for p in procs]
+            pss = [pss_under(p.pid, folder) for p in procs]
             anon = []
             for p in procs:
                 with open(f"/proc/{p.pid}/status") as f:
@@ -262,7 +251,6 @@ def _capped(args, base: dict, by: dict, log_path: str, folder: str, weights: int
     """The mapped 2nd start under each cap of ``--caps``: a memory cgroup of the engine's own footprint
     (its anonymous memory after init and the files it had mapped after importing vLLM) plus that percent
     of the model, the folder's pages dropped before each run (a cold host)."""
-    sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
     from _common import drop_caches
     from cgroups import memory_cgroup
 

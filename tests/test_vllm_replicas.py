@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from smaps import pss_under
 from vllm_models import save_llama
 
 pytestmark = [
@@ -22,20 +23,6 @@ pytestmark = [
 
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
 OURS = {"keep_mapping": True, "pack": False}
-
-
-def _pss_under(pid: int, folder: str) -> int:
-    """Sum of ``Pss`` over ``pid``'s mappings of files under ``folder``."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):
-                parts = line.split(maxsplit=5)
-                inside = len(parts) > 5 and parts[5].strip().startswith(folder + os.sep)
-            elif inside and first == "Pss:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def _files_bytes(folder: str) -> int:
@@ -76,7 +63,7 @@ def test_two_replicas_hold_one_copy_and_know_each_other(tmp_path):
                 if line.startswith("HOLD "):
                     held.append(json.loads(line[len("HOLD "):]))
                     break
-        pss = [_pss_under(p.pid, folder) for p in procs]
+        pss = [pss_under(p.pid, folder) for p in procs]
     finally:
         open(release, "w").close()
         outs = [p.stdout.read() for p in procs]  # stdin is closed already: no communicate()
