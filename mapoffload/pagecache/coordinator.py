@@ -94,7 +94,7 @@ class PageCacheCoordinator:
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.window_buffers = 0
-        self.buffers = 0  # read-around buffers the plan charges (ReadsAround.planned_bytes, every member)
+        self.buffers = 0  # read-around buffers the plan charges (ReadAroundSource.planned_bytes, every member)
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
@@ -410,7 +410,7 @@ class PageCacheCoordinator:
 
     def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
         ranges = file_ranges_of(measured)
-        window = max(((1 + p.depth) * max(p.layer_bytes, default=0) for p in plans if p.streamed), default=0)
+        window = max((p.window_bytes for p in plans if p.streamed), default=0)
         mapped = sum(sum(p.layer_bytes) for p in plans)
         key = (ranges, mapped, window, self.window_buffers)
         if key == self._published:
