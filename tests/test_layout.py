@@ -24,7 +24,7 @@ OVER = {
     "mapoffload.hf._converted": 559,
     "mapoffload.hf._drive": 483,
     "mapoffload.pagecache.coordinator": 476,
-    "mapoffload.pagecache.direct_read": 685,
+    "mapoffload.pagecache.direct_read": 512,
 }
 
 
