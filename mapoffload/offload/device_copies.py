@@ -45,7 +45,6 @@ from .._runs import merge_copies
 from .device_pool import DevicePool
 from .layer_pages import LayerPages
 from .loads import Load, Target, wait_quietly
-from .sources import MAPPING
 from .stores import CONSOLIDATED, MAPPED, LayerStore, Weight, device_view
 
 if TYPE_CHECKING:
@@ -87,7 +86,6 @@ class DeviceCopies(Target):
         if self._cuda and not copy_on_compute_stream:
             self.copy_stream = torch.cuda.Stream(device)
         self.pool = DevicePool(device, self.copy_stream) if pool is None else pool
-        self.source: Any = MAPPING
 
     @property
     def bytes(self) -> int:

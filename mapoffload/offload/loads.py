@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .layer_pages import LayerPages
-from .sources import MAPPING
+from .sources import MAPPING, Source
 from .stores import LayerStore, Weight
 
 if TYPE_CHECKING:
@@ -93,10 +93,10 @@ def wait_quietly(load: Load, i: int) -> None:
 
 
 class Target:
-    """What both load targets share: the source they hold (``stream_reads`` gives them another), and
-    what the page-cache plan reads of it."""
+    """What both load targets share: the source they hold (:data:`~mapoffload.offload.sources.MAPPING`
+    until ``stream_reads`` gives them another), and what the page-cache plan reads of it."""
 
-    source: Any = MAPPING
+    source: Source = MAPPING
 
     @property
     def window_bytes(self) -> int:
@@ -127,7 +127,6 @@ class InPlace(Target):
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages) -> None:
         self._stores, self._pages = stores, pages
-        self.source: Any = MAPPING
 
     @property
     def bytes(self) -> int:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOST_STORES", "LayerwiseOffloadManager", "STREAM_READS"]
 
+
 class LayerwiseOffloadManager:
     """Keep a model's layers on the host and stream each to the device when it runs.
 

@@ -20,7 +20,7 @@ source a stack's target holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._log import logger
 from ..pagecache.file_places import MapsView
@@ -33,8 +33,23 @@ if TYPE_CHECKING:
 
     from .layer_pages import LayerPages
 
-__all__ = ["MAPPING", "MappingSource", "ReadAroundSource", "file_places", "layer_buffer_bytes",
+__all__ = ["MAPPING", "MappingSource", "ReadAroundSource", "Source", "file_places", "layer_buffer_bytes",
            "written_in_place"]
+
+
+class Source(Protocol):
+    """What a load target asks of its source. A source that :meth:`takes` a layer also answers
+    ``read(i)`` (a Future of the buffer), ``done()`` (that read finished with), ``places(i)`` and
+    ``view(w, buf)`` (where each mapped weight lies in the buffer)."""
+
+    mode: str  # "direct" while it takes layers, else "mapping" (``stream_reads``)
+    paused: str  # why it takes none for now ("": it is not paused)
+    window_bytes: int  # the buffers it holds (the streaming window in anonymous memory)
+    planned_bytes: int  # the buffers as the page-cache plan charges them
+
+    def takes(self, i: int) -> bool: ...
+    def forget(self, i: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class MappingSource:
