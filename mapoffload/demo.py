@@ -470,7 +470,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
                 failures.append(f"{turned} bytes of the mapping turned anonymous")
             anon = _held_anon_bytes() - anon0
             # The library's own host buffers, as it accounts them (capacities: at most what is resident).
-            buffers = [("read-around window", mgr._loads.window_bytes)]
+            buffers = [("read-around window", mgr.loads.window_bytes)]
             if copier is not None:
                 buffers.append(("staging ring", copier.staging_bytes * copier.slots))
             if mode == "cpu twin":

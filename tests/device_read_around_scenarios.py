@@ -1,6 +1,7 @@
 """Scenarios for test_device_read_around_cuda.py: each runs in a child interpreter.
 
-``DeviceReadAround`` on the CUDA side, driven through the stand-in runtime
+The device target reading around the page cache (``DeviceCopies`` with a ``ReadAroundSource``) on the CUDA
+side, driven through the stand-in runtime
 (tests/fakecuda) without torch's CUDA: the layer's "device buffers" are the
 stand-in's device memory, the compute stream is a stand-in stream, and the
 manager's calls (``start``, ``ready``, ``release``) are made in the order its
@@ -86,16 +87,14 @@ class _Pool:
         self.free.clear()
 
 
-class _Base:
-    """What DeviceReadAround takes over from the device path."""
-
-
 class Setup:
-    """A checkpoint file of LAYERS layers mapped read-only, and a DeviceReadAround on the stand-in."""
+    """A checkpoint file of LAYERS layers mapped read-only, and a device target reading around the page cache
+    on the stand-in."""
 
     def __init__(self, folder: str, buffers: int, *, fail_register: bool = False) -> None:
         from mapoffload import _core
-        from mapoffload.offload.device_read_around import DeviceReadAround
+        from mapoffload.offload.device_copies import DeviceCopies
+        from mapoffload.offload.sources import ReadAroundSource
         from mapoffload.pagecache.pages import Extent
         from mapoffload.offload.stores import MAPPED, LayerStore, Weight
         from mapoffload.copier import Copier
@@ -137,17 +136,18 @@ class Setup:
         copier._native, copier.device = native, torch.device("cuda", 0)
         self.copier = copier
         self.pool = _Pool(fake)
-        b = _Base()
-        b.__dict__.update(_stores=self.stores, _pages=_Pages(extents), device=torch.device("cuda", 0), copier=copier,
-                          _owns_copier=False, _cuda=True, _copy_stream=None, _pool=self.pool)
+        self.pages = _Pages(extents)
         stream = self.stream
 
-        class OnTheStandIn(DeviceReadAround):
-            def _compute_stream(self):
+        class OnTheStandIn(DeviceCopies):
+            def compute_stream(self):
                 return stream
 
-        self.loads = OnTheStandIn(b, buffers=buffers)
-        self.reader = self.loads.reader
+        # Copies on the given stream (no side stream: no torch CUDA), into the stand-in's buffers.
+        self.loads = OnTheStandIn(self.stores, self.pages, torch.device("cuda", 0), copier, owns_copier=False,
+                                  copy_on_compute_stream=True, pool=self.pool)
+        self.loads.source = ReadAroundSource(self.stores, self.pages, buffers, pin_device=0)
+        self.reader = self.loads.source.reader
         torch.cuda.synchronize = lambda device=None: fake.device_synchronize()  # close() syncs the device
 
     def expected(self, i: int, buf: _DeviceBuffer) -> bytes:
@@ -177,11 +177,11 @@ def scenario_buffer_waits_for_the_device_copies(folder: str) -> None:
     gate = hold_stream(fake, s.stream, timeout=20)  # the engine waits: the copies are queued, not done
     loaded = loads.start(0)
     loads.ready(0, loaded)  # stream-ordered: returns once the copies are queued
-    job = loaded.read
+    job = loaded.around
     assert job.buffer.pinned and not job.done() and not job.returned
-    assert reader.leased == 1 and loads._outstanding == 1  # ready() did not give the buffer back
+    assert reader.leased == 1 and loads.source.outstanding == 1  # ready() did not give the buffer back
     other = loads.start(1)  # the one buffer is taken: layer 1 goes through its mapping, nothing waits
-    assert other.read is None
+    assert other.around is None
     try:
         reader.read(s.path, 0, 4096, timeout=0.05)
         raise AssertionError("a read took the buffer the device copies still read")
@@ -189,7 +189,7 @@ def scenario_buffer_waits_for_the_device_copies(folder: str) -> None:
         pass
     gate.set()
     loads.release(0, loaded)  # waits for the copies to complete, then gives the buffer back
-    assert job.returned and reader.leased == 0 and loads._outstanding == 0
+    assert job.returned and reader.leased == 0 and loads.source.outstanding == 0
     dev0 = loaded.buffers[torch.uint8]
     assert s.landed(dev0) == s.expected(0, dev0)
     loads.ready(1, other)
@@ -211,17 +211,17 @@ def scenario_early_release_is_caught(folder: str) -> None:
     gate = hold_stream(s.fake, s.stream, timeout=20)
     loaded = s.loads.start(0)
     s.loads.ready(0, loaded)
-    job = loaded.read
+    job = loaded.around
     buf = job.buffer
     base = buf.data.data_ptr()
     job.returned = True
-    s.loads._outstanding -= 1
+    s.loads.source.outstanding -= 1
     buf.release()  # too early
-    e = s.loads._pages.extents(1)[0]
+    e = s.pages.extents(1)[0]
     with s.reader.read(s.path, e.first, e.end) as again:  # the same buffer, other bytes (layer 1's)
         assert again.data.data_ptr() == base
     gate.set()
-    loaded.read.wait()
+    loaded.around.wait()
     dev0 = loaded.buffers[torch.uint8]
     assert s.landed(dev0) != s.expected(0, dev0), "the stand-in did not catch a buffer reused under its copies"
     s.loads.release(0, loaded)
@@ -250,7 +250,7 @@ def scenario_forwards(folder: str, depth: int, register: bool) -> None:
             buf = loaded.buffers[torch.uint8]
             assert s.landed(buf) == s.expected(i, buf), f"layer {i}"
             loads.release(i, inflight.pop(i))
-        assert reader.leased == 0 and loads._outstanding == 0
+        assert reader.leased == 0 and loads.source.outstanding == 0
     stats = reader.stats()
     assert stats["reads"] == 3 * LAYERS, stats
     assert stats["allocations"] <= 1 + depth

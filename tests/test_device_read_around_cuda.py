@@ -1,4 +1,4 @@
-"""``DeviceReadAround`` on the CUDA side, through the stand-in runtime (tests/fakecuda):
+"""The device target reading around the page cache (``DeviceCopies`` with a ``ReadAroundSource``) on the CUDA side, through the stand-in runtime (tests/fakecuda):
 streamed layers are copied from pinned read-around buffers by DMA (no staging,
 no pageable source), a buffer is read into again only after the device copies
 from it completed (a held stream proves it), every registration is undone at

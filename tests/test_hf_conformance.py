@@ -338,7 +338,7 @@ def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
         m.replan(page_cache_bytes=0)
     assert torch.equal(expected, _forward(model, x))
     assert torch.equal(expected, _forward(model, x))  # the buffers reused
-    read = sum(m._loads.reader.stats()["reads"] for m in managers if m.stream_reads == "direct")
+    read = sum(m.loads.source.reader.stats()["reads"] for m in managers if m.stream_reads == "direct")
     assert read > 0, [m.stream_reads_why for m in managers]
     model.mapoffload_handle.close()
 
@@ -364,6 +364,6 @@ def test_the_device_path_reading_around_the_page_cache_computes_the_same(tmp_pat
         assert mgr.stream_reads == "direct" and len(mgr.residency.streamed) == len(mgr.layers)
         assert torch.equal(expected, _forward(model, x))
         assert torch.equal(expected, _forward(model, x))  # the reader's buffers reused
-        assert mgr._loads.reader.stats()["reads"] >= 2 * len(mgr.layers)
+        assert mgr.loads.source.reader.stats()["reads"] >= 2 * len(mgr.layers)
     finally:
         mgr.close()

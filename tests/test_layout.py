@@ -23,10 +23,7 @@ OVER = {
     "mapoffload.demo": 539,
     "mapoffload.hf._converted": 559,
     "mapoffload.hf._drive": 483,
-    "mapoffload.offload.loads": 454,
-    "mapoffload.offload.manager": 640,
-    "mapoffload.pagecache.coordinator": 476,
-    "mapoffload.pagecache.direct_read": 685,
+    "mapoffload.pagecache.direct_read": 512,
 }
 
 

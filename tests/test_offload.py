@@ -262,7 +262,7 @@ def test_device_buffers_are_reused_and_accounted(ckpt):
         for _ in range(5):
             model(IDS)
     assert mgr.peak_device_bytes == peak and mgr.device_bytes == held  # no new allocations
-    per_layer = max(sum(s.dev_bytes.values()) for s in mgr._stores)
+    per_layer = max(sum(s.dev_bytes.values()) for s in mgr.sequencer.stores)
     assert peak <= 3 * per_layer
     mgr.load_all_layers()
     assert all(mgr.is_loaded(i) for i in range(5))

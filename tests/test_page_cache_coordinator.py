@@ -308,7 +308,7 @@ def test_a_failed_start_leaves_nothing_behind(ckpt, cap, monkeypatch):
     monkeypatch.setattr(LayerwiseOffloadManager, "_engage", real)
     (mgr,) = made
     assert mgr not in coordinator_module.coordinator().managers()  # out of the shared plan
-    assert mgr._pages.files._files == {}  # its files closed
+    assert mgr.pages.files.held() == 0  # its files closed
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the model untouched
     with LayerwiseOffloadManager(model, "enc", device="cpu"):  # and can be offloaded again
@@ -356,9 +356,9 @@ def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
             pytest.skip("nothing streams under this budget")
         with torch.no_grad():
             assert torch.equal(model(x), want)
-        assert enc._loads.reader.held_bytes > 0
+        assert enc.loads.source.reader.held_bytes > 0
         enc.replan()
-        held = enc._loads.reader.held_bytes
+        held = enc.loads.source.reader.held_bytes
         assert held > 0 and coord.window_buffers == held
         assert coord.ranks == [] and coord.replicas == []  # no peers: nothing shared
         # 85 MiB cap - 10 MiB in use - the 66.65625 MiB margin (64 + 85/32) = 8749056 bytes usable;

@@ -44,7 +44,7 @@ def test_direct_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
             assert layer_resident(mgr, i) > 0
         # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
         assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 2 * 4096 + 65536, read
-        assert mgr._loads.reader.stats()["direct_bytes"] > 0
+        assert mgr.loads.source.reader.stats()["direct_bytes"] > 0
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the model is whole again
 
@@ -84,7 +84,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
             model(xg).sum().backward()
             grads.append(xg.grad)
             if mode == "direct":
-                assert mgr._loads.reader.stats()["reads"] == 0  # nothing went through a reused buffer
+                assert mgr.loads.source.reader.stats()["reads"] == 0  # nothing went through a reused buffer
     assert torch.equal(grads[0], want) and torch.equal(grads[1], want)
 
 
@@ -150,7 +150,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
         assert mgr.stream_reads == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
-        monkeypatch.setattr(mgr._reads, "probe_direct", lambda: (False, "tmpfs, say"))
+        monkeypatch.setattr(mgr.reads, "probe_direct", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
         monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
@@ -201,7 +201,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
 
         forward("alone")
         assert mgr.stream_reads == "direct", mgr.stream_reads_why
-        reader = mgr._loads.reader
+        reader = mgr.loads.source.reader
         assert reader.held_bytes > 0
         replicas.append(4242)
         coord.replan()
@@ -210,7 +210,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
             forward("with a replica")
         assert mgr.stream_reads == "mapping" and "replicas (pid 4242)" in mgr.stream_reads_why
         assert reader.stats()["reads"] == reads  # nothing read around while paused
-        assert reader.held_bytes == 0 and mgr._loads.window_bytes == 0  # its buffers went
+        assert reader.held_bytes == 0 and mgr.loads.window_bytes == 0  # its buffers went
         replicas.clear()
         coord.replan()
         forward("alone again")
@@ -231,7 +231,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
             LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
         for model, mgr in ((a, ma), (b, mb)):
-            monkeypatch.setattr(mgr._reads, "probe_direct", lambda: (False, "tmpfs, say"))
+            monkeypatch.setattr(mgr.reads, "probe_direct", lambda: (False, "tmpfs, say"))
             mgr.register_forward_hooks()
             streamed = mgr.residency.streamed_bytes
             assert streamed > 0

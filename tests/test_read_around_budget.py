@@ -80,7 +80,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_direct(mgr) -> None:
-    capable, why = mgr._reads.probe_direct()
+    capable, why = mgr.reads.probe_direct()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 
@@ -140,14 +140,14 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
         forward(model, x, want)
-        assert mgr._loads.reader.held_bytes == charged == coord.buffers
+        assert mgr.loads.source.reader.held_bytes == charged == coord.buffers
         assert mgr.residency.cached_bytes + coord.buffers <= coord.room
         # The cap shrinks under the buffers (which the cgroup counts in use): the next forward
         # reads through the mapping again.
-        cap(85, in_use=10 * MIB + mgr._loads.reader.held_bytes)
+        cap(85, in_use=10 * MIB + mgr.loads.source.reader.held_bytes)
         forward(model, x, want)
         assert mgr.stream_reads == "mapping" and "do not fit" in mgr.stream_reads_why, mgr.stream_reads_why
-        assert coord.buffers == 0 and mgr._loads.reader.held_bytes == 0  # the free buffers dropped
+        assert coord.buffers == 0 and mgr.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
         # Room again: read around again.
         cap(100)
@@ -162,9 +162,9 @@ def test_direct_buffers_are_charged_before_they_are_made(ckpt, cap):
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="direct") as mgr:
         coord = coordinator_module.coordinator()
-        assert mgr._loads.reader.held_bytes == 0
+        assert mgr.loads.source.reader.held_bytes == 0
         assert buffers_of(2, coord.buffers), coord.buffers  # 1 + depth buffers of a layer, none made yet
         assert mgr.residency.cached_bytes + coord.buffers <= coord.room
         mgr.register_forward_hooks()
         forward(model, x, want)
-        assert mgr._loads.reader.held_bytes <= coord.buffers
+        assert mgr.loads.source.reader.held_bytes <= coord.buffers

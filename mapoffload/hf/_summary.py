@@ -213,7 +213,7 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
 
     mapped, anonymous, pinned, _, total = _measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
-    read_around = next((b for b in held_buffers(m) if b.what == "read-around buffers"), None)
+    read_around = next((b for b in held_buffers(m.loads, m.copier, m.device) if b.what == "read-around buffers"), None)
     if m.copier is None and read_around is not None:
         how, where = IN_PLACE, ("computes on the CPU from the host tensors; the streamed layers are read from "
                                 f"the file into reused read-around buffers ({format_bytes(read_around.nbytes)}, "
@@ -274,7 +274,7 @@ def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Mod
     kinds: dict[str, list[int]] = {}
     seen: set[int] = set()
     for m in managers:
-        for b in held_buffers(m):
+        for b in held_buffers(m.loads, m.copier, m.device):
             if b.owner in seen:
                 continue
             seen.add(b.owner)

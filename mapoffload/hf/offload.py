@@ -84,7 +84,7 @@ class OffloadHandle:
                                   modules=path == "rest", why=self._notes.get(path) if path == "rest" else None))
         placed = "placed" if "rest" in self.managers else "rest"  # as _place_rest names it
         if placed in self._notes:
-            managed = {id(w.param) for m in self.managers.values() for s in m._stores for w in s.weights}
+            managed = {id(w.param) for m in self.managers.values() for s in m.sequencer.stores for w in s.weights}
             params, buffers = _rest_tensors(self.model)
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]
@@ -269,12 +269,11 @@ def offload(
 
 def _refuse_offloaded(model: torch.nn.Module) -> None:
     """An offloaded model is refused before anything is built, naming what holds it."""
-    from ..offload.placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+    from ..offload.placeholder import AlreadyOffloadedError, offloaded_by
 
     for name, p in model.named_parameters():
-        marker = getattr(p, "_mapoffload_manager", None)
-        holder = owner_of(p) if isinstance(p, OffloadedWeight) else marker() if marker is not None else None
-        if holder is not None or isinstance(p, OffloadedWeight):
+        taken, holder = offloaded_by(p)
+        if taken:
             raise AlreadyOffloadedError(
                 f"{type(model).__name__} is already offloaded by {holder!r} ({name} is one of its weights); "
                 "close its handle first (handle.close(), or model.mapoffload_handle.close() after "

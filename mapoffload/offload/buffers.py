@@ -16,10 +16,12 @@ several managers is counted once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .manager import LayerwiseOffloadManager
+    import torch
+
+    from ..copier import Copier
 
 __all__ = ["HeldBuffers", "held_buffers"]
 
@@ -39,21 +41,20 @@ class HeldBuffers:
         return self.anonymous + self.pinned
 
 
-def held_buffers(manager: LayerwiseOffloadManager) -> list[HeldBuffers]:
-    """What ``manager`` holds now, besides its weights (entries with bytes only)."""
-    from .loads import ReadsAround
+def held_buffers(loads: Any, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
+    """What a manager holds now besides its weights (entries with bytes only): its load target ``loads``
+    (``manager.loads``), its ``copier`` (None in place), on ``device``."""
+    from .sources import ReadAroundSource
 
     out: list[HeldBuffers] = []
-    loads = manager._loads
-    if isinstance(loads, ReadsAround):
-        reader = loads.reader
+    if isinstance(loads.source, ReadAroundSource):
+        reader = loads.source.reader
         held, pinned = reader.held_bytes, reader.pinned_bytes
         out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(reader)))
-    copier = manager.copier
     if copier is not None and copier.mode == "staged" and not copier.closed:
         ring = copier.slots * copier.staging_bytes
         cuda = copier.device.type == "cuda"
         out.append(HeldBuffers("staging slots", 0 if cuda else ring, ring if cuda else 0, id(copier)))
-    if copier is not None and manager.device.type == "cpu":
-        out.append(HeldBuffers("device buffers on the CPU", manager.device_bytes, 0, id(loads)))
+    if copier is not None and device.type == "cpu":
+        out.append(HeldBuffers("device buffers on the CPU", loads.bytes, 0, id(loads)))
     return [b for b in out if b.nbytes]

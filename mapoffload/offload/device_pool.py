@@ -44,6 +44,10 @@ class DevicePool:
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return buf
 
+    def pooled(self) -> list[torch.Tensor]:
+        """The buffers given back and not taken again."""
+        return [b for bufs in self._free.values() for b in bufs]
+
     def give(self, buf: torch.Tensor) -> None:
         self._free.setdefault(buf.numel(), []).append(buf)
 

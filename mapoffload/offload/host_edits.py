@@ -8,16 +8,17 @@ update replaces it with an owned tensor and never writes to the file.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from .._log import logger
-from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
 
 if TYPE_CHECKING:
     import torch
 
-    from .manager import LayerwiseOffloadManager
+    from .layer_pages import LayerPages
+    from .sequencer import Sequencer
 
 __all__ = ["checksum", "iter_cpu_weights", "sync_layer_to_cpu", "update_cpu_weights"]
 
@@ -42,23 +43,27 @@ def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def sync_layer_to_cpu(m: LayerwiseOffloadManager, i: int) -> None:
-    """Write layer ``i``'s device weights back to its host stores.
+def sync_layer_to_cpu(seq: Sequencer, i: int) -> None:
+    """Write layer ``i``'s device weights back to its host stores (``seq``: the stack's sequencer).
 
     Mapped weights are never written (a write would turn their pages
     anonymous); consolidated and strided stores are updated.
     """
-    i = m._check_index(i)
-    if i not in m._loaded or not m._loads.copies:
+    if i not in seq.loaded or not seq.loads.copies:
         return  # nothing on the device to write back (in place: the host store is what computes)
-    m._ensure(i)
-    loaded = m._loaded[i]
-    for w in m._stores[i].weights:
-        m._loads.write_back(w, loaded)
+    seq.ensure(i)
+    loaded = seq.loaded[i]
+    for w in seq.stores[i].weights:
+        seq.loads.write_back(w, loaded)
 
 
-def update_cpu_weights(m: LayerwiseOffloadManager, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
+def update_cpu_weights(named_tensors: Mapping[str, torch.Tensor] | Iterator, *, seq: Sequencer,
+                       pages: LayerPages, weight: Callable[[str], tuple[LayerStore, Weight]],
+                       device: torch.device) -> None:
     """Replace host weights; a mapped entry becomes an owned tensor.
+
+    ``seq`` is the stack's sequencer (its loads and slots), ``pages`` its pages, ``weight(name)`` the
+    managed weight of a name (``KeyError`` otherwise), ``device`` where the layers compute.
 
     The checkpoint file is never written. A loaded layer's device copy is
     updated as well. A value of another dtype is converted when that loses
@@ -79,7 +84,7 @@ def update_cpu_weights(m: LayerwiseOffloadManager, named_tensors: Mapping[str, t
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     settled = False  # the device has finished every copy queued so far
     for name, value in items:
-        store, w = m._weight(name)
+        store, w = weight(name)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: the new value is a {type(value).__name__}, not a tensor")
         if tuple(value.shape) != w.shape:
@@ -91,14 +96,14 @@ def update_cpu_weights(m: LayerwiseOffloadManager, named_tensors: Mapping[str, t
                 f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
             )
         value = value.detach().to(device="cpu", dtype=w.dtype)
-        loaded = m._loaded.get(store.index)
+        loaded = seq.loaded.get(store.index)
         if loaded is not None and not loaded.ready:
             # A prefetch in flight reads the host store: let it finish (and
             # bind), so that the write below is not torn into it and the
             # device copy is updated too. A failed one is released: the
             # next load reads the new weights.
             try:
-                m._ensure(store.index)
+                seq.ensure(store.index)
             except Exception:
                 logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
         if w.store == MAPPED:
@@ -109,23 +114,23 @@ def update_cpu_weights(m: LayerwiseOffloadManager, named_tensors: Mapping[str, t
             w.host.copy_(value)
             w.store = STRIDED
             store.invalidate()
-            m._pages.forget(store.index)
-            m._loads.forget(store.index)
+            pages.forget(store.index)
+            seq.loads.forget(store.index)
         else:
-            if m._cuda and store.pinned and w.store == CONSOLIDATED and not settled:
+            if device.type == "cuda" and store.pinned and w.store == CONSOLIDATED and not settled:
                 # A pinned store is copied by DMA straight from it, when the
                 # device reaches the copy - not when it was queued: a copy
                 # still pending (a released layer, a forward the host has
                 # run ahead of) would read this write into a forward queued
                 # before the update. Staged and strided sources were read
                 # into the staging slots before their copies were queued.
-                torch.cuda.synchronize(m.device)
+                torch.cuda.synchronize(device)
                 settled = True
             w.host.copy_(value)
-        if m.is_loaded(store.index):
-            if m._loads.copies:
-                m._loads.value(w, m._loaded[store.index]).copy_(value)
+        if seq.is_loaded(store.index):
+            if seq.loads.copies:
+                seq.loads.value(w, seq.loaded[store.index]).copy_(value)
             else:
-                m._bind(w, w.host)
-        elif m._in_place or not m._engaged:
+                seq.slots.bind(w, w.host)
+        elif seq.slots.in_place or not seq.slots.engaged:
             w.param.data = w.host

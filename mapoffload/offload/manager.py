@@ -1,104 +1,47 @@
-"""LayerwiseOffloadManager: stream a model's layers to the device one at a time.
+"""LayerwiseOffloadManager: stream a model's layers to the device one at a time - a facade.
 
-Each layer's weights are held on the host in the store the budget allows
-(``mapped`` / ``consolidated`` pinned or pageable / ``strided``, see
-``offload/stores.py``), copied into per-layer device buffers through the native
-copier on a copy stream, and released after the layer ran. The manager
-sequences layers and hooks; how a layer is made ready is one of two load
-paths (``offload/loads.py``: in place, or device copies), each of which can
-read the streamed layers around the page cache (``stream_reads``:
-``ReadAround``, ``offload/device_read_around.py``).
+Each layer's weights are held on the host in the store the budget allows (``mapped`` /
+``consolidated`` pinned or pageable / ``strided``: ``plan.py``, ``stores.py``), and made ready to
+compute by a load target - in place from the host stores (``device="cpu"``: nothing to copy to, and a
+second copy in anonymous memory would only cost RAM), or copied into device buffers through the native
+copier (CUDA; ``cpu_twin=True`` runs that pipeline on the CPU) - reading the streamed layers through the
+mapping or around the page cache (``stream_reads``). The page cache the layers may fill is planned for
+every manager of the process by ``pagecache/coordinator.py``: a cached set stays in memory across
+forwards, the streamed set is read once per forward at most the plan's ``depth`` ahead and let go right
+after use. The manager validates its options (``options.py``), plans the stores and holds its parts
+(``parts.py``: the pages, the load target, the slots, the sequencer, the page-cache member, the reads
+policy, the turn and the hooks); every method below is one of theirs.
 
-With ``device="cpu"`` a layer computes from its host store directly: there
-is nothing to copy it to, and a second copy in anonymous memory would only
-cost RAM. ``cpu_twin=True`` runs the device pipeline instead, with separate
-CPU buffers (the whole machinery runs and is tested without a GPU).
-
-Residency (``pagecache/residency.py``, planned for every manager of the
-process by ``pagecache/coordinator.py``): on every device, the layers' mapped
-pages are planned against the page cache the host leaves
-(:func:`~mapoffload.budget.page_cache_budget`): a cached set stays in
-memory across forwards; the streamed set is read once per forward (on the
-CPU, by a page worker, at most the plan's ``depth`` layers ahead of the
-compute: room for them is part of the plan) and let go right after use,
-checked with ``mincore`` (``pagecache/pages.let_go``), so it never evicts the cached
-set.
-
-Lifetime: in place (``device="cpu"``) nothing moves, so the model stays a
-normal model: its parameter slots hold the real parameters, their data the
-host tensors (the mapped views themselves), between forwards too -
-``state_dict()``, ``save_pretrained()``, autograd (exact:
-``offload/grads.py``) work. On the device path a layer's slots hold the real
-parameters (their data on the device) when the layer is loaded, and
-shape-correct placeholders that raise when computed with otherwise
-(``offload/placeholder.py``); autograd through its reused device buffers is
-refused (:class:`~mapoffload.OffloadedGradientError`).
-``remove_forward_hooks()`` and ``close()`` put the real parameters back, with
-their host data: the model is whole and usable again. The manager is a
-context manager.
+Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
+the device path a released layer's slots hold placeholders (``slots.py``, ``placeholder.py``).
+``remove_forward_hooks()`` and ``close()`` give the model back whole. The manager is a context manager.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._log import format_bytes, logger
+from .._log import format_bytes
 from ..pagecache.coordinator import coordinator
-from ..pagecache.member import StackMember
-from .grads import refuse_weight_gradients
-from .layer_pages import LayerPages
-from .loads import DeviceCopies, InPlace, Loaded
-from .stream_reads import STREAM_READS, StreamReads
-from .turn import LayerTurn, register_hooks
 from . import host_edits
-from ..pagecache.residency import ResidencyPlan
-from .rest import RestGuard
-from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
-from ..copier import Copier, resolve_settings
+from .options import HOST_STORES, check_page_cache_bytes, make_copier, resolve
+from .parts import Parts
+from .stores import MAPPED, LayerStore, Weight, host_bytes
+from .stream_reads import STREAM_READS
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerwiseOffloadManager"]
+    from ..copier import Copier
+    from ..pagecache.residency import ResidencyPlan
+    from .layer_pages import LayerPages
+    from .rest import RestGuard
+    from .sequencer import Sequencer
+    from .stream_reads import StreamReads
 
-HOST_STORES = ("auto", "mapped", "pinned", "pageable")
-
-
-def _rank_copier(device: torch.device, local_ranks: int, available_bytes: int) -> Copier:
-    """A copier with the default settings, its ring shrunk when the local ranks' rings would not fit."""
-    if local_ranks <= 1:
-        return Copier(device)
-    from ..memory.ranks import staging_ring_settings
-
-    threads, slot_bytes, slots = resolve_settings()
-    threads, slot_bytes, slots = staging_ring_settings(
-        threads=threads, slot_bytes=slot_bytes, slots=slots, local_ranks=local_ranks, available_bytes=available_bytes
-    )
-    return Copier(device, threads=threads, staging_bytes=slot_bytes, slots=slots)
-
-# Live managers, for fork(): copies a parent had in flight never complete in
-# the child (its copier's workers stayed in the parent), so the child forgets
-# them and loads those layers afresh instead of failing a forward per layer.
-_MANAGERS: weakref.WeakSet[LayerwiseOffloadManager] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for mgr in list(_MANAGERS):
-        mgr._forget_copies_in_flight()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _name_of(model, layers) -> str:
-    """The attribute path of ``layers`` in ``model`` (for logs and summaries)."""
-    for name, module in model.named_modules():
-        if module is layers:
-            return name or type(model).__name__
-    return f"{len(layers)} layers"
+__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "STREAM_READS"]
 
 
 class LayerwiseOffloadManager:
@@ -163,15 +106,11 @@ class LayerwiseOffloadManager:
         read 0.72x the bound, against 1.25-1.31x each reading around); where they
         do not (tmpfs, some overlays), the mapping, until two warm forwards
         in a row read more than 1.2x what the plan streams - then buffered
-        reads around the cache. ``stream_reads_why`` says why. In place
-        (``device="cpu"``) a layer computes from its buffer, and one run with
-        autograd recording reads through its mapping instead (exact
-        gradients). On the device path (CUDA, the CPU twin) the layer is
-        copied from the buffer into its device buffers: on CUDA the buffers
-        are page-locked (``cudaHostRegister``) and the copies DMA straight
-        from them (disk -> pinned buffer -> device, no page cache, no
-        staging slot); a buffer is read into again only once the copies from
-        it are done.
+        reads around the cache. ``stream_reads_why`` says why. In place a
+        layer read around computes from its buffer (with autograd recording,
+        from its mapping: exact gradients); on the device path it is copied
+        from the buffer, on CUDA by DMA from the page-locked buffer
+        (``offload/sources.py``, ``offload/device_copies.py``).
     kernel_caps
         What to assume of the kernel's page-cache behaviour instead of
         measuring it (``pagecache/kernel.py``): text as for the variable
@@ -209,132 +148,96 @@ class LayerwiseOffloadManager:
     ) -> None:
         import torch
 
-        from ..memory.budget import host_memory_available_bytes
-        from ..memory.ranks import local_world
-
         from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
-        if host_store not in HOST_STORES:
-            raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")
-        if prefetch_layers < 0 or resident_layers < 0:
-            raise ValueError("prefetch_layers and resident_layers must be >= 0")
+        o = resolve(device=device, prefetch_layers=prefetch_layers, resident_layers=resident_layers,
+                    host_store=host_store, copier=copier, copy_on_compute_stream=copy_on_compute_stream,
+                    available_bytes=available_bytes, local_ranks=local_ranks, cpu_twin=cpu_twin,
+                    page_cache_bytes=page_cache_bytes, kernel_caps=kernel_caps, stream_reads=stream_reads)
         self.model = model
         self.layers = _plan.resolve_layers(model, layers)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = o.device
         self.prefetch_layers = prefetch_layers
         self.resident_layers = resident_layers
         self.host_store = host_store
-        self._cuda = self.device.type == "cuda"
-        if cpu_twin and self.device.type != "cpu":
-            raise ValueError(f"cpu_twin is for device='cpu', not {self.device}")
-        # On the CPU a layer computes from its host store: no copy, no copier.
-        in_place = self.device.type == "cpu" and not cpu_twin
-        if in_place and copier is not None:
-            raise ValueError(
-                "device='cpu' computes from the host stores and copies nothing: a copier is for the device "
-                "pipeline (cpu_twin=True runs it on the CPU)"
-            )
-        self.local_ranks = local_world(local_ranks).size
-        if available_bytes is None:
-            available_bytes = host_memory_available_bytes()
+        self.local_ranks = o.local_ranks
         # Host stores are normal tensors even when made under inference_mode:
         # an inference tensor cannot be written outside it (update_cpu_weights).
         with torch.inference_mode(False):
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
-            _plan.plan(self._stores, host_store, available_bytes, cuda=self._cuda, device=self.device,
-                       local_ranks=self.local_ranks, direct=in_place)
-        if page_cache_bytes is not None and page_cache_bytes < 0:
-            raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
-        if stream_reads not in STREAM_READS:  # (before anything is built)
-            raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
+            _plan.plan(self._stores, host_store, o.available_bytes, cuda=o.cuda, device=self.device,
+                       local_ranks=self.local_ranks, in_place=o.in_place)
         owns_copier = copier is None
-        if not in_place:
-            copier = copier or _rank_copier(self.device, self.local_ranks, available_bytes)
-            if copier.device != self.device:
-                raise ValueError(f"copier is on {copier.device}, the manager on {self.device}")
+        if not o.in_place:
+            copier = copier or make_copier(o)
         self.copier = copier
-        self._in_place = in_place  # the slots keep the real parameters: nothing moves
-        self._stack_name = layers if isinstance(layers, str) else _name_of(model, self.layers)
-        self._pages = self._loads = self._rest = self._member = None
+        name = _plan.stack_name(model, layers, self.layers)
+        parts = self._parts = Parts.build(o, model=model, layers=self.layers, stores=self._stores, name=name,
+                                          copier=copier, owns_copier=owns_copier, owner=self)
+        self._seq, self._pages, self._member, self._slots = parts.sequencer, parts.pages, parts.member, parts.slots
+        self._reads, self._turn, self._hooks = parts.reads, parts.turn, parts.hooks
         try:
-            self._pages = LayerPages(self._stores, kernel_caps)  # opens the files behind the mapped weights now
-            self._loads = InPlace(self._stores, self._pages) if in_place else DeviceCopies(
-                self._stores, self._pages, self.device, copier, owns_copier=owns_copier,
-                copy_on_compute_stream=copy_on_compute_stream)
-            self._rest = RestGuard(model, self.layers, self._pages.files)  # the mapped weights outside the layers
-            # The page-cache plan is the process's (every stack under one budget): this stack's
-            # part of it is its member.
-            self._member = StackMember(name=self._stack_name, model=model, layers=self.layers, pages=self._pages,
-                                       loads=self._loads, prefetch_layers=prefetch_layers, given=page_cache_bytes,
-                                       always_read=_plan.always_read_tensors, owner=self)
-            self._reads = StreamReads(self, stream_reads)
-            self._loaded: dict[int, Loaded] = {}
-            self._kept: set[int] = set()  # loaded by load_all_layers: kept until released explicitly
-            self._hooks: list = []
-            self._turn = LayerTurn()
-            self._engaged = False
-            self._closed = False
-            coordinator().join(self._member)  # plans the page cache for every manager, this one included
-            if stream_reads == "direct":
-                self._reads.read_around("stream_reads='direct'")
-                coordinator().place_buffers()  # its buffers are charged before they are made
             self._engage()
         except BaseException:
-            # Nothing half-made stays behind: the plan, threads, files, an owned copier.
-            self._abandon(copier if owns_copier else None)
+            parts.abandon()  # nothing half-made stays behind
             raise
-        _MANAGERS.add(self)
+        parts.forget_at_fork()  # copies in flight at a fork() never complete in the child
         me = weakref.ref(self)
         for s in self._stores:
             for w in s.weights:
                 w.param._mapoffload_manager = me  # a second manager on these weights is refused
                 w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
 
-    def _abandon(self, owned_copier) -> None:
-        """A constructor that failed: leave the coordinator, close what was opened."""
-        try:
-            if self._member is not None:
-                coordinator().leave(self._member)
-        except Exception:
-            logger.debug("leaving the page-cache plan after a failed start", exc_info=True)
-        if self._loads is not None:
-            self._loads.close()
-        elif owned_copier is not None:
-            owned_copier.close()
-        if self._pages is not None:
-            self._pages.close()
-        if self._rest is not None:
-            self._rest.close()
+    # -- the parts (for tools and tests: their interfaces, not the manager's insides) ----------------
+    @property
+    def sequencer(self) -> Sequencer:
+        """What is loaded and kept, and what a step loads (``offload/sequencer.py``)."""
+        return self._seq
 
-    # -- accounting ----------------------------------------------------------------------
-    def _sum(self, pred) -> int:
-        return sum(w.nbytes for s in self._stores for w in s.weights if pred(s, w))
+    @property
+    def loads(self) -> Any:
+        """The load path now: in place or device copies, read through the mapping or around the page cache."""
+        return self._seq.loads
 
+    @property
+    def pages(self) -> LayerPages:
+        """The page-cache side of the layers: spans, files, page reads and let-gos (``offload/layer_pages.py``)."""
+        return self._pages
+
+    @property
+    def rest(self) -> RestGuard:
+        """The mapped weights outside the layers, checked before each forward (``offload/rest.py``)."""
+        return self._parts.rest
+
+    @property
+    def reads(self) -> StreamReads:
+        """The ``stream_reads`` setting and its ``auto`` policy (``offload/stream_reads.py``)."""
+        return self._reads
+
+    # -- accounting ------------------------------------------------------------------------
     @property
     def mapped_bytes(self) -> int:
         """Bytes of weights kept on their file mapping."""
-        return self._sum(lambda s, w: w.store == MAPPED)
+        return host_bytes(self._stores)[MAPPED]
 
     @property
     def pinned_bytes(self) -> int:
-        return self._sum(lambda s, w: w.store == CONSOLIDATED and s.pinned)
+        return host_bytes(self._stores)["pinned"]
 
     @property
     def pageable_bytes(self) -> int:
         """Consolidated pageable plus strided host bytes."""
-        return self._sum(lambda s, w: (w.store == CONSOLIDATED and not s.pinned) or w.store == STRIDED)
+        return host_bytes(self._stores)["pageable"]
 
     @property
     def device_bytes(self) -> int:
         """Bytes of device buffers held now (in use or pooled for reuse)."""
-        return self._loads.bytes
+        return self.loads.bytes
 
     @property
     def peak_device_bytes(self) -> int:
-        return self._loads.peak_bytes
+        return self.loads.peak_bytes
 
     def layer_bytes(self, i: int) -> int:
         """Bytes one prefetch of layer ``i`` moves."""
@@ -354,8 +257,7 @@ class LayerwiseOffloadManager:
         one budget, and follows the cgroup's cap from then on (when the cap
         changes, the next forward plans again).
         """
-        if page_cache_bytes is not None and page_cache_bytes < 0:
-            raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
+        check_page_cache_bytes(page_cache_bytes)
         self._member.given = page_cache_bytes
         coordinator().replan()
         return self.residency
@@ -369,51 +271,10 @@ class LayerwiseOffloadManager:
         """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
         return self._pages.resident_bytes()
 
-    # -- parameter slots -------------------------------------------------------------------
-    def _bind(self, w: Weight, data: torch.Tensor | None) -> None:
-        """Slots hold the real parameter with ``data``, or (None) with its host data in place, the placeholder
-        on the device path."""
-        if data is None:
-            w.param.data = w.host  # never left pointing into a recycled device buffer
-            target = w.param if self._in_place else w.placeholder
-        else:
-            w.param.data = data
-            target = w.param
-        for module, attr in w.slots:
-            module._parameters[attr] = target
-
+    # -- loading (the sequencer's) -----------------------------------------------------------
     def _engage(self) -> None:
-        if self._closed:
-            raise RuntimeError("this LayerwiseOffloadManager is closed")
-        if self._engaged:
-            return
-        from .placeholder import guard_conversions, stand_in  # imports torch
+        self._slots.engage()
 
-        for s in self._stores:
-            for w in s.weights:
-                self._bind(w, None)
-                if self._in_place:
-                    stand_in(w.param, w.placeholder)  # answers conversions for the real parameter
-
-        guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
-        self._engaged = True
-
-    def _disengage(self) -> None:
-        """Release everything and give the model its real parameters back (host data)."""
-        self.release_all()
-        from .placeholder import stand_in, unguard_conversions
-
-        for s in self._stores:
-            for w in s.weights:
-                w.param.data = w.host
-                stand_in(w.param, None)
-                for module, attr in w.slots:
-                    module._parameters[attr] = w.param
-
-        unguard_conversions(self.model)
-        self._engaged = False
-
-    # -- loading ---------------------------------------------------------------------------
     def _check_index(self, i: int) -> int:
         if not -len(self.layers) <= i < len(self.layers):
             raise IndexError(f"layer {i} out of range (model has {len(self.layers)} managed layers)")
@@ -425,82 +286,29 @@ class LayerwiseOffloadManager:
         With ``non_blocking=False`` it also waits until the layer is usable.
         """
         i = self._check_index(i)
-        self._engage()
-        if i not in self._loaded:
-            self._loaded[i] = self._loads.start(i)
+        self._seq.prefetch(i)
         if not non_blocking:
-            self._ensure(i)
-
-    def _ensure(self, i: int) -> None:
-        if i not in self._loaded:
-            self.prefetch_layer(i)
-        loaded = self._loaded[i]
-        if loaded.ready:
-            return
-        try:
-            self._loads.ready(i, loaded)
-        except BaseException:
-            # The layer is released (its buffers back once the failed load
-            # stopped): the next attempt starts afresh, e.g. after the file
-            # behind a mapping is whole again.
-            self.release_layer(i)
-            raise
-        for w in self._stores[i].weights:
-            self._bind(w, self._loads.value(w, loaded))
-        loaded.ready = True
-        loaded.handle = None
+            self._seq.ensure(i)
 
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s device copy (its parameters become placeholders; in place, their host tensors)."""
-        i = self._check_index(i)
-        self._kept.discard(i)
-        loaded = self._loaded.pop(i, None)
-        if loaded is None:
-            return
-        if self._engaged:
-            for w in self._stores[i].weights:
-                self._bind(w, None)
-        self._loads.release(i, loaded)
-
-    def _forget_copies_in_flight(self) -> None:
-        """In a forked child: drop layers whose copy was in flight at the fork.
-
-        Nothing writes their buffers here (the copies ran in the parent), so
-        they go back to the pool; their slots hold placeholders already. The
-        layer turn may have been held by a parent thread that does not exist
-        here: it starts free, with a fresh lock.
-        """
-        self._turn.after_fork_in_child()
-        self._pages.after_fork_in_child()
-        for i, loaded in list(self._loaded.items()):
-            if not loaded.ready:
-                del self._loaded[i]
-                self._kept.discard(i)
-                self._loads.drop_in_flight(loaded)
+        self._seq.release(self._check_index(i))
 
     def release_all(self) -> None:
-        for i in list(self._loaded):
-            self.release_layer(i)
+        self._seq.release_all()
 
     def load_all_layers(self) -> None:
         """Load every layer and keep it on the device until released explicitly."""
-        for i in range(len(self.layers)):
-            self.prefetch_layer(i)
-        for i in range(len(self.layers)):
-            self._ensure(i)
-        self._kept.update(range(len(self.layers)))
+        self._seq.load_all()
 
     def is_loaded(self, i: int) -> bool:
-        i = self._check_index(i)
-        return i in self._loaded and self._loaded[i].ready
+        return self._seq.is_loaded(self._check_index(i))
 
-    # -- hooks ------------------------------------------------------------------------------
+    # -- hooks (turn.py, steps.py) ------------------------------------------------------------
     def register_forward_hooks(self) -> None:
         """Load each layer before it runs, prefetch the next ones, release it after."""
         self._engage()
-        if self._hooks:
-            return
-        self._hooks = register_hooks(self)
+        self._hooks.register(self.model, self.layers)
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
@@ -511,13 +319,16 @@ class LayerwiseOffloadManager:
         """
         self._turn.enter()
         try:
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
-            if self._engaged:
-                self._disengage()
+            self._hooks.remove()
+            self._disengage()
         finally:
             self._turn.leave()
+
+    def _disengage(self) -> None:
+        """Release everything and give the model its real parameters back (host data)."""
+        if self._slots.engaged:
+            self._seq.release_all()
+            self._slots.disengage()
 
     @property
     def stream_reads(self) -> str:
@@ -528,38 +339,6 @@ class LayerwiseOffloadManager:
     def stream_reads_why(self) -> str:
         """Why streamed layers are read as they are."""
         return self._reads.why
-
-    def _before_forward(self, module, args) -> None:
-        """Once per forward of the model: follow the cap, check the mapped weights outside the layers."""
-        coordinator().follow_cap()
-        coordinator().note_forward(self._member)
-        self._reads.choose()
-        self._rest.check()
-
-    def _releasable(self, j: int) -> bool:
-        return j >= self.resident_layers and j not in self._kept
-
-    def _start_layer(self, i: int) -> None:
-        """The pre-hook's work, holding the turn: load layer ``i``, start the read-ahead."""
-        import torch
-
-        if torch.is_grad_enabled():
-            if not self._in_place:
-                refuse_weight_gradients(self._stores[i])
-            elif i in self._loaded and self._loads.reuses(self._loaded[i]):
-                self.release_layer(i)  # read ahead into a reused buffer: autograd reads it through its mapping
-        # A streamed layer is read ahead only as deep as the plan keeps
-        # room for (its depth): any deeper, its pages would evict the
-        # layer in use or a cached one.
-        plan = self.residency
-        window = [j for j in range(i + 1, min(len(self.layers), i + 1 + self.prefetch_layers))
-                  if j - i <= plan.depth or not plan.is_streamed(j) or not self._stores[j].bytes_in(MAPPED)]
-        for j in list(self._loaded):  # stale prefetches (skipped or reordered layers)
-            if j != i and j not in window and self._releasable(j):
-                self.release_layer(j)
-        self._ensure(i)
-        for j in window:
-            self.prefetch_layer(j)
 
     # -- host weights (host_edits.py) ------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
@@ -579,24 +358,18 @@ class LayerwiseOffloadManager:
     def sync_layer_to_cpu(self, i: int) -> None:
         """Write layer ``i``'s device weights back to its host stores (never a mapped one: see
         :func:`~mapoffload.offload.host_edits.sync_layer_to_cpu`)."""
-        host_edits.sync_layer_to_cpu(self, i)
+        host_edits.sync_layer_to_cpu(self._seq, self._check_index(i))
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor, the file is never written.
 
         A loaded layer's device copy is updated as well; a value of another dtype is converted when
-        that loses no kind of information (``torch.can_cast``).
-
-        Raises
-        ------
-        KeyError
-            The name is not a managed weight.
-        ValueError
-            The shape differs, or the value is on the meta device (no data).
-        TypeError
-            The value is not a tensor, or its dtype cannot be cast to the weight's.
+        that loses no kind of information (``torch.can_cast``). Raises ``KeyError`` (not a managed
+        weight), ``ValueError`` (another shape, a meta value), ``TypeError`` (not a tensor, a dtype
+        that cannot be cast): see :func:`~mapoffload.offload.host_edits.update_cpu_weights`.
         """
-        host_edits.update_cpu_weights(self, named_tensors)
+        host_edits.update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight,
+                                      device=self.device)
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -604,24 +377,20 @@ class LayerwiseOffloadManager:
 
         Idempotent; never raises for a copy that failed earlier.
         """
-        if self._closed:
+        if self._slots.closed:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
         # hook or prefetch engages the placeholders again.
         self._turn.enter()
         try:
             self.remove_forward_hooks()
-            if self._engaged:
-                self._disengage()
-            self._closed = True
+            self._disengage()
+            self._slots.closed = True
         finally:
             self._turn.leave()
         try:
-            coordinator().leave(self._member)  # the other stacks share what these layers leave
-        finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
-            self._loads.close()
-            self._pages.close()
-            self._rest.close()  # the lookup tables' advice
+            self._parts.close()
+        finally:
             for s in self._stores:
                 for w in s.weights:
                     w.param.__dict__.pop("_mapoffload_manager", None)

@@ -194,6 +194,20 @@ def owner_of(w: OffloadedWeight) -> object | None:
     return ref() if ref is not None else None
 
 
+def offloaded_by(p: torch.Tensor) -> tuple[bool, object | None]:
+    """Whether ``p`` is already offloaded, and by which manager (None: gone): the one definition.
+
+    Released, a slot holds a placeholder (offloaded, its manager alive or not); loaded - or in place,
+    always - it holds the real parameter, which its manager marks while it lives. The entry points and
+    a manager's weight collection refuse such a parameter (:class:`AlreadyOffloadedError`).
+    """
+    if isinstance(p, OffloadedWeight):
+        return True, owner_of(p)
+    marker = getattr(p, "_mapoffload_manager", None)
+    holder = marker() if marker is not None else None
+    return holder is not None, holder
+
+
 # --- refusing a whole-model conversion before it converts anything ---------------------
 #
 # ``model.to(torch.float32)`` converts modules children first: an embedding
@@ -282,5 +296,8 @@ def unguard_conversions(model: torch.nn.Module) -> None:
 
 
 def managed(t: torch.Tensor) -> bool:
-    """A weight some manager offloads (another stack of the same model): its manager checks it."""
+    """A weight some manager offloads (another stack of the same model): its manager checks it.
+
+    Unlike :func:`offloaded_by`, a real parameter still marked by a manager that went away without
+    ``close()`` counts: its slots may hold that manager's placeholders."""
     return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__

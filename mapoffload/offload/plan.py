@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .._progress import byte_bar
-from .placeholder import AlreadyOffloadedError, OffloadedWeight, owner_of
+from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
 from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
 from .stores import describe, layout, log_plan
 from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
@@ -40,13 +40,30 @@ def resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]
     return out
 
 
+def modules_outside(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of ``model`` outside ``layers`` ("the rest": embedding, head, norms), in ``model.modules()``
+    order: the one definition of "outside the layers" (ties, the weights every forward reads, the lookup
+    tables, the rest's checks in ``rest.py``)."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
+
+
+def stack_name(model: torch.nn.Module, given: Any, layers: list[torch.nn.Module]) -> str:
+    """A stack's name for logs and summaries: its attribute path as given, else where ``layers`` sit in
+    ``model``, else how many they are."""
+    if isinstance(given, str):
+        return given
+    for name, module in model.named_modules():
+        if module is layers:
+            return name or type(model).__name__
+    return f"{len(layers)} layers"
+
+
 def _outside_parameters(model: torch.nn.Module, layers: list[torch.nn.Module]) -> set[int]:
     """ids of parameters that some module outside the layers also holds (ties)."""
-    inside = {id(m) for layer in layers for m in layer.modules()}
     out: set[int] = set()
-    for m in model.modules():
-        if id(m) not in inside:
-            out.update(id(p) for p in m._parameters.values() if p is not None)
+    for m in modules_outside(model, layers):
+        out.update(id(p) for p in m._parameters.values() if p is not None)
     return out
 
 
@@ -89,10 +106,8 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
                     continue
                 if id(p) in owner and owner[id(p)] != i:
                     raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
-                # Released (a placeholder) or loaded (the real parameter, marked): either way taken.
-                other = getattr(p, "_mapoffload_manager", None)
-                holder = owner_of(p) if isinstance(p, OffloadedWeight) else other() if other is not None else None
-                if holder is not None or isinstance(p, OffloadedWeight):
+                taken, holder = offloaded_by(p)
+                if taken:
                     raise AlreadyOffloadedError(
                         f"parameter {full} is already offloaded (managed by another LayerwiseOffloadManager: "
                         f"{holder!r}); close its handle (handle.close() for mapoffload.offload, else the "
@@ -124,12 +139,9 @@ def _outside_params(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
     holding each."""
     from .placeholder import managed  # placeholders, and in place the real parameters another manager offloads
 
-    inside = {id(m) for layer in layers for m in layer.modules()}
     holders: dict[int, list] = {}
     params: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        if id(m) in inside:
-            continue
+    for m in modules_outside(model, layers):
         for p in m._parameters.values():
             if p is not None and p.device.type == "cpu" and not managed(p):
                 holders.setdefault(id(p), []).append(m)
@@ -182,21 +194,21 @@ def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> 
 
 
 def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,
-         device: object, local_ranks: int = 1, direct: bool = False) -> None:
+         device: object, local_ranks: int = 1, in_place: bool = False) -> None:
     """Choose each weight's store, lay out each layer and build its host buffers.
 
     ``available_bytes`` is the host's headroom, shared by ``local_ranks``
     ranks that each make this plan: copies and pinned buffers are weighed
     against this rank's share of it.
 
-    ``direct`` (the CPU, computing from the host stores): with ``auto`` or
+    ``in_place`` (the CPU, computing from the host stores): with ``auto`` or
     ``mapped`` every weight stays as it is - on its mapping, or in the tensor
     the model already owns - and nothing is copied; ``pageable``/``pinned``
     copy into consolidated buffers as asked.
     """
     weights = [w for s in stores for w in s.weights]
     on_mapping = MappedRegions().classify([w.param.data for w in weights])
-    if direct and host_store in ("auto", "mapped"):
+    if in_place and host_store in ("auto", "mapped"):
         for w, m in zip(weights, on_mapping):
             w.store = MAPPED if m else STRIDED
             w.host = w.param.data

@@ -38,14 +38,12 @@ def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
     and a key of where they are held (module and address of each place, a tensor held twice
     counted twice: tying a head to an embedding changes it, though no tensor is added)."""
     from .placeholder import managed  # imports torch (the placeholders subclass nn.Parameter)
+    from .plan import modules_outside
 
-    inside = {id(m) for layer in layers for m in layer.modules()}
     seen: set[int] = set()
     out = []
     held = []
-    for m in model.modules():
-        if id(m) in inside:
-            continue
+    for m in modules_outside(model, layers):
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is None or managed(t) or t.device.type != "cpu" or t.numel() == 0:
                 continue

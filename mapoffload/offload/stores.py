@@ -104,6 +104,21 @@ class LayerStore:
         self._spans = None
 
 
+def host_bytes(layers: list[LayerStore]) -> dict[str, int]:
+    """Host bytes of the layers' weights by kind: ``mapped`` (kept on their file mapping), ``pinned``
+    (consolidated, page-locked), ``pageable`` (consolidated pageable plus strided)."""
+    out = {MAPPED: 0, "pinned": 0, "pageable": 0}
+    for s in layers:
+        for w in s.weights:
+            if w.store == MAPPED:
+                out[MAPPED] += w.nbytes
+            elif w.store == CONSOLIDATED and s.pinned:
+                out["pinned"] += w.nbytes
+            elif w.store in (CONSOLIDATED, STRIDED):
+                out["pageable"] += w.nbytes
+    return out
+
+
 def describe(t: torch.Tensor) -> tuple[int, bool]:
     """(byte extent, contiguous) of a tensor, by the package's one definition of its extent."""
     return tensor_extent(t)[1], t.is_contiguous()

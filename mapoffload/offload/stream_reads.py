@@ -5,23 +5,23 @@
 once the plan streams layers and their files take ``O_DIRECT`` and the plan's room holds the
 buffers (``PageCacheCoordinator.read_around_fits``); through the shared page cache while replicas map
 the same bytes; else measured with ``/proc/self/io``, and around the cache when two warm forwards in
-a row read more than ``READ_AROUND_RATIO`` x what the plans stream. Switching swaps the stack's load
-path for its read-around form (``loads.ReadAround``, ``device_read_around.DeviceReadAround``).
+a row read more than ``READ_AROUND_RATIO`` x what the plans stream. Switching gives the stack's load
+target a read-around source (``sources.ReadAroundSource``); pausing it reads through the mapping again.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
 from ..pagecache.coordinator import coordinator
-from .device_read_around import DeviceReadAround
-from .loads import InPlace, ReadAround, ReadsAround, layer_buffer_bytes
+from .sources import ReadAroundSource, layer_buffer_bytes
 
 if TYPE_CHECKING:
-    from .manager import LayerwiseOffloadManager
+    from ..pagecache.member import StackMember
+    from .layer_pages import LayerPages
+    from .sequencer import Sequencer
 
 __all__ = ["READ_AROUND_RATIO", "STREAM_READS", "StreamReads"]
 
@@ -47,12 +47,26 @@ class StreamReads:
     """The ``stream_reads`` setting of one manager, and the ``auto`` policy's state.
 
     ``why`` says why streamed layers are read as they are (``stream_reads_why``).
+
+    Parameters
+    ----------
+    setting
+        ``"auto"``, ``"mapping"`` or ``"direct"``.
+    sequencer
+        The stack's sequencer: its load path is the one switched (``sequencer.loads``).
+    member
+        The stack's page-cache member: its plan, and the load path the plan charges.
+    pages
+        The stack's pages (the files behind the streamed layers).
+    cuda
+        The device path is on CUDA (read-around buffers are then pinned).
     """
 
-    def __init__(self, manager: LayerwiseOffloadManager, setting: str) -> None:
+    def __init__(self, setting: str, sequencer: Sequencer, member: StackMember, pages: LayerPages, *,
+                 cuda: bool) -> None:
         if setting not in STREAM_READS:
             raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {setting!r}")
-        self._m = weakref.proxy(manager)  # the manager owns this part
+        self._seq, self._member, self._pages, self._cuda = sequencer, member, pages, cuda
         self.setting = setting
         self.why = ""
         self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
@@ -66,8 +80,21 @@ class StreamReads:
     @property
     def mode(self) -> str:
         """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
-        loads = self._m._loads
-        return "direct" if isinstance(loads, ReadsAround) and not loads.paused else "mapping"
+        return self._source.mode
+
+    @property
+    def _loads(self):
+        """The stack's load target (never replaced: its source is)."""
+        return self._seq.loads
+
+    @property
+    def _source(self):
+        return self._seq.loads.source
+
+    def _window_buffers(self) -> int:
+        """Read-around buffers for the streaming window: the layer computing and the plan's depth ahead."""
+        plan = self._member.residency
+        return plan.window_layers if plan is not None else 1 + self._member.prefetch_layers
 
     def read_around(self, why: str) -> None:
         """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
@@ -76,32 +103,33 @@ class StreamReads:
         device path (and its CPU twin) they are copied from them into the
         device buffers - on CUDA by DMA, the buffers being pinned.
         """
-        m = self._m
+        name = self._member.name
         if self.mode == "direct":
             return
-        if isinstance(m._loads, ReadsAround):  # paused: read around again
-            m._loads.resume()
+        if isinstance(self._source, ReadAroundSource):  # paused: read around again
+            self._source.resume()
             self.why = why
-            logger.info("%s: streamed layers are read around the page cache again: %s", m._stack_name, why)
+            logger.info("%s: streamed layers are read around the page cache again: %s", name, why)
             return
-        depth = m.residency.depth if m.residency is not None else m.prefetch_layers
-        if isinstance(m._loads, InPlace):
-            m._loads = ReadAround(m._stores, m._pages, buffers=1 + depth)
+        loads = self._loads
+        if not loads.copies:
+            pin = None
             where = "read around the page cache (O_DIRECT)"
         else:
-            m._loads = DeviceReadAround(m._loads, buffers=1 + depth)
+            pin = loads.pin_device
             where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
-                     if m._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
-        m._member.loads = m._loads  # the plan charges its buffers
+                     if self._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
+        # The plan charges its buffers (the member reads them off the same target).
+        loads.source = ReadAroundSource(self._seq.stores, self._pages, self._window_buffers(), pin_device=pin)
         self.why = why
-        logger.info("%s: streamed layers are %s from now on: %s", m._stack_name, where, why)
+        logger.info("%s: streamed layers are %s from now on: %s", name, where, why)
 
     def probe_direct(self) -> tuple[bool, str]:
         """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""
         from .._native import _core
 
-        m = self._m
-        files = {e.path: e.file for i in m.residency.streamed for e in m._pages.extents(i)}
+        plan = self._member.residency
+        files = {e.path: e.file for i in plan.streamed for e in self._pages.extents(i)}
         for path, f in files.items():
             if f is None or f.fd < 0:
                 return False, f"{path} is not held open"
@@ -112,13 +140,13 @@ class StreamReads:
             os.close(fd)
             if method != "direct":
                 return False, f"{path} is read buffered ({why})"
-        return True, (f"the plan streams {len(m.residency.streamed)} layers and their files take O_DIRECT "
+        return True, (f"the plan streams {len(plan.streamed)} layers and their files take O_DIRECT "
                       "(reads at the bound, no page-cache work on the compute path)")
 
     def choose(self) -> None:
         """``stream_reads="auto"``, at a forward's start: direct once layers stream and their files take
         ``O_DIRECT``; else measure what the last forward read, and read around the cache when it thrashed."""
-        m = self._m
+        name, member = self._member.name, self._member
         if self.setting != "auto":
             return
         replicas = coordinator().replicas
@@ -128,25 +156,25 @@ class StreamReads:
             why = (f"replicas (pid {', '.join(map(str, replicas))}) map the same bytes: streamed layers "
                    "are read through the shared page cache")
             if self.mode == "direct":
-                m._loads.pause(why)
-                logger.info("%s: %s", m._stack_name, why)
+                self._source.pause(why)
+                logger.info("%s: %s", name, why)
             self.why = why
             return
         if self.mode == "direct":
-            fits, why = coordinator().read_around_fits(m._member, m._loads.planned_bytes)
+            fits, why = coordinator().read_around_fits(member, self._source.planned_bytes)
             if not fits:  # the cap or the plan changed under the buffers: through the mapping again
-                m._loads.pause(why)
+                self._source.pause(why)
                 self.why = self._refused = why
-                logger.info("%s: %s", m._stack_name, why)
+                logger.info("%s: %s", name, why)
                 coordinator().place_buffers()
             return
-        if isinstance(m._loads, ReadsAround) and m._loads.paused:
+        if isinstance(self._source, ReadAroundSource) and self._source.paused:
             # Paused for replicas that are gone, or for room the plan now has.
-            replicas_gone = m._loads.paused.startswith("replicas")
+            replicas_gone = self._source.paused.startswith("replicas")
             self._try("no replica maps these bytes now" if replicas_gone or not self._direct_why
                       else self._direct_why)
             return
-        plan = m.residency
+        plan = member.residency
         if plan is None or not plan.streamed:
             self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
             return
@@ -179,13 +207,13 @@ class StreamReads:
     def _try(self, why: str) -> bool:
         """``auto``: read around the page cache from the next layer on where the plan's room holds the
         buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
-        m = self._m
-        depth = m.residency.depth if m.residency is not None else m.prefetch_layers
-        count = m._loads.reader.buffers if isinstance(m._loads, ReadsAround) else 1 + depth
-        fits, refused = coordinator().read_around_fits(m._member, count * layer_buffer_bytes(m._stores, m._pages))
+        source = self._source
+        count = source.reader.buffers if isinstance(source, ReadAroundSource) else self._window_buffers()
+        per_buffer = layer_buffer_bytes(self._seq.stores, self._pages)
+        fits, refused = coordinator().read_around_fits(self._member, count * per_buffer)
         if not fits:
             if refused != self._refused:
-                logger.info("%s: %s", m._stack_name, refused)
+                logger.info("%s: %s", self._member.name, refused)
             self.why = self._refused = refused
             return False
         self._refused = ""

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
-from .grads import refuse_recorded_graph
-
-if TYPE_CHECKING:
-    from .manager import LayerwiseOffloadManager
-
-__all__ = ["LayerTurn", "register_hooks"]
+__all__ = ["LayerTurn", "StackHooks"]
 
 
 def _eager(fn):
@@ -99,67 +94,94 @@ class LayerTurn:
         return held
 
 
-def register_hooks(m: LayerwiseOffloadManager) -> list:
-    """Hook ``m``'s layers (load before, release after, a guarded forward) and its model (once per
-    forward, before anything reads the mapping); the handles, each with ``remove()``."""
-    hooks: list = []
-    for i, layer in enumerate(m.layers):
-        hooks.append(layer.register_forward_pre_hook(_pre_hook(m, i)))
-        hooks.append(layer.register_forward_hook(_post_hook(m, i), always_call=True))
-        hooks.append(_ForwardGuard(layer, _guarded_forward(m, i, layer.forward)))
-    # Before anything of a forward reads the mapping (the embedding first).
-    hooks.append(m.model.register_forward_pre_hook(_eager(m._before_forward), prepend=True))
-    return hooks
+class StackHooks:
+    """The hooks on one stack's layers and on its model, taking the layer turn; ``steps`` does the work.
 
+    Parameters
+    ----------
+    turn
+        The stack's :class:`LayerTurn`.
+    steps
+        What the hooks run (``steps.Steps``): ``before_forward(module, args)`` once per forward of the
+        model, ``start(i)`` before layer ``i``, ``finish(i)`` once it is done, ``after(i, output)``
+        after it computed.
+    """
 
-def finish_layer(m: LayerwiseOffloadManager, i: int) -> None:
-    """Release layer ``i`` and leave its turn, once, if this thread holds it."""
-    held = m._turn.held()
-    if i not in held:
-        return
-    del held[len(held) - 1 - held[::-1].index(i)]
-    try:
-        if m._releasable(i):
-            m.release_layer(i)
-    finally:
-        m._turn.leave()
+    def __init__(self, turn: LayerTurn, steps: Any) -> None:
+        self.turn = turn
+        self.steps = steps
+        self.handles: list = []  # each with remove()
 
-def _guarded_forward(m: LayerwiseOffloadManager, i: int, forward):
-    @functools.wraps(forward)
-    def guarded_forward(*args, **kwargs):
-        try:
-            return forward(*args, **kwargs)
-        except Exception:
-            raise  # torch runs the always-call post-hook
-        except BaseException:
-            finish_layer(m, i)  # torch runs no hook for these
-            raise
+    @property
+    def active(self) -> bool:
+        """Registered (a hook that a forward already started runs as a no-op once removed)."""
+        return bool(self.handles)
 
-    return _eager(guarded_forward)
-
-def _pre_hook(m: LayerwiseOffloadManager, i: int):
-    def pre_hook(module, args):
-        m._turn.enter()
-        if not m._hooks:
-            # Removed (or closed) by another thread while this forward
-            # was on its way here: the model is whole, nothing to load.
-            m._turn.leave()
+    def register(self, model: Any, layers: list) -> None:
+        """Hook ``layers`` (load before, release after, a guarded forward) and ``model`` (once per
+        forward, before anything reads the mapping). No-op when registered."""
+        if self.handles:
             return
-        m._turn.held().append(i)
+        hooks: list = []
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(self._pre_hook(i)))
+            hooks.append(layer.register_forward_hook(self._post_hook(i), always_call=True))
+            hooks.append(_ForwardGuard(layer, self._guarded_forward(i, layer.forward)))
+        # Before anything of a forward reads the mapping (the embedding first).
+        hooks.append(model.register_forward_pre_hook(_eager(self.steps.before_forward), prepend=True))
+        self.handles = hooks
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def finish_layer(self, i: int) -> None:
+        """Finish layer ``i`` and leave its turn, once, if this thread holds it."""
+        held = self.turn.held()
+        if i not in held:
+            return
+        del held[len(held) - 1 - held[::-1].index(i)]
         try:
-            m._start_layer(i)
-        except Exception:
-            raise  # torch runs the always-call post-hook, which finishes the turn
-        except BaseException:
-            finish_layer(m, i)
-            raise
+            self.steps.finish(i)
+        finally:
+            self.turn.leave()
 
-    return _eager(pre_hook)
+    def _guarded_forward(self, i: int, forward):
+        @functools.wraps(forward)
+        def guarded_forward(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except Exception:
+                raise  # torch runs the always-call post-hook
+            except BaseException:
+                self.finish_layer(i)  # torch runs no hook for these
+                raise
 
-def _post_hook(m: LayerwiseOffloadManager, i: int):
-    def post_hook(module, args, output):
-        finish_layer(m, i)
-        if m._loads.recycles(i):
-            refuse_recorded_graph(m._stores[i], output)  # autograd saved views of reused device buffers
+        return _eager(guarded_forward)
 
-    return _eager(post_hook)
+    def _pre_hook(self, i: int):
+        def pre_hook(module, args):
+            self.turn.enter()
+            if not self.handles:
+                # Removed (or closed) by another thread while this forward
+                # was on its way here: the model is whole, nothing to load.
+                self.turn.leave()
+                return
+            self.turn.held().append(i)
+            try:
+                self.steps.start(i)
+            except Exception:
+                raise  # torch runs the always-call post-hook, which finishes the turn
+            except BaseException:
+                self.finish_layer(i)
+                raise
+
+        return _eager(pre_hook)
+
+    def _post_hook(self, i: int):
+        def post_hook(module, args, output):
+            self.finish_layer(i)
+            self.steps.after(i, output)
+
+        return _eager(post_hook)

@@ -42,8 +42,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
-from .member import always_read_of, file_ranges_of, planned_buffers
-from .peers import PeerRegistry, overlap_bytes, resident_now
+from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
+from .peers import PeerRegistry, share_room
 from .residency import ResidencyPlan, plan_residency, plan_shared
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
 
 CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
-REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
 
 
 def read_cap() -> int | None:
@@ -94,7 +93,7 @@ class PageCacheCoordinator:
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.window_buffers = 0
-        self.buffers = 0  # read-around buffers the plan charges (ReadsAround.planned_bytes, every member)
+        self.buffers = 0  # read-around buffers the plan charges (ReadAroundSource.planned_bytes, every member)
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
@@ -200,7 +199,7 @@ class PageCacheCoordinator:
         if not any(m.given is None for m in self.members()):
             return
         cap, stamp = read_cap(), self._peers_stamp_now()
-        lost = self._cached_lost() if self.cache_extra else 0
+        lost = cached_lost(self.members()) if self.cache_extra else 0
         thin_failed = lost > 0
         if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed:
             return
@@ -224,25 +223,6 @@ class PageCacheCoordinator:
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
-
-    def _cached_lost(self) -> int:
-        """Bytes of cached layers the kernel took since the last check, as their uses found them.
-
-        A cached layer used before under its stack's plan must find its
-        pages resident at its next use (``LayerPages.watch``, checked before
-        the layer faults them back in). Missing pages beyond 1 MiB + 1 % of
-        what a stack caches (the kernel's own slack: pages of a layer's ends
-        shared with streamed neighbours) count.
-        """
-        lost = 0
-        for m in self.members():
-            missing = m.take_missing()
-            plan = m.residency
-            if m.given is not None or plan is None or not plan.cached:
-                continue
-            if missing > (1 << 20) + plan.cached_bytes // 100:
-                lost += missing
-        return lost
 
     def _withdraw(self) -> None:
         """Remove this process's record, if one was published: a registry is made only to publish
@@ -387,30 +367,13 @@ class PageCacheCoordinator:
         # our own publish) changes the stamp again, and the next forward plans
         # with it. (Our own record is not in the stamp.)
         self._peers_stamp = self._peers_stamp_now()
-        peers = self._peers().peers()
-        self.replicas, self.ranks = [], []
-        self._others = 0
-        if not peers or not mine:
-            return room, 1
-        ranges = file_ranges_of(measured)
-        others = 0
-        for p in peers:
-            shared = overlap_bytes(ranges, p.ranges)
-            if shared >= REPLICA_SHARE * min(mine, max(p.mapped_bytes, 1)):
-                self.replicas.append(p.pid)
-            else:
-                self.ranks.append(p.pid)
-                # What it holds was "other memory" in our measure: it is its share of the budget.
-                room += resident_now(p) + p.buffer_bytes  # its cache and its read-around buffers
-                others += p.mapped_bytes
-        if others:
-            room = room * mine // (mine + others)
-        self._others = others
-        return room, 1 + len(self.replicas)
+        share = share_room(self._peers().peers(), lambda: file_ranges_of(measured), room, mine)
+        self.replicas, self.ranks, self._others = share.replicas, share.ranks, share.others
+        return share.room, 1 + len(self.replicas)
 
     def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
         ranges = file_ranges_of(measured)
-        window = max(((1 + p.depth) * max(p.layer_bytes, default=0) for p in plans if p.streamed), default=0)
+        window = max((p.window_bytes for p in plans if p.streamed), default=0)
         mapped = sum(sum(p.layer_bytes) for p in plans)
         key = (ranges, mapped, window, self.window_buffers)
         if key == self._published:

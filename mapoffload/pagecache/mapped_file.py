@@ -95,6 +95,11 @@ class MappedFiles:
             self._files[key] = f
             return f
 
+    def held(self) -> int:
+        """Files looked up and not closed (those that could not be opened included)."""
+        with self._lock:
+            return len(self._files)
+
     def close(self) -> None:
         with self._lock:
             files, self._files = list(self._files.values()), {}

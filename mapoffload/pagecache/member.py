@@ -21,7 +21,8 @@ from .._runs import merge_runs
 if TYPE_CHECKING:
     from .residency import ResidencyPlan
 
-__all__ = ["StackBuffers", "StackMember", "StackPages", "always_read_of", "file_ranges_of", "planned_buffers"]
+__all__ = ["StackBuffers", "StackMember", "StackPages", "always_read_of", "cached_lost", "file_ranges_of",
+           "planned_buffers"]
 
 
 class StackPages(Protocol):
@@ -125,6 +126,26 @@ class StackMember:
         self.residency = plan
         self.pages.apply(plan)
         logger.info("residency of %s: %s; %s", self.name, plan.describe(), why)
+
+
+def cached_lost(members: Sequence[StackMember]) -> int:
+    """Bytes of cached layers the kernel took since the last check, as their uses found them.
+
+    A cached layer used before under its stack's plan must find its
+    pages resident at its next use (``LayerPages.watch``, checked before
+    the layer faults them back in). Missing pages beyond 1 MiB + 1 % of
+    what a stack caches (the kernel's own slack: pages of a layer's ends
+    shared with streamed neighbours) count.
+    """
+    lost = 0
+    for m in members:
+        missing = m.take_missing()
+        plan = m.residency
+        if m.given is not None or plan is None or not plan.cached:
+            continue
+        if missing > (1 << 20) + plan.cached_bytes // 100:
+            lost += missing
+    return lost
 
 
 def planned_buffers(members: Sequence[StackMember]) -> int:

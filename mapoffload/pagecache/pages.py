@@ -419,6 +419,15 @@ class PageWorker:
         self.let_go_counts[how] = self.let_go_counts.get(how, 0) + 1
         self.kept_bytes += left
 
+    @property
+    def running(self) -> bool:
+        """The worker's thread exists (made at the first read-in or let-go, gone at close)."""
+        return self._pool is not None
+
+    def drain(self) -> None:
+        """Wait until the work asked of the worker so far is done (letting go is asynchronous)."""
+        self._executor().submit(lambda: None).result()
+
     def after_fork_in_child(self) -> None:
         """The parent's thread does not exist here: forget it (its queued work never runs)."""
         self._lock = threading.Lock()

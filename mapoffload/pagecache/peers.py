@@ -21,12 +21,16 @@ import json
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..memory.cgroup import tightest_cgroup
 from .._log import logger
 
-__all__ = ["Peer", "PeerRegistry", "measure_resident", "overlap_bytes", "resident_now"]
+__all__ = ["REPLICA_SHARE", "Peer", "PeerRegistry", "PeerShare", "measure_resident", "overlap_bytes", "resident_now",
+           "share_room"]
+
+REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
 
 ENV_PEERS_DIR = "MAPOFFLOAD_PEERS_DIR"
 RECORD_MAX_BYTES = 1 << 20  # a record names a few ranges per file; anything larger is not one
@@ -352,3 +356,38 @@ def resident_now(peer: Peer) -> int:
     """
     found = measure_resident(peer)
     return peer.resident_bytes if found is None else min(found, peer.mapped_bytes)
+
+
+@dataclass
+class PeerShare:
+    """This process's page-cache room among its peers: ``replicas`` (pids mapping the same bytes: they
+    share the cached set), ``ranks`` (pids mapping other bytes: the room is split with them by mapped
+    bytes, ``others`` theirs)."""
+
+    room: int
+    replicas: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    others: int = 0
+
+
+def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, mine: int) -> PeerShare:
+    """Split ``room`` (measured with the peers' memory as "other") with the peers under the same cap.
+
+    ``mine`` is this process's mapped bytes, ``ranges_of()`` its file ranges (read only when there are
+    peers). What a rank holds now (its cache and its read-around buffers) was "other memory" in the
+    measure: it is added back, then the room is split by mapped bytes; replicas take nothing of it.
+    """
+    share = PeerShare(room)
+    if not peers or not mine:
+        return share
+    ranges = ranges_of()
+    for p in peers:
+        if overlap_bytes(ranges, p.ranges) >= REPLICA_SHARE * min(mine, max(p.mapped_bytes, 1)):
+            share.replicas.append(p.pid)
+        else:
+            share.ranks.append(p.pid)
+            share.room += resident_now(p) + p.buffer_bytes  # its cache and its read-around buffers
+            share.others += p.mapped_bytes
+    if share.others:
+        share.room = share.room * mine // (mine + share.others)
+    return share

@@ -21,7 +21,18 @@ from dataclasses import dataclass
 
 from .._log import format_bytes
 
-__all__ = ["ResidencyPlan", "plan_residency", "plan_shared"]
+__all__ = ["ResidencyPlan", "plan_residency", "plan_shared", "window_bytes"]
+
+
+def window_bytes(depth: int, largest: int) -> int:
+    """The streaming window: room for the streamed layer computing and the ``depth`` read ahead of it,
+    each counted as the largest layer (``largest`` bytes).
+
+    The one definition: a plan keeps it beside the cached set (:func:`plan_residency`,
+    :func:`plan_shared`), a stack reads ahead no deeper (the sequencer's window), and read-around
+    buffers hold it instead of the page cache (``1 + depth`` of them: :attr:`ResidencyPlan.window_layers`).
+    """
+    return (1 + depth) * largest
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,16 @@ class ResidencyPlan:
         """What one forward reads from the file once the cached set is warm."""
         return sum(self.layer_bytes[i] for i in self.streamed)
 
+    @property
+    def window_layers(self) -> int:
+        """Streamed layers in memory at once: the one computing and the ``depth`` read ahead of it."""
+        return 1 + self.depth
+
+    @property
+    def window_bytes(self) -> int:
+        """The streaming window's bytes (:func:`window_bytes`), each layer counted as the largest."""
+        return window_bytes(self.depth, max(self.layer_bytes, default=0))
+
     def is_streamed(self, i: int) -> bool:
         return i in self._streamed_set
 
@@ -115,7 +136,7 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
         return ResidencyPlan(everything, (), True, sizes, room, always_bytes, prefetch_layers)
     largest = max(sizes)
     depth = min(prefetch_layers, max(0, room // largest - 1)) if largest else prefetch_layers
-    left = room - (1 + depth) * largest
+    left = room - window_bytes(depth, largest)
     cached: list[int] = []
     for i, b in enumerate(sizes):
         if b > left:
@@ -181,7 +202,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         depths.append(min(p, max(0, room // (largest * windows) - 1)) if largest else p)
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
-        window = max(((1 + depths[k]) * max(sizes[k]) for k in streaming), default=0) * windows
+        window = max((window_bytes(depths[k], max(sizes[k])) for k in streaming), default=0) * windows
         window = max(window, int(buffers))
         left = total - window
         cached: list[list[int]] = []

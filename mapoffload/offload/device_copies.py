@@ -1,0 +1,320 @@
+"""The device target: each layer copied into device buffers through the native copier (CUDA, or the CPU twin).
+
+Through the mapping (the source :data:`~mapoffload.offload.sources.MAPPING`, and every layer a
+read-around source declines), a load copies the layer's host stores into device buffers from the
+device pool, on a copy stream; a release gives the buffers back to the pool.
+
+Read around the page cache (a :class:`~mapoffload.offload.sources.ReadAroundSource`): under a host
+cap too tight for the streaming window, copying a streamed layer out of its mapping makes the kernel
+evict pages of the layers in use and read them again, as on the CPU (issue 18). Then a streamed
+layer's file bytes are read with ``O_DIRECT`` into one of the source's ``1 + depth`` reused buffers -
+page-locked on CUDA (``cudaHostRegister``) - and the copier copies each mapped weight's bytes from that
+buffer into the layer's device buffers with ``direct=True``: on CUDA a DMA straight from the pinned
+buffer (disk -> pinned buffer -> device, no page cache and no staging slot), on the CPU twin a plain
+``memcpy`` from the (pageable) buffer. Cached layers, and a layer that finds no buffer free (more layers
+loaded than the window: ``load_all_layers``), keep the mapping path.
+
+Buffer lifetime: the read runs on the reader's worker thread; the copies from its buffer are submitted
+from there as soon as it completes, so they overlap the compute of the layer before, as the mapping
+path's copies do. The buffer goes back to the reader only once those copies are *done* (``wait()`` on
+the copy job: on CUDA the device copies completed, not merely enqueued), because the next read
+overwrites it from the CPU, which no stream orders: at ``ready`` when the copies are done already
+(always on the CPU twin), else at ``release``. The copier's keepalive holds the buffer as well, so a
+buffer whose holder went away is never freed, or unregistered, under a copy.
+
+Stream order on CUDA: the device buffers (new, or recycled from the pool) may still be read by compute
+queued before the load started. ``start`` makes the copy stream wait for the compute stream right then -
+the point the mapping path's ``wait_for`` takes - and not when the read completes, which would hold the
+copies behind the compute queued meanwhile.
+
+Autograd: unlike in place, a layer run with autograd recording is not sent back to the mapping: its
+weights are device buffers on either path (the device pool's recycling rule refuses a recorded graph
+there), and the read-around buffer itself never reaches autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from .._log import logger
+from .._runs import merge_copies
+from .device_pool import DevicePool
+from .layer_pages import LayerPages
+from .loads import Load, Target, wait_quietly
+from .stores import CONSOLIDATED, MAPPED, LayerStore, Weight, device_view
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..copier import Copier, CopyHandle
+    from ..pagecache.direct_read import DirectBuffer
+
+__all__ = ["DeviceCopies"]
+
+
+class DeviceCopies(Target):
+    """Copy each layer into device buffers through a copier (see the module).
+
+    Parameters
+    ----------
+    stores, pages
+        The stack's layer stores and its pages.
+    device, copier
+        Where the layers compute, and the copier onto it.
+    owns_copier
+        Close the copier at :meth:`close`.
+    copy_on_compute_stream
+        Enqueue copies on the compute stream instead of a side stream (for comparison).
+    pool
+        The device buffers' pool (default: one on ``device``, its buffers recorded on the copy stream).
+    """
+
+    copies = True
+
+    def __init__(self, stores: list[LayerStore], pages: LayerPages, device: torch.device, copier: Copier, *,
+                 owns_copier: bool, copy_on_compute_stream: bool, pool: Any = None) -> None:
+        import torch
+
+        self._stores, self._pages, self.device, self.copier = stores, pages, device, copier
+        self._owns_copier = owns_copier
+        self._cuda = device.type == "cuda"
+        self.copy_stream = None
+        if self._cuda and not copy_on_compute_stream:
+            self.copy_stream = torch.cuda.Stream(device)
+        self.pool = DevicePool(device, self.copy_stream) if pool is None else pool
+
+    @property
+    def bytes(self) -> int:
+        """Device buffers held now (in use or pooled for reuse)."""
+        return self.pool.bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.pool.peak_bytes
+
+    @property
+    def pin_device(self) -> int | None:
+        """The CUDA device a read-around source's buffers are page-locked for (None: the CPU twin)."""
+        return self.device.index if self._cuda else None
+
+    def compute_stream(self):
+        import torch
+
+        return torch.cuda.current_stream(self.device) if self._cuda else None
+
+    # -- through the mapping -------------------------------------------------------------------
+    def start(self, i: int) -> Load:
+        if self.source.takes(i):
+            return self._start_around(i)
+        self._pages.spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
+        if self._pages.streams(i):
+            self._pages.before_streamed_read(i)
+        else:
+            self._pages.before_cached_copy(i)
+        store = self._stores[i]
+        buffers = {dtype: self.pool.take(n) for dtype, n in store.dev_bytes.items()}
+        spans = store.spans()
+        compute = self.compute_stream()
+        try:
+            handle = self.copier.copy_spans(
+                [buffers[d].data_ptr() + off for d, off, _, _, _ in spans],
+                [src for _, _, src, _, _ in spans],
+                [n for _, _, _, n, _ in spans],
+                stream=self.copy_stream or compute,
+                keepalive=(store.host_tensors(), buffers),
+                direct=[pinned for *_, pinned in spans] if self._cuda else None,
+                # New or recycled buffers: the compute stream may still read them.
+                wait_for=compute if self.copy_stream is not None else None,
+            )
+        except BaseException:
+            for buf in buffers.values():
+                self.pool.give(buf)
+            raise
+        return Load(buffers, handle)
+
+    def ready(self, i: int, load: Load) -> None:
+        job = load.around
+        if job is not None:
+            self._pages.check(i)
+            self._wait(job)
+            if job.done():
+                self._give_back(job)  # the copies are done: the next read may have the buffer now
+            return
+        if load.handle is None:
+            return
+        self._wait(load.handle)
+        # Its mapped pages were read into the device buffers: let them go.
+        self._pages.let_go(i)
+
+    def _wait(self, job: Any) -> None:
+        if self._cuda:
+            # Stream-ordered: compute waits for this layer's copies only.
+            job.wait_stream(self.compute_stream())
+        else:
+            job.wait()
+
+    def value(self, w: Weight, load: Load) -> torch.Tensor:
+        return device_view(w, load.buffers[w.dtype])
+
+    def release(self, i: int, load: Load) -> None:
+        job = load.around
+        if job is None:
+            # Never recycle a buffer a copy may still write.
+            wait_quietly(load, i)
+            self.drop_in_flight(load)
+            return
+        try:
+            job.wait()  # never reuse a buffer (ours or the pool's) a copy may still read or write
+        except Exception:
+            logger.debug("released layer %d after a failed load", i, exc_info=True)
+        self._give_back(job)
+        load.around = None
+        for buf in load.buffers.values():
+            self.pool.give(buf)
+        # The read left the page cache alone, but others may have filled it
+        # with this layer's bytes (the mapping path before the switch, the
+        # weights outside the layers): let those go too.
+        self._pages.let_go(i)
+
+    def drop_in_flight(self, load: Load) -> None:
+        """Give ``load``'s buffers back (in a forked child: nothing writes them here)."""
+        job = load.around
+        if job is not None and not job.returned:
+            # In a forked child: neither the parent's read nor its copies run
+            # here. A buffer the read handed over is an ordinary lease here
+            # (nothing reads it): give it back; one still being read was the
+            # worker's, which the reader forgot.
+            job.returned = True
+            self.source.done()
+            if job.buffer is not None:
+                job.buffer.release()
+        for buf in load.buffers.values():
+            self.pool.give(buf)
+
+    # -- around the page cache -----------------------------------------------------------------
+    def _start_around(self, i: int) -> Load:
+        store = self._stores[i]
+        buffers = {dtype: self.pool.take(n) for dtype, n in store.dev_bytes.items()}
+        compute = self.compute_stream()
+        try:
+            if self.copy_stream is not None:
+                # New or recycled buffers: the compute queued so far may still read them (see the module).
+                self.copy_stream.wait_stream(compute)
+            read = self.source.read(i)
+        except BaseException:
+            for buf in buffers.values():
+                self.pool.give(buf)
+            raise
+        copy_from = functools.partial(self._copy_from, store, self.source.places(i), buffers,
+                                      self.copy_stream or compute)
+        job = ReadThenCopy(read, copy_from)
+        return Load(buffers, job, around=job)
+
+    def _copy_from(self, store: LayerStore, where: list, buffers: dict, stream: Any,
+                   buf: DirectBuffer) -> CopyHandle:
+        """Submit layer ``store``'s copies: mapped weights from ``buf``, the others from their host stores.
+
+        Runs on the reader's worker thread when the read completed.
+        """
+        spans: list[list] = []  # [dst, src, nbytes, direct]
+        base = buf.data.data_ptr()
+        from_buffer = buf.pinned or not self._cuda  # DMA from pinned memory; on the CPU twin a plain memcpy
+        for w, k, offset in where:
+            src = base + buf.offsets[k] + offset - buf.extents[k][1]
+            spans.append([buffers[w.dtype].data_ptr() + w.dev_offset, src, w.nbytes, from_buffer])
+        pinned_store = self._cuda and store.pinned
+        for w in store.weights:
+            if w.store != MAPPED:
+                spans.append([buffers[w.dtype].data_ptr() + w.dev_offset, w.host.data_ptr(), w.nbytes,
+                              pinned_store and w.store == CONSOLIDATED])
+        spans.sort(key=lambda s: s[0])
+        merged = merge_copies(spans)  # spans that continue each other on both sides, one copy
+        return self.copier.copy_spans(
+            [s[0] for s in merged], [s[1] for s in merged], [s[2] for s in merged], stream=stream,
+            keepalive=(store.host_tensors(), buffers, buf), direct=[s[3] for s in merged],
+        )
+
+    def _give_back(self, job: ReadThenCopy) -> None:
+        """The load is done with its read-around buffer (copies done, or the read or its copies failed)."""
+        if job.returned:
+            return
+        job.returned = True
+        self.source.done()
+        if job.buffer is not None:
+            job.buffer.release()
+
+    # -- the rest of the target interface ------------------------------------------------------
+    def recycles(self, i: int) -> bool:
+        return True
+
+    def reuses(self, load: Load) -> bool:
+        return False
+
+    def write_back(self, w: Weight, load: Load) -> None:
+        """Copy a loaded weight's device value into its host store (never a mapped one)."""
+        if w.store != MAPPED:
+            w.host.copy_(device_view(w, load.buffers[w.dtype]))
+
+    def close(self) -> None:
+        import torch
+
+        try:
+            self.source.close()  # reads queued still run (their copies submitted), then the buffers go
+        finally:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            self.pool.clear()
+            if self._owns_copier:
+                self.copier.close()
+
+
+class ReadThenCopy:
+    """A layer's file bytes read into a reader buffer, then copied from it.
+
+    The copies are submitted (``copy_from(buffer)``) on the thread that
+    completes the read. ``wait``/``wait_stream``/``done`` mean the copies',
+    as a :class:`~mapoffload.CopyHandle`'s do; a failed read or submission is
+    raised by them.
+    """
+
+    __slots__ = ("buffer", "copy", "error", "returned", "_copy_from", "_submitted")
+
+    def __init__(self, read: Future, copy_from: Callable[[DirectBuffer], CopyHandle]) -> None:
+        self.buffer: DirectBuffer | None = None
+        self.copy: CopyHandle | None = None
+        self.error: BaseException | None = None
+        self.returned = False  # the target is done with the buffer (DeviceCopies._give_back)
+        self._copy_from: Callable | None = copy_from
+        self._submitted = threading.Event()
+        read.add_done_callback(self._then_copy)
+
+    def _then_copy(self, read: Future) -> None:
+        try:
+            self.buffer = read.result()
+            self.copy = self._copy_from(self.buffer)
+        except BaseException as e:  # raised by whoever waits
+            self.error = e
+        finally:
+            self._copy_from = None
+            self._submitted.set()
+
+    def _wait_submitted(self) -> CopyHandle:
+        self._submitted.wait()
+        if self.error is not None:
+            raise self.error
+        return self.copy
+
+    def wait(self) -> None:
+        self._wait_submitted().wait()
+
+    def wait_stream(self, stream: Any) -> None:
+        self._wait_submitted().wait_stream(stream)
+
+    def done(self) -> bool:
+        if not self._submitted.is_set():
+            return False
+        return self.error is not None or self.copy.done()

@@ -1,0 +1,152 @@
+"""The parts one :class:`~mapoffload.LayerwiseOffloadManager` is a facade over, and their lifetime.
+
+For one stack of layers: its pages (``layer_pages``: spans, files, page reads and let-gos), its load
+path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
+(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``rest``), its
+page-cache member (``pagecache.member``: what the process's coordinator plans), the ``stream_reads``
+policy (``stream_reads``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
+them in order and, when one fails, closes what was made; :meth:`Parts.close` and
+:meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .._log import logger
+from ..pagecache.coordinator import coordinator
+from ..pagecache.member import StackMember
+from .layer_pages import LayerPages
+from .device_copies import DeviceCopies
+from .loads import InPlace
+from .rest import RestGuard
+from .sequencer import Sequencer
+from .slots import Slots
+from .steps import Steps
+from .stream_reads import StreamReads
+from .turn import LayerTurn, StackHooks
+
+if TYPE_CHECKING:
+    from ..copier import Copier
+    from .options import Options
+    from .stores import LayerStore
+
+__all__ = ["Parts"]
+
+# Live stacks, for fork(): copies a parent had in flight never complete in
+# the child (its copier's workers stayed in the parent), so the child forgets
+# them and loads those layers afresh instead of failing a forward per layer.
+_LIVE: weakref.WeakSet[Parts] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for parts in list(_LIVE):
+        parts.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Parts:
+    """One stack's parts (see the module); made by :meth:`build`."""
+
+    pages: LayerPages
+    slots: Slots
+    sequencer: Sequencer
+    rest: RestGuard
+    member: StackMember
+    reads: StreamReads
+    turn: LayerTurn
+    hooks: StackHooks
+
+    @classmethod
+    def build(cls, o: Options, *, model: Any, layers: list, stores: list[LayerStore], name: str,
+              copier: Copier | None, owns_copier: bool, owner: object) -> Parts:
+        """Make every part; registers the member with the process's coordinator (which plans it).
+
+        Raises whatever a part raised, with nothing half-made left behind (the plan, threads, files, an
+        owned copier).
+        """
+        from . import plan as _plan
+
+        self = cls()
+        self.pages = self.rest = self.member = self.sequencer = None  # type: ignore[assignment]
+        loads = None
+        try:
+            self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
+            loads = InPlace(stores, self.pages) if o.in_place else DeviceCopies(
+                stores, self.pages, o.device, copier, owns_copier=owns_copier,
+                copy_on_compute_stream=o.copy_on_compute_stream)
+            self.slots = Slots(model, stores, in_place=o.in_place)
+            self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
+                                       resident_layers=o.resident_layers)
+            self.rest = RestGuard(model, layers, self.pages.files)  # the mapped weights outside the layers
+            # The page-cache plan is the process's (every stack under one budget): this stack's
+            # part of it is its member.
+            self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
+                                      prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
+                                      always_read=_plan.always_read_tensors, owner=owner)
+            self.reads = StreamReads(o.stream_reads, self.sequencer, self.member, self.pages, cuda=o.cuda)
+            self.turn = LayerTurn()
+            self.hooks = StackHooks(self.turn, Steps(self.sequencer, self.member, self.reads, self.rest,
+                                                     in_place=o.in_place))
+            coordinator().join(self.member)  # plans the page cache for every manager, this one included
+            if o.stream_reads == "direct":
+                self.reads.read_around("stream_reads='direct'")
+                coordinator().place_buffers()  # its buffers are charged before they are made
+        except BaseException:
+            self.abandon(loads, copier if owns_copier else None)
+            raise
+        return self
+
+    @property
+    def loads(self) -> Any:
+        """The load path now (the sequencer's)."""
+        return self.sequencer.loads
+
+    def abandon(self, loads: Any = None, owned_copier: Copier | None = None) -> None:
+        """A start that failed: leave the coordinator, close what was opened."""
+        loads = self.sequencer.loads if self.sequencer is not None else loads
+        try:
+            if self.member is not None:
+                coordinator().leave(self.member)
+        except Exception:
+            logger.debug("leaving the page-cache plan after a failed start", exc_info=True)
+        if loads is not None:
+            loads.close()
+        elif owned_copier is not None:
+            owned_copier.close()
+        if self.pages is not None:
+            self.pages.close()
+        if self.rest is not None:
+            self.rest.close()
+
+    def close(self) -> None:
+        """Leave the page-cache plan, then close the load path, the pages and the rest's advice.
+
+        The model was given back before (released, slots disengaged).
+        """
+        try:
+            coordinator().leave(self.member)  # the other stacks share what these layers leave
+        finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
+            self.loads.close()
+            self.pages.close()
+            self.rest.close()  # the lookup tables' advice
+
+    def forget_at_fork(self) -> None:
+        """From now on, a forked child runs :meth:`after_fork_in_child` (while these parts live)."""
+        _LIVE.add(self)
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: drop layers whose copy was in flight at the fork.
+
+        Nothing writes their buffers here (the copies ran in the parent), so
+        they go back to the pool; their slots hold placeholders already. The
+        layer turn may have been held by a parent thread that does not exist
+        here: it starts free, with a fresh lock.
+        """
+        self.turn.after_fork_in_child()
+        self.pages.after_fork_in_child()
+        self.sequencer.forget_in_flight()
