@@ -109,6 +109,19 @@ def test_a_gpu_engine_with_nothing_offloaded_is_refused_and_one_without_enforce_
                                                                                         enforce_eager=True))
 
 
+def test_offloading_with_speculative_decoding_is_refused_naming_it():
+    """vLLM loads a draft model through the same load config: it would offload its layers too."""
+    model = SimpleNamespace(quantization=None, enforce_eager=True)
+    config = _config(device="cuda")
+    config.speculative_config = SimpleNamespace(method="draft_model")
+    with pytest.raises(VllmLoadError, match="speculative_config"):
+        _loader({"offload_layers": 2})._refuse(config, model)
+    config.speculative_config = None
+    assert _loader({"offload_layers": 2})._refuse(config, model)[1].layers == 2
+    config.speculative_config = SimpleNamespace(method="draft_model")  # nothing offloaded: not our concern
+    assert _loader({"keep_mapping": False})._refuse(config, model)[1] is None
+
+
 def _layers(n: int) -> list[torch.nn.Module]:
     return [torch.nn.Linear(8, 4, bias=False) for _ in range(n)]  # 32 floats: 128 bytes each
 

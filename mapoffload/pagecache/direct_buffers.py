@@ -13,15 +13,19 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._log import format_bytes, logger
 from .._native import _core
 
-if TYPE_CHECKING:
-    from .direct_read import DirectReader
+__all__ = ["DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "DirectBuffer", "DirectFile", "Slab", "buffer_capacity",
+           "round_up"]
 
-__all__ = ["DIRECT_ALIGN", "GROW_QUANTUM", "DirectBuffer", "DirectFile", "Slab", "buffer_capacity", "round_up"]
+
+class BufferOwner(Protocol):
+    """What a buffer needs of the reader that made it (a ``DirectReader``): to take its slab back."""
+
+    def _give_back(self, slab: Slab) -> None: ...
 
 DIRECT_ALIGN: int = _core.DIRECT_ALIGN
 GROW_QUANTUM = 2 << 20  # buffers grow to the next multiple: layers of nearly one size share one capacity
@@ -134,7 +138,7 @@ class DirectBuffer:
     __slots__ = ("data", "extents", "offsets", "methods", "bytes_read", "pinned", "_slab", "_reader", "_finalizer",
                  "__weakref__")
 
-    def __init__(self, reader: DirectReader, slab: Slab, extents: list[tuple[DirectFile, int, int]],
+    def __init__(self, reader: BufferOwner, slab: Slab, extents: list[tuple[DirectFile, int, int]],
                  offsets: list[int], methods: list[str], bytes_read: int, *,
                  lost: Callable[[weakref.ref, int, int], None]) -> None:
         self.data = slab.data

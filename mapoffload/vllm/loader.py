@@ -83,6 +83,10 @@ class _Loader:
         if self.options.keep_mapping is False:  # vLLM's own loader, and its own offloader, as asked
             return device, None
         request = offload_request(self.options, vllm_config, device, enforce_eager=bool(model_config.enforce_eager))
+        if request is not None and getattr(vllm_config, "speculative_config", None) is not None:
+            raise VllmLoadError(f"{request.why} with speculative decoding (speculative_config): vLLM loads the draft "
+                                f"model with the same load format and options, so it would offload the drafter's "
+                                f"layers too; offloading with speculative decoding is not supported")
         if device.type != "cpu" and request is None:
             raise VllmLoadError(f"on {device} the mapoffload load format keeps only offloaded layers on the mapping "
                                 f"(offload_layers in model_loader_extra_config, or --cpu-offload-gb, with "
