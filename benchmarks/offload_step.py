@@ -112,19 +112,20 @@ def main(argv=None) -> int:
         del resident
         gc.collect()
 
+        # mapped+direct: the seed runtime's path (a direct-mode copier copies on the compute stream).
         modes = [
-            ("pinned", "pinned" if device.type == "cuda" else "pageable", "staged", False),
-            ("mapped+direct", "mapped", "direct", True),
-            ("mapped+staged", "mapped", "staged", False),
+            ("pinned", "pinned" if device.type == "cuda" else "pageable", "staged"),
+            ("mapped+direct", "mapped", "direct"),
+            ("mapped+staged", "mapped", "staged"),
         ]
-        for name, store, copy_mode, on_compute in modes:
+        for name, store, copy_mode in modes:
             anon0 = rss_anon()
             with empty_weights():
                 model = Stack(args.layers, args.width).to(dtype)
             load_checkpoint(model, path, keep_mapping=True)
             copier = Copier(device, copy_mode)
             mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=args.prefetch,
-                                          host_store=store, copier=copier, copy_on_compute_stream=on_compute,
+                                          host_store=store, copier=copier,
                                           # On the CPU: the device pipeline's twin, the copies are what it measures.
                                           cpu_twin=device.type == "cpu")
             mgr.register_forward_hooks()

@@ -202,9 +202,8 @@ class LoadReport:
 
     ``decided_by`` says who chose between the mapping and copies: ``"gate"``
     (the caller passed ``keep_mapping=None``; :func:`keep_checkpoint_mapped`
-    weighed the bytes against the host), ``"loader"`` (``from_pretrained`` with
-    ``keep_mapping=None``: the mapping, where transformers' or diffusers' own
-    load leaves the weights) or ``"caller"`` (True or False).
+    weighed the bytes against the host; the same in ``from_pretrained`` and
+    the vLLM load format) or ``"caller"`` (True or False).
 
     With a shard plan, ``shard`` is ``(rank, world_size)``;
     ``bytes_sliced_mapped`` counts this rank's slices left as views of the
@@ -247,8 +246,6 @@ class LoadReport:
         if self.decided_by == "gate":
             return ("kept on the mapping: the gate found host copies would not fit" if self.keep_mapping
                     else "copied into host memory: the gate found copies fit (keep_mapping=True keeps the mapping)")
-        if self.decided_by == "loader":
-            return "kept on the mapping, where the library's own from_pretrained leaves it (keep_mapping=False copies)"
         return f"{'kept on the mapping' if self.keep_mapping else 'copied into host memory'}: " \
                f"keep_mapping={self.keep_mapping}"
 

@@ -222,7 +222,11 @@ class Copier:
     device
         ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
     mode
-        ``"staged"`` (default) or ``"direct"``.
+        ``"staged"`` (default: worker threads copy into a ring of pinned
+        slots, each sent on by an asynchronous H2D copy) or ``"direct"`` (one
+        ``cudaMemcpyAsync`` per span from the source, as the seed runtime
+        does; a manager given such a copier enqueues on the compute stream,
+        as the seed does: kept for comparison, ``benchmarks/offload_step.py``).
     threads, staging_bytes, slots
         Worker threads, bytes per staging slot, slots in the ring.
     """

@@ -127,7 +127,8 @@ def entry_points(path: str, gate_keeps: bool) -> dict[str, str]:
         out[library[0]] = f"refused: {refusal}"
     elif library:
         out[library[0]] = (f"kept on the file mapping, where {library[1]} load leaves it; what that load converts "
-                           "or casts is written once to a mapped conversion folder (keep_mapping=False copies)")
+                           "or casts is written once to a mapped conversion folder (keep_mapping=False copies, "
+                           "keep_mapping=None asks the gate as load_checkpoint does)")
     out["load_checkpoint"] = ("kept on the file mapping: host copies would not fit" if gate_keeps
                               else "copied into host memory: copies fit (keep_mapping=True keeps the mapping)")
     return out

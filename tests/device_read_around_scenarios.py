@@ -145,7 +145,7 @@ class Setup:
 
         # Copies on the given stream (no side stream: no torch CUDA), into the stand-in's buffers.
         self.loads = OnTheStandIn(self.stores, self.pages, torch.device("cuda", 0), copier, owns_copier=False,
-                                  copy_on_compute_stream=True, pool=self.pool)
+                                  side_stream=False, pool=self.pool)
         self.loads.source = ReadAroundSource(self.stores, self.pages, buffers, pin_device=0)
         self.reader = self.loads.source.reader
         torch.cuda.synchronize = lambda device=None: fake.device_synchronize()  # close() syncs the device

@@ -229,7 +229,15 @@ def test_inspect_matches_what_each_entry_point_then_does(tmp_path, monkeypatch, 
     assert data["entry_points"]["load_checkpoint"].startswith("kept" if gate_keeps else "copied")
     hf = mapoffload.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), device=None).mapoffload_report
     assert data["entry_points"]["from_pretrained"].startswith("kept on the file mapping")
-    assert hf.keep_mapping and hf.bytes_copied == 0 and hf.decided_by == "loader"
+    assert hf.keep_mapping and hf.bytes_copied == 0 and hf.decided_by == "caller"  # keep_mapping=True, the default
+    # keep_mapping=None means what it means for load_checkpoint: the gate decides, with the bytes the model maps.
+    gated = mapoffload.from_pretrained(tf.GPT2LMHeadModel, str(tmp_path), device=None, keep_mapping=None)
+    report = gated.mapoffload_report
+    assert report.decided_by == "gate" and report.keep_mapping == gate_keeps
+    assert (report.copied.get("copies fit (gate)", 0) > 0) == (not gate_keeps), report.copied
+    assert ("the gate found" in str(report)), str(report)
+    held = mapoffload.MappedRegions().classify([p for p in gated.parameters()])
+    assert all(held) if gate_keeps else not any(held)
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(llama):

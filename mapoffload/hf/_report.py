@@ -1,6 +1,7 @@
 """What a load by transformers' or diffusers' own loader left where: the
 :class:`~mapoffload.LoadReport` measured from the model, and the copy that
-``keep_mapping=False`` asks for."""
+``keep_mapping`` asks for (False), or that the gate decides (None, as for
+:func:`~mapoffload.load_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,29 @@ def copy_mapped(model: torch.nn.Module, regions: Any) -> int:
     return copied
 
 
+def settle_mapping(model: torch.nn.Module, keep_mapping: bool | None, *, component: str) -> tuple[bool, int, str]:
+    """Keep the model's mapped weights on the mapping or copy them, as ``keep_mapping`` says.
+
+    True keeps, False copies; None asks the gate (:func:`~mapoffload.keep_checkpoint_mapped`) with the
+    bytes the model holds on a mapping now - what a copy would take - the meaning ``keep_mapping=None``
+    has in :func:`~mapoffload.load_checkpoint` and in the vLLM load format. Returns whether the mapping
+    is kept, the bytes copied and who decided (``"gate"`` or ``"caller"``).
+    """
+    from ..checkpoint import keep_checkpoint_mapped
+    from ..memory.regions import MappedRegions
+
+    regions = MappedRegions()
+    decided_by = "caller"
+    if keep_mapping is None:
+        decided_by = "gate"
+        tensors = [t for _, t in _storages(model)]
+        mapped = sum(tensor_bytes(t) for t, held in zip(tensors, regions.classify(tensors)) if held)
+        keep_mapping = keep_checkpoint_mapped(weight_bytes=mapped, component=component)
+    return keep_mapping, (0 if keep_mapping else copy_mapped(model, regions)), decided_by
+
+
 def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: ConversionCache, keep_mapping: bool,
-                copied_by_request: int, seconds: float, *, maker: str) -> LoadReport:
+                copied_by_request: int, seconds: float, *, maker: str, decided_by: str = "caller") -> LoadReport:
     """The :class:`LoadReport` of a load by transformers or diffusers, from the
     model as it is (classified with one ``MappedRegions`` snapshot): every
     anonymous state-dict byte under a reason."""
@@ -81,8 +103,9 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
         reason = (f"initialised by {maker} (not in the checkpoint)" if name in missing
                   else f"made by {maker} after loading")
         report.copied[reason] = report.copied.get(reason, 0) + n
+    report.decided_by = decided_by
     if copied_by_request:
-        report.copied["keep_mapping=False"] = copied_by_request
+        report.copied["copies fit (gate)" if decided_by == "gate" else "keep_mapping=False"] = copied_by_request
         report.copied.pop(f"made by {maker} after loading", None)
     report.converted_tensors = len(cache.tensors)
     report.bytes_converted = cache.bytes

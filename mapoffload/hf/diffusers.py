@@ -36,7 +36,7 @@ from . import _keys
 from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache, default_root, fingerprint
 from ._drive import diffusers_hooks, driving
-from ._report import copy_mapped, load_report
+from ._report import load_report, settle_mapping
 from ._extras import require
 from ._summary import OffloadRow
 from .blocks import find_block_lists
@@ -203,14 +203,9 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_map
         problems.append(_keys.describe_keys("unexpected", sorted(info["unexpected_keys"])) + " (not loaded)")
     if problems:
         warnings.warn(f"{folder} into {name} ({cls.__name__}): " + "; ".join(problems), stacklevel=4)
-    copied = 0
-    if keep_mapping is False:
-        from ..memory.regions import MappedRegions
-
-        copied = copy_mapped(model, MappedRegions())
-    report = load_report(model, files, info, cache, keep_mapping is not False, copied, time.perf_counter() - start,
-                         maker="diffusers")
-    report.decided_by = "loader" if keep_mapping is None else "caller"
+    keep, copied, decided_by = settle_mapping(model, keep_mapping, component=f"{name} ({cls.__name__})")
+    report = load_report(model, files, info, cache, keep, copied, time.perf_counter() - start, maker="diffusers",
+                         decided_by=decided_by)
     model.eval()
     return model, report
 
@@ -238,7 +233,7 @@ def load_pipeline(
     folder: str | os.PathLike,
     *,
     dtype: Any = "auto",
-    keep_mapping: bool | None = None,
+    keep_mapping: bool | None = True,
     cache_dir: str | os.PathLike | None = None,
     **components: Any,
 ) -> tuple[Any, dict[str, LoadReport]]:
@@ -307,7 +302,7 @@ def pipeline_from_pretrained(
     *,
     device: str | torch.device | None,
     dtype: Any = "auto",
-    keep_mapping: bool | None = None,
+    keep_mapping: bool | None = True,
     prefetch_layers: int = 1,
     host_store: str | None = None,
     rest: str = "auto",
@@ -332,8 +327,10 @@ def pipeline_from_pretrained(
         converted); a dtype, or a dict ``{component: dtype}``, converts, once,
         into the conversion folder (``report.conversion_dir``).
     keep_mapping
-        None or True: every weight on a file mapping (never more anonymous
-        memory than diffusers' own load); False: copies into host memory.
+        True (default): every weight on a file mapping (never more anonymous
+        memory than diffusers' own load); False: copies into host memory;
+        None asks the gate for each component, as
+        :func:`~mapoffload.load_checkpoint` does (copies when they fit).
     cache_dir
         Where converted tensors go (see :func:`mapoffload.from_pretrained`).
     prefetch_layers, host_store, rest, stream_reads

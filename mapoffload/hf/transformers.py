@@ -27,7 +27,7 @@ from . import _keys
 from ._converted import ConversionCache, concrete_class, default_root, fingerprint
 from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
 from ._drive import driving
-from ._report import copy_mapped, load_report
+from ._report import load_report, settle_mapping
 from ._extras import require
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def load_pretrained(
     folder: str | os.PathLike,
     *,
     dtype: Any = "auto",
-    keep_mapping: bool | None = None,
+    keep_mapping: bool | None = True,
     strict: bool = False,
     config: Any = None,
     cache_dir: str | os.PathLike | None = None,
@@ -219,14 +219,9 @@ def load_pretrained(
         if strict:
             raise KeyMismatchError(folder, message, sorted(info.get("missing_keys") or ()))
         warnings.warn(message, stacklevel=3)
-    copied = 0
-    if keep_mapping is False:
-        from ..memory.regions import MappedRegions
-
-        copied = copy_mapped(model, MappedRegions())
-    report = load_report(model, files, info, session.cache, keep_mapping is not False, copied,
-                         time.perf_counter() - start, maker="transformers")
-    report.decided_by = "loader" if keep_mapping is None else "caller"
+    keep, copied, decided_by = settle_mapping(model, keep_mapping, component=type(model).__name__)
+    report = load_report(model, files, info, session.cache, keep, copied, time.perf_counter() - start,
+                         maker="transformers", decided_by=decided_by)
     if report.converted_tensors:
         (logger.info if report.conversion_reused else logger.warning)("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
                     report.converted_tensors, format_bytes(report.bytes_converted),
@@ -250,7 +245,7 @@ def from_pretrained(
     *,
     device: str | torch.device | None,
     dtype: Any = "auto",
-    keep_mapping: bool | None = None,
+    keep_mapping: bool | None = True,
     strict: bool = False,
     config: Any = None,
     layers: Any = "auto",
@@ -287,9 +282,11 @@ def from_pretrained(
         checkpoint's), a ``torch.dtype`` or its name. A dtype other than the
         stored one converts, once, into the conversion folder.
     keep_mapping
-        None or True: every weight transformers maps stays on the mapping
+        True (default): every weight transformers maps stays on the mapping
         (never more anonymous memory than transformers' own load). False:
-        copies into host memory.
+        copies into host memory. None asks the gate with the bytes the model
+        holds on the mapping, as :func:`~mapoffload.load_checkpoint` does
+        (copies when they fit).
     strict
         Missing, unexpected or mismatched keys raise :class:`KeyMismatchError`
         instead of a warning (transformers itself initialises missing ones).

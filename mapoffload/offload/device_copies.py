@@ -67,8 +67,9 @@ class DeviceCopies(Target):
         Where the layers compute, and the copier onto it.
     owns_copier
         Close the copier at :meth:`close`.
-    copy_on_compute_stream
-        Enqueue copies on the compute stream instead of a side stream (for comparison).
+    side_stream
+        Enqueue copies on a stream of their own (on CUDA); False: on the compute stream (the seed
+        runtime's path, which a copier in ``"direct"`` mode runs, for comparison).
     pool
         The device buffers' pool (default: one on ``device``, its buffers recorded on the copy stream).
     """
@@ -76,14 +77,14 @@ class DeviceCopies(Target):
     copies = True
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, device: torch.device, copier: Copier, *,
-                 owns_copier: bool, copy_on_compute_stream: bool, pool: Any = None) -> None:
+                 owns_copier: bool, side_stream: bool = True, pool: Any = None) -> None:
         import torch
 
         self._stores, self._pages, self.device, self.copier = stores, pages, device, copier
         self._owns_copier = owns_copier
         self._cuda = device.type == "cuda"
         self.copy_stream = None
-        if self._cuda and not copy_on_compute_stream:
+        if self._cuda and side_stream:
             self.copy_stream = torch.cuda.Stream(device)
         self.pool = DevicePool(device, self.copy_stream) if pool is None else pool
 

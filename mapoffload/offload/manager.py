@@ -68,9 +68,8 @@ class LayerwiseOffloadManager:
         ``"pageable"`` where possible.
     copier
         A :class:`~mapoffload.Copier` for the device; one is made otherwise.
-    copy_on_compute_stream
-        Enqueue copies on the compute stream instead of a side stream (the
-        seed runtime's path; for comparison).
+        Its copies run on a side stream, except a copier in ``"direct"`` mode
+        (the seed runtime's path, kept for comparison): on the compute stream.
     available_bytes
         Host budget to plan against (default: :func:`host_memory_available_bytes`).
         It is the host's, shared by every local rank.
@@ -138,7 +137,6 @@ class LayerwiseOffloadManager:
         resident_layers: int = 0,
         host_store: str = "auto",
         copier: Copier | None = None,
-        copy_on_compute_stream: bool = False,
         available_bytes: int | None = None,
         local_ranks: int | None = None,
         cpu_twin: bool = False,
@@ -151,8 +149,7 @@ class LayerwiseOffloadManager:
         from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
         o = resolve(device=device, prefetch_layers=prefetch_layers, resident_layers=resident_layers,
-                    host_store=host_store, copier=copier, copy_on_compute_stream=copy_on_compute_stream,
-                    available_bytes=available_bytes, local_ranks=local_ranks, cpu_twin=cpu_twin,
+                    host_store=host_store, copier=copier, available_bytes=available_bytes, local_ranks=local_ranks, cpu_twin=cpu_twin,
                     page_cache_bytes=page_cache_bytes, kernel_caps=kernel_caps, stream_reads=stream_reads)
         self.model = model
         self.layers = _plan.resolve_layers(model, layers)

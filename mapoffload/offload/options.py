@@ -37,7 +37,6 @@ class Options:
     page_cache_bytes: int | None
     kernel_caps: str | None
     stream_reads: str
-    copy_on_compute_stream: bool
 
     @property
     def cuda(self) -> bool:
@@ -50,7 +49,7 @@ def check_page_cache_bytes(page_cache_bytes: int | None) -> None:
 
 
 def resolve(*, device: str | torch.device, prefetch_layers: int, resident_layers: int, host_store: str,
-            copier: Copier | None, copy_on_compute_stream: bool, available_bytes: int | None,
+            copier: Copier | None, available_bytes: int | None,
             local_ranks: int | None, cpu_twin: bool, page_cache_bytes: int | None, kernel_caps: str | None,
             stream_reads: str) -> Options:
     """The :class:`Options` of a manager's keyword arguments; raises ``ValueError`` for a bad one."""
@@ -85,8 +84,7 @@ def resolve(*, device: str | torch.device, prefetch_layers: int, resident_layers
         available_bytes = host_memory_available_bytes()
     return Options(device=dev, prefetch_layers=prefetch_layers, resident_layers=resident_layers,
                    host_store=host_store, in_place=in_place, local_ranks=ranks, available_bytes=available_bytes,
-                   page_cache_bytes=page_cache_bytes, kernel_caps=kernel_caps, stream_reads=stream_reads,
-                   copy_on_compute_stream=copy_on_compute_stream)
+                   page_cache_bytes=page_cache_bytes, kernel_caps=kernel_caps, stream_reads=stream_reads)
 
 
 def make_copier(options: Options) -> Copier:
