@@ -85,6 +85,11 @@ def test_mapped_compute_equals_vllms_loader_computing_alike(engines, arch):
     assert ours["logprobs"] == theirs["logprobs"]
     # and greedy decoding picks vLLM's own (packed) tokens
     assert ours["tokens"] == _ok(results, f"{arch}/vllm")["tokens"]
+    # Where vLLM's small-GEMM kernel runs, the mapped linear weights are packed for it (VNNI, in the
+    # conversion folder), vLLM's loader computing alike packs its own copies: both or neither.
+    where, reference = ours["where"], theirs["where"]
+    assert (where["vnni_layers"] > 0) == (where["layout"] == "vnni") == (reference["vnni_layers"] > 0), where
+    assert where["vnni_layers"] == reference["vnni_layers"]
 
 
 @pytest.mark.parametrize("run", ["mapped", "mapped_again"])

@@ -71,6 +71,10 @@ def _where(model) -> dict:  # noqa: ANN001
     out["pid"] = os.getpid()
     out["peers"] = {"ranks": list(c.ranks), "replicas": list(c.replicas), "describe": c.describe()}
     bound = getattr(model, "mapoffload_bound", None)
+    from mapoffload.vllm._compute import mapped_layout, packed_layers
+
+    out["layout"] = mapped_layout()  # where vLLM's small-GEMM kernel runs: "vnni", else "plain"
+    out["vnni_layers"] = len(packed_layers(model))
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
                                                "copied": bound.copied, "reused": bound.reused,
                                                "packed": bound.packed}

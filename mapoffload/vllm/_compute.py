@@ -4,25 +4,73 @@ After loading, vLLM's CPU backend hands every 2-D linear weight to a GEMM
 library (oneDNN, or its small-GEMM kernel) that *packs* it into its own
 layout: an owned copy of the weight, the original dropped. That is faster, and
 is what happens when host copies fit. When they do not, :func:`mapped_linear`
-makes that step keep the parameter (a view of the mapping) and compute with
-``torch.nn.functional.linear`` over it: no copy, pages the kernel can drop.
+makes that step keep the weights on a mapping, in one of two layouts
+(:func:`mapped_layout`):
+
+- ``"vnni"``, where vLLM's small-GEMM kernel runs (``weight_packed_linear``,
+  the kernel vLLM itself uses for small weights on AMX machines) and the CPU
+  has AVX-512 BF16: a bf16 linear weight is packed into that kernel's VNNI
+  layout - a plain tensor of the weight's shape - which the load format writes
+  once into the mapped conversion folder (``_postprocess.py``) and maps at
+  every later start. Decode runs at about the speed of vLLM's packed oneDNN
+  weights (docs/benchmarks.md); its sums differ from oneDNN's in the last bit
+  of a few elements, as vLLM's own kernel does.
+- ``"plain"`` elsewhere (and for weights the kernel does not take: not bf16,
+  out features not a multiple of 16, in features not of 32, embeddings whose
+  weight is also looked up): ``torch.nn.functional.linear`` over the mapped
+  weight as the checkpoint stores it, bit for bit what oneDNN computes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+
+VNNI = "vnni"
+PLAIN = "plain"
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _vnni_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``weight`` in the small-GEMM kernel's VNNI layout (bias in float32)."""
+    n = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    torch.ops._C.weight_packed_linear(out.view(-1, n), x.reshape(-1, x.shape[-1]), weight, bias, True)
+    return out
+
+
+def mapped_layout() -> str:
+    """``"vnni"`` where vLLM's small-GEMM kernel runs on this CPU (see the module), else ``"plain"``."""
+    try:
+        ops = torch.ops._C
+        if not (hasattr(ops, "convert_weight_packed") and hasattr(ops, "weight_packed_linear")):
+            return PLAIN
+    except (AttributeError, RuntimeError):
+        return PLAIN
+    return VNNI if torch.cpu._is_avx512_bf16_supported() else PLAIN
+
+
+def _takes(weight: torch.Tensor) -> bool:
+    """Whether the small-GEMM kernel takes this weight (bf16: its fp16 path needs AMX-FP16; the tile sizes)."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and weight.is_contiguous()
+
+
 @contextlib.contextmanager
-def mapped_linear(enabled: bool) -> Iterator[None]:
-    """While active (and ``enabled``), vLLM's CPU GEMM dispatch leaves 2-D weights unpacked."""
+def mapped_linear(enabled: bool, *, layout: str = PLAIN,
+                  stored: Callable[[torch.nn.Module, str], torch.Tensor | None] | None = None) -> Iterator[None]:
+    """While active (and ``enabled``), vLLM's CPU GEMM dispatch keeps 2-D weights for the mapping.
+
+    ``layout="vnni"`` packs each linear weight the kernel takes into its VNNI layout in place of the
+    weight (and its bias into float32): the caller maps what replaced them (``PostProcessed``).
+    ``stored(layer, attr)`` gives a tensor already packed for the layer (a reused conversion), used
+    instead of packing again.
+    """
     if not enabled:
         yield
         return
@@ -34,7 +82,19 @@ def mapped_linear(enabled: bool) -> Iterator[None]:
         weight = getattr(layer, "weight", None)
         if weight is None or weight.is_meta or weight.ndim != 2:
             return original(layer, remove_weight)
-        layer.cpu_linear = _linear
+        # An embedding keeps its weight (remove_weight=False): the lookup reads the plain rows.
+        if layout != VNNI or not remove_weight or not _takes(weight):
+            layer.cpu_linear = _linear
+            return None
+        packed = stored(layer, "weight") if stored is not None else None
+        if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
+            packed = torch.ops._C.convert_weight_packed(weight.data)
+        weight.data = packed
+        bias = getattr(layer, "bias", None)
+        if bias is not None and bias.dtype != torch.float32:
+            kept = stored(layer, "bias") if stored is not None else None
+            bias.data = kept if kept is not None and kept.dtype == torch.float32 else bias.data.float()
+        layer.cpu_linear = _vnni_linear
         return None
 
     utils.dispatch_cpu_unquantized_gemm = dispatch
@@ -42,3 +102,8 @@ def mapped_linear(enabled: bool) -> Iterator[None]:
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = original
+
+
+def packed_layers(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s layers computing from VNNI-packed weights."""
+    return [name for name, m in model.named_modules() if getattr(m, "cpu_linear", None) is _vnni_linear]

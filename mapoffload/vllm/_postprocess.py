@@ -37,6 +37,13 @@ class PostProcessed:
         self._pending_bytes = 0
         self.mapped = 0  # bytes rebound to the folder
         self.anonymous: list[str] = []  # replaced parameters left in memory (the folder lacks them)
+        self._names: dict[int, str] = {}  # module id -> its name's prefix, while watching
+
+    def stored(self, layer: torch.nn.Module, attr: str) -> torch.Tensor | None:
+        """What a reused conversion holds for ``layer.attr`` after post-processing (None: nothing, or
+        this start writes the folder): lets a rebuild skip work whose result is already mapped."""
+        prefix = self._names.get(id(layer))
+        return None if prefix is None else self._stored.get(f"{PREFIX}{prefix}{attr}")
 
     def _flush(self) -> None:
         if not self._pending:
@@ -71,7 +78,7 @@ class PostProcessed:
         """While active, every layer method's ``process_weights_after_loading`` is followed by
         :meth:`_after` for its layer; the last batch is written when it ends."""
         patched: dict[int, tuple[object, object]] = {}
-        names = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
+        names = self._names = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
 
         def wrap(method: object) -> None:
             original = method.process_weights_after_loading

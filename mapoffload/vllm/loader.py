@@ -20,7 +20,7 @@ from .._files import checkpoint_files
 from .._log import format_bytes, logger
 from ..checkpoint import keep_checkpoint_mapped
 from ..regions import tensor_bytes
-from ._compute import mapped_linear
+from ._compute import PLAIN, VNNI, mapped_layout, mapped_linear, packed_layers
 from ._convert import Bound, bind_mapped, conversion_key, hidden
 from ._errors import VllmLoadError, VllmVersionError
 from ._offloader import check_still_mapped, installed, make_offloader, offload_request, offloaded_names, \
@@ -107,12 +107,12 @@ class _Loader:
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         config = dataclasses.replace(self.load_config, load_format="safetensors", model_loader_extra_config={})
-        with mapped_linear(not pack):
+        with mapped_linear(not pack, layout=mapped_layout()):  # vLLM's loader computing as ours does
             return DefaultModelLoader(config).load_model(vllm_config=vllm_config, model_config=model_config,
                                                           prefix=prefix)
 
     def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str,
-             pack: bool, only: set[str] | None = None) -> str:  # noqa: ANN001
+             pack: bool, only: set[str] | None = None, layout: str = PLAIN) -> str:  # noqa: ANN001
         import vllm
 
         parallel = vllm_config.parallel_config
@@ -127,12 +127,19 @@ class _Loader:
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
                               extra={"vllm": vllm.__version__, **layout, "quantization": model_config.quantization,
-                                     "pack": pack, "parameters": shapes,
+                                     "pack": pack, "layout": layout, "parameters": shapes,
                                      **({} if only is None else {"offloaded": sorted(only)})})
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
         from vllm.config import get_current_vllm_config
+
+        packed = packed_layers(model)
+        if packed:
+            raise VllmLoadError(f"reloading weights in place: {len(packed)} linear layers ({packed[0]}, ...) compute "
+                                f"from weights packed for vLLM's small-GEMM kernel (VNNI) in the conversion folder, "
+                                f"which a checkpoint's plain rows cannot refill; start a new engine (or load with "
+                                f"pack=true)")
 
         bound, cache = self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__,
                                   pack=False)
@@ -140,7 +147,7 @@ class _Loader:
         return bound
 
     def _bind(self, model, model_config, vllm_config, architecture: str, pack: bool,
-              only: set[str] | None = None):  # noqa: ANN001
+              only: set[str] | None = None, layout: str = PLAIN):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         folder = _local_folder(model_config.model)
@@ -150,7 +157,7 @@ class _Loader:
             if loaded is not None:  # vLLM's own check: every parameter came from the checkpoint
                 DefaultModelLoader.track_weights_loading(self, m, loaded, quantized=False)  # type: ignore[arg-type]
 
-        key = self._key(files, model, model_config, vllm_config, architecture, pack, only)
+        key = self._key(files, model, model_config, vllm_config, architecture, pack, only, layout)
         return bind_mapped(model, files, key=key, cache_dir=self.options.cache_dir, folder=folder,
                            check_loaded=check_loaded, only=only)
 
@@ -171,20 +178,27 @@ class _Loader:
             return self._load_offloaded(vllm_config, model_config, prefix, device, request, architecture)
         keep, why = self._keep(files, architecture)
         pack = self.options.pack if self.options.pack is not None else not keep
-        compute = "packed for the CPU GEMM library (owned copies)" if pack else "computed from the mapped weights"
+        layout = PLAIN if pack else mapped_layout()
+        vnni = "packed for vLLM's small-GEMM kernel (VNNI)"
+        compute = ("packed for the CPU GEMM library (owned copies)" if pack else
+                   "computed from the mapped weights" + (f", {vnni} in the conversion folder" if layout == VNNI else ""))
         if not keep:
             model = self._copy(vllm_config, model_config, prefix, pack)
+            copied = ("packed for the CPU GEMM library" if pack else
+                      f"computed unpacked{f' ({vnni})' if layout == VNNI else ''}")
             logger.info("mapoffload: vLLM %s copied into memory as vLLM's loader does (%s); linear layers %s",
-                        architecture, why, compute)
+                        architecture, why, copied)
             return model
         with set_default_torch_dtype(model_config.dtype), device:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        bound, cache = self._bind(model, model_config, vllm_config, architecture, pack)
+        bound, cache = self._bind(model, model_config, vllm_config, architecture, pack, layout=layout)
         before = {name: tensor_bytes(p) for name, p in model.named_parameters()}
         post = PostProcessed(cache)
+        # VNNI packs weights in place of the checkpoint's: kept only where they are mapped (in the folder).
+        layout = layout if not bound.copied_names else PLAIN
         try:
             with post.watching(model) if not bound.copied_names else contextlib.nullcontext(), \
-                    mapped_linear(not pack):
+                    mapped_linear(not pack, layout=layout, stored=post.stored):
                 process_weights_after_loading(model, model_config, device)
         except BaseException:
             cache.abandon()
