@@ -5,10 +5,13 @@ A :class:`SlabPool` makes, keeps and leases the reader's slabs (:class:`~.direct
 to the largest read so far (to a multiple of :data:`~.direct_buffers.GROW_QUANTUM`) unless their size is
 fixed, and are reused from then on.
 
-Pinning (``pin_device``): each slab is page-locked when it is made and unregistered before its memory
-can be freed: a slab grown, :meth:`SlabPool.trim`, :meth:`SlabPool.close`, a leased slab given back
-after close, a leased slab lost (its buffer dropped without ``release()``). A refused registration
-leaves the slab pageable (logged once; :attr:`SlabPool.pin_why` says why).
+Pinning (``pin_device``): each slab is page-locked with the CUDA runtime when it is made
+(``cudaHostRegister`` through the native loader, :class:`mapoffload._core.HostPin`). It stays
+registered while the pool keeps it and is unregistered before its memory can be freed: a slab grown,
+:meth:`SlabPool.trim`, :meth:`SlabPool.close`, the pool collected (with its reader), a leased slab
+given back after close, or its buffer dropped without ``release()``. A forked child unregisters
+nothing (page locks are not inherited). A refused registration leaves the slab pageable (logged
+once; :attr:`SlabPool.pin_why` says why, :attr:`~.direct_buffers.DirectBuffer.pinned` which).
 
 Locking: the pool's Condition guards its slabs and counters only. It is taken alone: the reader never
 calls into the pool while it holds its own lock, and the pool knows nothing of the reader.
