@@ -405,6 +405,34 @@ def test_a_forked_child_reads_with_threads_of_its_own(disk_file):
             assert bytes(b.tensor().numpy()) == data[:10]
 
 
+@pytest.mark.xfail(strict=True, reason="the worker's lease count falls below zero on a refused read")
+@pytest.mark.parametrize("failure", ["too_large", "bad_extent", "timeout"])
+def test_a_failed_asynchronous_read_leaves_a_forked_child_every_buffer(disk_file, failure):
+    """An asynchronous read refused before it had a buffer is no lease of the worker's: a child forked
+    after it still has every buffer (a child writes off only what the worker held at the fork)."""
+    path, data = disk_file
+    with DirectReader(buffers=1, buffer_bytes=MIB) as r:
+        held = r.read(path, 0, 10) if failure == "timeout" else None
+        first, end, timeout = {"too_large": (0, 2 * MIB, None), "bad_extent": (5, 1, None),
+                               "timeout": (0, 10, 0.05)}[failure]
+        with pytest.raises((ValueError, TimeoutError)):
+            r.read_async(path, first, end, timeout=timeout).result(timeout=30)
+        if held is not None:
+            held.release()
+        assert r.leased == 0
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            ok = False
+            try:
+                ok = r.leased == 0
+                with r.read(path, 0, 10, timeout=1) as b:
+                    ok = ok and bytes(b.tensor().numpy()) == data[:10]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_reads_release_the_gil(disk_file):
     """Another Python thread runs while a read is in the kernel (the GIL is released).
 
