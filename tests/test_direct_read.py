@@ -405,7 +405,6 @@ def test_a_forked_child_reads_with_threads_of_its_own(disk_file):
             assert bytes(b.tensor().numpy()) == data[:10]
 
 
-@pytest.mark.xfail(strict=True, reason="the worker's lease count falls below zero on a refused read")
 @pytest.mark.parametrize("failure", ["too_large", "bad_extent", "timeout"])
 def test_a_failed_asynchronous_read_leaves_a_forked_child_every_buffer(disk_file, failure):
     """An asynchronous read refused before it had a buffer is no lease of the worker's: a child forked

@@ -66,7 +66,8 @@ class SlabPool:
         """Lease a slab of at least ``need`` bytes, waiting up to ``timeout`` s for one to be given back.
 
         The smallest free slab that fits, else the largest free one grown, else a new one while fewer
-        than ``buffers`` exist. ``worker``: the lease is the worker's until :meth:`worker_done`.
+        than ``buffers`` exist. ``worker``: the lease is the worker's (written off in a forked child)
+        until :meth:`worker_done` or ``give_back(slab, worker=True)``; a refused lease is none.
 
         Raises
         ------
@@ -99,7 +100,7 @@ class SlabPool:
                                        f"({self.buffers} leased)")
                 self._cond.wait(left)
             self._leased += 1
-            self._worker_leases += worker  # falls in worker_done()
+            self._worker_leases += worker  # falls in worker_done() or give_back(), or below
         try:
             if slab is None or slab.capacity < need:
                 cap = self.buffer_bytes or round_up(need, GROW_QUANTUM)
@@ -120,12 +121,13 @@ class SlabPool:
         except BaseException:
             with self._cond:
                 self._leased -= 1
+                self._worker_leases -= worker
                 self._cond.notify_all()
             raise
         return slab
 
     def worker_done(self) -> None:
-        """The worker's lease from :meth:`acquire` is handed over (in its Future) or given back."""
+        """The worker's lease from :meth:`acquire` is handed over (in its Future): a lease like any other."""
         with self._cond:
             self._worker_leases -= 1
 
@@ -147,10 +149,12 @@ class SlabPool:
         with self._cond:
             self._pinned_bytes += slab.capacity
 
-    def give_back(self, slab: Slab) -> None:
-        """End a lease: the slab is free for the next, or dropped (unregistered now) once closed."""
+    def give_back(self, slab: Slab, worker: bool = False) -> None:
+        """End a lease (``worker``: the worker's, not handed over): the slab is free for the next, or
+        dropped (unregistered now) once closed."""
         with self._cond:
             self._leased -= 1
+            self._worker_leases -= worker
             closed = self._closed
             if not closed:
                 self._free.append(slab)

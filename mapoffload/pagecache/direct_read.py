@@ -222,13 +222,7 @@ class DirectReader:
                            ) -> Future[DirectBuffer]:
         """:meth:`read_extents` on the reader's worker thread."""
         files = [(self.open(f), int(a), int(b)) for f, a, b in extents]
-        return self._executor().submit(self._read_on_worker, files, timeout)
-
-    def _read_on_worker(self, files: list[tuple[DirectFile, int, int]], timeout: float | None) -> DirectBuffer:
-        try:
-            return self._read(files, timeout, worker=True)
-        finally:
-            self._slabs.worker_done()  # handed over in the Future, or given back
+        return self._executor().submit(self._read, files, timeout, True)
 
     def _read(self, files: list[tuple[DirectFile, int, int]], timeout: float | None, worker: bool
               ) -> DirectBuffer:
@@ -238,10 +232,13 @@ class DirectReader:
         spans = [_core.direct_span(a, b - a) for _, a, b in files]
         slab = self._slabs.acquire(max(sum(spans), DIRECT_ALIGN), timeout, worker)
         try:
-            return self._read_into(slab, files, spans)
+            buf = self._read_into(slab, files, spans)
         except BaseException:
-            self._slabs.give_back(slab)
+            self._slabs.give_back(slab, worker)
             raise
+        if worker:
+            self._slabs.worker_done()  # handed over in the Future
+        return buf
 
     def _read_into(self, slab: Slab, files: list[tuple[DirectFile, int, int]], spans: list[int]) -> DirectBuffer:
         base = slab.data.data_ptr()
