@@ -385,6 +385,31 @@ def test_async_reads_and_close(disk_file):
     r.close()  # idempotent
 
 
+def test_close_wakes_a_read_waiting_for_a_buffer(disk_file):
+    """A read waiting for a buffer when close() comes raises; the leased one stays its holder's until released."""
+    path, data = disk_file
+    r = DirectReader(buffers=1)
+    held = r.read(path, 0, MIB)
+    raised: list[BaseException] = []
+
+    def wait_for_one():
+        try:
+            r.read(path, MIB, 2 * MIB, timeout=30).release()
+        except BaseException as e:  # noqa: BLE001 - what the waiter got is the assertion
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait_for_one)
+    waiter.start()
+    waiter.join(0.3)  # in the pool's wait now
+    r.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "closed" in str(raised[0])
+    assert bytes(held.tensor()[:10].numpy()) == data[:10] and r.held_bytes == held.data.numel()
+    held.release()  # back after close: dropped
+    assert r.leased == 0 and r.held_bytes == 0 and r.capacity_bytes == 0
+
+
 def test_a_forked_child_reads_with_threads_of_its_own(disk_file):
     path, data = disk_file
     with DirectReader(threads=2, io_bytes=MIB) as r:
