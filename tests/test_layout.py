@@ -23,7 +23,6 @@ OVER = {
     "mapoffload.demo": 539,
     "mapoffload.hf._converted": 559,
     "mapoffload.hf._drive": 483,
-    "mapoffload.pagecache.direct_read": 512,
 }
 
 

@@ -22,15 +22,10 @@ tensor aligned in the file is aligned in the buffer and views of its dtype
 bind to the buffer without a copy (:meth:`DirectBuffer.view`).
 
 Pinning (``pin_device=``, the device path): each buffer is page-locked with
-the CUDA runtime when it is made (``cudaHostRegister`` through the native
-loader, :class:`mapoffload._core.HostPin`), so that a device copy DMAs
-straight from it. It stays registered while the reader keeps it and is
-unregistered before its memory can be freed: when the reader drops it
-(``close()``, a buffer grown, the reader collected), when a leased buffer
-comes back after ``close()``, or when a leased buffer is dropped without
-``release()``. A forked child unregisters nothing (page locks are not
-inherited). A refused registration leaves the buffer pageable (logged once;
-:attr:`DirectBuffer.pinned` says which).
+the CUDA runtime when it is made, so that a device copy DMAs straight from it;
+:mod:`~mapoffload.pagecache.direct_pool` (the buffers) says when it is
+unregistered. A refused registration leaves the buffer pageable
+(:attr:`DirectBuffer.pinned` says which).
 """
 
 from __future__ import annotations
@@ -45,7 +40,8 @@ from typing import Any
 
 from .._log import format_bytes, logger
 from .._native import _core
-from .direct_buffers import GROW_QUANTUM, DIRECT_ALIGN, DirectBuffer, DirectFile, Slab, buffer_capacity, round_up
+from .direct_buffers import DIRECT_ALIGN, DirectBuffer, DirectFile, Slab, buffer_capacity, round_up
+from .direct_pool import SlabPool
 
 __all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader", "buffer_capacity"]
 
@@ -102,20 +98,14 @@ class DirectReader:
         self.buffer_bytes = None if buffer_bytes is None else round_up(buffer_bytes, DIRECT_ALIGN)
         self.io_bytes, self.threads, self.direct = io_bytes, threads, direct
         self.pin_device = pin_device
-        self.pin_why = ""  # why buffers are not pinned (a refused registration), once one was
-        self._pinned_bytes = 0  # of the buffers the reader made and still owns
-        self._cond = threading.Condition()
-        self._free: list[Slab] = []
-        self._slab_bytes = 0  # bytes of the buffers made and not lost (free or leased)
-        self._leased = 0  # slabs out (leased, or held by an asynchronous read in flight)
-        self._worker_leases = 0  # of those, held by the worker's read in flight (not handed over yet)
+        self._slabs = SlabPool(buffers, self.buffer_bytes, pin_device)  # its own lock, never taken inside ours
+        self._cond = threading.Condition()  # guards what follows (reads in flight, files, stats, the worker)
         self._active = 0  # reads using descriptors now
         self._closing = False  # close() began: no new reads are taken
         self._closed = False
         self._files: dict[tuple[int, int], DirectFile] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._stats = {"reads": 0, "wanted_bytes": 0, "direct_bytes": 0, "buffered_bytes": 0, "seconds": 0.0,
-                       "allocations": 0, "pin_failures": 0}
+        self._stats = {"reads": 0, "wanted_bytes": 0, "direct_bytes": 0, "buffered_bytes": 0, "seconds": 0.0}
         _READERS.add(self)
 
     # --- files -----------------------------------------------------------------------------------
@@ -232,14 +222,7 @@ class DirectReader:
                            ) -> Future[DirectBuffer]:
         """:meth:`read_extents` on the reader's worker thread."""
         files = [(self.open(f), int(a), int(b)) for f, a, b in extents]
-        return self._executor().submit(self._read_on_worker, files, timeout)
-
-    def _read_on_worker(self, files: list[tuple[DirectFile, int, int]], timeout: float | None) -> DirectBuffer:
-        try:
-            return self._read(files, timeout, worker=True)
-        finally:
-            with self._cond:
-                self._worker_leases -= 1  # handed over in the Future, or given back
+        return self._executor().submit(self._read, files, timeout, True)
 
     def _read(self, files: list[tuple[DirectFile, int, int]], timeout: float | None, worker: bool
               ) -> DirectBuffer:
@@ -247,12 +230,15 @@ class DirectReader:
             if not 0 <= a <= b:
                 raise ValueError(f"{f.path}: bad extent [{a}, {b})")
         spans = [_core.direct_span(a, b - a) for _, a, b in files]
-        slab = self._acquire(max(sum(spans), DIRECT_ALIGN), timeout, worker)
+        slab = self._slabs.acquire(max(sum(spans), DIRECT_ALIGN), timeout, worker)
         try:
-            return self._read_into(slab, files, spans)
+            buf = self._read_into(slab, files, spans)
         except BaseException:
-            self._give_back(slab)
+            self._slabs.give_back(slab, worker)
             raise
+        if worker:
+            self._slabs.worker_done()  # handed over in the Future
+        return buf
 
     def _read_into(self, slab: Slab, files: list[tuple[DirectFile, int, int]], spans: list[int]) -> DirectBuffer:
         base = slab.data.data_ptr()
@@ -289,101 +275,11 @@ class DirectReader:
             s["seconds"] += seconds
         return DirectBuffer(self, slab, files, offsets, methods, sum(n for _, n in res), lost=DirectReader._lost)
 
-    # --- buffers --------------------------------------------------------------------------------
-
-    def _acquire(self, need: int, timeout: float | None, worker: bool = False) -> Slab:
-        if self.buffer_bytes is not None and need > self.buffer_bytes:
-            raise ValueError(f"a read of {need} bytes (aligned) does not fit buffers of {self.buffer_bytes} bytes")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise RuntimeError("this DirectReader is closed")
-                if self._free:
-                    # The smallest free buffer that fits, else the largest (it grows).
-                    fits = [s for s in self._free if s.capacity >= need]
-                    slab = min(fits, key=lambda s: s.capacity) if fits else max(self._free, key=lambda s: s.capacity)
-                    self._free.remove(slab)
-                    break
-                if self._leased < self.buffers:
-                    slab = None
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no DirectReader buffer was released within {timeout} s "
-                                       f"({self.buffers} leased)")
-                self._cond.wait(left)
-            self._leased += 1
-            self._worker_leases += worker  # the worker's counter falls in _read_on_worker
-        try:
-            if slab is None or slab.capacity < need:
-                cap = self.buffer_bytes or round_up(need, GROW_QUANTUM)
-                if slab is not None:
-                    logger.debug("DirectReader buffer grows from %s to %s", format_bytes(slab.capacity),
-                                 format_bytes(cap))
-                old = 0 if slab is None else slab.capacity
-                unpinned = 0 if slab is None else slab.unpin()  # free: no copy reads it
-                slab = None  # let the old one go before the new one is made
-                with self._cond:
-                    self._slab_bytes -= old
-                    self._pinned_bytes -= unpinned
-                slab = Slab(cap)
-                with self._cond:
-                    self._stats["allocations"] += 1
-                    self._slab_bytes += cap
-                self._pin(slab)
-        except BaseException:
-            with self._cond:
-                self._leased -= 1
-                self._cond.notify_all()
-            raise
-        return slab
-
-    def _pin(self, slab: Slab) -> None:
-        """Page-lock a new buffer for ``pin_device`` (a refusal leaves it pageable, logged once)."""
-        if self.pin_device is None:
-            return
-        try:
-            slab.lock(self.pin_device)
-        except Exception as e:
-            with self._cond:
-                first = not self._stats["pin_failures"]
-                self._stats["pin_failures"] += 1
-                self.pin_why = f"cudaHostRegister refused: {e}"
-            log = logger.warning if first else logger.debug
-            log("a read-around buffer of %s could not be page-locked (%s): copies from it are staged",
-                format_bytes(slab.capacity), e)
-            return
-        with self._cond:
-            self._pinned_bytes += slab.capacity
+    # --- buffers (the pool's) -------------------------------------------------------------------
 
     def _give_back(self, slab: Slab) -> None:
-        with self._cond:
-            self._leased -= 1
-            closed = self._closed
-            if not closed:
-                self._free.append(slab)
-            self._cond.notify_all()
-        if closed:  # dropped: unregistered now, whoever still holds a view of it
-            unpinned = slab.unpin()
-            with self._cond:
-                self._slab_bytes -= slab.capacity
-                self._pinned_bytes -= unpinned
-
-    def trim(self) -> int:
-        """Drop the free buffers (leased ones stay theirs); returns the bytes dropped.
-
-        The reader makes new ones when it reads again."""
-        with self._cond:
-            free, self._free = self._free, []
-        dropped = 0
-        for slab in free:
-            unpinned = slab.unpin()
-            with self._cond:
-                self._slab_bytes -= slab.capacity
-                self._pinned_bytes -= unpinned
-            dropped += slab.capacity
-        return dropped
+        """:class:`~.direct_buffers.BufferOwner`: a released buffer's slab goes back to the pool."""
+        self._slabs.give_back(slab)
 
     @staticmethod
     def _lost(reader_ref: weakref.ref, capacity: int, pinned: int) -> None:
@@ -392,44 +288,53 @@ class DirectReader:
         if reader is None:
             return
         logger.debug("a DirectBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
-        with reader._cond:
-            reader._leased -= 1
-            reader._slab_bytes -= capacity  # its holders' now, not the reader's
-            reader._pinned_bytes -= pinned  # unregistered with its slab
-            reader._cond.notify_all()
+        reader._slabs.lost(capacity, pinned)
+
+    def trim(self) -> int:
+        """Drop the free buffers (leased ones stay theirs); returns the bytes dropped.
+
+        The reader makes new ones when it reads again."""
+        return self._slabs.trim()
 
     # --- state ----------------------------------------------------------------------------------
 
     @property
+    def pin_why(self) -> str:
+        """Why buffers are not pinned (a refused registration), once one was; ``""`` otherwise."""
+        return self._slabs.pin_why
+
+    @pin_why.setter
+    def pin_why(self, why: str) -> None:
+        self._slabs.pin_why = why
+
+    @property
     def held_bytes(self) -> int:
         """Bytes of every buffer the reader made and still owns, free or leased (anonymous memory)."""
-        with self._cond:
-            return self._slab_bytes
+        return self._slabs.held_bytes
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes of the buffers the reader owns that are page-locked now (``pin_device``)."""
-        with self._cond:
-            return self._pinned_bytes
+        return self._slabs.pinned_bytes
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes of the free buffers the reader keeps (leased ones are the callers')."""
-        with self._cond:
-            return sum(s.capacity for s in self._free)
+        return self._slabs.capacity_bytes
 
     @property
     def leased(self) -> int:
         """Buffers out now (leased, or being read into)."""
-        with self._cond:
-            return self._leased
+        return self._slabs.leased
 
     def stats(self) -> dict[str, float]:
         """Counters: ``reads``, ``wanted_bytes``, ``direct_bytes`` and ``buffered_bytes`` (bytes the
         reads transferred by each path), ``seconds`` in native reads, buffer ``allocations``,
         ``pin_failures`` (registrations the CUDA runtime refused)."""
         with self._cond:
-            return dict(self._stats)
+            stats: dict[str, float] = dict(self._stats)
+        stats.update(self._slabs.counters())  # after ours, not inside: the two locks are never nested
+        return stats
 
     def files(self) -> list[DirectFile]:
         """The files opened so far."""
@@ -452,10 +357,8 @@ class DirectReader:
         # stays held, and the worker's read in flight never finishes.
         self._cond = threading.Condition()
         self._pool = None
-        self._leased -= self._worker_leases  # the worker's buffer in flight is unreachable here
-        self._worker_leases = 0
         self._active = 0
-        self._pinned_bytes = 0  # page locks are the parent's: nothing is pinned here (HostPin knows)
+        self._slabs.after_fork_in_child()  # the worker's buffer in flight is unreachable here
 
     def close(self) -> None:
         """Finish asynchronous reads, wait for reads in flight, close the descriptors, drop (and
@@ -469,16 +372,14 @@ class DirectReader:
         if pool is not None:
             pool.shutdown(wait=True)  # reads queued before close() still run
         with self._cond:
-            self._closed = True
-            self._cond.notify_all()  # reads waiting for a buffer raise
+            self._closed = True  # a read that has its buffer refuses before it starts
+        # Reads waiting for a buffer raise; the free buffers are dropped (unregistered now, whoever
+        # still holds a view of them), leased ones when released. Outside our lock: never nested.
+        self._slabs.close()
+        with self._cond:
             while self._active:
                 self._cond.wait()
             files, self._files = list(self._files.values()), {}
-            free, self._free = self._free, []
-            self._slab_bytes -= sum(s.capacity for s in free)
-        unpinned = sum(s.unpin() for s in free)  # now, whoever still holds a view of them
-        with self._cond:
-            self._pinned_bytes -= unpinned
         for f in files:
             fd, f.fd = f.fd, -1
             if fd >= 0:
