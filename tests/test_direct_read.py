@@ -458,8 +458,6 @@ def test_a_failed_asynchronous_read_leaves_a_forked_child_every_buffer(disk_file
         assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="close() waits for every queued asynchronous read, and one waiting for a "
-                                      "buffer only the closing caller can release waits for ever")
 def test_close_does_not_wait_for_a_queued_read_stuck_on_a_buffer_its_caller_holds(disk_file):
     path, _ = disk_file
     r = DirectReader(buffers=1)
@@ -475,6 +473,8 @@ def test_close_does_not_wait_for_a_queued_read_stuck_on_a_buffer_its_caller_hold
         fut.result().release()
     assert not closer.is_alive() and r.leased == 0
     assert not blocked
+    with pytest.raises(RuntimeError, match="closed"):  # the queued read could not have a buffer
+        fut.result()
 
 
 def test_reads_release_the_gil(disk_file):

@@ -61,6 +61,7 @@ class SlabPool:
         self._leased = 0  # slabs out (leased, or held by a read in flight)
         self._worker_leases = 0  # of those, held by the reader's worker for a read in flight
         self._closed = False
+        self._draining = False  # the reader is closing: a lease that would have to wait is refused
 
     def acquire(self, need: int, timeout: float | None, worker: bool = False) -> Slab:
         """Lease a slab of at least ``need`` bytes, waiting up to ``timeout`` s for one to be given back.
@@ -94,6 +95,8 @@ class SlabPool:
                 if self._leased < self.buffers:
                     slab = None
                     break
+                if self._draining:  # only a holder could give one back, and it may be the closer
+                    raise RuntimeError("this DirectReader is closed")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"no DirectReader buffer was released within {timeout} s "
@@ -188,6 +191,13 @@ class SlabPool:
                 self._pinned_bytes -= unpinned
             dropped += slab.capacity
         return dropped
+
+    def drain(self) -> None:
+        """The reader is closing: leases that can be had now still are, one that would wait raises
+        (waiters wake and raise too)."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Refuse leases from now on, wake those waiting for one (they raise RuntimeError), drop the

@@ -361,7 +361,8 @@ class DirectReader:
         self._slabs.after_fork_in_child()  # the worker's buffer in flight is unreachable here
 
     def close(self) -> None:
-        """Finish asynchronous reads, wait for reads in flight, close the descriptors, drop (and
+        """Finish asynchronous reads (one that would wait for a buffer raises ``RuntimeError``: only a
+        holder could give one back), wait for reads in flight, close the descriptors, drop (and
         unregister) the free buffers. Leased buffers stay valid for their holders, and are dropped
         when released. Idempotent."""
         with self._cond:
@@ -369,8 +370,9 @@ class DirectReader:
                 return
             self._closing = True  # open(), read*() and read*_async() refuse from here on
             pool, self._pool = self._pool, None
+        self._slabs.drain()  # a queued read that would wait for a buffer raises: its holder may be us
         if pool is not None:
-            pool.shutdown(wait=True)  # reads queued before close() still run
+            pool.shutdown(wait=True)  # reads queued before close() still run, where a buffer is free
         with self._cond:
             self._closed = True  # a read that has its buffer refuses before it starts
         # Reads waiting for a buffer raise; the free buffers are dropped (unregistered now, whoever
