@@ -29,6 +29,7 @@ PROMPTS = [[1, 5, 9, 22, 7], [3, 100, 200, 300, 41, 17]]
 KEEP_PACKED = {"keep_mapping": True, "pack": True}
 KEEP_MAPPED = {"keep_mapping": True, "pack": False}
 COPY_UNPACKED = {"keep_mapping": False, "pack": False}
+VNNI_ARCHS = ["llama", "qwen2"]  # qwen2: q/k/v biases (the kernel takes them in float32)
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
 
 
@@ -42,6 +43,14 @@ def _runs(folders: dict[str, str]) -> list[dict]:
             {**base, "name": f"{arch}/mapped", "load_format": "mapoffload", "extra": KEEP_MAPPED},
             {**base, "name": f"{arch}/mapped_again", "load_format": "mapoffload", "extra": KEEP_MAPPED},
             {**base, "name": f"{arch}/vllm_unpacked", "load_format": "mapoffload", "extra": COPY_UNPACKED},
+        ]
+    for arch in VNNI_ARCHS:
+        base = {"folder": folders[arch], "prompts": PROMPTS, "max_tokens": 8}
+        runs += [
+            {**base, "name": f"{arch}/vnni", "load_format": "mapoffload", "extra": {**KEEP_MAPPED, "vnni": True}},
+            {**base, "name": f"{arch}/vnni_again", "load_format": "mapoffload", "extra": {**KEEP_MAPPED, "vnni": True}},
+            {**base, "name": f"{arch}/vllm_vnni", "load_format": "mapoffload",
+             "extra": {**COPY_UNPACKED, "vnni": True}},
         ]
     llama = {"folder": folders["llama"], "prompts": PROMPTS, "max_tokens": 8, "load_format": "mapoffload"}
     runs += [
@@ -85,11 +94,28 @@ def test_mapped_compute_equals_vllms_loader_computing_alike(engines, arch):
     assert ours["logprobs"] == theirs["logprobs"]
     # and greedy decoding picks vLLM's own (packed) tokens
     assert ours["tokens"] == _ok(results, f"{arch}/vllm")["tokens"]
-    # Where vLLM's small-GEMM kernel runs, the mapped linear weights are packed for it (VNNI, in the
-    # conversion folder), vLLM's loader computing alike packs its own copies: both or neither.
-    where, reference = ours["where"], theirs["where"]
-    assert (where["vnni_layers"] > 0) == (where["layout"] == "vnni") == (reference["vnni_layers"] > 0), where
-    assert where["vnni_layers"] == reference["vnni_layers"]
+    assert ours["where"]["vnni_layers"] == 0 == theirs["where"]["vnni_layers"]  # plain unless vnni=true
+
+
+@pytest.mark.parametrize("arch", VNNI_ARCHS)
+def test_vnni_compute_equals_vllms_loader_computing_alike(engines, arch):
+    """vnni=true: the mapped linear weights packed for vLLM's small-GEMM kernel in the conversion folder
+    compute what vLLM's loader computes with the same kernel over its own copies, bit for bit; where
+    the kernel does not run (no AVX-512 BF16) both compute plain, as without the option."""
+    results, _ = engines
+    ours, theirs, again = (_ok(results, f"{arch}/{r}") for r in ("vnni", "vllm_vnni", "vnni_again"))
+    assert (ours["tokens"], ours["logprobs"]) == (theirs["tokens"], theirs["logprobs"])
+    assert (again["tokens"], again["logprobs"]) == (ours["tokens"], ours["logprobs"])
+    where = ours["where"]
+    assert (where["vnni_layers"] > 0) == (where["layout"] == "vnni"), where
+    assert where["vnni_layers"] == theirs["where"]["vnni_layers"] == again["where"]["vnni_layers"]
+    if where["layout"] != "vnni":
+        plain = _ok(results, f"{arch}/mapped")
+        assert (ours["tokens"], ours["logprobs"]) == (plain["tokens"], plain["logprobs"])
+    for run in (ours, again):  # the packed weights are views of the conversion folder, never memory
+        assert run["where"]["unmapped"] == [] and run["where"]["anonymous"] == 0
+        assert run["where"]["bound"]["copied"] == 0
+    assert again["where"]["bound"]["reused"]
 
 
 @pytest.mark.parametrize("run", ["mapped", "mapped_again"])

@@ -17,6 +17,7 @@ def test_defaults_and_values():
     assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions(None, None, None, None)
     assert LoaderOptions.parse({"keep_mapping": True, "pack": False, "cache_dir": "/x", "stream_layers": True}) == \
         LoaderOptions(True, False, "/x", True)
+    assert LoaderOptions.parse({"vnni": True}).vnni and not LoaderOptions.parse({}).vnni
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -28,6 +29,9 @@ def test_defaults_and_values():
     ({"stream_layers": "auto"}, "stream_layers"),
     ({"stream_layers": True, "pack": True}, "cannot go with"),
     ({"stream_layers": True, "keep_mapping": False}, "cannot go with"),
+    ({"vnni": "yes"}, "'vnni'"),
+    ({"vnni": True, "pack": True}, "vnni=true packs the linear weights computed from the mapping"),
+    ({"vnni": True, "offload_layers": 2}, "cannot go with pack=true (oneDNN's own packing) or offload_layers"),
 ])
 def test_bad_options_are_named(extra, needle):
     with pytest.raises(VllmLoadError) as info:

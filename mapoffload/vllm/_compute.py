@@ -5,7 +5,8 @@ library (oneDNN, or its small-GEMM kernel) that *packs* it into its own
 layout: an owned copy of the weight, the original dropped. That is faster, and
 is what happens when host copies fit. When they do not, :func:`mapped_linear`
 makes that step keep the weights on a mapping, in one of two layouts
-(:func:`mapped_layout`):
+(``plain`` unless the load format's option ``vnni`` asks, and
+:func:`mapped_layout` finds the kernel):
 
 - ``"vnni"``, where vLLM's small-GEMM kernel runs (``weight_packed_linear``,
   the kernel vLLM itself uses for small weights on AMX machines) and the CPU
@@ -14,7 +15,8 @@ makes that step keep the weights on a mapping, in one of two layouts
   once into the mapped conversion folder (``_postprocess.py``) and maps at
   every later start. Decode runs at about the speed of vLLM's packed oneDNN
   weights (docs/benchmarks.md); its sums differ from oneDNN's in the last bit
-  of a few elements, as vLLM's own kernel does.
+  of a few elements, as vLLM's own kernel does (greedy tokens can part from
+  vLLM's oneDNN ones on a large model: asked for, not the default).
 - ``"plain"`` elsewhere (and for weights the kernel does not take: not bf16,
   out features not a multiple of 16, in features not of 32, embeddings whose
   weight is also looked up): ``torch.nn.functional.linear`` over the mapped

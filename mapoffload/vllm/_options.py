@@ -12,6 +12,10 @@ KEYS = {
                     "does, absent asks the host-copy gate",
     "pack": "true packs linear weights for the CPU's GEMM library (an owned copy, faster), false computes "
             "from the mapped weights; absent packs exactly when the weights are copies",
+    "vnni": "true (with pack false or absent) packs each bf16 linear weight for vLLM's small-GEMM kernel into the "
+            "mapped conversion folder and computes from there: about the speed of packed weights, sums that "
+            "differ from oneDNN's in the last bit (needs AVX-512 BF16; elsewhere computed plain, logged); false or "
+            "absent computes from the checkpoint's rows (oneDNN's sums, bit for bit)",
     "stream_layers": "true streams the decoder layers through the page cache under the host's budget (a "
                      "fixed set stays cached, the rest is read and let go each forward), false never; absent "
                      "streams whenever weights are mapped and computed unpacked",
@@ -37,6 +41,7 @@ class LoaderOptions:
     prefetch_layers: int = 1
     cpu_twin: bool = False
     prefetch_asked: bool = False  # prefetch_layers was given (not the default)
+    vnni: bool = False  # linear weights computed from the mapping packed for vLLM's small-GEMM kernel
 
     @classmethod
     def parse(cls, extra: Any) -> LoaderOptions:
@@ -57,7 +62,7 @@ class LoaderOptions:
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
             raise VllmLoadError(f"model_loader_extra_config: unknown key(s) {unknown} for load format "
                                 f"'mapoffload' (it takes {known})")
-        for key in ("keep_mapping", "pack", "stream_layers", "cpu_twin"):
+        for key in ("keep_mapping", "pack", "stream_layers", "cpu_twin", "vnni"):
             if extra.get(key) is not None and not isinstance(extra[key], bool):
                 raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be true, false or absent, "
                                     f"got {extra[key]!r}")
@@ -81,10 +86,14 @@ class LoaderOptions:
                     raise VllmLoadError(f"model_loader_extra_config[{key!r}] is for the layers the mapoffload load "
                                         f"format offloads; keep_mapping=false loads with vLLM's own loader and "
                                         f"offloader: leave {key} out (or keep_mapping unset)")
+        if extra.get("vnni") and (extra.get("pack") or extra.get("offload_layers") is not None):
+            raise VllmLoadError("model_loader_extra_config: vnni=true packs the linear weights computed from the "
+                                "mapping for vLLM's small-GEMM kernel; it cannot go with pack=true (oneDNN's own "
+                                "packing) or offload_layers (the device path computes plain)")
         if extra.get("stream_layers") and (extra.get("keep_mapping") is False or extra.get("pack")):
             raise VllmLoadError("model_loader_extra_config: stream_layers=true streams mapped weights computed "
                                 "unpacked; it cannot go with keep_mapping=false or pack=true")
         prefetch = extra.get("prefetch_layers")
         return cls(extra.get("keep_mapping"), extra.get("pack"), cache_dir, extra.get("stream_layers"),
                    extra.get("offload_layers"), 1 if prefetch is None else prefetch, bool(extra.get("cpu_twin")),
-                   prefetch is not None)
+                   prefetch is not None, bool(extra.get("vnni")))

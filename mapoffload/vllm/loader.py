@@ -107,9 +107,20 @@ class _Loader:
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         config = dataclasses.replace(self.load_config, load_format="safetensors", model_loader_extra_config={})
-        with mapped_linear(not pack, layout=mapped_layout()):  # vLLM's loader computing as ours does
+        with mapped_linear(not pack, layout=self._layout(pack, "")):  # vLLM's loader computing as ours would
             return DefaultModelLoader(config).load_model(vllm_config=vllm_config, model_config=model_config,
                                                           prefix=prefix)
+
+    def _layout(self, pack: bool, architecture: str) -> str:
+        """How linear layers computed from the mapping run (``_compute.py``): VNNI only when asked and possible."""
+        if pack or not self.options.vnni:
+            return PLAIN
+        layout = mapped_layout()
+        if layout != VNNI and architecture:
+            logger.warning("mapoffload: vLLM %s: vnni=true, but vLLM's small-GEMM kernel does not run on this CPU "
+                           "(needs AVX-512 BF16 and vLLM's weight_packed_linear): computed from the plain weights",
+                           architecture)
+        return layout
 
     def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str,
              pack: bool, only: set[str] | None = None, layout: str = PLAIN) -> str:  # noqa: ANN001
@@ -178,7 +189,7 @@ class _Loader:
             return self._load_offloaded(vllm_config, model_config, prefix, device, request, architecture)
         keep, why = self._keep(files, architecture)
         pack = self.options.pack if self.options.pack is not None else not keep
-        layout = PLAIN if pack else mapped_layout()
+        layout = self._layout(pack, architecture)
         vnni = "packed for vLLM's small-GEMM kernel (VNNI)"
         compute = ("packed for the CPU GEMM library (owned copies)" if pack else
                    "computed from the mapped weights" + (f", {vnni} in the conversion folder" if layout == VNNI else ""))
