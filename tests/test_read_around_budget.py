@@ -168,3 +168,34 @@ def test_direct_buffers_are_charged_before_they_are_made(ckpt, cap):
         mgr.register_forward_hooks()
         forward(model, x, want)
         assert mgr.loads.source.reader.held_bytes <= coord.buffers
+
+
+def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_window(ckpt, cap, monkeypatch):
+    """The device pipeline's host memory (an owned copier's staging ring; on the CPU twin its
+    "device" buffers) is charged by the plan beside the page-cache window it reads the layers
+    through, at the most it takes before it is made; in place there is none."""
+    path, x, want = ckpt
+    monkeypatch.setenv("MAPOFFLOAD_STAGING_MIB", "1")
+    monkeypatch.setenv("MAPOFFLOAD_STAGING_SLOTS", "2")
+    cap(100)
+    coord = coordinator_module.coordinator()
+    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", stream_reads="mapping") as mgr:
+        in_place, room = mgr.residency, coord.room
+        assert mgr.loads.planned_host_bytes == 0 and coord.working_buffers == 0
+    assert in_place.cached == (0, 1, 2, 3, 4) and in_place.depth == 1  # see the test above
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
+                                 stream_reads="mapping") as mgr:
+        ring = 2 * (1 << 20)
+        held, charged = mgr.loads.host_bytes, mgr.loads.planned_host_bytes
+        assert held == ring  # the ring is made with the copier; no layer is loaded yet
+        assert charged == ring + 2 * LAYER  # a layer computing and one prefetched, before they exist
+        assert coord.working_buffers == charged and coord.room == room + held - charged
+        assert "staging and CPU-twin buffers charged" in coord.describe()
+        plan = mgr.residency
+        assert plan.cached == (0, 1, 2) and plan.depth == 1, plan  # 2 layers fewer: the charge is honoured
+        assert plan.cached_bytes + 2 * LAYER + charged <= room + held
+        mgr.register_forward_hooks()
+        for _ in range(2):
+            forward(model, x, want)
+            assert mgr.loads.host_bytes <= charged  # what it made stays within what the plan charged

@@ -72,12 +72,15 @@ class DeviceCopies(Target):
         runtime's path, which a copier in ``"direct"`` mode runs, for comparison).
     pool
         The device buffers' pool (default: one on ``device``, its buffers recorded on the copy stream).
+    window_layers
+        The most layers loaded at once (resident ones, the one computing and the prefetched ones):
+        on the CPU twin the plan charges that many layers' buffers as host memory.
     """
 
     copies = True
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, device: torch.device, copier: Copier, *,
-                 owns_copier: bool, side_stream: bool = True, pool: Any = None) -> None:
+                 owns_copier: bool, side_stream: bool = True, pool: Any = None, window_layers: int = 1) -> None:
         import torch
 
         self._stores, self._pages, self.device, self.copier = stores, pages, device, copier
@@ -87,6 +90,7 @@ class DeviceCopies(Target):
         if self._cuda and side_stream:
             self.copy_stream = torch.cuda.Stream(device)
         self.pool = DevicePool(device, self.copy_stream) if pool is None else pool
+        self._window_layers = window_layers
 
     @property
     def bytes(self) -> int:
@@ -96,6 +100,26 @@ class DeviceCopies(Target):
     @property
     def peak_bytes(self) -> int:
         return self.pool.peak_bytes
+
+    def _ring_bytes(self) -> int:
+        """The copier's staging ring, where this target owns the copier (a shared one is its maker's)."""
+        c = self.copier
+        return c.slots * c.staging_bytes if self._owns_copier and c.mode == "staged" and not c.closed else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held now: the owned copier's ring (pinned on CUDA) and, on the CPU twin, the
+        "device" buffers (``offload/buffers.py`` lists the same for ``summary()``)."""
+        return self._ring_bytes() + (0 if self._cuda else self.pool.bytes)
+
+    @property
+    def planned_host_bytes(self) -> int:
+        """What the page-cache plan charges for it: the ring, and on the CPU twin the buffers of
+        ``window_layers`` of the largest layer (or what the pool holds, when more)."""
+        if self._cuda:
+            return self._ring_bytes()
+        largest = max((sum(s.dev_bytes.values()) for s in self._stores), default=0)
+        return self._ring_bytes() + max(self.pool.bytes, self._window_layers * largest)
 
     @property
     def pin_device(self) -> int | None:

@@ -108,6 +108,16 @@ class Target:
         """The read-around buffers as the page-cache plan charges them (0: through the mapping)."""
         return self.source.planned_bytes
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the target's own machinery holds now, read-around buffers apart (0 in place)."""
+        return 0
+
+    @property
+    def planned_host_bytes(self) -> int:
+        """The most of it the page-cache plan charges (0 in place)."""
+        return 0
+
     def forget(self, i: int) -> None:
         """Layer ``i``'s stores changed (a mapped weight became owned)."""
         self.source.forget(i)

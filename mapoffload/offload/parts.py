@@ -78,7 +78,8 @@ class Parts:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
             loads = InPlace(stores, self.pages) if o.in_place else DeviceCopies(
                 stores, self.pages, o.device, copier, owns_copier=owns_copier,
-                side_stream=copier.mode != "direct")  # direct: the seed's path, on the compute stream
+                side_stream=copier.mode != "direct",  # direct: the seed's path, on the compute stream
+                window_layers=o.resident_layers + 1 + o.prefetch_layers)
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
                                        resident_layers=o.resident_layers)

@@ -93,6 +93,7 @@ class PageCacheCoordinator:
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.window_buffers = 0
+        self.working_buffers = 0  # staging rings and CPU-twin buffers the plan charges (StackMember.host_bytes)
         self.buffers = 0  # read-around buffers the plan charges (ReadAroundSource.planned_bytes, every member)
         self.always_bytes = 0
         self.replicas: list[int] = []
@@ -279,6 +280,12 @@ class PageCacheCoordinator:
         # every buffer a reader may make, made yet or not (_planned_buffers).
         self.window_buffers = sum(m.window_bytes for m in measured)
         room += self.window_buffers
+        # The copier's staging ring and the CPU twin's buffers are host memory beside the window
+        # (the layers are read through the page cache and copied on): the measure counted what
+        # is held; the plan charges the most they take, made yet or not.
+        held, charged = (sum(h) for h in zip(*(m.host_bytes for m in measured))) if measured else (0, 0)
+        self.working_buffers = charged
+        room += held - charged
         sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
@@ -398,7 +405,9 @@ class PageCacheCoordinator:
         text = (f"{len(members)} stack{'s' if len(members) != 1 else ''} share {format_bytes(self.room)}{extra} of "
                 f"page cache: {format_bytes(cached)} cached"
                 + (f", {format_bytes(streamed)} streamed per forward" if streamed else "")
-                + f", {format_bytes(self.always_bytes)} read every forward outside the stacks")
+                + f", {format_bytes(self.always_bytes)} read every forward outside the stacks"
+                + (f"; {format_bytes(self.working_buffers)} of staging and CPU-twin buffers charged"
+                   if self.working_buffers else ""))
         if self.ranks:
             text += f"; split with {len(self.ranks)} other rank{'s' if len(self.ranks) != 1 else ''} under this cap"
         if self.replicas:

@@ -38,10 +38,15 @@ class StackPages(Protocol):
 
 
 class StackBuffers(Protocol):
-    """What a member reads of its stack's load path: the read-around window it may fill
-    (``window_bytes``) and, where it reads around the page cache, ``planned_bytes``."""
+    """What a member reads of its stack's load path: the read-around window it holds
+    (``window_bytes``) and, where it reads around the page cache, ``planned_bytes``; the host memory
+    of its own machinery (``host_bytes`` now, ``planned_host_bytes`` at the most: an owned copier's
+    ring, the CPU twin's buffers; 0 in place)."""
 
     window_bytes: int
+    planned_bytes: int
+    host_bytes: int
+    planned_host_bytes: int
 
 
 class StackMember:
@@ -102,13 +107,19 @@ class StackMember:
 
     @property
     def window_bytes(self) -> int:
-        """Read-around buffers the stack may fill (every buffer its reader may make)."""
+        """Read-around buffers the stack holds (the streaming window in anonymous memory)."""
         return self.loads.window_bytes
 
     @property
     def buffer_bytes(self) -> int:
         """Read-around buffers the plan charges now (0 where the stack reads through the mapping)."""
-        return getattr(self.loads, "planned_bytes", 0)
+        return self.loads.planned_bytes
+
+    @property
+    def host_bytes(self) -> tuple[int, int]:
+        """``(held now, charged)``: host memory of the load path's own machinery beside the page-cache
+        window - an owned copier's staging ring, the CPU twin's "device" buffers (0 in place)."""
+        return self.loads.host_bytes, self.loads.planned_host_bytes
 
     def take_missing(self) -> int:
         """Bytes of cached layers found missing at their use since the last call."""
