@@ -34,7 +34,8 @@ from .._log import logger
 from ..checkpoint import LoadReport
 from . import _keys
 from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
-from ._converted import ConversionCache, default_root, fingerprint
+from ._converted import ConversionCache
+from ._fingerprint import default_root, fingerprint
 from ._drive import diffusers_hooks, driving
 from ._report import load_report, settle_mapping
 from ._extras import require

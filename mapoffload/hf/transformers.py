@@ -24,7 +24,8 @@ from .._files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
-from ._converted import ConversionCache, concrete_class, default_root, fingerprint
+from ._converted import ConversionCache
+from ._fingerprint import concrete_class, default_root, fingerprint
 from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
 from ._drive import driving
 from ._report import load_report, settle_mapping
