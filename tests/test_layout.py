@@ -21,7 +21,6 @@ MAX_LINES = 450
 OVER = {
     "mapoffload.checkpoint": 556,
     "mapoffload.demo": 539,
-    "mapoffload.hf._drive": 483,
     "mapoffload.pagecache.direct_read": 512,
 }
 
