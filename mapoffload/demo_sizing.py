@@ -7,21 +7,17 @@ library's own buffers alone exceed it, and the check could not tell a copy of
 the weights from them, so such a budget is refused with the sizes that would
 do (:func:`_check_budget`). The host, the device and the disk must hold the
 reference model, its activations and the checkpoint (:func:`_check_room`), in
-the folder the checkpoint goes to (:func:`_demo_folder`).
+the folder the checkpoint goes to (:func:`_demo_folder`). ``cfg`` is the run's
+:class:`~.demo.DemoConfig` (this module does not import the command).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING
 
 from ._log import format_bytes
 from .memory.regions import tensor_bytes
-
-if TYPE_CHECKING:
-    from .demo import DemoConfig
-
 
 # What a run costs beside the model's weights, whatever the budget (measured on
 # the CPU for 2 to 200 layers, after the warm-up, with the allocator's freed
@@ -101,7 +97,7 @@ def _smallest_width(Model, mode: str, layers: int, width: int) -> int | None:
     return hi
 
 
-def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int, Model) -> None:
+def _check_budget(cfg, mode: str, layer_bytes: int, tensors: int, Model) -> None:
     """Refuse, before anything is written, a budget the check could not judge.
 
     The budget must hold what streaming needs at the least (:func:`streaming_floor`);
@@ -151,7 +147,7 @@ def _demo_folder() -> str:
     return folder
 
 
-def _check_room(cfg: DemoConfig, device, layer_bytes: int, folder: str) -> None:
+def _check_room(cfg, device, layer_bytes: int, folder: str) -> None:
     """Refuse, before anything is allocated, sizes the host (or device, or disk) cannot hold.
 
     The reference model is the whole checkpoint in memory, and safetensors'
