@@ -16,11 +16,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ._log import format_bytes
 from .memory.budget import ENV_HOST_AVAILABLE_GIB, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB, rss_anon_bytes
-from .memory.regions import tensor_bytes
+from .demo_sizing import _block_bytes, _check_budget, _check_room, _demo_folder
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DemoConfig", "resolve_device", "run_demo"]
 
@@ -113,178 +116,6 @@ def resolve_device(name: str | None):
     return device
 
 
-# What a run costs beside the model's weights, whatever the budget (measured on
-# the CPU for 2 to 200 layers, after the warm-up, with the allocator's freed
-# memory given back): Python objects of the load, the manager, its plan and the
-# placeholders, about 1.5-2 KiB a tensor, and 0.1-0.2 MiB besides. Allowed at
-# twice that and more.
-BOOKKEEPING_BYTES = 1 << 20
-BOOKKEEPING_PER_TENSOR_BYTES = 4 << 10
-# The read-around buffers (``pagecache/direct_read.py``) grow in 2 MiB steps.
-READ_AROUND_QUANTUM = 2 << 20
-
-
-def _round_up(n: int, q: int) -> int:
-    return -(-n // q) * q
-
-
-def _block_bytes(Model, width: int) -> tuple[int, int]:
-    """(bytes, tensors) of one block's weights, from a block built on meta."""
-    import torch
-
-    with torch.device("meta"):
-        block = Model(1, width).blocks[0]
-    params = list(block.parameters())
-    return sum(tensor_bytes(p) for p in params), len(params)
-
-
-def streaming_floor(mode: str, layer_bytes: int, tensors: int) -> list[tuple[str, int]]:
-    """What streaming needs of host memory at the least, whatever the budget, as (what, bytes).
-
-    With a budget that leaves no page cache to plan, the library streams one
-    layer at a time: read around the page cache into one buffer (when the
-    folder takes ``O_DIRECT``: counted anyway), on the device path copied
-    through the copier's staging ring into the layer's device buffers (host
-    memory in the CPU twin). Plus the run's bookkeeping (``tensors`` in all).
-    """
-    from .copier import resolve_settings
-
-    parts = []
-    if mode == "cpu twin":
-        parts.append(("one layer's twin buffer", layer_bytes))
-    parts.append(("its read-around buffer" if parts else "one layer's read-around buffer",
-                  _round_up(layer_bytes, READ_AROUND_QUANTUM)))
-    if mode != "in place":
-        _, slot_bytes, slots = resolve_settings()
-        parts.append(("the copier's staging ring", slot_bytes * slots))
-    parts.append(("bookkeeping", BOOKKEEPING_BYTES + BOOKKEEPING_PER_TENSOR_BYTES * tensors))
-    return parts
-
-
-def _gib_at_least(n: int) -> str:
-    """``n`` bytes in GiB, three significant digits, rounded up."""
-    import math
-
-    value = n / (1 << 30)
-    step = 10 ** (math.floor(math.log10(value)) - 2)
-    return f"{math.ceil(value / step) * step:.3g}"
-
-
-def _judgeable(Model, mode: str, layers: int, width: int) -> bool:
-    """Whether half of a ``layers`` x ``width`` checkpoint holds what streaming needs at the least."""
-    layer_bytes, tensors = _block_bytes(Model, width)
-    floor = sum(n for _, n in streaming_floor(mode, layer_bytes, tensors * layers))
-    return layer_bytes * layers // 2 >= floor
-
-
-def _smallest_width(Model, mode: str, layers: int, width: int) -> int | None:
-    """The smallest width from ``width`` up whose default budget the check can judge (None: none up to 2**16)."""
-    hi = width
-    while not _judgeable(Model, mode, layers, hi):
-        hi *= 2
-        if hi > 1 << 16:
-            return None
-    lo = max(width, hi // 2)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _judgeable(Model, mode, layers, mid) else (mid + 1, hi)
-    return hi
-
-
-def _check_budget(cfg: DemoConfig, mode: str, layer_bytes: int, tensors: int, Model) -> None:
-    """Refuse, before anything is written, a budget the check could not judge.
-
-    The budget must hold what streaming needs at the least (:func:`streaming_floor`);
-    below that the library's own buffers alone exceed it, and a copy of the
-    weights could not be told from them.
-    """
-    floor_parts = streaming_floor(mode, layer_bytes, tensors * cfg.layers)
-    floor = sum(n for _, n in floor_parts)
-    size = layer_bytes * cfg.layers
-    budget = int(cfg.host_gib * (1 << 30)) if cfg.host_gib is not None else size // 2
-    if budget >= floor:
-        return
-    args = " ".join(a for a in ("--cpu-twin" if cfg.cpu_twin else "", f"--layers {cfg.layers}",
-                                f"--width {cfg.width}") if a)
-    what = (f"a {format_bytes(budget)} budget" + ("" if cfg.host_gib is not None
-                                                   else f" (half the {format_bytes(size)} checkpoint)"))
-    ways = []
-    if cfg.host_gib is None:
-        # half of L layers >= the floor, whose bookkeeping grows with L too
-        fixed = floor - BOOKKEEPING_PER_TENSOR_BYTES * tensors * cfg.layers
-        room = layer_bytes / 2 - BOOKKEEPING_PER_TENSOR_BYTES * tensors
-        if room > 0:
-            ways.append(f"--layers {max(cfg.layers + 1, -(-fixed // int(room)))} or more")
-        elif cfg.layers > 2:  # each layer costs more to keep track of than it weighs
-            width = _smallest_width(Model, mode, cfg.layers, cfg.width)
-            if width is not None:
-                ways.append(f"--width {width} or more")
-    ways.append(f"--host-gib {_gib_at_least(floor)} or more")
-    if mode != "in place":
-        ways.append("a smaller staging ring (MAPOFFLOAD_STAGING_MIB, MAPOFFLOAD_STAGING_SLOTS)")
-    raise ValueError(
-        f"{args}: {what} is below what streaming needs at the least, whatever the budget: {format_bytes(floor)} ("
-        + ", ".join(f"{name} {format_bytes(n)}" for name, n in floor_parts)
-        + "); the check could not tell a copy of the weights from that: use " + ", or ".join(ways)
-    )
-
-
-def _demo_folder() -> str:
-    """Where the checkpoint goes: ``MAPOFFLOAD_DEMO_DIR`` (checked), else the system temp folder."""
-    folder = os.environ.get("MAPOFFLOAD_DEMO_DIR")
-    if folder is None:
-        return tempfile.gettempdir()
-    if not os.path.exists(folder):
-        raise ValueError(f"MAPOFFLOAD_DEMO_DIR={folder!r}: no such folder")
-    if not os.path.isdir(folder):
-        raise ValueError(f"MAPOFFLOAD_DEMO_DIR={folder!r}: not a folder")
-    return folder
-
-
-def _check_room(cfg: DemoConfig, device, layer_bytes: int, folder: str) -> None:
-    """Refuse, before anything is allocated, sizes the host (or device, or disk) cannot hold.
-
-    The reference model is the whole checkpoint in memory, and safetensors'
-    ``save_file`` holds a copy of every tensor's bytes while it writes; the
-    attention of ``tokens`` rows holds tokens x tokens scores.
-    """
-    import shutil
-
-    from .memory.budget import host_memory
-
-    size = layer_bytes * cfg.layers
-    acts = 4 * (3 * cfg.tokens * cfg.tokens + 16 * cfg.tokens * cfg.width)
-    host = host_memory()
-    available = host.machine_available
-    if host.cgroup_cap is not None:
-        available = min(available, max(0, host.cgroup_cap - (host.cgroup_usage or 0)))
-    need = 2 * size + acts
-    if need > available:
-        raise ValueError(
-            f"--layers {cfg.layers} --width {cfg.width} --tokens {cfg.tokens}: the demo needs about "
-            f"{format_bytes(need)} of host memory (its reference model (the whole checkpoint, {format_bytes(size)}), "
-            f"the copy save_file makes while writing it, activations {format_bytes(acts)}) and the host has "
-            f"{format_bytes(available)} available: use smaller --layers, --width or --tokens"
-        )
-    if device.type == "cuda":
-        import torch
-
-        free = torch.cuda.mem_get_info(device)[0]
-        if size + acts > free:
-            raise ValueError(
-                f"--layers {cfg.layers} --width {cfg.width} --tokens {cfg.tokens}: the reference model "
-                f"({format_bytes(size)}) and activations ({format_bytes(acts)}) do not fit the "
-                f"{format_bytes(free)} free on {device}: use smaller --layers, --width or --tokens"
-            )
-    free = shutil.disk_usage(folder).free
-    if size > free:
-        raise ValueError(
-            f"--layers {cfg.layers} --width {cfg.width}: a {format_bytes(size)} checkpoint does not fit the "
-            f"{format_bytes(free)} free in {folder}: use smaller --layers or --width, or set MAPOFFLOAD_DEMO_DIR "
-            "to a folder with room"
-        )
-
-
 def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
     """One forward of a one-layer model through the same pipeline, before the baseline.
 
@@ -330,6 +161,78 @@ def _held_anon_bytes() -> int:
     return rss_anon_bytes()
 
 
+def _write_checkpoint(Model, cfg: DemoConfig, path: str, say) -> torch.nn.Module:
+    """Step 1: a ``cfg.layers`` x ``cfg.width`` model, its blocks saved to ``path``; returns the model
+    (the reference)."""
+    from safetensors.torch import save_file
+
+    state = {}
+    ref = Model(cfg.layers, cfg.width)
+    for i, block in enumerate(ref.blocks):
+        for name, p in block.named_parameters():
+            state[f"blocks.{i}.{name}"] = p.detach().contiguous()
+        say(f"      layer {i + 1}/{cfg.layers} generated")
+    save_file(state, path)
+    del state
+    return ref
+
+
+def _judge_gate(kept: bool, keep: bool, size: int, available: int, say) -> list[str]:
+    """Step 3: what the gate did (``kept``: the checkpoint left on the mapping), said and judged
+    against its rule (``keep``: what ``host_copies_would_not_fit`` answers); returns the failures."""
+    against = (f"{format_bytes(size)} against {format_bytes(available)} available less the "
+               f"{format_bytes(HOST_COPY_RESERVE_BYTES)} reserve")
+    if kept:
+        say(f"      the gate kept the checkpoint on the file mapping: host copies would not fit ({against})")
+    else:
+        say(f"      the gate copied the checkpoint into host memory: host copies fit ({against})")
+    if kept and not keep:
+        return [f"the gate kept the checkpoint mapped where host copies fit ({against})"]
+    if not kept and keep:
+        return [f"the gate copied a checkpoint whose host copies would not fit ({against})"]
+    return []
+
+
+def _copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list[float]:
+    """Step 4: each layer copied once through the pipeline and released, timed (GB/s each), or,
+    in place, said where it computes from."""
+    import torch
+
+    per_layer = []
+    for i in range(layers):
+        nbytes = mgr.layer_bytes(i)
+        if not copies:
+            where = "on the file mapping" if kept else "in host memory (the gate's copy)"
+            say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} {where}, computed from there")
+            continue
+        t0 = time.perf_counter()
+        mgr.prefetch_layer(i, non_blocking=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        per_layer.append(nbytes / dt / 1e9)
+        mgr.release_layer(i)
+        where = "the device" if device.type == "cuda" else "its CPU buffer"
+        say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} copied to {where} at "
+            f"{per_layer[-1]:.2f} GB/s")
+    return per_layer
+
+
+def _library_buffers(mgr, copier, mode: str, report) -> str:
+    """The library's own host buffers, as it accounts them (capacities: at most what is resident),
+    the gate's copies first when it copied: one phrase for the budget's line."""
+    buffers = [("read-around window", mgr.loads.window_bytes)]
+    if copier is not None:
+        buffers.append(("staging ring", copier.staging_bytes * copier.slots))
+    if mode == "cpu twin":
+        buffers.append(("twin's layer buffers", mgr.peak_device_bytes))
+    buffers = [(name, n) for name, n in buffers if n]
+    if not report.keep_mapping:
+        buffers.insert(0, ("the gate's copies", report.bytes_copied))
+    return ("the library's buffers (capacity): " + ", ".join(f"{name} {format_bytes(n)}" for name, n in buffers)
+            if buffers else "no buffers of the library")
+
+
 def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     """Run the demo; return the process exit code (0 when every check passed).
 
@@ -340,7 +243,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     grew by no more than the host budget the demo set. The baseline is taken
     after a warm-up (the library's first use, said apart: :func:`_warm_up`)
     and with the model built on meta; a budget below what streaming needs at
-    the least is refused before anything is written (:func:`_check_budget`).
+    the least is refused before anything is written (:func:`~.demo_sizing._check_budget`).
 
     Raises
     ------
@@ -348,7 +251,6 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         An argument the demo cannot run or judge (one line, said before anything is written).
     """
     import torch
-    from safetensors.torch import save_file
 
     from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
     from .checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
@@ -379,14 +281,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=folder) as tmp:
         path = os.path.join(tmp, "model.safetensors")
         say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
-        state = {}
-        ref = Model(cfg.layers, cfg.width)
-        for i, block in enumerate(ref.blocks):
-            for name, p in block.named_parameters():
-                state[f"blocks.{i}.{name}"] = p.detach().contiguous()
-            say(f"      layer {i + 1}/{cfg.layers} generated")
-        save_file(state, path)
-        del state
+        ref = _write_checkpoint(Model, cfg, path, say)
         size = checkpoint_bytes(path)
         host_gib = cfg.host_gib if cfg.host_gib is not None else size / 2 / (1 << 30)
         budget = int(host_gib * (1 << 30))
@@ -423,16 +318,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
             keep = host_copies_would_not_fit(size, available_bytes=available)
             report = load_checkpoint(model, path)
             say(f"      {report}")
-            against = (f"{format_bytes(size)} against {format_bytes(available)} available less the "
-                       f"{format_bytes(HOST_COPY_RESERVE_BYTES)} reserve")
-            if report.keep_mapping:
-                say(f"      the gate kept the checkpoint on the file mapping: host copies would not fit ({against})")
-            else:
-                say(f"      the gate copied the checkpoint into host memory: host copies fit ({against})")
-            if report.keep_mapping and not keep:
-                failures.append(f"the gate kept the checkpoint mapped where host copies fit ({against})")
-            elif not report.keep_mapping and keep:
-                failures.append(f"the gate copied a checkpoint whose host copies would not fit ({against})")
+            failures += _judge_gate(report.keep_mapping, keep, size, available, say)
             hosts = list(model.parameters())
             cow0 = cow_report(hosts).anonymous_bytes
 
@@ -440,23 +326,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
             copier = Copier(device) if copies else None
             mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier,
                                           cpu_twin=cfg.cpu_twin)
-            per_layer = []
-            for i in range(cfg.layers):
-                nbytes = mgr.layer_bytes(i)
-                if not copies:
-                    where = "on the file mapping" if report.keep_mapping else "in host memory (the gate's copy)"
-                    say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} {where}, computed from there")
-                    continue
-                t0 = time.perf_counter()
-                mgr.prefetch_layer(i, non_blocking=False)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
-                per_layer.append(nbytes / dt / 1e9)
-                mgr.release_layer(i)
-                where = "the device" if device.type == "cuda" else "its CPU buffer"
-                say(f"      layer {i + 1}/{cfg.layers}: {format_bytes(nbytes)} copied to {where} at "
-                    f"{per_layer[-1]:.2f} GB/s")
+            per_layer = _copy_layers(mgr, cfg.layers, device, copies, report.keep_mapping, say)
             mgr.register_forward_hooks()
             with torch.inference_mode():
                 got = model(x)
@@ -469,21 +339,12 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
             if turned:
                 failures.append(f"{turned} bytes of the mapping turned anonymous")
             anon = _held_anon_bytes() - anon0
-            # The library's own host buffers, as it accounts them (capacities: at most what is resident).
-            buffers = [("read-around window", mgr.loads.window_bytes)]
-            if copier is not None:
-                buffers.append(("staging ring", copier.staging_bytes * copier.slots))
             if mode == "cpu twin":
-                buffers.append(("twin's layer buffers", mgr.peak_device_bytes))
                 # The twin's layer buffers are host memory by construction. Count them even
                 # when the allocator served them from memory freed earlier (the reference
                 # model's), which leaves the RSS delta near zero.
                 anon = max(anon, mgr.peak_device_bytes)
-            buffers = [(name, n) for name, n in buffers if n]
-            if not report.keep_mapping:
-                buffers.insert(0, ("the gate's copies", report.bytes_copied))
-            parts = ("the library's buffers (capacity): " + ", ".join(f"{name} {format_bytes(n)}" for name, n in buffers)
-                     if buffers else "no buffers of the library")
+            parts = _library_buffers(mgr, copier, mode, report)
             if anon > budget:
                 failures.append(
                     f"anonymous memory grew by {format_bytes(anon)}, over the {format_bytes(budget)} host budget "

@@ -19,13 +19,13 @@ from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, h
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
 
 
-# The folder beside a checkpoint that conversions go to (mapoffload.hf._converted.default_root).
+# The folder beside a checkpoint that conversions go to (mapoffload.hf._fingerprint.default_root).
 CONVERTED_DIR = ".mapoffload-converted"
 
 
 def _conversion_root(folder: str) -> str:
     """Where a load of ``folder`` that converts writes (without ``cache_dir=``)."""
-    from .hf._converted import default_root
+    from .hf._fingerprint import default_root
 
     return default_root(folder)
 

@@ -246,7 +246,7 @@ def test_stacked_fp8_experts_pair_codes_with_scales_in_either_spelling_of_the_so
 
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    from mapoffload.hf._drive import _fused_fp8
+    from mapoffload.hf._drive_transformers import _fused_fp8
 
     experts, rows, cols = 3, 4, 8
     codes = {w: [torch.randn(rows, cols).to(torch.float8_e4m3fn) for _ in range(experts)] for w in ("w1", "w3")}

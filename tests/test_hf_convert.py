@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import mapoffload  # noqa: E402
 from kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
-from mapoffload.hf import _converted  # noqa: E402
+from mapoffload.hf import _converted, _fingerprint, _sweep  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained, model_class_for  # noqa: E402
 
 
@@ -38,12 +38,12 @@ def test_default_root_beside_the_checkpoint_env_and_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     plain = tmp_path / "model"
     plain.mkdir()
-    assert _converted.default_root(str(plain)) == str(plain / ".mapoffload-converted")
+    assert _fingerprint.default_root(str(plain)) == str(plain / ".mapoffload-converted")
     snap = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
-    assert _converted.default_root(str(snap)) == str(tmp_path / "xdg" / "mapoffload" / "converted")
+    assert _fingerprint.default_root(str(snap)) == str(tmp_path / "xdg" / "mapoffload" / "converted")
     monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", str(tmp_path / "env"))
-    assert _converted.default_root(str(plain)) == str(tmp_path / "env")
+    assert _fingerprint.default_root(str(plain)) == str(tmp_path / "env")
 
 
 @pytest.mark.parametrize("damage", ["garbage", "other-key", "missing-part"])
@@ -412,16 +412,16 @@ def test_the_sweep_judges_unmarked_folders_by_age_and_touches_nothing_else(tmp_p
     for d in (old, young):
         d.mkdir(parents=True)
         (d / "part-00000.safetensors").write_bytes(b"x")
-    long_ago = os.path.getmtime(old) - _converted.UNMARKED_GRACE_S - 60
+    long_ago = os.path.getmtime(old) - _sweep.UNMARKED_GRACE_S - 60
     for p in (old / "part-00000.safetensors", old):
         os.utime(p, (long_ago, long_ago))
     (root / f".{key}.afile123").write_text("not a folder")
     (root / f".{key}.alink123").symlink_to(young)
     (root / key).mkdir()  # a finished conversion
     (root / "other").mkdir()
-    assert _converted.sweep(str(root)) == [str(old)]  # an older version's dead folder
+    assert _sweep.sweep(str(root)) == [str(old)]  # an older version's dead folder
     assert sorted(os.listdir(root)) == sorted([young.name, f".{key}.afile123", f".{key}.alink123", key, "other"])
-    assert _converted.sweep(str(tmp_path / "nowhere")) == []
+    assert _sweep.sweep(str(tmp_path / "nowhere")) == []
 
 
 def test_a_full_disk_at_the_manifest_names_the_folder_and_the_bytes_and_leaves_nothing(tmp_path, monkeypatch):

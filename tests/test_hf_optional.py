@@ -63,7 +63,7 @@ def test_diffusers_without_accelerate_names_it(monkeypatch):
     pytest.importorskip("diffusers")
     from diffusers.models import model_loading_utils as mlu
 
-    from mapoffload.hf._drive import diffusers_hooks
+    from mapoffload.hf._drive_diffusers import diffusers_hooks
 
     monkeypatch.delattr(mlu, "set_module_tensor_to_device", raising=False)
     with pytest.raises(ImportError, match=r"accelerate.*mapoffload\[diffusers\]"):

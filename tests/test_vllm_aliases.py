@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload.checkpoint import _read_file
-from mapoffload.hf._converted import reserve_safetensors
+from mapoffload.hf._st_write import reserve_safetensors
 from mapoffload.vllm._aliases import AliasRecorder, SourceIndex
 
 

@@ -7,149 +7,41 @@ A model converted this way holds no anonymous copy of its weights: at most
 :data:`PART_BYTES` (plus the largest single conversion) exist in anonymous
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
-of the sources (their real paths, sizes, modification and change times), the
-model class (an ``AutoModel*`` class counts as the concrete class it resolves
-to), the requested dtype (however it is spelled), the config or the
-transformers/torch versions: the fingerprint names the folder they live in.
+of what made them: the fingerprint names the folder they live in, under a root
+chosen for the checkpoint (both: :mod:`._fingerprint`).
 
 Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
 conversion). A conversion is written in ``<root>/.<fingerprint>.XXXXXXXX/``
-and renamed into place when whole; while it runs that folder holds
-``.writer``, a lock file its process holds an ``flock`` on. The kernel drops
-the lock when the process dies however it dies (``kill -9``, the OOM killer),
-so every load sweeps its root: a work folder whose lock can be taken is a dead
-conversion's and is removed; a live one's is left alone (an unmarked one, from a
-version before marks, only once nothing in it changed for
-:data:`UNMARKED_GRACE_S`). ``<root>`` is, in order: the ``cache_dir`` argument,
-``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint folder>/.mapoffload-converted``
-when that folder is writable and not a hub cache snapshot (and no file has that name),
-``$XDG_CACHE_HOME/mapoffload/converted``
-(``~/.cache/mapoffload/converted``).
+and renamed into place when whole; while it runs that folder holds a writer
+mark, and every load sweeps its root of the work folders dead conversions
+left (:mod:`._sweep`).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import hashlib
 import json
 import os
 import re
 import shutil
 import stat
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from ._fingerprint import FORMAT
 from ._st_write import reserve_safetensors, write_safetensors  # noqa: F401  (ConversionCache writes parts with them)
+from ._sweep import WRITER, _mark_writer, _release_writer, sweep
 from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
 
-FORMAT = 1
 PART_BYTES = 256 << 20  # pending converted bytes written out as one part
 MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
-WRITER = ".writer"  # in a work folder: the lock file its live writer holds (flock)
-# tempfile.mkdtemp(prefix=".<key>.") names: eight of its characters after the prefix
-_WORK = re.compile(r"\.[0-9a-f]{24}\.[a-z0-9_]{8}")
-_ASIDE = re.compile(r"\.[0-9a-f]{24}\.old\.[a-z0-9_]{8}")  # a damaged folder moved aside to be removed
-UNMARKED_GRACE_S = 3600.0  # a work folder without a writer mark, untouched this long, is a dead one's
-_HELD: dict[int, int] = {}  # writer-mark fd -> pid that holds it (a forked child closes its copies)
-
-
-
-def default_root(folder: str) -> str:
-    """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
-    from .._files import _hub_blobs
-
-    env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
-    if env:
-        return env
-    # Never inside a hub cache snapshot: the hub manages those folders.
-    # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
-    local = os.path.join(folder, ".mapoffload-converted")
-    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
-            and (os.path.isdir(local) or not os.path.lexists(local)):
-        return local
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mapoffload", "converted")
-
-
-def concrete_class(cls: Any, config: Any) -> Any:
-    """The model class ``cls.from_pretrained`` builds for ``config``: an ``AutoModel*`` class resolved
-    as transformers resolves it (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``), any other as it is.
-
-    A conversion's bytes are made by that class, so every entry point that ends in the same class
-    shares one conversion folder. An Auto class the config maps to remote code (``auto_map``) or
-    does not map at all stays itself (its own key).
-    """
-    mapping = getattr(cls, "_model_mapping", None)
-    if mapping is None:
-        return cls
-    if cls.__name__ in (getattr(config, "auto_map", None) or {}):
-        return cls
-    try:
-        from transformers.models.auto.auto_factory import _get_model_class
-
-        return _get_model_class(config, mapping)
-    except (ImportError, KeyError, ValueError, AttributeError, TypeError):
-        return cls
-
-
-def _class_name(model_class: Any) -> str:
-    if isinstance(model_class, str):
-        return model_class
-    return f"{model_class.__module__}.{model_class.__qualname__}"
-
-
-def _dtype_name(dtype: Any) -> str:
-    """One spelling per dtype: ``"float16"``, ``"half"`` and ``torch.float16`` make the same bytes."""
-    import torch
-
-    if isinstance(dtype, str) and dtype != "auto":
-        value = getattr(torch, dtype, None)
-        if isinstance(value, torch.dtype):
-            return str(value)
-    return str(dtype)
-
-
-def _config_text(config: Any) -> str:
-    """The config as its values, without ``_name_or_path`` (the folder as the caller spelled it;
-    ``AutoConfig`` sets it, a model's own config class does not)."""
-    if not hasattr(config, "to_json_string"):
-        return repr(config)
-    data = json.loads(config.to_json_string(use_diff=False))
-    if isinstance(data, dict):
-        data.pop("_name_or_path", None)
-    return json.dumps(data, sort_keys=True)
-
-
-def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
-    """A hex digest of everything a conversion's result depends on: the sources, the concrete model
-    class (a class or its qualified name; see :func:`concrete_class`), the dtype, the config, the
-    versions, ``extra`` -- never how the caller spelled them."""
-    import torch
-    import transformers
-
-    sources = []
-    for f in files:
-        # Where the bytes are (the real path: two checkpoints with the same names, sizes and
-        # times -- normalised timestamps of an image layer or a tar -- never share a conversion
-        # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
-        st = os.stat(f)
-        sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    blob = json.dumps({
-        "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
-        "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
-        "config": _config_text(config),
-        "extra": repr(extra),
-    }, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 class ConversionWriteError(OSError):
@@ -164,117 +56,11 @@ class ConversionWriteError(OSError):
         self.bytes_needed = bytes_needed
 
 
-def _forget_held_marks() -> None:
-    # A forked child does not own its parent's conversions: its copies of their locks would keep
-    # them marked live after the parent died. (flock: closing one copy keeps the parent's lock.)
-    for fd in list(_HELD):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_forget_held_marks)
-
-
-def _mark_writer(work: str) -> int | None:
-    """Mark ``work`` as written by this process: :data:`WRITER`, locked (``flock``) until the
-    conversion ends. Created under another name, locked, then renamed: a sweep never sees the
-    mark unlocked. None where the file system has no flock (the folder is then unmarked)."""
-    tmp = os.path.join(work, WRITER + ".new")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, f"{os.getpid()}\n".encode())  # for a person looking; the lock is what counts
-        os.rename(tmp, os.path.join(work, WRITER))
-    except OSError as exc:
-        os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        logger.debug("conversion folder %s: no writer lock (%s)", work, exc)
-        return None
-    _HELD[fd] = os.getpid()
-    return fd
-
-
-def _release_writer(fd: int | None) -> None:
-    if fd is not None and _HELD.get(fd) == os.getpid():
-        del _HELD[fd]
-        os.close(fd)
-
-
 def _is_plain_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _newest_change(path: str) -> float:
-    newest = os.lstat(path).st_mtime
-    for entry in os.scandir(path):
-        try:
-            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
-        except OSError:
-            pass
-    return newest
-
-
-def _unmarked_and_old(path: str) -> bool:
-    try:
-        return time.time() - _newest_change(path) > UNMARKED_GRACE_S
-    except OSError:
-        return False
-
-
-def _writer_gone(path: str) -> bool:
-    """True when the conversion writing ``path`` is no longer running."""
-    try:
-        fd = os.open(os.path.join(path, WRITER), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:  # unmarked: created this instant (its mark follows) or by an older version
-        return _unmarked_and_old(path)
-    except OSError as exc:  # ELOOP: a link in its place -- no writer made it
-        return exc.errno == errno.ELOOP and _unmarked_and_old(path)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a folder: no writer made it either
-            return _unmarked_and_old(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # EWOULDBLOCK: its writer holds it (any other error: do not guess)
-            return False
-        return True
-    finally:
-        os.close(fd)  # a writer that is gone never comes back for its folder: no need to hold it
-
-
-def sweep(root: str) -> list[str]:
-    """Remove what dead conversions left under ``root`` (their work folders, folders moved aside);
-    returns the paths removed. Never raises: an unreadable root or a folder that cannot be removed
-    is left as it is."""
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return []
-    removed = []
-    for name in entries:
-        aside = _ASIDE.fullmatch(name)
-        if not aside and not _WORK.fullmatch(name):
-            continue
-        path = os.path.join(root, name)
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                continue
-        except OSError:
-            continue
-        if aside or _writer_gone(path):
-            shutil.rmtree(path, ignore_errors=True)
-            if not os.path.lexists(path):
-                removed.append(path)
-                logger.info("removed %s: an unfinished conversion whose process is gone", path)
-    return removed
 
 
 @dataclass

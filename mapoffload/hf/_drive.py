@@ -21,7 +21,10 @@ not on a mapping was cast, and is written out and mapped the same way.
 
 The hooks are installed for the duration of one load, under a lock; another
 thread's plain transformers load in that window runs through them untouched
-(the state is thread-local).
+(the state is thread-local). This module holds what one load saw (the
+:class:`Session`, fp8 weights kept as codes and scales) and installs the
+hooks (:func:`driving`); the hooks themselves are transformers'
+(:mod:`._drive_transformers`) and diffusers' (:mod:`._drive_diffusers`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ if TYPE_CHECKING:
 
 _LOCK = threading.RLock()
 FP8_PART = ":"  # "<weight>:fp8_codes" / "<weight>:fp8_scale" in a conversion folder
-SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers' switch for its loader threads
 # Made (and dropped) between two malloc_trim calls. Measured on a 24-layer fp8 Llama
 # (transformers' dequantizing check of each kept weight): the load's anonymous peak
 # was +141 MiB at 32 MiB, +103 at 16, +81 at 8, +53 trimming after every tensor;
@@ -133,7 +135,7 @@ class Session:
         exactly what transformers made. One fp8 tensor and its scales: the
         checkpoint's own (mapped). Experts stacked from many: the same ops
         transformers ran, run on the codes and on the scales
-        (:func:`_fused_fp8`), written to the conversion folder and mapped.
+        (:func:`._drive_transformers._fused_fp8`), written to the conversion folder and mapped.
         Anything else is converted as usual."""
         import torch
 
@@ -217,243 +219,17 @@ def _session() -> Session | None:
     return getattr(_STATE, "session", None)
 
 
-# -- the hooks ---------------------------------------------------------------------
-
-
-def _dequantizes_fp8(converter: Any) -> bool:
-    ops = getattr(converter, "operations", None) or []
-    return len(ops) > 1 and type(ops[0]).__name__ == "Fp8Dequantize"
-
-
-def _resolved(item: Any) -> Any:
-    """A collected tensor: a Future (async loading), a callable (sync) or a tensor."""
-    if hasattr(item, "result"):
-        return item.result()
-    return item() if callable(item) else item
-
-
-def _scale_source_of(weight_pattern: str) -> str:
-    """The source pattern a dequantizing converter collects a weight's block
-    scales under, as ``Fp8Dequantize`` pairs them: ``<w>.weight`` ->
-    ``<w>.weight_scale_inv``. transformers 5.19 anchors both with a regex
-    ``$`` (``.experts.*.w1.weight$`` / ``.experts.*.w1.weight_scale_inv$``: its
-    ``FineGrainedFP8HfQuantizer.update_weight_conversions``, paired back by
-    ``Fp8Dequantize._scale_pattern_for``); 5.24 does not (``f"{key}_scale_inv"``).
-    The anchor is kept where it is, so the keys stay the ones the converter's
-    later ops are given."""
-    base, anchor = (weight_pattern[:-1], "$") if weight_pattern.endswith("$") else (weight_pattern, "")
-    return f"{base}_scale_inv{anchor}"
-
-
-def _fused_fp8(converter: Any, inputs: dict[str, list[Any]], layer_name: str, kwargs: dict) -> Any:
-    """The converter's ops after ``Fp8Dequantize`` (stack the experts, join
-    gate and up) run by transformers on the fp8 codes, and again on the block
-    scales: ``(codes, scales)`` of the one tensor it makes, or None."""
-    # a source pattern's name without its regex anchor: a scale (`_scale_inv`), an unused activation scale (`_scale`)
-    def is_scale(k: str) -> bool:
-        return k.removesuffix("$").endswith(("_scale_inv", "_scale"))
-
-    codes = {k: [_resolved(t) for t in v] for k, v in inputs.items() if not is_scale(k)}
-    # in the weights' order, under the weights' keys: the ops join them in that order
-    scales = {k: [_resolved(t) for t in inputs[_scale_source_of(k)]] for k in codes if _scale_source_of(k) in inputs}
-    if not codes or codes.keys() != scales.keys():
-        logger.info("fp8 codes of %s cannot be kept (sources %s not paired with scales): dequantized",
-                    layer_name, sorted(inputs))
-        return None
-    out = []
-    for tensors in (codes, scales):
-        for op in converter.operations[1:]:
-            tensors = op.convert(tensors, source_patterns=converter.source_patterns,
-                                 target_patterns=converter.target_patterns, full_layer_name=layer_name,
-                                 model=kwargs.get("model"), config=kwargs.get("config"), missing_keys=None)
-        if len(tensors) != 1:
-            return None
-        out.append(next(iter(tensors.values())))
-    return tuple(out)
-
-
-def _wrap_convert(original):
-    def convert(self, *args, **kwargs):
-        s = _session()
-        inputs = None
-        if s is not None:
-            sources = {k for keys in getattr(self, "layer_targets", {}).values() for k in keys}
-            s.start_group(sources)
-            if s.keep_fp8 and _dequantizes_fp8(self):  # before transformers takes them
-                inputs = {k: list(v) for k, v in self.collected_tensors.items()}
-        result = original(self, *args, **kwargs)
-        if inputs is not None:
-            try:
-                s.fp8_fused = _fused_fp8(self, inputs, args[0] if args else kwargs.get("layer_name", ""), kwargs)
-            except (RuntimeError, ValueError, TypeError) as exc:  # an op that cannot take fp8: dequantize instead
-                logger.info("fp8 codes of %s cannot be kept (%s): dequantized", args[0] if args else "?", exc)
-        return result
-
-    convert.__wrapped__ = original
-    return convert
-
-
-def _wrap_set_param(original):
-    def set_param_for_module(model, target_name, param_value, loading_info, hf_quantizer):
-        original(model, target_name, param_value, loading_info, hf_quantizer)
-        s = _session()
-        if s is not None:
-            module_path, _, attr = target_name.rpartition(".")
-            module = model.get_submodule(module_path) if module_path else model
-            if attr in module._parameters or attr in module._buffers:
-                s.record(target_name, module, attr)
-
-    set_param_for_module.__wrapped__ = original
-    return set_param_for_module
-
-
-def _wrap_load(original):
-    def convert_and_load_state_dict_in_model(model, state_dict, load_config, *args, **kwargs):
-        s = _session()
-        if s is None:
-            return original(model, state_dict, load_config, *args, **kwargs)
-        from ..memory.regions import MappedRegions
-
-        s.loads += 1
-        fp8: dict[str, dict[str, Any]] = {}
-        if s.cache.reused:
-            consumed = s.cache.consumed_sources()
-            state_dict = {k: v for k, v in state_dict.items() if k not in consumed}
-            for name, tensor in s.cache.mapped().items():
-                target, _, part = name.partition(FP8_PART)
-                if part:  # fp8 codes / scales of a weight: attached below, not a key transformers knows
-                    fp8.setdefault(target, {})[part] = tensor
-                else:
-                    state_dict[name] = tensor
-        s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
-        s.sources = state_dict
-        # transformers' loader threads would make every cast or dequantized tensor ahead of the
-        # loop that sets them (the whole model in anonymous memory): made one by one instead.
-        previous = os.environ.get(SYNC_LOAD)
-        os.environ[SYNC_LOAD] = "1"
-        try:
-            result = original(model, state_dict, load_config, *args, **kwargs)
-        finally:
-            if previous is None:
-                os.environ.pop(SYNC_LOAD, None)
-            else:
-                os.environ[SYNC_LOAD] = previous
-        s.finish()
-        s.sources = None
-        info = result[0] if isinstance(result, tuple) else result
-        if fp8:
-            _attach_cached_fp8(model, fp8, info)
-        s.conversion_errors.update(getattr(info, "conversion_errors", None) or {})
-        return result
-
-    convert_and_load_state_dict_in_model.__wrapped__ = original
-    return convert_and_load_state_dict_in_model
-
-
-def _attach_cached_fp8(model: Any, cached: dict[str, dict[str, Any]], info: Any) -> None:
-    """Weights a reused conversion holds as fp8 codes and scales: attached to
-    the (still meta) parameters they stand for, which transformers then counts
-    as loaded."""
-    from ..fp8 import attach_fp8
-
-    for target, parts in cached.items():
-        if set(parts) != {"fp8_codes", "fp8_scale"}:
-            raise KeyError(f"conversion cache: {target} lacks its fp8 codes or scales")
-        owner_path, _, attr = target.rpartition(".")
-        module = model.get_submodule(owner_path) if owner_path else model
-        held = module._parameters.get(attr)
-        if held is None:
-            raise KeyError(f"conversion cache: {target} is not a parameter of {type(model).__name__}")
-        attach_fp8(module, attr, parts["fp8_codes"], parts["fp8_scale"], dtype=held.dtype)
-        plist = module.parametrizations[attr]
-        plist.original._is_hf_initialized = True
-        plist[0].scale._is_hf_initialized = True
-        missing = getattr(info, "missing_keys", None)
-        if missing is not None:
-            missing.discard(target)
-
-
-def transformers_hooks() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, wrapper factory) for transformers' loading."""
-    from transformers import core_model_loading as cml
-    from transformers import modeling_utils as mu
-
-    return [
-        (cml, "set_param_for_module", _wrap_set_param),
-        (mu, "convert_and_load_state_dict_in_model", _wrap_load),
-        (cml.WeightConverter, "convert", _wrap_convert),
-        (cml.WeightRenaming, "convert", _wrap_convert),
-    ]
-
-
-def _wrap_set_tensor(original):
-    """diffusers (through accelerate) sets each tensor with one call; a cast or
-    conversion made it when it is not on a mapping. Its source is its own key."""
-
-    def set_module_tensor_to_device(module, tensor_name, *args, **kwargs):
-        result = original(module, tensor_name, *args, **kwargs)
-        s = _session()
-        if s is not None:
-            owner_path, _, attr = tensor_name.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            s.start_group({tensor_name})
-            s.record(tensor_name, owner, attr)
-        return result
-
-    set_module_tensor_to_device.__wrapped__ = original
-    return set_module_tensor_to_device
-
-
-def _wrap_load_dict(original):
-    def load_model_dict_into_meta(model, state_dict, *args, **kwargs):
-        s = _session()
-        if s is None:
-            return original(model, state_dict, *args, **kwargs)
-        from ..memory.regions import MappedRegions
-
-        s.loads += 1
-        if s.cache.reused:
-            cached = s.cache.mapped()
-            state_dict = type(state_dict)((k, cached.get(k, v)) for k, v in state_dict.items())
-        s.regions = MappedRegions()
-        result = original(model, state_dict, *args, **kwargs)
-        s.finish()
-        return result
-
-    load_model_dict_into_meta.__wrapped__ = original
-    return load_model_dict_into_meta
-
-
-def diffusers_hooks() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, wrapper factory) for diffusers' model loading."""
-    from diffusers.models import model_loading_utils as mlu
-    from diffusers.models import modeling_utils as dmu
-
-    if not hasattr(mlu, "set_module_tensor_to_device"):
-        # diffusers imports it from accelerate when accelerate is installed, and
-        # without it loads whole state dicts into memory: nothing to keep mapped.
-        raise ImportError(
-            "mapoffload's diffusers loading needs accelerate (diffusers sets each tensor through "
-            "accelerate's set_module_tensor_to_device): pip install \"mapoffload[diffusers]\" or pip install accelerate"
-        )
-    hooks = [(mlu, "set_module_tensor_to_device", _wrap_set_tensor)]
-    for owner in (mlu, dmu):
-        if hasattr(owner, "load_model_dict_into_meta"):
-            hooks.append((owner, "load_model_dict_into_meta", _wrap_load_dict))
-    return hooks
-
-
 @contextlib.contextmanager
-def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]] | None = None, *,
+def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]], *,
             part_bytes: int | None = None, keep_fp8: bool = False) -> Iterator[Session]:
-    """Hooks (default: transformers') installed for one load in this thread;
+    """``hooks`` (transformers': :func:`._drive_transformers.transformers_hooks`; diffusers':
+    :func:`._drive_diffusers.diffusers_hooks`) installed for one load in this thread;
     yields its :class:`Session`.
 
     On success the cache is committed (when its conversions can be reused);
     on failure its unfinished files are dropped.
     """
     session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes, keep_fp8=keep_fp8)
-    hooks = transformers_hooks() if hooks is None else hooks
     with _LOCK:
         saved = []
         ok = False

@@ -34,8 +34,10 @@ from .._log import logger
 from ..checkpoint import LoadReport
 from . import _keys
 from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
-from ._converted import ConversionCache, default_root, fingerprint
-from ._drive import diffusers_hooks, driving
+from ._converted import ConversionCache
+from ._fingerprint import default_root, fingerprint
+from ._drive import driving
+from ._drive_diffusers import diffusers_hooks
 from ._report import load_report, settle_mapping
 from ._extras import require
 from ._summary import OffloadRow
@@ -182,7 +184,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_map
     """A diffusers ``ModelMixin`` from its sub-folder, loaded by diffusers' own
     ``from_pretrained`` (its key conversions, ``_keep_in_fp32_modules``) in the
     resolved dtype; what it casts is written once into the conversion folder
-    and mapped (:mod:`._drive`)."""
+    and mapped (:mod:`._drive`, :mod:`._drive_diffusers`)."""
     import time
 
     start = time.perf_counter()

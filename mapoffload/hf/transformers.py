@@ -9,7 +9,7 @@ lists, the generation config, quantizers, which missing weights it
 initialises — so the model computes exactly what transformers' model
 computes. mapoffload only makes sure nothing of it is an anonymous copy:
 tensors transformers *makes* on the way are converted once into mapped files
-(:mod:`._converted`, :mod:`._drive`).
+(:mod:`._converted`, :mod:`._drive`, :mod:`._drive_transformers`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from .._files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
 from ..checkpoint import LoadReport
 from . import _keys
-from ._converted import ConversionCache, concrete_class, default_root, fingerprint
+from ._converted import ConversionCache
+from ._fingerprint import concrete_class, default_root, fingerprint
 from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
 from ._drive import driving
+from ._drive_transformers import transformers_hooks
 from ._report import load_report, settle_mapping
 from ._extras import require
 
@@ -197,7 +199,7 @@ def load_pretrained(
     cache = ConversionCache.open(root, key)
     session = None
     try:
-        with driving(cache, keep_fp8=keep_fp8) as session:
+        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8) as session:
             model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
                                               **model_kwargs)
     except RuntimeError as exc:  # transformers raises once its report lists conversion errors

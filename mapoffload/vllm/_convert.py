@@ -23,7 +23,8 @@ import torch
 from .._log import logger
 from ..checkpoint import _read_files
 from ..memory.regions import tensor_bytes
-from ..hf._converted import ConversionCache, default_root, fingerprint
+from ..hf._converted import ConversionCache
+from ..hf._fingerprint import default_root, fingerprint
 from ._aliases import AliasRecorder, SourceIndex
 
 FORMAT = 1  # the "vllm" entry of a conversion's meta

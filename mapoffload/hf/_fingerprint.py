@@ -1,0 +1,111 @@
+"""What names a conversion folder and where it goes.
+
+A conversion is reused by the next load of the same folder and invalidated by
+any change of the sources (their real paths, sizes, modification and change
+times), the model class (an ``AutoModel*`` class counts as the concrete class
+it resolves to), the requested dtype (however it is spelled), the config or the
+transformers/torch versions: :func:`fingerprint` names the folder they live in
+(:mod:`._converted`). Its root (:func:`default_root`) is, in order: the
+``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint
+folder>/.mapoffload-converted`` when that folder is writable and not a hub
+cache snapshot (and no file has that name), ``$XDG_CACHE_HOME/mapoffload/converted``
+(``~/.cache/mapoffload/converted``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
+
+
+def default_root(folder: str) -> str:
+    """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
+    from .._files import _hub_blobs
+
+    env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
+    if env:
+        return env
+    # Never inside a hub cache snapshot: the hub manages those folders.
+    # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
+    local = os.path.join(folder, ".mapoffload-converted")
+    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
+            and (os.path.isdir(local) or not os.path.lexists(local)):
+        return local
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mapoffload", "converted")
+
+
+def concrete_class(cls: Any, config: Any) -> Any:
+    """The model class ``cls.from_pretrained`` builds for ``config``: an ``AutoModel*`` class resolved
+    as transformers resolves it (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``), any other as it is.
+
+    A conversion's bytes are made by that class, so every entry point that ends in the same class
+    shares one conversion folder. An Auto class the config maps to remote code (``auto_map``) or
+    does not map at all stays itself (its own key).
+    """
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    if cls.__name__ in (getattr(config, "auto_map", None) or {}):
+        return cls
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        return _get_model_class(config, mapping)
+    except (ImportError, KeyError, ValueError, AttributeError, TypeError):
+        return cls
+
+
+def _class_name(model_class: Any) -> str:
+    if isinstance(model_class, str):
+        return model_class
+    return f"{model_class.__module__}.{model_class.__qualname__}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """One spelling per dtype: ``"float16"``, ``"half"`` and ``torch.float16`` make the same bytes."""
+    import torch
+
+    if isinstance(dtype, str) and dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if isinstance(value, torch.dtype):
+            return str(value)
+    return str(dtype)
+
+
+def _config_text(config: Any) -> str:
+    """The config as its values, without ``_name_or_path`` (the folder as the caller spelled it;
+    ``AutoConfig`` sets it, a model's own config class does not)."""
+    if not hasattr(config, "to_json_string"):
+        return repr(config)
+    data = json.loads(config.to_json_string(use_diff=False))
+    if isinstance(data, dict):
+        data.pop("_name_or_path", None)
+    return json.dumps(data, sort_keys=True)
+
+
+def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
+    """A hex digest of everything a conversion's result depends on: the sources, the concrete model
+    class (a class or its qualified name; see :func:`concrete_class`), the dtype, the config, the
+    versions, ``extra`` -- never how the caller spelled them."""
+    import torch
+    import transformers
+
+    sources = []
+    for f in files:
+        # Where the bytes are (the real path: two checkpoints with the same names, sizes and
+        # times -- normalised timestamps of an image layer or a tar -- never share a conversion
+        # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
+        st = os.stat(f)
+        sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    blob = json.dumps({
+        "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
+        "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
+        "config": _config_text(config),
+        "extra": repr(extra),
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
