@@ -308,13 +308,13 @@ PYBIND11_MODULE(_core, m) {
   m.def("snapshot", [](const py::object& maps_path, const py::object& mountinfo_path) {
     std::string maps = fs_path(maps_path), mounts = fs_path(mountinfo_path);
     py::gil_scoped_release nogil;
-    return with_mounts(parse_maps(read_text_file(maps)), mounts);
+    return with_mounts(read_maps(maps), mounts);
   }, py::arg("maps_path") = "/proc/self/maps", py::arg("mountinfo_path") = "/proc/self/mountinfo",
      "Read and index one maps snapshot. Raises OSError when maps_path is unreadable.");
   m.def("read_smaps", [](const py::object& smaps_path, const py::object& mountinfo_path) {
     std::string smaps = fs_path(smaps_path), mounts = fs_path(mountinfo_path);
     py::gil_scoped_release nogil;
-    return with_mounts(parse_smaps(read_text_file(smaps)), mounts);
+    return with_mounts(read_smaps(smaps), mounts);
   }, py::arg("smaps_path") = "/proc/self/smaps", py::arg("mountinfo_path") = "/proc/self/mountinfo");
 
   m.def("resident_bytes", [](const SpanArray& s, const py::object& maps_path) {

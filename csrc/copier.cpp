@@ -41,7 +41,7 @@ constexpr uint64_t kDirectUnitBytes = 64ull << 20;
 MappingFault mapping_fault(uint64_t span_src, uint64_t span_bytes, uint64_t fault) {
   const std::string addrs = "mapped at " + hex(span_src) + "-" + hex(span_src + span_bytes);
   try {
-    const MapsTable t = parse_maps(read_text_file("/proc/self/maps"));
+    const MapsTable t = read_maps("/proc/self/maps");
     const long i = t.find(fault);
     if (i >= 0 && !t.path(static_cast<size_t>(i)).empty()) {
       const size_t k = static_cast<size_t>(i);

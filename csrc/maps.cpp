@@ -140,10 +140,11 @@ void parse_vma_line(std::string_view line, size_t lineno, MapsTable& t, PathInte
   if (!t.start.empty()) {
     // The kernel prints VMAs in address order, each after the previous one ends.
     if (start < t.start.back())
-      bad_line(lineno, "not sorted: start " + hex_str(start) + " is below the previous mapping's start " +
-                           hex_str(t.start.back()));
+      throw MapsOrderError("line " + std::to_string(lineno) + ": not sorted: start " + hex_str(start) +
+                           " is below the previous mapping's start " + hex_str(t.start.back()));
     if (start < t.end.back())
-      bad_line(lineno, "overlaps the previous mapping, which ends at " + hex_str(t.end.back()));
+      throw MapsOrderError("line " + std::to_string(lineno) + ": overlaps the previous mapping, which ends at " +
+                           hex_str(t.end.back()));
   }
   c.expect_space("expected permissions");
   std::string_view perm = c.token();
@@ -367,6 +368,24 @@ void MapsTable::touching(uint64_t addr, uint64_t nbytes, std::vector<uint32_t>& 
   size_t i = it == start.begin() ? 0 : static_cast<size_t>(it - start.begin()) - 1;
   if (i < size() && end[i] <= addr) ++i;
   for (; i < size() && start[i] < stop; ++i) out.push_back(static_cast<uint32_t>(i));
+}
+
+namespace {
+template <class Parse>
+MapsTable read_ordered(const std::string& path, Parse parse) {
+  for (int attempt = 1;; ++attempt) {
+    try {
+      return parse(read_text_file(path));
+    } catch (const MapsOrderError&) {
+      if (attempt >= kMapsReads) throw;  // not a torn read: a file that is out of order
+    }
+  }
+}
+}  // namespace
+
+MapsTable read_maps(const std::string& path) { return read_ordered(path, [](const std::string& s) { return parse_maps(s); }); }
+MapsTable read_smaps(const std::string& path) {
+  return read_ordered(path, [](const std::string& s) { return parse_smaps(s); });
 }
 
 std::string read_text_file(const std::string& path) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -97,6 +98,19 @@ MapsTable parse_maps(std::string_view text);
 
 // Parse /proc/<pid>/smaps: VMA header lines as in maps, then "Key: N kB" lines.
 MapsTable parse_smaps(std::string_view text);
+
+// Thrown by the parsers for VMAs out of address order (unsorted or overlapping). In a
+// /proc file read while another thread maps or unmaps, a VMA split or merged between two
+// read() calls shows twice or overlaps: the kernel serves each read() from a fresh walk.
+struct MapsOrderError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// Read and parse a maps (or smaps) file, read again while the text is out of address order
+// (a torn read, see MapsOrderError; up to kMapsReads reads, then the last error is thrown).
+constexpr int kMapsReads = 16;
+MapsTable read_maps(const std::string& path);
+MapsTable read_smaps(const std::string& path);
 
 // Parse /proc/<pid>/mountinfo: the "major:minor" (decimal, 32 bits each) and
 // fstype fields.

@@ -38,7 +38,7 @@ bool ResidencyScanner::read_maps() {
   if (reads_ > kMaxRereads) return false;
   ++reads_;
   try {
-    MapsTable fresh = parse_maps(read_text_file(maps_path_));
+    MapsTable fresh = mapoffload::read_maps(maps_path_);
     maps_ = std::make_unique<MapsTable>(std::move(fresh));
     return true;
   } catch (const OsError&) {

@@ -282,3 +282,45 @@ def test_smaps_value_beyond_64_bits_of_bytes_is_rejected():
 def test_span_total_bytes_does_not_wrap():
     assert _core.SpanArray([1, 2], [2**64 - 1, 2]).total_bytes == 2**64 + 1
     assert _core.SpanArray([1, 2], [3, 4]).total_bytes == 7
+
+
+def _serve_fifo(path, texts):
+    """A writer thread giving each open of the FIFO ``path`` the next of ``texts``."""
+    import threading
+
+    def serve():
+        for text in texts:
+            with open(path, "w") as f:  # blocks until the reader opens it
+                f.write(text)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+TORN = """\
+7f0000000000-7f0000003000 r--p 00000000 fd:01 1234                       /a.safetensors
+7f0000001000-7f0000004000 r--p 00001000 fd:01 1234                       /a.safetensors
+"""
+WHOLE = """\
+7f0000000000-7f0000004000 r--p 00000000 fd:01 1234                       /a.safetensors
+"""
+
+
+def test_a_torn_maps_read_is_read_again(tmp_path):
+    """/proc/self/maps read while another thread maps or unmaps can show a VMA split or merged
+    between two read() calls: overlapping lines. The snapshot reads the file again rather than
+    fail (a thread of test_attack_offload raised 'line 2: overlaps the previous mapping')."""
+    fifo = str(tmp_path / "maps")
+    os.mkfifo(fifo)
+    writer = _serve_fifo(fifo, [TORN, TORN, WHOLE])
+    table = _core.snapshot(fifo, os.devnull)
+    writer.join(5)
+    assert len(table) == 1
+
+
+def test_maps_out_of_order_on_every_read_is_refused_by_line(tmp_path):
+    path = tmp_path / "maps"
+    path.write_text(TORN)
+    with pytest.raises(ValueError, match="line 2: overlaps the previous mapping"):
+        _core.snapshot(str(path), os.devnull)
