@@ -65,7 +65,7 @@ _HELD: dict[int, int] = {}  # writer-mark fd -> pid that holds it (a forked chil
 
 def default_root(folder: str) -> str:
     """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
-    from .._files import _hub_blobs
+    from ..loading.files import _hub_blobs
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:
@@ -309,8 +309,8 @@ class ConversionCache:
         cache = cls(root, key)
         sweep(root)
         manifest = os.path.join(cache.path, MANIFEST)
-        from .._files import CheckpointError, open_regular
-        from .._header import read_safetensors_header
+        from ..loading.files import CheckpointError, open_regular
+        from ..loading.header import read_safetensors_header
 
         try:
             with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
@@ -374,7 +374,7 @@ class ConversionCache:
 
     def mapped(self) -> dict[str, torch.Tensor]:
         """Every cached target as a view of its mapped file."""
-        from ..checkpoint import _read_file
+        from ..loading.checkpoint import _read_file
 
         out: dict[str, torch.Tensor] = {}
         by_file: dict[str, list[str]] = {}
@@ -409,7 +409,7 @@ class ConversionCache:
 
         Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
         """
-        from ..checkpoint import _read_file
+        from ..loading.checkpoint import _read_file
 
         payload = sum(tensor_bytes(t) for t in tensors.values())
         self._begin(payload)

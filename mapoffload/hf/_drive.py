@@ -137,7 +137,7 @@ class Session:
         Anything else is converted as usual."""
         import torch
 
-        from ..fp8 import attach_fp8, dequantize_fp8, is_fp8
+        from ..loading.fp8 import attach_fp8, dequantize_fp8, is_fp8
 
         codes = scale = None
         scales = [k for k in sources if k.endswith("_scale_inv")]
@@ -354,7 +354,7 @@ def _attach_cached_fp8(model: Any, cached: dict[str, dict[str, Any]], info: Any)
     """Weights a reused conversion holds as fp8 codes and scales: attached to
     the (still meta) parameters they stand for, which transformers then counts
     as loaded."""
-    from ..fp8 import attach_fp8
+    from ..loading.fp8 import attach_fp8
 
     for target, parts in cached.items():
         if set(parts) != {"fp8_codes", "fp8_scale"}:

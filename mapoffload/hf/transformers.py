@@ -20,9 +20,9 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._files import CheckpointError, checkpoint_files
+from ..loading.files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
-from ..checkpoint import LoadReport
+from ..loading.checkpoint import LoadReport
 from . import _keys
 from ._converted import ConversionCache, concrete_class, default_root, fingerprint
 from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args

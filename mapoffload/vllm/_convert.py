@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._log import logger
-from ..checkpoint import _read_files
+from ..loading.checkpoint import _read_files
 from ..memory.regions import tensor_bytes
 from ..hf._converted import ConversionCache, default_root, fingerprint
 from ._aliases import AliasRecorder, SourceIndex

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ._fp8_workspace import workspace
+from .fp8_workspace import workspace
 
 __all__ = ["FP8_DTYPES", "Fp8Dequantize", "attach_fp8", "dequantize_fp8", "fp8_weights", "is_fp8", "quantize_fp8"]
 
@@ -209,8 +209,8 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     scale_lead = s.numel() // (srows * scols)
     if scale_lead not in (1, lead) or s.numel() != scale_lead * srows * scols:
         return False
-    from ._env import env_number
-    from ._native import _core
+    from .._env import env_number
+    from .._native import _core
 
     threads = env_number("MAPOFFLOAD_FP8_THREADS", low=1, high=64, integer=True)
     _core.dequantize_fp8(codes.data_ptr(), s.data_ptr(), out.data_ptr(), lead=lead, rows=rows, cols=cols,
@@ -241,7 +241,7 @@ class Fp8Dequantize(torch.nn.Module):
         out = None
         if codes.device.type == "cpu" and type(codes) in _PLAIN and not _tracing() and not (
                 self.scale.requires_grad and torch.is_grad_enabled()):
-            # A reused working buffer nothing else holds (_fp8_workspace), not fresh memory each time.
+            # A reused working buffer nothing else holds (fp8_workspace), not fresh memory each time.
             out = workspace().take(codes.shape, self.dtype)
         out = dequantize_fp8(codes, self.scale, dtype=self.dtype, out=out)
         if self._hold:
@@ -273,7 +273,7 @@ def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: t
     """
     from torch.nn.utils import parametrize
 
-    from ._files import CheckpointError
+    from .files import CheckpointError
 
     if not is_fp8(codes):
         raise TypeError(f"{name}: codes must be float8, not {codes.dtype}")

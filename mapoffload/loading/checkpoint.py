@@ -17,14 +17,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
-from ._header import read_safetensors_header
-from ._log import format_bytes, logger
-from ._progress import byte_bar
-from ._shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
-from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
-from .memory.ranks import local_world
-from .memory.regions import tensor_bytes
+from .files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
+from .header import read_safetensors_header
+from .._log import format_bytes, logger
+from .._progress import byte_bar
+from .shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
+from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
+from ..memory.ranks import local_world
+from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -403,7 +403,7 @@ def load_checkpoint(
     """
     import torch
 
-    from .memory.regions import MappedRegions
+    from ..memory.regions import MappedRegions
 
     t0 = time.perf_counter()
     files = checkpoint_files(path)
