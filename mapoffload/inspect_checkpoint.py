@@ -86,9 +86,9 @@ def _file_info(path: str) -> FileInfo:
         header = read_safetensors_header(path)
         names = [entry["dtype"] for key, entry in header.items() if key != "__metadata__"]
     else:
-        from .loading.checkpoint import _read_file  # the loader's own reader: what it refuses, this refuses
+        from .loading.read import read_file  # the loader's own reader: what it refuses, this refuses
 
-        names = [_dtype_name(t.dtype) for t in _read_file(path).values()]
+        names = [_dtype_name(t.dtype) for t in read_file(path).values()]
     for name in names:
         dtypes[name] = dtypes.get(name, 0) + 1
     resident, size = _core.file_resident_bytes(path)

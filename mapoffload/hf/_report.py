@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..loading.checkpoint import LoadReport
+from ..loading.report import LoadReport
 from ..memory.regions import tensor_bytes
 from ._converted import ConversionCache
 

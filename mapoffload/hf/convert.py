@@ -16,7 +16,7 @@ from typing import Any
 import json
 
 from ..loading.files import CheckpointError, _looks_remote, open_regular
-from ..loading.checkpoint import LoadReport
+from ..loading.report import LoadReport
 from ._args import DTYPE_NAMES, check_dtype
 from ._extras import require
 

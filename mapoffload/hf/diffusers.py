@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..loading.files import checkpoint_files
 from .._log import logger
-from ..loading.checkpoint import LoadReport
+from ..loading.report import LoadReport
 from . import _keys
 from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache, default_root, fingerprint

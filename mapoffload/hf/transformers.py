@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..loading.files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
-from ..loading.checkpoint import LoadReport
+from ..loading.report import LoadReport
 from . import _keys
 from ._converted import ConversionCache, concrete_class, default_root, fingerprint
 from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args

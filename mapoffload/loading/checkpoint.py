@@ -1,5 +1,12 @@
-"""Loader gates and ``load_checkpoint``: keep weights on the checkpoint's file
-mapping when host copies would not fit.
+"""``load_checkpoint``: a checkpoint into a module, its weights left on the file
+mapping when asked to or when the gate finds host copies would not fit.
+
+This is :mod:`mapoffload.checkpoint` (a contract name, ``shared/DESIGN.md``): the
+gates (:mod:`.gate`), ``empty_weights``, ``LoadReport`` and the file set are
+re-exported here, and ``load_checkpoint`` calls the gate through this module.
+The steps: the file set (:mod:`.files`), every tensor read as a mapped view
+(:mod:`.read`), the module's names and ties (:mod:`.slots`), fp8 weights paired
+with their scales (:mod:`.fp8`), a rank's slices (:mod:`.shard`).
 
 State of a module after an error: every check (files, keys, shapes, dtypes,
 parameters left on meta) runs before the first parameter is assigned, so an
@@ -10,21 +17,21 @@ assignment half way; the module is then partly loaded and must be rebuilt.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .files import TORCH_SUFFIXES, CheckpointError, checkpoint_bytes, checkpoint_files
-from .header import read_safetensors_header
-from .._log import format_bytes, logger
+from .._log import logger
 from .._progress import byte_bar
-from .shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
-from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
-from ..memory.ranks import local_world
 from ..memory.regions import tensor_bytes
+from .empty import empty_weights
+from .files import CheckpointError, checkpoint_bytes, checkpoint_files
+from .gate import keep_checkpoint_mapped, match_checkpoint_dtypes
+from .read import read_files
+from .report import LoadReport
+from .shard import ShardPlan, check_plan, group_dim, narrow_shard, resolve_rank
+from .slots import Slot, module_slots
 
 if TYPE_CHECKING:
     import torch
@@ -40,250 +47,8 @@ __all__ = [
     "match_checkpoint_dtypes",
 ]
 
-# --- the gate ---------------------------------------------------------------------
 
-
-def keep_checkpoint_mapped(*, weight_bytes: int, component: str, local_ranks: int | None = None) -> bool:
-    """True exactly when host copies of ``weight_bytes`` would not fit.
-
-    With several ranks on the host (``local_ranks``; None detects, see
-    :mod:`mapoffload.ranks`) copies cost ``local ranks x weight_bytes`` of
-    anonymous memory, a mapping the shared page cache once. Logs one line
-    saying why, with both numbers against the host's available memory.
-    """
-    world = local_world(local_ranks)
-    available = host_memory_available_bytes()
-    keep = host_copies_would_not_fit(weight_bytes, available_bytes=available, local_ranks=world.size)
-    gib = 1 << 30
-    logger.info(
-        "%s: %.2f GiB of weights, %s: copies would take %.2f GiB of anonymous memory, a mapping %.2f GiB "
-        "of shared page cache; host has %.2f GiB available (%.0f GiB reserve per rank): %s",
-        component,
-        weight_bytes / gib,
-        world,
-        world.size * weight_bytes / gib,
-        weight_bytes / gib,
-        available / gib,
-        HOST_COPY_RESERVE_BYTES / gib,
-        "copies would not fit, keeping the checkpoint mapped" if keep else "copies fit, copying into host memory",
-    )
-    return keep
-
-
-def match_checkpoint_dtypes(
-    loaded: dict[str, torch.Tensor], target_state: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Convert, in ``loaded``, only tensors whose dtype differs from the target's.
-
-    That conversion is the only anonymous memory a mapped load makes; tensors
-    whose dtype matches stay the very same objects (still views of the
-    mapping), and keys the target lacks are untouched. Returns ``loaded``.
-    """
-    for key, tensor in loaded.items():
-        target = target_state.get(key)
-        if target is not None and tensor.dtype != target.dtype:
-            loaded[key] = tensor.to(target.dtype)
-    return loaded
-
-
-# --- building without memory ----------------------------------------------------
-
-
-@contextlib.contextmanager
-def empty_weights() -> Iterator[None]:
-    """Build modules with parameters on the meta device and buffers real.
-
-    Building a 60 GiB model costs nothing: each parameter moves to meta as it
-    is registered, before the module's own initialisation runs on it. Buffers
-    (position ids, rotary tables, non-persistent ones too) are created as
-    usual, so they exist after :func:`load_checkpoint`.
-    """
-    import torch
-
-    original = torch.nn.Module.register_parameter
-
-    def register_parameter(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            cls = type(param)
-            meta = cls(param.to("meta"), requires_grad=param.requires_grad)
-            self._parameters[name] = meta
-
-    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-# --- reading files -------------------------------------------------------------
-
-
-def _read_file(path: str) -> dict[str, torch.Tensor]:
-    """Mapped CPU views of every tensor in one file (a regular file, as
-    :func:`checkpoint_files` checked)."""
-    import torch
-
-    if path.endswith(TORCH_SUFFIXES):
-        try:
-            obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise CheckpointError(path, f"not a readable PyTorch checkpoint ({exc})") from None
-        if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
-            obj = obj["state_dict"]
-        if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise CheckpointError(path, "does not hold a flat dict of tensors")
-        return dict(obj)
-    from safetensors import SafetensorError, safe_open
-
-    # safetensors' own parser takes a repeated key last-wins; ours refuses it,
-    # and names the key at fault for every other defect too.
-    read_safetensors_header(path)
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except SafetensorError as exc:
-        raise CheckpointError(path, f"not a valid safetensors file ({exc})") from None
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot be read ({exc})") from None
-
-
-MANY_SHARDS = 8  # a load of this many files shows its bar at once
-
-
-def _progress_bar(files: list[str], enabled: bool | None) -> Any:
-    """A tqdm bar over ``files`` (None: no bar) when tqdm is installed and
-    ``enabled`` is not False: shown at once for many shards (or when asked
-    for with True), otherwise only once the load has taken a second."""
-    if enabled is False or not files:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=len(files), unit="file", desc="Loading checkpoint", delay=0 if enabled or len(files) >= MANY_SHARDS else 1.0,
-                leave=False)
-
-
-def _read_files(files: list[str], progress: bool | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of every file; a key in two files is an error, not last-wins."""
-    loaded: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
-    bar = _progress_bar(files, progress)
-    try:
-        for f in files:
-            _read_one(f, loaded, origin)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    return loaded
-
-
-def _read_one(f: str, loaded: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
-    for key, tensor in _read_file(f).items():
-        if key in origin:
-            raise CheckpointError(f, f"key {key!r} is in both {origin[key]} and {f}")
-        origin[key] = f
-        loaded[key] = tensor
-
-
-# --- the report ------------------------------------------------------------------
-
-
-@dataclass
-class LoadReport:
-    """What :func:`load_checkpoint` did.
-
-    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``copies fit
-    (gate)``, ``device``, ``column slice``, ``not mapped``) to the bytes
-    copied for it.
-
-    ``decided_by`` says who chose between the mapping and copies: ``"gate"``
-    (the caller passed ``keep_mapping=None``; :func:`keep_checkpoint_mapped`
-    weighed the bytes against the host; the same in ``from_pretrained`` and
-    the vLLM load format) or ``"caller"`` (True or False).
-
-    With a shard plan, ``shard`` is ``(rank, world_size)``;
-    ``bytes_sliced_mapped`` counts this rank's slices left as views of the
-    mapping (slices contiguous in the file: row splits) and
-    ``bytes_sliced_copied`` the slices that had to be copied because they are
-    strided in the file (column splits), whatever else was done to them.
-
-    ``fp8_weights`` / ``bytes_fp8`` / ``bytes_fp8_scales``: fp8 weights kept
-    as one-byte codes with their block scales (:mod:`mapoffload.fp8`: the
-    module's weight is their dequantization, computed as it is used).
-
-    ``converted_tensors`` / ``bytes_converted``: tensors a loader made (fused
-    experts, casts, dequantized weights; :func:`mapoffload.from_pretrained`),
-    written once into mapped files in ``conversion_dir`` (counted in
-    ``bytes_mapped``); ``conversion_reused`` when an earlier load wrote them.
-    """
-
-    files: list[str] = field(default_factory=list)
-    keep_mapping: bool = False
-    tensors: int = 0
-    bytes_mapped: int = 0
-    bytes_copied: int = 0
-    copied: dict[str, int] = field(default_factory=dict)
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    shard: tuple[int, int] | None = None
-    bytes_sliced_mapped: int = 0
-    bytes_sliced_copied: int = 0
-    converted_tensors: int = 0
-    bytes_converted: int = 0
-    conversion_dir: str | None = None
-    conversion_reused: bool = False
-    decided_by: str = "caller"
-    fp8_weights: int = 0
-    bytes_fp8: int = 0
-    bytes_fp8_scales: int = 0
-
-    def _decision(self) -> str:
-        if self.decided_by == "gate":
-            return ("kept on the mapping: the gate found host copies would not fit" if self.keep_mapping
-                    else "copied into host memory: the gate found copies fit (keep_mapping=True keeps the mapping)")
-        return f"{'kept on the mapping' if self.keep_mapping else 'copied into host memory'}: " \
-               f"keep_mapping={self.keep_mapping}"
-
-    def __str__(self) -> str:
-        why = ", ".join(f"{format_bytes(n)} for {r}" for r, n in sorted(self.copied.items())) or "nothing"
-        keys = ""
-        if self.missing_keys:
-            keys += f" Missing keys: {', '.join(self.missing_keys)}."
-        if self.unexpected_keys:
-            keys += f" Unexpected keys: {', '.join(self.unexpected_keys)}."
-        shard = ""
-        if self.shard is not None:
-            shard = (
-                f" Rank {self.shard[0]} of {self.shard[1]}: slices {format_bytes(self.bytes_sliced_mapped)} "
-                f"as views of the mapping, {format_bytes(self.bytes_sliced_copied)} copied (strided in the file)."
-            )
-        if self.fp8_weights:
-            shard += (
-                f" {self.fp8_weights} fp8 weights kept as codes ({format_bytes(self.bytes_fp8)}) and block "
-                f"scales ({format_bytes(self.bytes_fp8_scales)}), dequantized as used."
-            )
-        if self.converted_tensors:
-            shard += (
-                f" {self.converted_tensors} converted tensors ({format_bytes(self.bytes_converted)}) "
-                f"{'reused from' if self.conversion_reused else 'written to'} {self.conversion_dir}, mapped."
-            )
-        return (
-            f"Loaded {self.tensors} tensors from {len(self.files)} file(s) in {self.seconds:.2f} s "
-            f"({self._decision()}): "
-            f"{format_bytes(self.bytes_mapped)} left on the file mapping, "
-            f"{format_bytes(self.bytes_copied)} copied ({why}).{shard}{keys}"
-        )
-
-
-# --- load_checkpoint -----------------------------------------------------------------
-
-
-def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, _Slot], path: Any) -> dict[str, str]:
+def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, Slot], path: Any) -> dict[str, str]:
     """``{weight key: scale key}`` for fp8 checkpoint weights stored with a
     ``<key>_scale_inv`` whose module parameter is not fp8 (it computes in a
     wider dtype): those load as codes + scales, dequantized as used. Shapes are
@@ -305,36 +70,6 @@ def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, _Slot], path: A
             raise CheckpointError(path, f"{scale}: {exc}") from None
         out[key] = scale
     return out
-
-
-@dataclass
-class _Slot:
-    """Where one state-dict name lives in the module."""
-
-    owner: Any
-    attr: str
-    is_param: bool
-    current: Any
-
-
-def _slots(module: torch.nn.Module) -> tuple[dict[str, _Slot], list[list[str]]]:
-    """Every parameter and persistent buffer by name, and tie groups (names
-    sharing one tensor object)."""
-    slots: dict[str, _Slot] = {}
-    groups: dict[int, list[str]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, p in sub._parameters.items():
-            if p is None:
-                continue
-            slots[dot + name] = _Slot(sub, name, True, p)
-            groups.setdefault(id(p), []).append(dot + name)
-        for name, b in sub._buffers.items():
-            if b is None or name in sub._non_persistent_buffers_set:
-                continue
-            slots[dot + name] = _Slot(sub, name, False, b)
-            groups.setdefault(id(b), []).append(dot + name)
-    return slots, list(groups.values())
 
 
 def load_checkpoint(
@@ -419,8 +154,8 @@ def load_checkpoint(
         )
     target_device = torch.device(device)
 
-    loaded = _read_files(files, progress)
-    slots, groups = _slots(module)
+    loaded = read_files(files, progress)
+    slots, groups = module_slots(module)
     if shard_plan is not None and isinstance(shard_plan, Mapping):
         # A tied alias the module has (the checkpoint holds the tensor once) is no stray.
         stray = sorted(k for k in shard_plan if k not in loaded and k not in slots)
