@@ -19,7 +19,7 @@ from .memory.budget import (
     host_memory_available_bytes,
     rss_anon_bytes,
 )
-from .checkpoint import (
+from .loading.checkpoint import (
     CheckpointError,
     LoadReport,
     checkpoint_bytes,
@@ -30,7 +30,7 @@ from .checkpoint import (
     match_checkpoint_dtypes,
 )
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
-from ._shard import shard_tensor
+from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
 from .offload.grads import OffloadedGradientError
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator

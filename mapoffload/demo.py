@@ -128,7 +128,7 @@ def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from .checkpoint import empty_weights, load_checkpoint
+    from .loading.checkpoint import empty_weights, load_checkpoint
     from .copier import Copier
     from .offload import LayerwiseOffloadManager
 
@@ -253,7 +253,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     import torch
 
     from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
-    from .checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
+    from .loading.checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
     from .copier import Copier
     from .offload import LayerwiseOffloadManager
     from .memory.regions import cow_report

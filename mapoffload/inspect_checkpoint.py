@@ -11,8 +11,8 @@ import os
 import json
 from dataclasses import asdict, dataclass, field
 
-from ._files import checkpoint_components, checkpoint_files
-from ._header import read_safetensors_header
+from .loading.files import checkpoint_components, checkpoint_files
+from .loading.header import read_safetensors_header
 from ._native import _core
 from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
 
@@ -86,9 +86,9 @@ def _file_info(path: str) -> FileInfo:
         header = read_safetensors_header(path)
         names = [entry["dtype"] for key, entry in header.items() if key != "__metadata__"]
     else:
-        from .checkpoint import _read_file  # the loader's own reader: what it refuses, this refuses
+        from .loading.read import read_file  # the loader's own reader: what it refuses, this refuses
 
-        names = [_dtype_name(t.dtype) for t in _read_file(path).values()]
+        names = [_dtype_name(t.dtype) for t in read_file(path).values()]
     for name in names:
         dtypes[name] = dtypes.get(name, 0) + 1
     resident, size = _core.file_resident_bytes(path)

@@ -260,7 +260,7 @@ def test_inspect_of_unreadable_files_and_folders_is_one_line(llama, capsys, monk
     import errno
     import os
 
-    import mapoffload._files as files
+    import mapoffload.loading.files as files
 
     real_open, real_listdir = os.open, os.listdir
 

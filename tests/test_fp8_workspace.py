@@ -1,5 +1,5 @@
 """FP8 weights dequantize on the CPU into reused working buffers
-(``mapoffload._fp8_workspace``): a buffer is reused only when nothing holds
+(``mapoffload.loading.fp8_workspace``): a buffer is reused only when nothing holds
 it, so a weight a caller kept - or a view of it - keeps its values."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import gc
 import pytest
 import torch
 
-from mapoffload import _fp8_workspace
+from mapoffload.loading import fp8_workspace
 from mapoffload.fp8 import attach_fp8, dequantize_fp8, quantize_fp8
 
-pytestmark = pytest.mark.skipif(_fp8_workspace._use_count is None, reason="torch has no storage use count")
+pytestmark = pytest.mark.skipif(fp8_workspace._use_count is None, reason="torch has no storage use count")
 
 
 def _linear(seed: int, rows: int = 256, cols: int = 384) -> torch.nn.Linear:
@@ -31,18 +31,18 @@ def _expected(lin: torch.nn.Linear) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _fresh_workspace(monkeypatch):
     # A workspace of this test's own: fp8 modules of other tests still alive own the process's.
-    monkeypatch.setattr(_fp8_workspace, "_WORKSPACE", _fp8_workspace.Workspace())
+    monkeypatch.setattr(fp8_workspace, "_WORKSPACE", fp8_workspace.Workspace())
 
 
 def test_a_weight_nothing_holds_is_dequantized_into_the_same_buffer():
     lin = _linear(0)
-    ws = _fp8_workspace.workspace()
+    ws = fp8_workspace.workspace()
     with torch.no_grad():
         first = lin.weight.data_ptr()  # the view is dropped at once
         hits = ws.hits
         second = lin.weight.data_ptr()
     assert first == second and ws.hits == hits + 1
-    assert 0 < ws.bytes <= _fp8_workspace.PER_KEY * 256 * 384 * 2
+    assert 0 < ws.bytes <= fp8_workspace.PER_KEY * 256 * 384 * 2
     with torch.no_grad():
         assert torch.equal(lin.weight, _expected(lin))
 
@@ -62,7 +62,7 @@ def test_a_kept_weight_or_view_keeps_its_values():
 
 
 def test_weights_held_at_once_never_share_a_buffer():
-    lins = [_linear(s) for s in range(_fp8_workspace.PER_KEY + 2)]
+    lins = [_linear(s) for s in range(fp8_workspace.PER_KEY + 2)]
     with torch.no_grad():
         held = [lin.weight for lin in lins]
         assert len({w.data_ptr() for w in held}) == len(held)
@@ -80,18 +80,18 @@ def test_outputs_equal_fresh_memory_over_forwards():
 
 
 def test_large_weights_get_memory_of_their_own(monkeypatch):
-    monkeypatch.setattr(_fp8_workspace, "MAX_BUFFER_BYTES", 1024)
+    monkeypatch.setattr(fp8_workspace, "MAX_BUFFER_BYTES", 1024)
     lin = _linear(5)
     with torch.no_grad():
         lin.weight
-    assert _fp8_workspace.workspace().bytes == 0
+    assert fp8_workspace.workspace().bytes == 0
 
 
 def test_the_buffers_go_with_the_last_fp8_weight():
     lin = _linear(6)
     with torch.no_grad():
         lin.weight
-    assert _fp8_workspace.workspace().bytes > 0
+    assert fp8_workspace.workspace().bytes > 0
     del lin
     gc.collect()
-    assert _fp8_workspace.workspace().bytes == 0
+    assert fp8_workspace.workspace().bytes == 0

@@ -2,9 +2,10 @@
 
 Every ``import`` of ``mapoffload``'s own modules, at any depth in a module (a function's lazy import
 too, not those under ``if TYPE_CHECKING:``), is an edge of the module graph. The graph has no
-circle; the layers import downward only (running -> page cache -> memory): ``mapoffload.memory``
-imports neither ``pagecache`` nor ``offload``, and ``mapoffload.pagecache`` does not import
-``offload``; and no module is longer than ``MAX_LINES``.
+circle; the layers import downward only (running -> page cache -> memory, and loading -> memory):
+``mapoffload.memory`` imports neither ``loading``, ``pagecache`` nor ``offload``,
+``mapoffload.pagecache`` does not import ``offload``, ``mapoffload.loading`` imports none of
+``pagecache``, ``offload``, ``hf``, ``vllm``; and no module is longer than ``MAX_LINES``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ MAX_LINES = 450
 # Modules still over MAX_LINES (issue 25 asks for about 400), each held to the lines it has now:
 # the list only shrinks (an entry back under MAX_LINES is taken out: the test below).
 OVER = {
-    "mapoffload.checkpoint": 556,
 }
 
 
@@ -156,8 +156,10 @@ def test_a_circle_is_found():
 
 
 @pytest.mark.parametrize("layer, above", [
-    ("mapoffload.memory", ("mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
+    ("mapoffload.memory", ("mapoffload.loading", "mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf",
+                           "mapoffload.vllm")),
     ("mapoffload.pagecache", ("mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
+    ("mapoffload.loading", ("mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
 ])
 def test_layers_import_downward_only(layer, above):
     graph = module_graph()

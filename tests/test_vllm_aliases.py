@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from mapoffload.checkpoint import _read_file
+from mapoffload.loading.read import read_file
 from mapoffload.hf._st_write import reserve_safetensors
 from mapoffload.vllm._aliases import AliasRecorder, SourceIndex
 
@@ -15,7 +15,7 @@ def _setup(tmp_path, specs):
     torch.manual_seed(0)
     src = {"a": torch.randn(8, 4), "b": torch.randn(8, 4), "c": torch.randn(16), "h": torch.randn(4, 4).half()}
     save_file(src, str(tmp_path / "ckpt.safetensors"))
-    mapped = _read_file(str(tmp_path / "ckpt.safetensors"))
+    mapped = read_file(str(tmp_path / "ckpt.safetensors"))
     views = reserve_safetensors(str(tmp_path / "part.safetensors"), specs)
     params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in views.items()}
     return src, mapped, params

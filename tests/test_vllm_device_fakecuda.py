@@ -1,7 +1,7 @@
 """The vLLM device path's copies, under the stand-in CUDA runtime (tests/fakecuda).
 
 On a GPU the offloaded layers' host weights are the tensors the vLLM binding
-reads from the checkpoint (``checkpoint._read_files``: views of a private,
+reads from the checkpoint (``loading.read.read_files``: views of a private,
 writable file mapping). The copier moves them staged: worker threads memcpy
 the mapping into pinned slots, the (stand-in) DMA engine reads only those, so
 the mapping never turns anonymous. A child interpreter does one layer's worth
@@ -28,10 +28,10 @@ sys.path.insert(0, {tests!r})
 from fakecuda import ENV, FakeCuda
 import mapoffload
 from mapoffload import _core
-from mapoffload.checkpoint import _read_files
+from mapoffload.loading.read import read_files
 
 fake = FakeCuda(os.environ[ENV]); fake.reset(); fake.set_delay_us(1000)
-tensors = list(_read_files([{path!r}]).values())
+tensors = list(read_files([{path!r}]).values())
 assert all(mapoffload.MappedRegions().classify(tensors))
 sizes = [t.numel() * t.element_size() for t in tensors]
 total = sum(sizes)

@@ -158,10 +158,10 @@ def test_an_offloaded_weight_that_is_not_mapped_is_refused_by_name(tmp_path):
     from mapoffload.vllm._offloader import check_still_mapped
     from safetensors.torch import save_file
 
-    from mapoffload.checkpoint import _read_files
+    from mapoffload.loading.read import read_files
 
     save_file({"w": torch.ones(64, 64)}, str(tmp_path / "m.safetensors"))
-    mapped = torch.nn.Parameter(_read_files([str(tmp_path / "m.safetensors")])["w"], requires_grad=False)
+    mapped = torch.nn.Parameter(read_files([str(tmp_path / "m.safetensors")])["w"], requires_grad=False)
     owned = torch.nn.Parameter(torch.ones(64, 64), requires_grad=False)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
@@ -179,11 +179,11 @@ def test_an_offloaded_weight_that_is_not_mapped_is_refused_by_name(tmp_path):
 def _mapped_param(tmp_path, name: str = "m") -> torch.nn.Parameter:
     from safetensors.torch import save_file
 
-    from mapoffload.checkpoint import _read_files
+    from mapoffload.loading.read import read_files
 
     path = str(tmp_path / f"{name}.safetensors")
     save_file({"w": torch.ones(64, 64)}, path)
-    return torch.nn.Parameter(_read_files([path])["w"], requires_grad=False)
+    return torch.nn.Parameter(read_files([path])["w"], requires_grad=False)
 
 
 def test_a_parameter_post_processing_replaces_over_the_scratch_is_refused_by_name(tmp_path):

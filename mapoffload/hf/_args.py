@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._files import _looks_remote
+from ..loading.files import _looks_remote
 
 RESTS = ("auto", "device", "stream")  # offload(..., rest=)
 # The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the

@@ -95,8 +95,8 @@ class ConversionCache:
         cache = cls(root, key)
         sweep(root)
         manifest = os.path.join(cache.path, MANIFEST)
-        from .._files import CheckpointError, open_regular
-        from .._header import read_safetensors_header
+        from ..loading.files import CheckpointError, open_regular
+        from ..loading.header import read_safetensors_header
 
         try:
             with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
@@ -160,14 +160,14 @@ class ConversionCache:
 
     def mapped(self) -> dict[str, torch.Tensor]:
         """Every cached target as a view of its mapped file."""
-        from ..checkpoint import _read_file
+        from ..loading.read import read_file
 
         out: dict[str, torch.Tensor] = {}
         by_file: dict[str, list[str]] = {}
         for k, e in self.tensors.items():
             by_file.setdefault(e["file"], []).append(k)
         for name, keys in by_file.items():
-            views = _read_file(os.path.join(self.path, name))
+            views = read_file(os.path.join(self.path, name))
             out.update({k: views[k] for k in keys})
         return out
 
@@ -195,7 +195,7 @@ class ConversionCache:
 
         Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
         """
-        from ..checkpoint import _read_file
+        from ..loading.read import read_file
 
         payload = sum(tensor_bytes(t) for t in tensors.values())
         self._begin(payload)
@@ -209,7 +209,7 @@ class ConversionCache:
         for k, t in tensors.items():
             self.tensors[k] = {"file": name, "sources": sorted(sources.get(k, ())),
                                "bytes": tensor_bytes(t)}
-        views = _read_file(path)
+        views = read_file(path)
         return {k: views[k] for k in tensors}
 
     def reserve(self, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:

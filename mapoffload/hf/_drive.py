@@ -139,7 +139,7 @@ class Session:
         Anything else is converted as usual."""
         import torch
 
-        from ..fp8 import attach_fp8, dequantize_fp8, is_fp8
+        from ..loading.fp8 import attach_fp8, dequantize_fp8, is_fp8
 
         codes = scale = None
         scales = [k for k in sources if k.endswith("_scale_inv")]

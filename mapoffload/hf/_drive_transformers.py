@@ -157,7 +157,7 @@ def _attach_cached_fp8(model: Any, cached: dict[str, dict[str, Any]], info: Any)
     """Weights a reused conversion holds as fp8 codes and scales: attached to
     the (still meta) parameters they stand for, which transformers then counts
     as loaded."""
-    from ..fp8 import attach_fp8
+    from ..loading.fp8 import attach_fp8
 
     for target, parts in cached.items():
         if set(parts) != {"fp8_codes", "fp8_scale"}:

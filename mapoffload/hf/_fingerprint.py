@@ -24,7 +24,7 @@ FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
 
 def default_root(folder: str) -> str:
     """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
-    from .._files import _hub_blobs
+    from ..loading.files import _hub_blobs
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:

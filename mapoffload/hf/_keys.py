@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._files import TORCH_SUFFIXES
-from .._header import read_safetensors_header
+from ..loading.files import TORCH_SUFFIXES
+from ..loading.header import read_safetensors_header
 
 MAX_LISTED = 10
 

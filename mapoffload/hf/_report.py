@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import LoadReport
+from ..loading.report import LoadReport
 from ..memory.regions import tensor_bytes
 from ._converted import ConversionCache
 
@@ -69,7 +69,7 @@ def settle_mapping(model: torch.nn.Module, keep_mapping: bool | None, *, compone
     has in :func:`~mapoffload.load_checkpoint` and in the vLLM load format. Returns whether the mapping
     is kept, the bytes copied and who decided (``"gate"`` or ``"caller"``).
     """
-    from ..checkpoint import keep_checkpoint_mapped
+    from ..loading.checkpoint import keep_checkpoint_mapped
     from ..memory.regions import MappedRegions
 
     regions = MappedRegions()
@@ -111,7 +111,7 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
     report.bytes_converted = cache.bytes
     report.conversion_dir = cache.path if cache.tensors else None
     report.conversion_reused = cache.reused
-    from ..fp8 import fp8_weights
+    from ..loading.fp8 import fp8_weights
 
     for _, codes, dequant in fp8_weights(model):
         report.fp8_weights += 1

@@ -267,9 +267,9 @@ def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Mod
     the CPU twin's device buffers) and, for a model with fp8 weights, the
     process's fp8 working buffers; None when there are none. Not weights:
     its ``nbytes`` is 0, so it is no part of "a full host copy"."""
-    from .._fp8_workspace import workspace
+    from ..loading.fp8_workspace import workspace
     from ..offload.buffers import held_buffers
-    from ..fp8 import fp8_weights
+    from ..loading.fp8 import fp8_weights
 
     kinds: dict[str, list[int]] = {}
     seen: set[int] = set()
@@ -375,7 +375,7 @@ def fp8_words(model: torch.nn.Module) -> str:
     their codes and scales, and the working memory a dequantization takes."""
     import torch
 
-    from ..fp8 import fp8_weights
+    from ..loading.fp8 import fp8_weights
 
     found = [(codes, d) for _, codes, d in fp8_weights(model)]
     if not found:

@@ -15,8 +15,8 @@ from typing import Any
 
 import json
 
-from .._files import CheckpointError, _looks_remote, open_regular
-from ..checkpoint import LoadReport
+from ..loading.files import CheckpointError, _looks_remote, open_regular
+from ..loading.report import LoadReport
 from ._args import DTYPE_NAMES, check_dtype
 from ._extras import require
 

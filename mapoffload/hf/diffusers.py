@@ -29,9 +29,9 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._files import checkpoint_files
+from ..loading.files import checkpoint_files
 from .._log import logger
-from ..checkpoint import LoadReport
+from ..loading.report import LoadReport
 from . import _keys
 from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
 from ._converted import ConversionCache

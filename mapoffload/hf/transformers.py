@@ -20,9 +20,9 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._files import CheckpointError, checkpoint_files
+from ..loading.files import CheckpointError, checkpoint_files
 from .._log import format_bytes, logger
-from ..checkpoint import LoadReport
+from ..loading.report import LoadReport
 from . import _keys
 from ._converted import ConversionCache
 from ._fingerprint import concrete_class, default_root, fingerprint

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._log import logger
-from ..checkpoint import _read_files
+from ..loading.read import read_files
 from ..memory.regions import tensor_bytes
 from ..hf._converted import ConversionCache
 from ..hf._fingerprint import default_root, fingerprint
@@ -185,7 +185,7 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
     """
     every = dict(model.named_parameters())
     params = every if only is None else {n: p for n, p in every.items() if n in only}
-    tensors = _read_files(files)
+    tensors = read_files(files)
     sources = SourceIndex(tensors)  # one index of the checkpoint's addresses for the whole load
     root = cache_dir or default_root(folder)
     cache = ConversionCache.open(root, key)

@@ -16,9 +16,9 @@ import os
 
 import torch
 
-from .._files import checkpoint_files
+from ..loading.files import checkpoint_files
 from .._log import format_bytes, logger
-from ..checkpoint import keep_checkpoint_mapped
+from ..loading.checkpoint import keep_checkpoint_mapped
 from ..regions import tensor_bytes
 from ._compute import PLAIN, VNNI, mapped_layout, mapped_linear, packed_layers
 from ._convert import Bound, bind_mapped, conversion_key, hidden

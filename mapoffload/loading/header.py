@@ -15,7 +15,7 @@ import os
 import struct
 from typing import Any
 
-from ._files import CheckpointError, open_regular
+from .files import CheckpointError, open_regular
 
 __all__ = ["DTYPE_BITS", "read_safetensors_header"]
 
