@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from .._log import format_bytes, logger
 from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
 from .peers import PeerRegistry, share_room
+from .read_around_fit import read_around_fits
 from .residency import ResidencyPlan, plan_residency, plan_shared
 
 if TYPE_CHECKING:
@@ -336,37 +337,14 @@ class PageCacheCoordinator:
 
     def read_around_fits(self, member: StackMember, need: int) -> tuple[bool, str]:
         """Whether ``member`` may read its streamed layers around the page cache into ``need`` bytes of
-        buffers under the last measured plan, and why not.
-
-        The buffers are anonymous memory: with the other members' they must fit in the room the plan
-        has for the layers (never in the cached set's thin share of the margin, which the kernel may
-        need back), and the plan that charges them must stream no more than the one through the
-        mapping (buffers that push cached layers out read more). A manager with a share of its own
-        (``page_cache_bytes``) is not weighed here.
-        """
+        buffers under the last measured plan, and why not (:func:`.read_around_fit.read_around_fits`)."""
         with self._lock:
             refs, sizes, windows, _, _ = self._last
-            measured = [r() for r in refs]
-            if self.budget is None or not any(m is member for m in measured) or any(m is None for m in measured):
+            if self.budget is None:
                 return True, ""
-            others = planned_buffers([m for m in measured if m is not member])
-            if others + need > self.room:
-                besides = f" beside {format_bytes(others)} of other stacks'" if others else ""
-                return False, (f"its read-around buffers ({format_bytes(need)}{besides}) do not fit the "
-                               f"{format_bytes(self.room)} the page-cache plan has for the layers under "
-                               f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}: "
-                               "streamed layers are read through the mapping")
-            kw = dict(prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
-                      cache_only=self.cache_extra)
-            mine = planned_buffers([member])
-            mapping = plan_shared(sizes, self.room, buffers=others, **kw)
-            around = plan_shared(sizes, self.room, buffers=others + max(need, mine), **kw)
-            more = sum(p.streamed_bytes for p in around) - sum(p.streamed_bytes for p in mapping)
-            if more > 0:
-                return False, (f"its read-around buffers ({format_bytes(need)}) would take the room of cached "
-                               f"layers ({format_bytes(more)} more read per forward): streamed layers are read "
-                               "through the mapping")
-            return True, ""
+            where = f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}"
+            return read_around_fits([r() for r in refs], sizes, windows, room=self.room, cache_extra=self.cache_extra,
+                                    member=member, need=need, where=where)
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""
