@@ -123,3 +123,28 @@ def test_reloading_vnni_weights_in_place_is_refused():
     loader.options = LoaderOptions.parse({})
     with pytest.raises(VllmLoadError, match=r"layer.*VNNI.*start a new engine"):
         loader.load_weights(model, SimpleNamespace())
+
+
+def test_the_conversion_key_names_the_gemm_layout(tmp_path):
+    """A VNNI start and a plain one on the same folder write (and map) different conversions: a plain
+    folder has no packed weights to map, a VNNI one holds no plain rows. (Regression: the layout was
+    shadowed in the key by the parallel layout, so a VNNI start reused the plain folder and kept its
+    packed weights in memory.)"""
+    import vllm  # noqa: F401  (the key names vLLM's version)
+
+    from mapoffload.vllm._compute import PLAIN, VNNI
+    from mapoffload.vllm._options import LoaderOptions
+    from mapoffload.vllm.loader import _Loader
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 64)
+    loader = _Loader.__new__(_Loader)
+    loader.options = LoaderOptions.parse({})
+    model = _layer(32, 64)
+    model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"model_type": "llama"}, quantization=None)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+    def key(**kw):
+        return loader._key([str(path)], model, model_config, vllm_config, "LlamaForCausalLM", False, **kw)
+
+    assert key(gemm=PLAIN) == key() != key(gemm=VNNI)

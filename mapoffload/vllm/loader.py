@@ -123,22 +123,22 @@ class _Loader:
         return layout
 
     def _key(self, files: list[str], model: torch.nn.Module, model_config, vllm_config, architecture: str,
-             pack: bool, only: set[str] | None = None, layout: str = PLAIN) -> str:  # noqa: ANN001
+             pack: bool, only: set[str] | None = None, gemm: str = PLAIN) -> str:  # noqa: ANN001
         import vllm
 
         parallel = vllm_config.parallel_config
         try:
             from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-            layout = {"tp": [get_tensor_model_parallel_rank(), parallel.tensor_parallel_size],
-                      "pp": [get_pp_group().rank_in_group, parallel.pipeline_parallel_size]}
+            ranks = {"tp": [get_tensor_model_parallel_rank(), parallel.tensor_parallel_size],
+                     "pp": [get_pp_group().rank_in_group, parallel.pipeline_parallel_size]}
         except (AssertionError, RuntimeError, AttributeError):
-            layout = {"tp": [0, parallel.tensor_parallel_size], "pp": [0, parallel.pipeline_parallel_size]}
+            ranks = {"tp": [0, parallel.tensor_parallel_size], "pp": [0, parallel.pipeline_parallel_size]}
         shapes = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
-                              extra={"vllm": vllm.__version__, **layout, "quantization": model_config.quantization,
-                                     "pack": pack, "layout": layout, "parameters": shapes,
+                              extra={"vllm": vllm.__version__, **ranks, "quantization": model_config.quantization,
+                                     "pack": pack, "gemm_layout": gemm, "parameters": shapes,
                                      **({} if only is None else {"offloaded": sorted(only)})})
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
@@ -158,7 +158,7 @@ class _Loader:
         return bound
 
     def _bind(self, model, model_config, vllm_config, architecture: str, pack: bool,
-              only: set[str] | None = None, layout: str = PLAIN):  # noqa: ANN001
+              only: set[str] | None = None, gemm: str = PLAIN):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         folder = _local_folder(model_config.model)
@@ -168,7 +168,7 @@ class _Loader:
             if loaded is not None:  # vLLM's own check: every parameter came from the checkpoint
                 DefaultModelLoader.track_weights_loading(self, m, loaded, quantized=False)  # type: ignore[arg-type]
 
-        key = self._key(files, model, model_config, vllm_config, architecture, pack, only, layout)
+        key = self._key(files, model, model_config, vllm_config, architecture, pack, only, gemm)
         return bind_mapped(model, files, key=key, cache_dir=self.options.cache_dir, folder=folder,
                            check_loaded=check_loaded, only=only)
 
@@ -202,7 +202,7 @@ class _Loader:
             return model
         with set_default_torch_dtype(model_config.dtype), device:
             model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        bound, cache = self._bind(model, model_config, vllm_config, architecture, pack, layout=layout)
+        bound, cache = self._bind(model, model_config, vllm_config, architecture, pack, gemm=layout)
         before = {name: tensor_bytes(p) for name, p in model.named_parameters()}
         post = PostProcessed(cache)
         # VNNI packs weights in place of the checkpoint's: kept only where they are mapped (in the folder).
