@@ -145,6 +145,11 @@ class _Loader:
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
         from vllm.config import get_current_vllm_config
 
+        managers = getattr(model, "mapoffload_managers", None) or []
+        if managers:
+            raise VllmLoadError(f"reloading weights in place: {len(managers)} layer stack(s) of this model are "
+                                f"streamed by mapoffload ({managers[0]!r}), whose stores are the weights bound now; "
+                                f"start a new engine to load other weights")
         packed = packed_layers(model)
         if packed:
             raise VllmLoadError(f"reloading weights in place: {len(packed)} linear layers ({packed[0]}, ...) compute "
