@@ -199,3 +199,22 @@ def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_windo
         for _ in range(2):
             forward(model, x, want)
             assert mgr.loads.host_bytes <= charged  # what it made stays within what the plan charged
+
+
+def test_the_cpu_twins_charge_covers_every_buffer_size_its_pool_keeps():
+    """The twin's pool keeps given-back buffers by exact size: layers of two sizes (or of two dtypes)
+    leave up to a window of each, and the charge covers that, not a window of the largest."""
+    from types import SimpleNamespace
+
+    from mapoffload.offload.device_copies import DeviceCopies
+
+    def charge(sizes, window):
+        stores = [SimpleNamespace(dev_bytes=dict(zip((torch.bfloat16, torch.float32), s))) for s in sizes]
+        target = DeviceCopies(stores, None, torch.device("cpu"), None, owns_copier=False, window_layers=window)
+        return target.planned_host_bytes
+
+    a, b = 3 * MIB, 1 * MIB
+    assert charge([(a,)] * 4, 2) == 2 * a
+    assert charge([(a,), (b,), (a,), (b,)], 2) == 2 * a + 2 * b  # not 2 x max(a, b)
+    assert charge([(a,), (b,)], 3) == a + b  # never more of a size than the layers of that size
+    assert charge([(a, b)] * 3, 2) == 2 * (a + b)  # two dtypes: a buffer each

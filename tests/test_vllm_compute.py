@@ -151,3 +151,33 @@ def test_the_conversion_key_names_the_gemm_layout(tmp_path):
         return loader._key([str(path)], model, model_config, vllm_config, "LlamaForCausalLM", False, **kw)
 
     assert key(gemm=PLAIN) == key() != key(gemm=VNNI)
+
+
+def test_vnni_packs_a_shared_weight_once_and_never_under_an_embedding(vllm_utils):
+    """One Parameter held by two linears is packed once (the second computes from the same packed
+    bytes); one an embedding also holds is left plain when the embedding came first, and refused by
+    name when the embedding comes after its packing (its lookup would read packed rows)."""
+    _needs_vnni()
+    from mapoffload.vllm import VllmLoadError
+    from mapoffload.vllm._compute import VNNI, _linear, _vnni_linear, mapped_linear
+
+    a = _layer(32, 64, bias=False)
+    b = torch.nn.Module()
+    b.weight, b.bias = a.weight, None
+    with mapped_linear(True, layout=VNNI):
+        vllm_utils.dispatch_cpu_unquantized_gemm(a, True)
+        packed = a.weight.detach().clone()
+        vllm_utils.dispatch_cpu_unquantized_gemm(b, True)
+    assert torch.equal(b.weight, packed) and b.cpu_linear is _vnni_linear  # not packed twice
+    embedding, linear = _layer(32, 64, bias=False), torch.nn.Module()
+    linear.weight, linear.bias = embedding.weight, None
+    plain = embedding.weight.detach().clone()
+    with mapped_linear(True, layout=VNNI):
+        vllm_utils.dispatch_cpu_unquantized_gemm(embedding, False)  # the embedding first: its rows stay
+        vllm_utils.dispatch_cpu_unquantized_gemm(linear, True)
+    assert torch.equal(embedding.weight, plain) and linear.cpu_linear is _linear
+    first, emb = _layer(32, 64, bias=False), torch.nn.Module()
+    emb.weight = first.weight
+    with mapped_linear(True, layout=VNNI), pytest.raises(VllmLoadError, match="also an embedding's"):
+        vllm_utils.dispatch_cpu_unquantized_gemm(first, True)
+        vllm_utils.dispatch_cpu_unquantized_gemm(emb, False)

@@ -64,10 +64,12 @@ def copy_mapped(model: torch.nn.Module, regions: Any) -> int:
 def settle_mapping(model: torch.nn.Module, keep_mapping: bool | None, *, component: str) -> tuple[bool, int, str]:
     """Keep the model's mapped weights on the mapping or copy them, as ``keep_mapping`` says.
 
-    True keeps, False copies; None asks the gate (:func:`~mapoffload.keep_checkpoint_mapped`) with the
-    bytes the model holds on a mapping now - what a copy would take - the meaning ``keep_mapping=None``
-    has in :func:`~mapoffload.load_checkpoint` and in the vLLM load format. Returns whether the mapping
-    is kept, the bytes copied and who decided (``"gate"`` or ``"caller"``).
+    True keeps, False copies; None asks the gate (:func:`~mapoffload.keep_checkpoint_mapped`) whether
+    copies would fit, as ``keep_mapping=None`` does in :func:`~mapoffload.load_checkpoint` and the vLLM
+    load format. Unlike ``load_checkpoint`` (which weighs the files before reading), it weighs what the
+    model holds on a mapping after its library's load (what a copy would take, conversions included),
+    and a pipeline asks for each component in turn, the copies of the ones before already in memory.
+    Returns whether the mapping is kept, the bytes copied and who decided (``"gate"`` or ``"caller"``).
     """
     from ..loading.checkpoint import keep_checkpoint_mapped
     from ..memory.regions import MappedRegions

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -115,11 +116,14 @@ class DeviceCopies(Target):
     @property
     def planned_host_bytes(self) -> int:
         """What the page-cache plan charges for it: the ring, and on the CPU twin the buffers of
-        ``window_layers`` of the largest layer (or what the pool holds, when more)."""
+        ``window_layers`` buffers of each size the layers use (or what the pool holds, when more)."""
         if self._cuda:
             return self._ring_bytes()
-        largest = max((sum(s.dev_bytes.values()) for s in self._stores), default=0)
-        return self._ring_bytes() + max(self.pool.bytes, self._window_layers * largest)
+        # The pool keeps given-back buffers by exact size: of each size, at most as many as a window
+        # of layers takes at once, and never fewer than the layers of that size need.
+        sizes = Counter(n for s in self._stores for n in s.dev_bytes.values())
+        most = sum(n * min(count, self._window_layers) for n, count in sizes.items())
+        return self._ring_bytes() + max(self.pool.bytes, most)
 
     @property
     def pin_device(self) -> int | None:

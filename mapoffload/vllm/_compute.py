@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ._errors import VllmLoadError
+
 VNNI = "vnni"
 PLAIN = "plain"
 
@@ -53,6 +55,10 @@ def mapped_layout() -> str:
         if not (hasattr(ops, "convert_weight_packed") and hasattr(ops, "weight_packed_linear")):
             return PLAIN
     except (AttributeError, RuntimeError):
+        return PLAIN
+    # Beyond 4 rows the kernel goes through torch's oneDNN brgemm: with oneDNN off it could fail inside
+    # an OpenMP region (a process abort, not an exception).
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return PLAIN
     return VNNI if torch.cpu._is_avx512_bf16_supported() else PLAIN
 
@@ -79,15 +85,26 @@ def mapped_linear(enabled: bool, *, layout: str = PLAIN,
     from vllm.model_executor.layers import utils
 
     original = utils.dispatch_cpu_unquantized_gemm
+    # A weight shared by two layers is packed once, and never where another holder reads its rows.
+    seen: dict[int, str] = {}  # id of a weight parameter dispatched -> "vnni" (packed) or "plain"
 
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
         if weight is None or weight.is_meta or weight.ndim != 2:
             return original(layer, remove_weight)
+        before = seen.get(id(weight))
+        if before == VNNI:
+            if not remove_weight:
+                raise VllmLoadError(f"a weight packed for vLLM's small-GEMM kernel (VNNI) is also an embedding's "
+                                   f"({type(layer).__name__}), whose lookup reads plain rows: load without vnni")
+            layer.cpu_linear = _vnni_linear  # already packed for its other linear
+            return None
         # An embedding keeps its weight (remove_weight=False): the lookup reads the plain rows.
-        if layout != VNNI or not remove_weight or not _takes(weight):
+        if layout != VNNI or not remove_weight or before == PLAIN or not _takes(weight):
+            seen[id(weight)] = PLAIN
             layer.cpu_linear = _linear
             return None
+        seen[id(weight)] = VNNI
         packed = stored(layer, "weight") if stored is not None else None
         if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
             packed = torch.ops._C.convert_weight_packed(weight.data)

@@ -114,6 +114,9 @@ class _Loader:
     def _layout(self, pack: bool, architecture: str) -> str:
         """How linear layers computed from the mapping run (``_compute.py``): VNNI only when asked and possible."""
         if pack or not self.options.vnni:
+            if self.options.vnni and architecture:
+                logger.warning("mapoffload: vLLM %s: vnni=true is not used: the linear weights are packed for "
+                               "oneDNN (pack resolved to true: host copies fit, or pack=true)", architecture)
             return PLAIN
         layout = mapped_layout()
         if layout != VNNI and architecture:
@@ -153,9 +156,8 @@ class _Loader:
         packed = packed_layers(model)
         if packed:
             raise VllmLoadError(f"reloading weights in place: {len(packed)} linear layers ({packed[0]}, ...) compute "
-                                f"from weights packed for vLLM's small-GEMM kernel (VNNI) in the conversion folder, "
-                                f"which a checkpoint's plain rows cannot refill; start a new engine (or load with "
-                                f"pack=true)")
+                                f"from weights packed for vLLM's small-GEMM kernel (VNNI), which a checkpoint's plain "
+                                f"rows cannot refill; start a new engine (or load without vnni)")
 
         bound, cache = self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__,
                                   pack=False)
@@ -201,7 +203,7 @@ class _Loader:
         if not keep:
             model = self._copy(vllm_config, model_config, prefix, pack)
             copied = ("packed for the CPU GEMM library" if pack else
-                      f"computed unpacked{f' ({vnni})' if layout == VNNI else ''}")
+                      f"{vnni}, in memory" if layout == VNNI else "computed from the plain rows")
             logger.info("mapoffload: vLLM %s copied into memory as vLLM's loader does (%s); linear layers %s",
                         architecture, why, copied)
             return model
@@ -239,6 +241,10 @@ class _Loader:
         """The device path (see :mod:`._offloader`): the offloaded layers mapped and streamed by the
         copier, everything else loaded onto the device by vLLM's own loader."""
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        if self.options.vnni:
+            logger.warning("mapoffload: vLLM %s: vnni=true is not used on the device path (%s): the offloaded "
+                           "layers compute from their plain rows", architecture, request.why)
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.utils.torch_utils import set_default_torch_dtype
 
