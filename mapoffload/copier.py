@@ -279,6 +279,12 @@ class Copier:
     def slots(self) -> int:
         return self._native.slots
 
+    @property
+    def ring_bytes(self) -> int:
+        """Host memory of the staging ring now: ``slots`` x ``staging_bytes`` (pinned on CUDA, page-aligned
+        for CPU destinations), made with the copier in ``staged`` mode; 0 in ``direct`` mode or closed."""
+        return self.slots * self.staging_bytes if self.mode == "staged" and not self.closed else 0
+
     # -- copying -----------------------------------------------------------------
     def _stream_handle(self, stream: object | None) -> int:
         if self.device.type != "cuda":

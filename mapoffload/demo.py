@@ -223,7 +223,7 @@ def _library_buffers(mgr, copier, mode: str, report) -> str:
     the gate's copies first when it copied: one phrase for the budget's line."""
     buffers = [("read-around window", mgr.loads.window_bytes)]
     if copier is not None:
-        buffers.append(("staging ring", copier.staging_bytes * copier.slots))
+        buffers.append(("staging ring", copier.ring_bytes))
     if mode == "cpu twin":
         buffers.append(("twin's layer buffers", mgr.peak_device_bytes))
     buffers = [(name, n) for name, n in buffers if n]

@@ -51,8 +51,8 @@ def held_buffers(loads: Any, copier: Copier | None, device: torch.device) -> lis
         reader = loads.source.reader
         held, pinned = reader.held_bytes, reader.pinned_bytes
         out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(reader)))
-    if copier is not None and copier.mode == "staged" and not copier.closed:
-        ring = copier.slots * copier.staging_bytes
+    ring = copier.ring_bytes if copier is not None else 0
+    if ring:
         cuda = copier.device.type == "cuda"
         out.append(HeldBuffers("staging slots", 0 if cuda else ring, ring if cuda else 0, id(copier)))
     if copier is not None and device.type == "cpu":

@@ -104,8 +104,7 @@ class DeviceCopies(Target):
 
     def _ring_bytes(self) -> int:
         """The copier's staging ring, where this target owns the copier (a shared one is its maker's)."""
-        c = self.copier
-        return c.slots * c.staging_bytes if self._owns_copier and c.mode == "staged" and not c.closed else 0
+        return self.copier.ring_bytes if self._owns_copier else 0
 
     @property
     def host_bytes(self) -> int:

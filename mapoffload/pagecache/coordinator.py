@@ -284,9 +284,9 @@ class PageCacheCoordinator:
         # The copier's staging ring and the CPU twin's buffers are host memory beside the window
         # (the layers are read through the page cache and copied on): the measure counted what
         # is held; the plan charges the most they take, made yet or not.
-        held, charged = (sum(h) for h in zip(*(m.host_bytes for m in measured))) if measured else (0, 0)
-        self.working_buffers = charged
-        room += held - charged
+        working = [m.host_bytes for m in measured]  # (held now, charged) each
+        self.working_buffers = sum(charged for _, charged in working)
+        room += sum(held for held, _ in working) - self.working_buffers
         sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
