@@ -33,6 +33,7 @@ from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError,
 from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
 from .offload.grads import OffloadedGradientError
+from .offload.host_edits import ReplacedWeightError
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .memory.ranks import LocalWorld, local_world
 from .memory.regions import (
@@ -92,6 +93,7 @@ __all__ = [
     "OffloadedGradientError",
     "OffloadedWeight",
     "PageCacheCoordinator",
+    "ReplacedWeightError",
     "cgroup_memory_limit_bytes",
     "checkpoint_bytes",
     "checkpoint_files",

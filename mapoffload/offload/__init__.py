@@ -13,7 +13,8 @@
   (the mapping, or read around the page cache); ``buffers``: what they hold on the host.
 - ``layer_pages``: the stack's spans, files, page reads and let-gos; ``rest``: the mapped weights
   outside the layers; ``stream_reads``: how streamed layers are read (the ``auto`` policy).
-- ``host_edits``: the host weights read and replaced.
+- ``host_edits``: the host weights read and replaced, by the manager's methods or by the user in the
+  model (``adopt_edits``).
 
 ``mapoffload.offload`` is also the Hugging Face entry point's name in ``mapoffload``'s namespace
 (a lazy attribute there); this package stays importable as ``mapoffload.offload``.

@@ -1,8 +1,16 @@
 """Host weights read and replaced: the manager's ``iter_cpu_weights``, ``cpu_weights_checksum``,
-``sync_layer_to_cpu`` and ``update_cpu_weights``.
+``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own replacements (``adopt_edits``).
 
 A mapped weight is never written (a write would turn its pages anonymous): a sync skips it, an
 update replaces it with an owned tensor and never writes to the file.
+
+A weight the user replaces in the model between forwards (``layer.weight = nn.Parameter(new)``,
+``layer.weight.data = new``, ``model.load_state_dict(sd, assign=True)``) is the weight that computes
+from then on: the sequencer finds the edit (:meth:`~mapoffload.offload.slots.Slots.edits`) before it
+loads, releases or gives back the layer, and :func:`adopt_edits` takes it - in place (``device="cpu"``)
+the new parameter itself becomes the weight (an owned tensor, ``strided``), on the device path its
+values are written into the host store - or refuses it with a :class:`ReplacedWeightError` naming the
+weight and what is wrong (another shape, dtype or device, no values, a weight offloaded already).
 """
 
 from __future__ import annotations
@@ -20,7 +28,14 @@ if TYPE_CHECKING:
     from .layer_pages import LayerPages
     from .sequencer import Sequencer
 
-__all__ = ["checksum", "iter_cpu_weights", "sync_layer_to_cpu", "update_cpu_weights"]
+__all__ = ["ReplacedWeightError", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",
+           "update_cpu_weights"]
+
+
+class ReplacedWeightError(ValueError):
+    """A weight of an offloaded layer was replaced by something its manager cannot compute with
+    (another shape, dtype or device, a meta or offloaded tensor, a weight tied in some of its places
+    only, or none): raised by the next forward (or ``register_forward_hooks``), naming the weight."""
 
 
 def iter_cpu_weights(stores: list[LayerStore]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,42 +110,159 @@ def update_cpu_weights(named_tensors: Mapping[str, torch.Tensor] | Iterator, *, 
             raise TypeError(
                 f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
             )
-        value = value.detach().to(device="cpu", dtype=w.dtype)
-        loaded = seq.loaded.get(store.index)
-        if loaded is not None and not loaded.ready:
-            # A prefetch in flight reads the host store: let it finish (and
-            # bind), so that the write below is not torn into it and the
-            # device copy is updated too. A failed one is released: the
-            # next load reads the new weights.
-            try:
-                seq.ensure(store.index)
-            except Exception:
-                logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
-        if w.store == MAPPED:
-            # An owned tensor of its own (the strided store's kind), same
-            # layout and extent: the mapping is left as it is.
-            with torch.inference_mode(False):
-                w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
-            w.host.copy_(value)
-            w.store = STRIDED
-            store.invalidate()
-            pages.forget(store.index)
-            seq.loads.forget(store.index)
+        seq.adopt_edits(store.index)  # a slot the user replaced before: this update comes after it
+        settled = _write(seq, pages, store, w, value.detach().to(device="cpu", dtype=w.dtype), device=device,
+                         settled=settled)
+
+
+def _write(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, value: torch.Tensor, *,
+           device: torch.device, settled: bool) -> bool:
+    """Write ``value`` (on the CPU, ``w``'s dtype and shape) into ``w``'s host store, its device copy
+    if loaded, and bind it; returns ``settled`` (the device finished every copy queued so far)."""
+    import torch
+
+    loaded = seq.loaded.get(store.index)
+    if loaded is not None and not loaded.ready:
+        # A prefetch in flight reads the host store: let it finish (and
+        # bind), so that the write below is not torn into it and the
+        # device copy is updated too. A failed one is released: the
+        # next load reads the new weights.
+        try:
+            seq.ensure(store.index)
+        except Exception:
+            logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
+    if w.store == MAPPED:
+        # An owned tensor of its own (the strided store's kind), same
+        # layout and extent: the mapping is left as it is.
+        with torch.inference_mode(False):
+            w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
+        w.host.copy_(value)
+        w.store = STRIDED
+        store.invalidate()
+        pages.forget(store.index)
+        seq.loads.forget(store.index)
+    else:
+        if device.type == "cuda" and store.pinned and w.store == CONSOLIDATED and not settled:
+            # A pinned store is copied by DMA straight from it, when the
+            # device reaches the copy - not when it was queued: a copy
+            # still pending (a released layer, a forward the host has
+            # run ahead of) would read this write into a forward queued
+            # before the update. Staged and strided sources were read
+            # into the staging slots before their copies were queued.
+            torch.cuda.synchronize(device)
+            settled = True
+        w.host.copy_(value)
+    if seq.is_loaded(store.index):
+        if seq.loads.copies:
+            seq.loads.value(w, seq.loaded[store.index]).copy_(value)
         else:
-            if device.type == "cuda" and store.pinned and w.store == CONSOLIDATED and not settled:
-                # A pinned store is copied by DMA straight from it, when the
-                # device reaches the copy - not when it was queued: a copy
-                # still pending (a released layer, a forward the host has
-                # run ahead of) would read this write into a forward queued
-                # before the update. Staged and strided sources were read
-                # into the staging slots before their copies were queued.
-                torch.cuda.synchronize(device)
-                settled = True
-            w.host.copy_(value)
-        if seq.is_loaded(store.index):
-            if seq.loads.copies:
-                seq.loads.value(w, seq.loaded[store.index]).copy_(value)
-            else:
-                seq.slots.bind(w, w.host)
-        elif seq.slots.in_place or not seq.slots.engaged:
-            w.param.data = w.host
+            seq.slots.bind(w, w.host)
+    elif seq.slots.in_place or not seq.slots.engaged:
+        w.param.data = w.host
+    if w.held is not None:
+        seq.slots.note(w, w.held)  # the data the library bound is no user's edit
+    return settled
+
+
+def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: list[tuple[Weight, list]], *,
+                device: torch.device, strict: bool = True) -> None:
+    """Make the user's replacements of ``store``'s weights (``Slots.edits``) the weights that compute.
+
+    In place the new parameter itself becomes the weight (its data an owned, ``strided`` host tensor:
+    nothing is copied, and the model stays a normal model holding the user's parameter); on the device
+    path its values are written into the weight's host store (a mapped weight becomes an owned tensor,
+    the file is never written) and the user's parameter is the one bound while the layer is loaded.
+
+    Raises
+    ------
+    ReplacedWeightError
+        With ``strict``, for an edit that cannot be taken (see :func:`refusal`); without it (the model
+        being given back) the edit is logged and left as the user made it.
+    """
+    for w, now in edits:
+        why = refusal(w, now, in_place=seq.slots.in_place)
+        if why is not None:
+            msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
+            if strict:
+                raise ReplacedWeightError(msg)
+            logger.warning("%s; the model is given back with it as it is", msg)
+            continue
+        _adopt(seq, pages, store, w, now[0], device=device)
+        logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
+                    "in place, an owned tensor" if seq.slots.in_place else "written into its host store")
+
+
+def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
+    """Why the tensors now in ``w``'s slots (``now``) cannot become the weight, or None."""
+    import torch
+
+    from .placeholder import OffloadedWeight, offloaded_by
+
+    names = ", ".join(w.names)
+    if len({id(p) for p in now}) > 1:
+        return (f"only in some of the places that share it ({names}): replace it in every one (or tie them "
+                "before offloading)")
+    new = now[0]
+    if new is None:
+        return "it was removed (None): an offloaded layer keeps each of its weights; close the manager first"
+    if not isinstance(new, torch.Tensor):
+        return f"with a {type(new).__name__}, not a tensor"
+    if isinstance(new, OffloadedWeight):
+        return "with an offloaded placeholder, which has no values: assign a tensor that has them"
+    if new is not w.param and offloaded_by(new)[0]:
+        return ("with a weight mapoffload offloads already (another layer's): assign a copy of it (.clone()), "
+                "or tie the weights before offloading")
+    if new.is_meta:
+        return "with a tensor on the meta device, which has no values"
+    if new.layout != torch.strided:
+        return f"with a {new.layout} tensor: offloaded weights are dense (strided) tensors"
+    if tuple(new.shape) != w.shape:
+        return f"with shape {tuple(new.shape)}, where the offloaded weight has {w.shape}"
+    if new.dtype != w.dtype:
+        return (f"with a {new.dtype} tensor, where the offloaded weight is {w.dtype}: an offloaded model keeps "
+                f"the dtype it was loaded in; assign new.to({w.dtype}), or close the manager first")
+    if in_place and new.device.type != "cpu":
+        return (f"with a tensor on {new.device}, where this manager computes on the CPU in place: assign a CPU "
+                "tensor")
+    return None
+
+
+def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new: torch.Tensor, *,
+           device: torch.device) -> None:
+    """Take ``new`` (checked by :func:`refusal`) as ``w``: see :func:`adopt_edits`."""
+    import torch
+
+    from ..memory.regions import tensor_extent
+    from .placeholder import stand_in
+
+    if isinstance(new, torch.nn.Parameter) and new is not w.param:
+        # The user's parameter is the weight's from now on (an optimizer or a caller holding it sees the
+        # weight that computes); the old one is let go of, its marks with it.
+        old = w.param
+        mark = old.__dict__.pop("_mapoffload_manager", None)
+        stand_in(old, None)
+        if mark is not None:
+            new._mapoffload_manager = mark
+        w.param = new
+        w.placeholder.requires_grad_(new.requires_grad)
+    elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
+        w.param.data = new.detach()
+    if seq.slots.in_place:
+        value = w.param.data
+        w.host, w.store = value, STRIDED  # owned by the model now (possibly the user's view of a mapping)
+        w.stride, w.contiguous, w.nbytes = tuple(value.stride()), value.is_contiguous(), tensor_extent(value)[1]
+        if seq.slots.engaged:
+            stand_in(w.param, w.placeholder)
+        store.invalidate()
+        pages.forget(store.index)
+        seq.loads.forget(store.index)
+        seq.slots.bind(w, w.host if seq.is_loaded(store.index) else None)
+        return
+    value = w.param.data.detach().to(device="cpu")
+    w.param.data = w.host  # what the slots bind next (never the user's CPU tensor besides the store)
+    seq.slots.note(w, w.held)
+    _write(seq, pages, store, w, value, device=device, settled=False)
+    if seq.is_loaded(store.index):
+        seq.slots.bind(w, seq.loads.value(w, seq.loaded[store.index]))
+    elif seq.slots.engaged:
+        seq.slots.bind(w, None)

@@ -270,7 +270,7 @@ class LayerwiseOffloadManager:
 
     # -- loading (the sequencer's) -----------------------------------------------------------
     def _engage(self) -> None:
-        self._slots.engage()
+        self._seq.engage()
 
     def _check_index(self, i: int) -> int:
         if not -len(self.layers) <= i < len(self.layers):
@@ -324,7 +324,11 @@ class LayerwiseOffloadManager:
     def _disengage(self) -> None:
         """Release everything and give the model its real parameters back (host data)."""
         if self._slots.engaged:
-            self._seq.release_all()
+            # What the user replaced is adopted first (or, refused, left as they made it): the model is
+            # given back with the weights that last computed, or theirs - never the old ones silently.
+            for i in range(len(self._stores)):
+                self._seq.adopt_edits(i, strict=False)
+            self._seq.release_all(strict=False)
             self._slots.disengage()
 
     @property

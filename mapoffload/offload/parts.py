@@ -82,7 +82,7 @@ class Parts:
                 window_layers=o.resident_layers + 1 + o.prefetch_layers)
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
-                                       resident_layers=o.resident_layers)
+                                       resident_layers=o.resident_layers, pages=self.pages, device=o.device)
             self.rest = RestGuard(model, layers, self.pages.files)  # the mapped weights outside the layers
             # The page-cache plan is the process's (every stack under one budget): this stack's
             # part of it is its member.

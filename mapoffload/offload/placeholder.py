@@ -98,6 +98,8 @@ class OffloadedWeight(torch.nn.Parameter):
                     return _plain(func, args, kwargs)
             elif prop == "data" and len(args) == 2 and args[1] is args[0]:
                 return None  # Module._apply's `param.data = param` after a move
+            elif prop == "data" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+                return _assign_data(args[0], args[1])
             elif prop == "requires_grad":
                 return _plain(func, args, kwargs)
         elif name == "get_device" and args and isinstance(args[0], OffloadedWeight):
@@ -109,6 +111,22 @@ class OffloadedWeight(torch.nn.Parameter):
         else:
             what = f"used by {what}"
         raise RuntimeError(_message(_first(args, kwargs), what))
+
+
+def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
+    """``placeholder.data = value`` between forwards: the values go into the weight's host store (its
+    manager's ``update_cpu_weights``), so the next load computes with them; refused (naming the
+    weight) where they cannot be the weight's."""
+    from .host_edits import ReplacedWeightError
+
+    mgr = owner_of(w)
+    if mgr is None:
+        raise RuntimeError(_message(w, "assigned .data after its manager was gone"))
+    if value.dtype != w.dtype or tuple(value.shape) != tuple(w.shape):
+        raise ReplacedWeightError(
+            f"{w._mo_name} (layer {w._mo_layer}) was assigned .data of {value.dtype} {tuple(value.shape)}, where the "
+            f"offloaded weight is {w.dtype} {tuple(w.shape)}: an offloaded weight keeps its dtype and shape")
+    mgr.update_cpu_weights({w._mo_name: value})
 
 
 def _plain(func: Any, args: tuple, kwargs: dict) -> Any:

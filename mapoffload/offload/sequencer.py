@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 from .stores import MAPPED, LayerStore
 
 if TYPE_CHECKING:
+    import torch
+
     from ..pagecache.residency import ResidencyPlan
+    from .layer_pages import LayerPages
     from .loads import Load
     from .slots import Slots
 
@@ -36,23 +39,47 @@ class Sequencer:
         How many following layers a step reads ahead (the streaming window, see :meth:`window`).
     resident_layers
         The first N layers are never released by a step once loaded.
+    pages, device
+        The stack's pages and where its layers compute: what a weight the user replaced is adopted
+        with (:meth:`adopt_edits`).
     """
 
     def __init__(self, stores: list[LayerStore], loads: Any, slots: Slots, *, prefetch_layers: int,
-                 resident_layers: int) -> None:
+                 resident_layers: int, pages: LayerPages, device: torch.device) -> None:
         self.stores = stores
         self.loads = loads
         self.slots = slots
+        self.pages = pages
+        self.device = device
         self.prefetch_layers = prefetch_layers
         self.resident_layers = resident_layers
         self.loaded: dict[int, Load] = {}  # layer -> its load, in flight or ready
         self.kept: set[int] = set()  # loaded by load_all: kept until released explicitly
 
+    # -- the user's edits ------------------------------------------------------------------
+    def adopt_edits(self, i: int, *, strict: bool = True) -> None:
+        """Weights of layer ``i`` the user replaced since they were bound become the weights that compute,
+        or are refused (:func:`~mapoffload.offload.host_edits.adopt_edits`): run before anything reads
+        the layer's host stores or binds over its slots."""
+        edits = self.slots.edits(self.stores[i])
+        if edits:
+            from .host_edits import adopt_edits
+
+            adopt_edits(self, self.pages, self.stores[i], edits, device=self.device, strict=strict)
+
+    def engage(self) -> None:
+        """Engage the slots (idempotent), adopting what the user replaced while the model was whole."""
+        if not self.slots.engaged:
+            for i in range(len(self.stores)):
+                self.adopt_edits(i)
+        self.slots.engage()
+
     # -- one layer -------------------------------------------------------------------------
     def prefetch(self, i: int) -> None:
         """Start loading layer ``i`` (no-op when loaded or in flight); engages the slots."""
-        self.slots.engage()
+        self.engage()
         if i not in self.loaded:
+            self.adopt_edits(i)
             self.loaded[i] = self.loads.start(i)
 
     def ensure(self, i: int) -> None:
@@ -61,6 +88,7 @@ class Sequencer:
             self.prefetch(i)
         load = self.loaded[i]
         if load.ready:
+            self.adopt_edits(i)  # a layer kept loaded (resident, load_all) can be edited between forwards
             return
         try:
             self.loads.ready(i, load)
@@ -75,9 +103,11 @@ class Sequencer:
         load.ready = True
         load.handle = None
 
-    def release(self, i: int) -> None:
+    def release(self, i: int, *, strict: bool = True) -> None:
         """Drop layer ``i``'s load (its slots bound as released) and un-keep it."""
         self.kept.discard(i)
+        if self.slots.engaged and i in self.loaded and self.loaded[i].ready:
+            self.adopt_edits(i, strict=strict)
         load = self.loaded.pop(i, None)
         if load is None:
             return
@@ -95,9 +125,9 @@ class Sequencer:
         return i >= self.resident_layers and i not in self.kept
 
     # -- every layer -----------------------------------------------------------------------
-    def release_all(self) -> None:
+    def release_all(self, *, strict: bool = True) -> None:
         for i in list(self.loaded):
-            self.release(i)
+            self.release(i, strict=strict)
 
     def load_all(self) -> None:
         """Load every layer and keep it until released explicitly."""

@@ -6,6 +6,12 @@ mapped view itself); a placeholder only stands in for it while a conversion runs
 parameter with its device data while the layer is loaded, and the shape-correct placeholder
 otherwise. Engaged, the slots follow the loads; disengaged (``remove_forward_hooks``, ``close``),
 every slot holds the real parameter with its host data: the model is whole.
+
+What the slots were last given is recorded on each weight (``held``, and ``bound``: where the
+parameter's data was then), so that a user's edit between forwards - a slot given another parameter
+(``layer.weight = nn.Parameter(new)``, ``load_state_dict(..., assign=True)``) or the parameter given
+other data (``layer.weight.data = new``) - is found (:meth:`Slots.edits`) and adopted or refused
+(:func:`~mapoffload.offload.host_edits.adopt_edits`) before anything binds over it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ from .stores import LayerStore, Weight
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Slots"]
+__all__ = ["Slots", "data_key"]
+
+
+def data_key(t: torch.Tensor) -> tuple:
+    """Where a tensor's data is and how it is laid out: equal keys, the same data."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device
 
 
 class Slots:
@@ -51,6 +62,26 @@ class Slots:
             target = w.param
         for module, attr in w.slots:
             module._parameters[attr] = target
+        self.note(w, target)
+
+    def note(self, w: Weight, held: Any) -> None:
+        """Record what ``w``'s slots hold now (``held``) and where its parameter's data is."""
+        w.held = held
+        w.bound = data_key(w.param)
+
+    def edits(self, store: LayerStore) -> list[tuple[Weight, list[Any]]]:
+        """The weights of ``store`` the user changed since they were bound: ``(weight, what each of its
+        slots holds now)`` (None where a slot was emptied; the parameter itself, for new ``.data``)."""
+        out = []
+        for w in store.weights:
+            if w.held is None:
+                continue  # never bound: the manager is still being made
+            now = [module._parameters.get(attr) for module, attr in w.slots]
+            if any(p is not w.held for p in now):
+                out.append((w, now))
+            elif data_key(w.param) != w.bound:
+                out.append((w, [w.param] * len(now)))
+        return out
 
     def engage(self) -> None:
         """Bind every slot as released (placeholders on the device path) and guard the model's conversions.
@@ -81,7 +112,9 @@ class Slots:
                 w.param.data = w.host
                 stand_in(w.param, None)
                 for module, attr in w.slots:
-                    module._parameters[attr] = w.param
+                    if module._parameters.get(attr) is w.held:  # a refused edit stays the user's
+                        module._parameters[attr] = w.param
+                self.note(w, w.param)
 
         unguard_conversions(self.model)
         self.engaged = False

@@ -60,6 +60,10 @@ class Weight:
     host_offset: int = 0  # in the layer's consolidated buffer of its dtype
     dev_offset: int = 0  # in the layer's device buffer of its dtype
     placeholder: torch.nn.Parameter | None = None
+    # What the slots were last given (the parameter or the placeholder) and the parameter's data then
+    # (``Slots.bind``): anything else found there later is the user's edit (``Slots.edits``).
+    held: Any = None
+    bound: tuple | None = None
 
 
 @dataclass
