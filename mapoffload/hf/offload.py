@@ -124,6 +124,8 @@ class OffloadHandle:
                 owner._buffers[attr] = host
         self._saved.clear()
         self._closed = True
+        if self.model.__dict__.get("mapoffload_handle") is self:
+            del self.model.__dict__["mapoffload_handle"]  # never left naming a closed handle
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -218,6 +220,7 @@ def offload(
     Returns
     -------
     OffloadHandle
+        Also ``model.mapoffload_handle`` while it is open (its ``close()`` removes the attribute).
     """
     import torch
 
@@ -263,6 +266,7 @@ def offload(
     except BaseException:
         handle.close()
         raise
+    object.__setattr__(model, "mapoffload_handle", handle)  # the live handle (close() removes it)
     logger.info("offload of %s:\n%s", type(model).__name__, handle.summary())
     return handle
 

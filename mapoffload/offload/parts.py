@@ -92,7 +92,7 @@ class Parts:
             self.reads = StreamReads(o.stream_reads, self.sequencer, self.member, self.pages, cuda=o.cuda)
             self.turn = LayerTurn()
             self.hooks = StackHooks(self.turn, Steps(self.sequencer, self.member, self.reads, self.rest,
-                                                     in_place=o.in_place))
+                                                     in_place=o.in_place), owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.stream_reads == "direct":
                 self.reads.read_around("stream_reads='direct'")

@@ -73,10 +73,10 @@ class OffloadedWeight(torch.nn.Parameter):
         )
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise RuntimeError(_message(self, "pickled"))
+        raise OffloadedCopyError(copy_refusal(owner_of(self), "pickled", self))
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise RuntimeError(_message(self, "copied"))
+        raise OffloadedCopyError(copy_refusal(owner_of(self), "copied (copy.deepcopy)", self))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -200,6 +200,22 @@ def _conversion_message(w: OffloadedWeight, dtype: torch.dtype) -> str:
                 f"load the weights in {dtype}, or close the manager first (manager.close()) and convert the model")
     how = f"load it as {dtype} ({reload.format(dtype=dtype)})" if reload else f"convert it before offloading it"
     return f"{w._mo_name} is offloaded and was converted to {dtype}: {keeps}; {how}, or call {close} first"
+
+
+class OffloadedCopyError(RuntimeError, TypeError):
+    """An offloaded model (or one of its layers or placeholders) copied or pickled: refused, naming the call
+    that gives the model back first. A ``TypeError`` (what ``pickle`` raises for what it cannot pickle) and
+    a ``RuntimeError``."""
+
+
+def copy_refusal(manager: object | None, what: str, w: OffloadedWeight | None = None) -> str:
+    """The one message for a copy or pickle of an offloaded model (its hooks or placeholders met)."""
+    close = getattr(manager, "close_call", None) or "manager.close()"
+    where = f" ({w._mo_name} is one of its weights)" if w is not None else ""
+    return (f"an offloaded model was {what}{where}: its layers' weights are loaded by this process's offload "
+            f"hooks, which a copy would share. Call {close} first: the model is then a plain model with its "
+            "own weights to copy or save, and offload the copy afterwards (in place, on the CPU, state_dict() "
+            "and save_pretrained() work while offloaded)")
 
 
 class AlreadyOffloadedError(ValueError):

@@ -10,6 +10,11 @@ torch runs always-call post-hooks for an ``Exception`` only: a KeyboardInterrupt
 interruptible wait included), SystemExit or GeneratorExit inside a layer skips them. The layer's
 forward is wrapped, and the pre-hook guards itself, so that whatever leaves the layer finishes its
 turn; a per-thread record of the turns held (:meth:`LayerTurn.held`) makes finishing twice harmless.
+
+A model is not copied or pickled while its hooks are on (``copy.deepcopy``, ``pickle.dumps``,
+``torch.save``): the hooks and the guarded forwards belong to this process's manager, and a copy
+would run them - the original's layers and weights - instead of its own. Each is a :class:`_Hook`
+that refuses, saying how to give the model back first (:func:`~mapoffload.offload.placeholder.copy_refusal`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,31 @@ def _eager(fn):
     import torch
 
     return torch.compiler.disable(fn, recursive=True)
+
+
+class _Hook:
+    """A hook (or guarded forward) of a manager: calls ``fn``; refuses to be copied or pickled."""
+
+    __slots__ = ("fn", "owner", "__wrapped__")
+
+    def __init__(self, fn, owner) -> None:
+        self.fn = fn
+        self.owner = owner  # a weak reference to the manager, for the words of the refusal
+        self.__wrapped__ = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def _refuse(self, what: str):
+        from .placeholder import OffloadedCopyError, copy_refusal
+
+        raise OffloadedCopyError(copy_refusal(self.owner() if self.owner is not None else None, what))
+
+    def __reduce_ex__(self, protocol):
+        self._refuse("pickled")
+
+    def __deepcopy__(self, memo):
+        self._refuse("copied (copy.deepcopy)")
 
 
 class _ForwardGuard:
@@ -107,9 +137,10 @@ class StackHooks:
         after it computed.
     """
 
-    def __init__(self, turn: LayerTurn, steps: Any) -> None:
+    def __init__(self, turn: LayerTurn, steps: Any, owner: Any = None) -> None:
         self.turn = turn
         self.steps = steps
+        self.owner = owner  # a weak reference to the manager (named when a copy is refused)
         self.handles: list = []  # each with remove()
 
     @property
@@ -124,11 +155,12 @@ class StackHooks:
             return
         hooks: list = []
         for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(self._pre_hook(i)))
-            hooks.append(layer.register_forward_hook(self._post_hook(i), always_call=True))
-            hooks.append(_ForwardGuard(layer, self._guarded_forward(i, layer.forward)))
+            hooks.append(layer.register_forward_pre_hook(_Hook(self._pre_hook(i), self.owner)))
+            hooks.append(layer.register_forward_hook(_Hook(self._post_hook(i), self.owner), always_call=True))
+            hooks.append(_ForwardGuard(layer, _Hook(self._guarded_forward(i, layer.forward), self.owner)))
         # Before anything of a forward reads the mapping (the embedding first).
-        hooks.append(model.register_forward_pre_hook(_eager(self.steps.before_forward), prepend=True))
+        hooks.append(model.register_forward_pre_hook(_Hook(_eager(self.steps.before_forward), self.owner),
+                                                     prepend=True))
         self.handles = hooks
 
     def remove(self) -> None:

@@ -1,0 +1,93 @@
+"""Objects users copy and keep (issue 36): an offloaded model is not deep-copied or pickled while
+offloaded - its hooks would run the original's layers - and the refusal names the call that gives
+the model back; after that call the copy is a plain model with its own weights. The
+``model.mapoffload_handle`` attribute names the live handle and goes with ``close()``."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mapoffload  # noqa: E402
+from hf_models import save  # noqa: E402
+from mapoffload import LayerwiseOffloadManager  # noqa: E402
+from stacks import mapped  # noqa: E402
+
+IDS = torch.tensor([[3, 17, 42, 5, 88, 9, 61]])
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": pickle.dumps,
+    "torch.save": lambda m: torch.save(m, io.BytesIO()),
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-copy")
+    return save("llama", torch.float32, folder), str(folder)
+
+
+@pytest.mark.parametrize("how", COPIES)
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
+def test_a_managed_model_is_not_copied_and_says_close_first(ckpt, how, twin):
+    path, x, want = ckpt
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=twin, host_store="mapped") as mgr:
+        mgr.register_forward_hooks()
+        with pytest.raises(RuntimeError, match=r"was (copied|pickled).*Call manager\.close\(\) first"):
+            COPIES[how](model)
+        with pytest.raises(RuntimeError, match=r"manager\.close\(\) first"):
+            COPIES[how](model.blocks[4])  # one layer alone: its hooks too
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # the refusal left nothing half done
+    twin_model = copy.deepcopy(model)  # closed: a plain model with its own weights
+    pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        assert torch.equal(twin_model(x), want)
+    assert twin_model.blocks[0].weight.data_ptr() != model.blocks[0].weight.data_ptr()
+
+
+@pytest.mark.parametrize("how", COPIES)
+@pytest.mark.parametrize("entry", ["from_pretrained", "offload"])
+def test_an_offloaded_transformers_model_is_copied_after_close(llama, entry, how):
+    cls, folder = llama
+    if entry == "from_pretrained":
+        model = mapoffload.from_pretrained(cls, folder, device="cpu")
+        call = r"model\.mapoffload_handle\.close\(\)"
+    else:
+        model = cls.from_pretrained(folder).eval()
+        mapoffload.offload(model, device="cpu")
+        call = r"handle\.close\(\)"
+    with pytest.raises(RuntimeError, match=rf"Call {call} first"):
+        COPIES[how](model)
+    with torch.no_grad():
+        want = model(IDS).logits
+    model.mapoffload_handle.close()
+    assert "mapoffload_handle" not in model.__dict__
+    copied = copy.deepcopy(model)
+    restored = pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        assert torch.equal(copied(IDS).logits, want)
+        assert torch.equal(restored(IDS).logits, want)
+
+
+def test_the_handle_attribute_names_the_live_handle(llama):
+    cls, folder = llama
+    model = mapoffload.from_pretrained(cls, folder, device="cpu")
+    first = model.mapoffload_handle
+    first.close()
+    assert not hasattr(model, "mapoffload_handle")  # not left naming a closed handle
+    second = mapoffload.offload(model, device="cpu")
+    assert model.mapoffload_handle is second
+    first.close()  # closing the old one again takes nothing from the live one
+    assert model.mapoffload_handle is second
+    second.close()
+    assert not hasattr(model, "mapoffload_handle")
+    with LayerwiseOffloadManager(model, "model.layers", device="cpu"):
+        assert not hasattr(model, "mapoffload_handle")  # a manager made directly is its own handle
