@@ -220,3 +220,15 @@ def test_another_layers_offloaded_weight_is_refused(stack):
         model.blocks[1].weight = model.blocks[2].weight
         with pytest.raises(ReplacedWeightError, match="offloads already"), torch.no_grad():
             model(x)
+
+
+def test_refused_new_data_is_given_back_as_the_user_left_it(stack):
+    path, x, ref = stack
+    model = mapped(path)
+    odd = torch.ones(2, 2, dtype=torch.float16)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        mgr.register_forward_hooks()
+        model.blocks[8].weight.data = odd
+        with pytest.raises(ReplacedWeightError, match=r"blocks\.8\.weight.*shape"), torch.no_grad():
+            model(x)
+    assert model.blocks[8].weight.data_ptr() == odd.data_ptr()  # close() did not undo it either

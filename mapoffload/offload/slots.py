@@ -109,7 +109,8 @@ class Slots:
 
         for s in self.stores:
             for w in s.weights:
-                w.param.data = w.host
+                if data_key(w.param) == w.bound:  # else new .data the user gave it, refused: it stays theirs
+                    w.param.data = w.host
                 stand_in(w.param, None)
                 for module, attr in w.slots:
                     if module._parameters.get(attr) is w.held:  # a refused edit stays the user's
