@@ -33,7 +33,7 @@ from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError,
 from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
 from .offload.grads import OffloadedGradientError
-from .offload.host_edits import ReplacedWeightError
+from .offload.errors import ReplacedWeightError
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .memory.ranks import LocalWorld, local_world
 from .memory.regions import (

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from .._log import logger
+from .errors import ReplacedWeightError
 from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
 
 if TYPE_CHECKING:
@@ -30,12 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplacedWeightError", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",
            "update_cpu_weights"]
-
-
-class ReplacedWeightError(ValueError):
-    """A weight of an offloaded layer was replaced by something its manager cannot compute with
-    (another shape, dtype or device, a meta or offloaded tensor, a weight tied in some of its places
-    only, or none): raised by the next forward (or ``register_forward_hooks``), naming the weight."""
 
 
 def iter_cpu_weights(stores: list[LayerStore]) -> Iterator[tuple[str, torch.Tensor]]:

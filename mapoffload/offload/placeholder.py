@@ -117,7 +117,7 @@ def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
     """``placeholder.data = value`` between forwards: the values go into the weight's host store (its
     manager's ``update_cpu_weights``), so the next load computes with them; refused (naming the
     weight) where they cannot be the weight's."""
-    from .host_edits import ReplacedWeightError
+    from .errors import ReplacedWeightError
 
     mgr = owner_of(w)
     if mgr is None:
