@@ -135,6 +135,13 @@ def _verbose_flag(parser: argparse.ArgumentParser, default: object) -> None:
                         help="log what the library decides (the gate, host stores, residency)")
 
 
+def _path(text: str) -> str:
+    """A path argument with ``~`` expanded: the shell leaves it in ``--cache-dir=~/x`` and in quotes."""
+    from ._checks import user_path
+
+    return user_path(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -172,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show a checkpoint's files (tensors, dtypes, bytes in the page cache), the host's memory and "
                     "whether a load keeps the weights mapped or copies them. Reads headers only.",
     )
-    ins.add_argument("path", help="a .safetensors file, a *.safetensors.index.json, a .pt/.pth/.bin, or a folder")
+    ins.add_argument("path", type=_path,
+                     help="a .safetensors file, a *.safetensors.index.json, a .pt/.pth/.bin, or a folder")
     ins.add_argument("--json", action="store_true", help="print the same as JSON")
     # SUPPRESS: a -v given before the subcommand is not reset by the subcommand's default.
     _verbose_flag(ins, argparse.SUPPRESS)
@@ -204,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers converts while loading (experts fused, a cast, fp8 dequantized without a GPU) "
                     "is written to the mapped conversion folder that later loads reuse. Needs transformers.",
     )
-    conv.add_argument("folder", help="a folder written by save_pretrained (config.json and weight files)")
+    conv.add_argument("folder", type=_path,
+                      help="a folder written by save_pretrained (config.json and weight files)")
     conv.add_argument("--dtype", default="auto",
                       help="the dtype later loads will ask for: 'auto' (as transformers 5) or one of bfloat16, "
                            "float16, float32, float64 (default: auto)")
@@ -212,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the transformers class later loads pass to from_pretrained, e.g. LlamaForCausalLM or "
                            "an Auto class (AutoModelForCausalLM counts as the class it resolves to; default: "
                            "config.json's architectures)")
-    conv.add_argument("--cache-dir", default=None,
+    conv.add_argument("--cache-dir", default=None, type=_path,
                       help="where converted files go (default: beside the checkpoint when writable, else "
                            "~/.cache/mapoffload/converted; MAPOFFLOAD_CONVERT_DIR overrides)")
     _verbose_flag(conv, argparse.SUPPRESS)

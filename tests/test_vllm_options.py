@@ -76,3 +76,20 @@ def test_importing_mapoffload_never_imports_vllm():
     code = "import sys, mapoffload, mapoffload.vllm, mapoffload.vllm.loader; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_refused_when_parsed(tmp_path, where):
+    # It ended in a bare FileExistsError / NotADirectoryError out of vLLM's loader, after the weights were read.
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    path = afile if where == "file" else afile / "conv"
+    with pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse({"cache_dir": str(path)})
+    message = str(info.value)
+    assert "cache_dir" in message and str(path) in message
+    assert (f"{afile} is a file" in message) and ("not a folder" in message)
+
+
+def test_a_cache_dir_still_to_be_made_is_accepted(tmp_path):
+    assert LoaderOptions.parse({"cache_dir": str(tmp_path / "a" / "b")}).cache_dir == str(tmp_path / "a" / "b")

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._checks import user_path
 from .._log import format_bytes, logger
 from ._fingerprint import FORMAT
 from ._st_write import reserve_safetensors, write_safetensors  # noqa: F401  (ConversionCache writes parts with them)
@@ -78,6 +79,12 @@ class ConversionCache:
     meta: dict[str, Any] = field(default_factory=dict)  # what a caller stores beside the tensors (the manifest's "meta")
     _reserved: list[str] = field(default_factory=list)  # parts written through a shared mapping: synced at commit
 
+    def __post_init__(self) -> None:
+        # The one place a conversion folder's root is taken (from_pretrained's and the pipelines'
+        # cache_dir, `mapoffload convert --cache-dir`, vLLM's): "~/conv" is the home folder's, never
+        # a folder named "~" in the current directory.
+        self.root = user_path(self.root, "cache_dir")
+
     @property
     def path(self) -> str:
         """The folder the finished conversion lives in."""
@@ -93,7 +100,7 @@ class ConversionCache:
         """The cache for ``key`` under ``root``: reused when a finished manifest
         matches, otherwise empty (written on :meth:`add`)."""
         cache = cls(root, key)
-        sweep(root)
+        sweep(cache.root)
         manifest = os.path.join(cache.path, MANIFEST)
         from ..loading.files import CheckpointError, open_regular
         from ..loading.header import read_safetensors_header

@@ -6,7 +6,7 @@ times), the model class (an ``AutoModel*`` class counts as the concrete class
 it resolves to), the requested dtype (however it is spelled), the config or the
 transformers/torch versions: :func:`fingerprint` names the folder they live in
 (:mod:`._converted`). Its root (:func:`default_root`) is, in order: the
-``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR``, ``<checkpoint
+``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR`` (``~`` expanded in both), ``<checkpoint
 folder>/.mapoffload-converted`` when that folder is writable and not a hub
 cache snapshot (and no file has that name), ``$XDG_CACHE_HOME/mapoffload/converted``
 (``~/.cache/mapoffload/converted``).
@@ -27,15 +27,15 @@ def default_root(folder: str) -> str:
     from ..loading.files import _hub_blobs
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
-    if env:
-        return env
+    if env:  # "~/conv" in a unit file or a quoted assignment: no shell expanded it
+        return os.path.expanduser(env)
     # Never inside a hub cache snapshot: the hub manages those folders.
     # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
     local = os.path.join(folder, ".mapoffload-converted")
     if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
             and (os.path.isdir(local) or not os.path.lexists(local)):
         return local
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"))
     return os.path.join(base, "mapoffload", "converted")
 
 

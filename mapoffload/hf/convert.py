@@ -15,6 +15,7 @@ from typing import Any
 
 import json
 
+from .._checks import user_path
 from ..loading.files import CheckpointError, _looks_remote, open_regular
 from ..loading.report import LoadReport
 from ._args import DTYPE_NAMES, check_dtype
@@ -107,6 +108,7 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     ``cls`` is the class later loads pass to ``from_pretrained`` (a class or its name; an Auto
     class counts as the class it resolves to, so ``AutoModelForCausalLM`` and
     ``LlamaForCausalLM`` share one conversion); default: ``config.json``'s ``architectures``.
+    ``~`` in ``folder`` and ``cache_dir`` is the home folder.
 
     Raises
     ------
@@ -123,9 +125,11 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     from . import transformers as hf_transformers
 
     check_dtype(dtype)
-    if cache_dir is not None and not os.fspath(cache_dir):
-        raise ValueError("the cache folder is empty (''): name a folder, or leave it out for the default")
-    folder = os.fspath(folder)
+    if cache_dir is not None:
+        cache_dir = user_path(cache_dir, "cache_dir")
+        if not cache_dir:
+            raise ValueError("the cache folder is empty (''): name a folder, or leave it out for the default")
+    folder = user_path(folder, "folder")
     check_model_folder(folder)
     if isinstance(cls, str):
         cls = named_class(cls)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_bool, check_count, parse_device, user_path
 from .._log import logger
 from .._progress import byte_bar
 from ..memory.regions import tensor_bytes
@@ -95,7 +96,8 @@ def load_checkpoint(
     path
         A ``.safetensors`` file, a ``*.safetensors.index.json``, a directory
         of safetensors files, or a PyTorch zip checkpoint (``.pt``/``.bin``,
-        read with ``torch.load(mmap=True, weights_only=True)``).
+        read with ``torch.load(mmap=True, weights_only=True)``); ``~`` is the
+        home folder.
     keep_mapping
         None asks :func:`keep_checkpoint_mapped` with the checkpoint's bytes
         (with a shard plan: the bytes of this rank's slices);
@@ -131,6 +133,13 @@ def load_checkpoint(
 
     Raises
     ------
+    TypeError
+        An option of the wrong type, before anything is read: ``keep_mapping``
+        not True/False/None (``"false"`` is no bool), ``strict`` not a bool,
+        ``progress`` not True/False/None, ``local_ranks`` not a whole number,
+        ``device`` neither a str, an int nor a ``torch.device``. A
+        ``local_ranks`` < 1 or a ``device`` string torch does not read is a
+        ``ValueError`` naming it.
     FileNotFoundError, ValueError, CheckpointError
         See the module docstring for the state the module is left in. A
         shard plan naming a key the checkpoint lacks, or a size that does not
@@ -141,6 +150,13 @@ def load_checkpoint(
     from ..memory.regions import MappedRegions
 
     t0 = time.perf_counter()
+    # A non-empty string is truthy: keep_mapping="false" would keep the mapping and report True.
+    check_bool("keep_mapping", keep_mapping, none=True)
+    check_bool("strict", strict)
+    check_bool("progress", progress, none=True)
+    check_count("local_ranks", local_ranks, minimum=1, none=True)
+    target_device = parse_device("device", device)
+    path = user_path(path)
     files = checkpoint_files(path)
     component = type(module).__name__
     decided_by = "gate" if keep_mapping is None else "caller"
@@ -152,7 +168,6 @@ def load_checkpoint(
         keep_mapping = keep_checkpoint_mapped(
             weight_bytes=checkpoint_bytes(path), component=component, local_ranks=local_ranks
         )
-    target_device = torch.device(device)
 
     loaded = read_files(files, progress)
     slots, groups = module_slots(module)

@@ -26,6 +26,8 @@ import stat
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from .._checks import user_path
+
 __all__ = [
     "INDEX_SUFFIX",
     "CheckpointError",
@@ -241,7 +243,7 @@ def _components(p: str) -> list[tuple[str, str, list[str]]]:
 
 
 def checkpoint_components(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """(component name, path) pairs a checkpoint path stands for.
+    """(component name, path) pairs a checkpoint path stands for (``~`` is the home folder).
 
     One pair for a file or a folder with its own checkpoint; one per component
     folder (``vae``, ``transformer``, ...) for a pipeline root.
@@ -257,7 +259,7 @@ def checkpoint_components(path: str | os.PathLike) -> list[tuple[str, str]]:
         For a folder with no checkpoint in it or in its component folders, or
         a malformed index.
     """
-    return [(name, sub) for name, sub, _ in _components(os.fspath(path))]
+    return [(name, sub) for name, sub, _ in _components(user_path(path))]
 
 
 def _file_set(p: str) -> list[tuple[str, os.stat_result]]:
@@ -274,7 +276,8 @@ def _file_set(p: str) -> list[tuple[str, os.stat_result]]:
 
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
     """The files a checkpoint path stands for, in load order (the rule in the
-    module docstring); ``load_checkpoint`` reads exactly these.
+    module docstring); ``load_checkpoint`` reads exactly these. ``~`` in
+    ``path`` is the home folder (the files are named with it expanded).
 
     Raises
     ------
@@ -288,19 +291,20 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
         naming files outside its folder, or a file that is not a regular file
         (a FIFO, a device, a directory).
     """
-    return [f for f, _ in _file_set(os.fspath(path))]
+    return [f for f, _ in _file_set(user_path(path))]
 
 
 def checkpoint_bytes(path: str | os.PathLike) -> int:
     """On-disk bytes of exactly :func:`checkpoint_files` (sizes only, no data
-    read); 0 for a path that does not exist (a hub id, say).
+    read); 0 for a path that does not exist (a hub id, say). ``~`` is the
+    home folder.
 
     Raises
     ------
     CheckpointError, FileNotFoundError
         As :func:`checkpoint_files`, for a path that exists.
     """
-    p = os.fspath(path)
+    p = user_path(path)
     if not os.path.exists(p):
         return 0
     return sum(st.st_size for _, st in _file_set(p))

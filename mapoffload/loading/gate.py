@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from .._checks import check_count
 from .._log import logger
 from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory_available_bytes
 from ..memory.ranks import local_world
@@ -30,7 +31,15 @@ def keep_checkpoint_mapped(*, weight_bytes: int, component: str, local_ranks: in
     :mod:`mapoffload.ranks`) copies cost ``local ranks x weight_bytes`` of
     anonymous memory, a mapping the shared page cache once. Logs one line
     saying why, with both numbers against the host's available memory.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``weight_bytes`` not a whole number >= 0, ``local_ranks`` not one >= 1
+        (or None).
     """
+    check_count("weight_bytes", weight_bytes)
+    check_count("local_ranks", local_ranks, minimum=1, none=True)
     world = local_world(local_ranks)
     available = host_memory_available_bytes()
     keep = host_copies_would_not_fit(weight_bytes, available_bytes=available, local_ranks=world.size)

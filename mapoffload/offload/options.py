@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._checks import check_bool, check_count, parse_device
 from .stream_reads import STREAM_READS
 
 if TYPE_CHECKING:
@@ -44,15 +45,27 @@ class Options:
 
 
 def check_page_cache_bytes(page_cache_bytes: int | None) -> None:
-    if page_cache_bytes is not None and page_cache_bytes < 0:
-        raise ValueError(f"page_cache_bytes must be >= 0, not {page_cache_bytes}")
+    """``page_cache_bytes``: a whole number >= 0, or None (measured); ``TypeError``/``ValueError`` naming it."""
+    check_count("page_cache_bytes", page_cache_bytes, none=True)
 
 
 def resolve(*, device: str | torch.device, prefetch_layers: int, resident_layers: int, host_store: str,
             copier: Copier | None, available_bytes: int | None,
             local_ranks: int | None, cpu_twin: bool, page_cache_bytes: int | None, kernel_caps: str | None,
             stream_reads: str) -> Options:
-    """The :class:`Options` of a manager's keyword arguments; raises ``ValueError`` for a bad one."""
+    """The :class:`Options` of a manager's keyword arguments.
+
+    Every option is checked here, before anything is built: flags are bools, counts whole
+    numbers (an ``int``, not a ``bool``), each refusal naming the option and the value.
+
+    Raises
+    ------
+    TypeError
+        An option of the wrong type (``prefetch_layers=1.5``, ``cpu_twin="false"``, ``device=1.5``).
+    ValueError
+        A value out of range or not one of the choices (``resident_layers=-1``, ``host_store="gpu"``),
+        or options that do not go together.
+    """
     import torch
 
     from ..memory.budget import host_memory_available_bytes
@@ -60,9 +73,12 @@ def resolve(*, device: str | torch.device, prefetch_layers: int, resident_layers
 
     if host_store not in HOST_STORES:
         raise ValueError(f"host_store must be one of {HOST_STORES}, not {host_store!r}")
-    if prefetch_layers < 0 or resident_layers < 0:
-        raise ValueError("prefetch_layers and resident_layers must be >= 0")
-    dev = torch.device(device)
+    check_count("prefetch_layers", prefetch_layers)
+    check_count("resident_layers", resident_layers)
+    check_bool("cpu_twin", cpu_twin)
+    check_count("local_ranks", local_ranks, minimum=1, none=True)
+    check_count("available_bytes", available_bytes, none=True)
+    dev = parse_device("device", device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if cpu_twin and dev.type != "cpu":

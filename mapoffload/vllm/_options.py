@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._checks import folder_problem, user_path
 from ._errors import VllmLoadError
 
 KEYS = {
@@ -19,7 +20,8 @@ KEYS = {
     "stream_layers": "true streams the decoder layers through the page cache under the host's budget (a "
                      "fixed set stays cached, the rest is read and let go each forward), false never; absent "
                      "streams whenever weights are mapped and computed unpacked",
-    "cache_dir": "the folder conversions are written to (default: beside the checkpoint, as for from_pretrained)",
+    "cache_dir": "the folder conversions are written to, made if missing (default: beside the checkpoint, as for "
+                 "from_pretrained; ~ is the home folder)",
     "offload_layers": "how many decoder layers (the first ones, as vLLM's --cpu-offload-gb takes them) stay on the "
                       "mapping and are streamed to the device by the copier each forward (absent: vLLM's "
                       "--cpu-offload-gb amount, else none)",
@@ -50,7 +52,8 @@ class LoaderOptions:
         Raises
         ------
         VllmLoadError
-            Not a dict, an unknown key (the known ones are listed), or a value of the wrong type.
+            Not a dict, an unknown key (the known ones are listed), a value of the wrong type, or a
+            ``cache_dir`` that is a file or lies under one (``~`` in it is expanded).
         """
         if extra is None:
             extra = {}
@@ -67,8 +70,16 @@ class LoaderOptions:
                 raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be true, false or absent, "
                                     f"got {extra[key]!r}")
         cache_dir = extra.get("cache_dir")
-        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
-            raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}")
+        if cache_dir is not None:
+            if not isinstance(cache_dir, str) or not cache_dir:
+                raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}")
+            cache_dir = user_path(cache_dir, "cache_dir")  # "~/conv": no shell expanded it in the JSON
+            # Checked here, before any weight is read: making it would fail with a bare FileExistsError or
+            # NotADirectoryError out of vLLM's loader, after the model was built.
+            problem = folder_problem(cache_dir)
+            if problem is not None:
+                raise VllmLoadError(f"model_loader_extra_config['cache_dir'] = {cache_dir!r} cannot hold the "
+                                    f"conversion folders: {problem}; name a folder (it is made if missing)")
         for key, low in (("offload_layers", 1), ("prefetch_layers", 0)):
             value = extra.get(key)
             if value is not None and (type(value) is not int or value < low):
