@@ -88,32 +88,24 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
 def resolve_device(name: str | None):
     """The ``torch.device`` the demo runs on (None: cuda if present, else cpu).
 
+    The rule is :func:`mapoffload.hf._args.check_device`'s, the one the Python
+    entry points apply, worded for ``--device``.
+
     Raises
     ------
     ValueError
         One line, before anything is written: not a device, a device the demo
         does not run on, or CUDA asked for where torch sees none (torch itself
-        would fail at the first tensor with an ``AssertionError``).
+        would fail at the first tensor with an ``AssertionError``) or a CUDA
+        index it does not see.
     """
     import torch
 
+    from .hf._args import check_device
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"--device {name!r} is not a device: cuda, cuda:N or cpu") from None
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"--device {name!r}: the demo runs on cuda, cuda:N or cpu")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ValueError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}); "
-                             "run with --device cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
-    return device
+    return check_device(name, flag="--device", program="the demo")
 
 
 def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:

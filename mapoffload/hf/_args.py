@@ -8,10 +8,16 @@ the class named as a string, a file for its folder) must not surface as an
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..loading.files import _looks_remote
+
+if TYPE_CHECKING:
+    import torch
 
 RESTS = ("auto", "device", "stream")  # offload(..., rest=)
 # The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
@@ -111,19 +117,60 @@ def check_pipeline_class(cls: Any, what: str) -> None:
                         "stream this one with mapoffload.offload_pipeline(pipe, device=...)")
 
 
-def check_device(device: Any, what: str = "device") -> None:
-    """``"cuda"``, ``"cuda:N"`` or ``"cpu"``, and CUDA only where torch sees a device."""
+class NoCudaDeviceError(RuntimeError, ValueError):
+    """CUDA asked for where torch sees no CUDA device (a ``RuntimeError``, as the
+    entry points raised it, and a ``ValueError``, as the demo's arguments are)."""
+
+
+def check_device(device: Any, what: str = "device", *, flag: str | None = None,
+                 program: str = "mapoffload") -> torch.device:
+    """The one device rule: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``, CUDA only where torch
+    sees a device, ``N`` one it sees.
+
+    Parameters
+    ----------
+    device
+        What the caller passed (a ``torch.device`` or its name).
+    what
+        The keyword it came in as, for the message (``device=``).
+    flag
+        The command-line flag it came in as (``"--device"``): the messages then
+        name the flag as typed, and the fix as a flag.
+    program
+        What runs there, for the message (``"the demo"``).
+
+    Returns
+    -------
+    torch.device
+
+    Raises
+    ------
+    ValueError
+        Not a device, or not one mapoffload runs on, or a CUDA index torch does not see.
+    NoCudaDeviceError
+        CUDA where torch sees none.
+    """
     import torch
 
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}") from None
+        raise ValueError(f"{flag} {device!r} is not a device: cuda, cuda:N or cpu" if flag
+                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}") from None
     if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__}, "
-                           f"built with CUDA {torch.version.cuda}): pass device='cpu'")
+        raise ValueError(f"{flag} {device!r}: {program} runs on cuda, cuda:N or cpu" if flag
+                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
+    if dev.type == "cpu":
+        return dev
+    said = f"{flag} {device}:" if flag else f"{what}={device!r}, but"
+    if not torch.cuda.is_available():
+        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        fix = f"run with {flag} cpu" if flag else f"pass {what}='cpu'"
+        raise NoCudaDeviceError(f"{said} torch sees no CUDA device (torch {torch.__version__}, {build}); {fix}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{said} torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return dev
 
 
 def check_layers(layers: Any) -> None:
@@ -165,3 +212,41 @@ def check_flags(*, keep_mapping: Any = None, strict: Any = False) -> None:
         raise TypeError(f"keep_mapping must be True, False or None (the gate), not {keep_mapping!r}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, not {strict!r}")
+
+
+def unexpected_keyword(what: str, name: str, candidates: Any, why: str = "") -> TypeError:
+    """A ``TypeError`` naming the keyword ``name`` nobody takes, with the closest of
+    ``candidates`` (:func:`difflib.get_close_matches`) as the one meant, else ``why``."""
+    close = difflib.get_close_matches(name, list(dict.fromkeys(candidates)), n=1)
+    tail = f"did you mean {close[0]}=?" if close else why
+    return TypeError(f"{what} got an unexpected keyword argument {name!r}{f': {tail}' if tail else ''}")
+
+
+def keyword_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The keyword-only parameters of ``fn`` (an entry point's own keywords)."""
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def checked_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a misspelling of one of its required keywords named as that.
+
+    Python binds the call before the body runs, so ``device`` misspelt
+    (``devcie="cpu"``) would only say that ``device`` is missing. The wrapper
+    names the misspelt keyword and the one meant first; everything else (the
+    signature too, for :func:`inspect.signature`) is ``fn``'s.
+    """
+    params = inspect.signature(fn).parameters
+    required = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    what = f"mapoffload.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        for name in required:
+            if name not in kwargs:
+                for given in kwargs:
+                    if given not in params and difflib.get_close_matches(given, [name], n=1):
+                        raise unexpected_keyword(what, given, [name])
+        return fn(*args, **kwargs)
+
+    return entry

@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._log import format_bytes, logger
 from ..loading.report import LoadReport
 from ..memory.regions import tensor_bytes
 from ._converted import ConversionCache
@@ -61,27 +64,75 @@ def copy_mapped(model: torch.nn.Module, regions: Any) -> int:
     return copied
 
 
-def settle_mapping(model: torch.nn.Module, keep_mapping: bool | None, *, component: str) -> tuple[bool, int, str]:
-    """Keep the model's mapped weights on the mapping or copy them, as ``keep_mapping`` says.
+@dataclass
+class Unsettled:
+    """A model its library loaded, its mapped weights not yet kept or copied (see :func:`settle`)."""
 
-    True keeps, False copies; None asks the gate (:func:`~mapoffload.keep_checkpoint_mapped`) whether
-    copies would fit, as ``keep_mapping=None`` does in :func:`~mapoffload.load_checkpoint` and the vLLM
-    load format. Unlike ``load_checkpoint`` (which weighs the files before reading), it weighs what the
-    model holds on a mapping after its library's load (what a copy would take, conversions included),
-    and a pipeline asks for each component in turn, the copies of the ones before already in memory.
-    Returns whether the mapping is kept, the bytes copied and who decided (``"gate"`` or ``"caller"``).
+    model: torch.nn.Module
+    files: list[str]
+    info: dict
+    cache: ConversionCache
+    seconds: float  # the load's own
+    maker: str  # "transformers" or "diffusers", for the report's reasons
+    folder: str
+
+
+def mapped_bytes(models: list[torch.nn.Module], regions: Any) -> int:
+    """What the models' state holds on a file mapping: what copies of it would take (each storage
+    once, across the models too)."""
+    seen: set[tuple[int, int]] = set()
+    tensors = []
+    for model in models:
+        for _, t in _storages(model):
+            key = (t.untyped_storage().data_ptr(), t.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                tensors.append(t)
+    return sum(tensor_bytes(t) for t, held in zip(tensors, regions.classify(tensors)) if held)
+
+
+def settle(loaded: list[Unsettled], keep_mapping: bool | None, *, component: str) -> list[LoadReport]:
+    """Keep the models' mapped weights on the mapping or copy them, as ``keep_mapping`` says, one
+    decision for all of them; their reports.
+
+    True keeps, False copies; None asks the gate (:func:`~mapoffload.keep_checkpoint_mapped`) once
+    whether copies would fit, as ``keep_mapping=None`` does in :func:`~mapoffload.load_checkpoint` and
+    the vLLM load format. Unlike ``load_checkpoint`` (which weighs the files before reading), it weighs
+    what the models hold on a mapping after their library's load (what copies would take, conversions
+    included): a pipeline's components together, since their copies would all be in memory at once.
+    Each report records who decided (``"gate"`` or ``"caller"``).
+
+    Parameters
+    ----------
+    loaded
+        One model, or a pipeline's model components.
+    component
+        What the gate's one log line names (the model's class, or the pipeline and its components).
     """
     from ..loading.checkpoint import keep_checkpoint_mapped
     from ..memory.regions import MappedRegions
 
+    if not loaded:
+        return []
     regions = MappedRegions()
     decided_by = "caller"
     if keep_mapping is None:
         decided_by = "gate"
-        tensors = [t for _, t in _storages(model)]
-        mapped = sum(tensor_bytes(t) for t, held in zip(tensors, regions.classify(tensors)) if held)
-        keep_mapping = keep_checkpoint_mapped(weight_bytes=mapped, component=component)
-    return keep_mapping, (0 if keep_mapping else copy_mapped(model, regions)), decided_by
+        weight_bytes = mapped_bytes([u.model for u in loaded], regions)
+        keep_mapping = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=component)
+    reports = []
+    for u in loaded:
+        start = time.perf_counter()
+        copied = 0 if keep_mapping else copy_mapped(u.model, regions)
+        report = load_report(u.model, u.files, u.info, u.cache, keep_mapping, copied,
+                             u.seconds + time.perf_counter() - start, maker=u.maker, decided_by=decided_by)
+        if report.converted_tensors:
+            (logger.info if report.conversion_reused else logger.warning)(
+                "%s: %d tensors converted by %s' loading (%s) %s %s", u.folder, report.converted_tensors, u.maker,
+                format_bytes(report.bytes_converted), "reused from" if report.conversion_reused else "written to",
+                report.conversion_dir)
+        reports.append(report)
+    return reports
 
 
 def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: ConversionCache, keep_mapping: bool,

@@ -33,12 +33,13 @@ from ..loading.files import checkpoint_files
 from .._log import logger
 from ..loading.report import LoadReport
 from . import _keys
-from ._args import check_device, check_flags, check_folder, check_offload_args, check_pipeline_class
+from ._args import (checked_keywords, check_device, check_flags, check_folder, check_offload_args,
+                    check_pipeline_class, keyword_names, unexpected_keyword)
 from ._converted import ConversionCache
 from ._fingerprint import default_root, fingerprint
 from ._drive import driving
 from ._drive_diffusers import diffusers_hooks
-from ._report import load_report, settle_mapping
+from ._report import Unsettled, settle
 from ._extras import require
 from ._summary import OffloadRow
 from .blocks import find_block_lists
@@ -50,6 +51,14 @@ if TYPE_CHECKING:
 __all__ = ["PipelineOffloadHandle", "load_pipeline", "offload_pipeline", "pipeline_from_pretrained"]
 
 WHAT = "mapoffload.pipeline_from_pretrained"
+
+# diffusers' own from_pretrained arguments that mean something else here, with the answer.
+_DIFFUSERS_HABITS = {
+    "torch_dtype": "pass dtype= (a dtype, or a dict {component: dtype}; 'auto', the default, keeps each "
+                   "component's stored dtype)",
+    "device_map": "mapoffload places the pipeline itself: pass device='cuda' (or 'cpu')",
+    "low_cpu_mem_usage": "mapoffload always loads on the file mapping (nothing to pass)",
+}
 
 
 class PipelineOffloadHandle:
@@ -179,12 +188,13 @@ def _resolve(dtype: Any, keys: _keys.CheckpointKeys) -> torch.dtype:
     return getattr(torch, stored) if stored else torch.float32
 
 
-def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_mapping: bool | None,
-                          cache_dir: str | os.PathLike | None = None) -> tuple[torch.nn.Module, LoadReport]:
+def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
+                          cache_dir: str | os.PathLike | None = None) -> Unsettled:
     """A diffusers ``ModelMixin`` from its sub-folder, loaded by diffusers' own
     ``from_pretrained`` (its key conversions, ``_keep_in_fp32_modules``) in the
     resolved dtype; what it casts is written once into the conversion folder
-    and mapped (:mod:`._drive`, :mod:`._drive_diffusers`)."""
+    and mapped (:mod:`._drive`, :mod:`._drive_diffusers`). The ``keep_mapping``
+    decision is the pipeline's (:func:`._report.settle`)."""
     import time
 
     start = time.perf_counter()
@@ -205,11 +215,8 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any, keep_map
         problems.append(_keys.describe_keys("unexpected", sorted(info["unexpected_keys"])) + " (not loaded)")
     if problems:
         warnings.warn(f"{folder} into {name} ({cls.__name__}): " + "; ".join(problems), stacklevel=4)
-    keep, copied, decided_by = settle_mapping(model, keep_mapping, component=f"{name} ({cls.__name__})")
-    report = load_report(model, files, info, cache, keep, copied, time.perf_counter() - start, maker="diffusers",
-                         decided_by=decided_by)
     model.eval()
-    return model, report
+    return Unsettled(model, files, info, cache, time.perf_counter() - start, "diffusers", folder)
 
 
 def _component_class(library: str, class_name: str, name: str) -> Any:
@@ -244,6 +251,30 @@ def load_pipeline(
     See :func:`pipeline_from_pretrained`; returns the pipeline and one
     :class:`~mapoffload.LoadReport` per loaded model component.
     """
+    return _load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
+                          components=components, own=keyword_names(load_pipeline))
+
+
+def _check_components(cls: Any, components: dict[str, Any], accepted: Any, own: tuple[str, ...]) -> None:
+    """Each keyword beside the entry point's own names something the pipeline's ``__init__``
+    takes (a component, or an argument such as ``requires_safety_checker``); else it is
+    refused by name, before anything is loaded (diffusers would ignore it with a warning)."""
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return  # its __init__ takes any keyword
+    takes = [n for n, p in accepted.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
+    for name in components:
+        if name in takes:
+            continue
+        if name in _DIFFUSERS_HABITS:
+            raise TypeError(f"{WHAT} does not take {name}=: {_DIFFUSERS_HABITS[name]}")
+        raise unexpected_keyword(WHAT, name, (*own, *takes),
+                                 f"not a keyword of {WHAT}, nor a component or argument of {cls.__name__}")
+
+
+def _load_pipeline(pipeline_cls: Any, folder: str | os.PathLike, *, dtype: Any, keep_mapping: bool | None,
+                   cache_dir: str | os.PathLike | None, components: dict[str, Any],
+                   own: tuple[str, ...]) -> tuple[Any, dict[str, LoadReport]]:
+    """:func:`load_pipeline`, with ``own`` the entry point's keywords (for a "did you mean")."""
     import torch
 
     require("diffusers", WHAT)
@@ -260,8 +291,9 @@ def load_pipeline(
         index = json.load(f)
     cls = _pipeline_class(pipeline_cls, index, folder)
     accepted = inspect.signature(cls.__init__).parameters
+    _check_components(cls, components, accepted, own)
     kwargs: dict[str, Any] = {}
-    reports: dict[str, LoadReport] = {}
+    loaded: dict[str, Unsettled] = {}
     for name, entry in index.items():
         if name.startswith("_") or name not in accepted:
             continue
@@ -282,14 +314,16 @@ def load_pipeline(
             continue
         component_dtype = dtype.get(name, "auto") if isinstance(dtype, dict) else dtype
         if library == "transformers":
-            from .transformers import load_pretrained
+            from .transformers import load_unsettled
 
-            model, report = load_pretrained(comp_cls, sub, dtype=component_dtype, keep_mapping=keep_mapping,
-                                            cache_dir=cache_dir)
+            loaded[name] = load_unsettled(comp_cls, sub, dtype=component_dtype, strict=False, config=None,
+                                          cache_dir=cache_dir, fp8="keep", model_kwargs={}, own=own, what=WHAT)
         else:
-            model, report = _load_diffusers_model(comp_cls, sub, name, component_dtype, keep_mapping, cache_dir)
-        kwargs[name] = model
-        reports[name] = report
+            loaded[name] = _load_diffusers_model(comp_cls, sub, name, component_dtype, cache_dir)
+        kwargs[name] = loaded[name].model
+    # One keep_mapping decision for the pipeline: its components' copies would all be in memory at once.
+    settled = settle(list(loaded.values()), keep_mapping, component=f"{cls.__name__} ({', '.join(loaded)})")
+    reports = dict(zip(loaded, settled))
     for name, value in components.items():
         if name not in kwargs:
             kwargs[name] = value
@@ -298,6 +332,7 @@ def load_pipeline(
     return pipe, reports
 
 
+@checked_keywords
 def pipeline_from_pretrained(
     pipeline_cls: Any,
     folder: str | os.PathLike,
@@ -331,15 +366,20 @@ def pipeline_from_pretrained(
     keep_mapping
         True (default): every weight on a file mapping (never more anonymous
         memory than diffusers' own load); False: copies into host memory;
-        None asks the gate for each component, as
-        :func:`~mapoffload.load_checkpoint` does (copies when they fit).
+        None asks the gate once for the pipeline, with the bytes all its
+        components hold on the mapping (their copies would all be in memory),
+        as :func:`~mapoffload.load_checkpoint` does (copies when they fit); each
+        component's report records it.
     cache_dir
         Where converted tensors go (see :func:`mapoffload.from_pretrained`).
     prefetch_layers, host_store, rest, stream_reads
         Passed to :func:`offload_pipeline`.
     **components
         Components to use instead of loading them (``tokenizer=None``, a
-        model already built), as with diffusers' ``from_pretrained``.
+        model already built), and other arguments of the pipeline's
+        ``__init__``, as with diffusers' ``from_pretrained``. Anything else is
+        refused by name before anything is loaded, a misspelt keyword with the
+        one meant (``prefech_layers=``: did you mean ``prefetch_layers=``?).
 
     Returns
     -------
@@ -351,8 +391,8 @@ def pipeline_from_pretrained(
     if device is not None:  # checked before the load, not after it
         check_device(device)
         check_offload_args(rest=rest, prefetch_layers=prefetch_layers, host_store=host_store, stream_reads=stream_reads)
-    pipe, reports = load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
-                                  **components)
+    pipe, reports = _load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
+                                   components=components, own=keyword_names(pipeline_from_pretrained))
     handle = None
     if device is not None:
         handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,

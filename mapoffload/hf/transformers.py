@@ -14,6 +14,7 @@ tensors transformers *makes* on the way are converted once into mapped files
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -21,15 +22,15 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..loading.files import CheckpointError, checkpoint_files
-from .._log import format_bytes, logger
 from ..loading.report import LoadReport
 from . import _keys
 from ._converted import ConversionCache
 from ._fingerprint import concrete_class, default_root, fingerprint
-from ._args import check_device, check_flags, check_folder, check_model_class, check_offload_args
+from ._args import (checked_keywords, check_device, check_flags, check_folder, check_model_class,
+                    check_offload_args, keyword_names, unexpected_keyword)
 from ._drive import driving
 from ._drive_transformers import transformers_hooks
-from ._report import load_report, settle_mapping
+from ._report import Unsettled, settle
 from ._extras import require
 
 if TYPE_CHECKING:
@@ -54,7 +55,19 @@ _TRANSFORMERS_HABITS = {
     "quantization_config": "the checkpoint's own quantization_config (config.json) is read from the folder, and "
                            "fp8= says how fp8 weights load ('keep' or 'dequantize'); quantizing while loading "
                            "would make an anonymous copy of the model",
+    "output_loading_info": "mapoffload asks for it itself: model.mapoffload_report lists the missing and "
+                           "unexpected keys",
 }
+
+# transformers' from_pretrained keywords it reads from its **kwargs (those of its signature are read from
+# it): passed to it as they are. The hub's are passed to the configuration's loading too, as it does.
+_TRANSFORMERS_KEYWORDS = (
+    "attn_implementation", "experts_implementation", "trust_remote_code", "code_revision", "variant",
+    "generation_config", "key_mapping", "use_kernels", "kernel_config", "allow_all_kernels", "adapter_kwargs",
+    "adapter_name", "proxies", "subfolder", "state_dict", "gguf_file", "distributed_config", "device_mesh",
+    "tp_plan", "tp_size", "tqdm_class", "offload_buffers",
+)
+_HUB_KEYWORDS = ("force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
 class KeyMismatchError(CheckpointError):
@@ -112,15 +125,56 @@ def _check_folder_config(cls: Any, folder: str) -> None:
                     f"or config= to load it into {cls.__name__} anyway")
 
 
-def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any]) -> Any:
-    if config is not None:
-        return config
+def _transformers_keywords() -> tuple[str, ...]:
+    """Every keyword transformers' ``from_pretrained`` takes itself (not passed on to the config)."""
+    import transformers
+
+    own = [n for n in keyword_names(transformers.PreTrainedModel.from_pretrained) if n not in ("config", "cache_dir")]
+    return (*own, *_TRANSFORMERS_KEYWORDS)
+
+
+def _config(cls: Any, folder: str, config: Any, kwargs: dict[str, Any], own: tuple[str, ...],
+            what: str) -> tuple[Any, dict[str, Any]]:
+    """The configuration, and the keywords for transformers' ``from_pretrained``.
+
+    As transformers sends ``**kwargs``: its own keywords to it, the rest to the
+    configuration's ``from_pretrained`` (a field given there is set on the
+    configuration), and what no field takes to the model's ``__init__`` —
+    here only where ``__init__`` names it. Anything else is refused by name
+    (the closest keyword as the one meant), before anything is built; with
+    ``config=`` given, a field of it is refused too (transformers would hand
+    it to ``__init__``): it is set on that config.
+    """
     transformers = require("transformers", "mapoffload.from_pretrained")
-    config_cls = getattr(cls, "config_class", None)
-    if hasattr(cls, "_model_mapping") or config_cls is None:
-        config_cls = transformers.AutoConfig
-    trust = kwargs.get("trust_remote_code")
-    return config_cls.from_pretrained(folder, **({"trust_remote_code": trust} if trust is not None else {}))
+    known = _transformers_keywords()
+    passed = {k: v for k, v in kwargs.items() if k in known}
+    rest = {k: v for k, v in kwargs.items() if k not in known}
+    if config is None:
+        config_cls = getattr(cls, "config_class", None)
+        auto = hasattr(cls, "_model_mapping") or config_cls is None
+        if auto:
+            config_cls = transformers.AutoConfig
+        hub = {k: v for k, v in passed.items() if k in _HUB_KEYWORDS or (auto and k in ("trust_remote_code",
+                                                                                      "code_revision"))}
+        config, rest = config_cls.from_pretrained(folder, return_unused_kwargs=True, **hub, **rest)
+        rest = {k: v for k, v in rest.items() if k not in hub}
+    else:
+        for name in rest:
+            if hasattr(config, name):
+                raise TypeError(f"{what} got {name}= beside config=: {name} is a field of {type(config).__name__}, "
+                                f"set it on the config you pass (config.{name} = ...)")
+    model_cls = concrete_class(cls, config)
+    init = inspect.signature(model_cls.__init__).parameters if isinstance(model_cls, type) else {}
+    for name in rest:
+        if name in init and name not in ("self", "config") and init[name].kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        fields = list(config.to_dict()) + list(getattr(config, "attribute_map", {}) or {})
+        model_name = getattr(model_cls, "__name__", repr(model_cls))
+        raise unexpected_keyword(what, name, (*own, *known, *fields),
+                                 f"not a keyword of {what} nor of transformers' from_pretrained, not a field of "
+                                 f"{type(config).__name__}, nor an argument of {model_name}.__init__")
+    return config, {**passed, **rest}
 
 
 FP8_MODES = ("keep", "dequantize")
@@ -182,15 +236,32 @@ def load_pretrained(
     ``generation_config`` read from the folder as transformers reads it) and
     the :class:`~mapoffload.LoadReport`.
     """
-    require("transformers", "mapoffload.from_pretrained")
-    check_model_class(cls, "mapoffload.from_pretrained")
     check_flags(keep_mapping=keep_mapping, strict=strict)
+    loaded = load_unsettled(cls, folder, dtype=dtype, strict=strict, config=config, cache_dir=cache_dir, fp8=fp8,
+                            model_kwargs=model_kwargs, own=keyword_names(load_pretrained))
+    (report,) = settle([loaded], keep_mapping, component=type(loaded.model).__name__)
+    return loaded.model, report
+
+
+def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: bool, config: Any,
+                   cache_dir: str | os.PathLike | None, fp8: str, model_kwargs: dict[str, Any],
+                   own: tuple[str, ...], what: str = "mapoffload.from_pretrained") -> Unsettled:
+    """:func:`load_pretrained` up to the ``keep_mapping`` decision (:func:`._report.settle` makes it:
+    for a pipeline, once for all its components). The model is in eval mode.
+
+    ``own`` are the entry point's keywords, the first candidates of a "did you mean" for a
+    keyword that goes nowhere (see :func:`_config`).
+    """
+    require("transformers", "mapoffload.from_pretrained")
+    check_model_class(cls, what)
+    check_flags(strict=strict)
     check_transformers_kwargs(model_kwargs)
-    folder = check_folder(folder, "mapoffload.from_pretrained", beside="config.json beside the weights")
+    folder = check_folder(folder, what, beside="config.json beside the weights")
     start = time.perf_counter()
     if config is None:
         _check_folder_config(cls, folder)
-    config = _config(cls, folder, config, model_kwargs)  # transformers refuses custom code here
+    # transformers refuses custom code here
+    config, model_kwargs = _config(cls, folder, config, model_kwargs, own, what)
     files = checkpoint_files(folder)
     keep_fp8 = _check_quantization(config, folder, fp8)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
@@ -220,16 +291,9 @@ def load_pretrained(
         message = f"{folder} into {type(model).__name__}: " + "; ".join(problems)
         if strict:
             raise KeyMismatchError(folder, message, sorted(info.get("missing_keys") or ()))
-        warnings.warn(message, stacklevel=3)
-    keep, copied, decided_by = settle_mapping(model, keep_mapping, component=type(model).__name__)
-    report = load_report(model, files, info, session.cache, keep, copied, time.perf_counter() - start,
-                         maker="transformers", decided_by=decided_by)
-    if report.converted_tensors:
-        (logger.info if report.conversion_reused else logger.warning)("%s: %d tensors converted by transformers' loading (%s) %s %s", folder,
-                    report.converted_tensors, format_bytes(report.bytes_converted),
-                    "reused from" if report.conversion_reused else "written to", report.conversion_dir)
+        warnings.warn(message, stacklevel=4)
     model.eval()
-    return model, report
+    return Unsettled(model, files, info, session.cache, time.perf_counter() - start, "transformers", folder)
 
 
 def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException | None) -> None:
@@ -241,6 +305,7 @@ def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException
                            f"{why.strip()}", keys) from cause
 
 
+@checked_keywords
 def from_pretrained(
     cls: Any,
     folder: str | os.PathLike,
@@ -307,8 +372,15 @@ def from_pretrained(
         dequantized once into the conversion folder; ``"dequantize"`` does
         that for every weight (transformers' dequantized model, in bf16).
     **model_kwargs
-        Passed to transformers' ``from_pretrained`` (``attn_implementation=``,
-        ``trust_remote_code=``…). ``device_map``/``torch_dtype`` are refused
+        Where transformers sends them: its own keywords to its
+        ``from_pretrained`` (``attn_implementation=``, ``trust_remote_code=``…),
+        a configuration field to the configuration (``rms_norm_eps=1e-5``,
+        ``num_hidden_layers=1``: the config, and the model, that
+        ``cls.from_pretrained(folder, rms_norm_eps=1e-5)`` builds; with
+        ``config=`` given, set it on that config), an argument the model's
+        ``__init__`` names to it. Anything else is refused by name before
+        anything is built, a misspelt keyword with the one meant (``devcie=``:
+        did you mean ``device=``?). ``device_map``/``torch_dtype`` are refused
         with the mapoffload equivalent.
 
     Returns
@@ -328,8 +400,11 @@ def from_pretrained(
         check_device(device)
         check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
                            stream_reads=stream_reads)
-    model, report = load_pretrained(cls, folder, dtype=dtype, keep_mapping=keep_mapping, strict=strict,
-                                    config=config, cache_dir=cache_dir, fp8=fp8, **model_kwargs)
+    check_flags(keep_mapping=keep_mapping, strict=strict)
+    loaded = load_unsettled(cls, folder, dtype=dtype, strict=strict, config=config, cache_dir=cache_dir, fp8=fp8,
+                            model_kwargs=model_kwargs, own=keyword_names(from_pretrained))
+    (report,) = settle([loaded], keep_mapping, component=type(loaded.model).__name__)
+    model = loaded.model
     handle: OffloadHandle | None = None
     object.__setattr__(model, "mapoffload_report", report)
     if device is not None:
