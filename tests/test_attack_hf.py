@@ -351,5 +351,6 @@ def test_from_pretrained_refuses_a_dtype_it_cannot_make_before_loading(tmp_path,
         raise AssertionError("loaded before refusing the dtype")
 
     monkeypatch.setattr(hf_transformers, "load_pretrained", no_load)
+    monkeypatch.setattr(hf_transformers, "load_unsettled", no_load)  # what from_pretrained calls
     with pytest.raises(ValueError, match=r"dtype .* is not one a conversion takes: auto, bfloat16, float16"):
         mapoffload.from_pretrained(cls, str(tmp_path / "m"), device="cpu", dtype=dtype)

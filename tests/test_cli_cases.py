@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 
 import pytest
@@ -34,7 +35,7 @@ def llama(tmp_path, monkeypatch):
 def test_a_mistyped_local_path_is_missing_not_a_hub_id(llama, capsys, typo):
     assert main(["inspect", typo]) == 2
     err = capsys.readouterr().err
-    assert f"no such file or folder: {typo}" in err and "hub id" not in err
+    assert f"no such file or folder: {os.path.expanduser(typo)}" in err and "hub id" not in err  # ~ expanded
 
 
 def test_a_hub_id_is_named_as_one(llama, capsys):
