@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import mapoffload
 from mapoffload import LayerwiseOffloadManager, checkpoint_bytes, checkpoint_files, empty_weights, load_checkpoint
 from mapoffload.checkpoint import keep_checkpoint_mapped
 
@@ -197,3 +198,13 @@ def test_the_vllm_cache_dir_expands_the_home_folder(home):
     from mapoffload.vllm._options import LoaderOptions
 
     assert LoaderOptions.parse({"cache_dir": "~/conv"}).cache_dir == str(home / "conv")
+
+
+def test_from_pretrained_takes_a_folder_under_home_as_typed(home):
+    """``from_pretrained(cls, "~/models/x")``: the folder a user types, ``~`` expanded."""
+    pytest.importorskip("transformers")
+    from hf_models import save
+
+    cls = save("llama", torch.float32, home / "models" / "tiny")
+    model = mapoffload.from_pretrained(cls, "~/models/tiny", device="cpu")
+    model.mapoffload_handle.close()

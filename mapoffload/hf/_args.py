@@ -62,9 +62,9 @@ def check_folder(folder: Any, what: str, *, beside: str) -> str:
     """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path (str or os.PathLike), not {type(folder).__name__}")
-    path = os.fspath(folder)
-    if not isinstance(path, str):
-        path = os.fsdecode(path)
+    from .._checks import user_path
+
+    path = user_path(folder, "folder")  # `~/models/x` as a keyword: no shell expanded it
     if os.path.isfile(path):
         raise ValueError(f"{path!r} is a file: {what} takes the folder save_pretrained wrote ({beside}): "
                          f"pass {os.path.dirname(os.path.abspath(path))!r}")
