@@ -208,3 +208,11 @@ def test_from_pretrained_takes_a_folder_under_home_as_typed(home):
     cls = save("llama", torch.float32, home / "models" / "tiny")
     model = mapoffload.from_pretrained(cls, "~/models/tiny", device="cpu")
     model.mapoffload_handle.close()
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True])
+def test_local_world_takes_whole_numbers_only(bad):
+    from mapoffload import local_world
+
+    with pytest.raises(TypeError, match=rf"local_ranks must be a whole number >= 1, not {bad!r}"):
+        local_world(bad)

@@ -89,14 +89,16 @@ def local_world(local_ranks: int | None = None) -> LocalWorld:
 
     Raises
     ------
+    TypeError
+        ``local_ranks`` not a whole number (``1.5``, ``"2"``, ``True``).
     ValueError
         ``local_ranks`` < 1, or ``LOCAL_WORLD_SIZE`` not a whole number from
         1 to 2**16 (an ``EnvSettingError`` naming the variable and the range).
     """
     if local_ranks is not None:
-        if int(local_ranks) < 1:
-            raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
-        return LocalWorld(int(local_ranks), "given")
+        from .._checks import check_count
+
+        return LocalWorld(check_count("local_ranks", local_ranks, minimum=1), "given")  # 1.5, "2": refused
     env = _from_env()
     if env is not None:
         return LocalWorld(env, ENV_LOCAL_WORLD_SIZE)
