@@ -93,9 +93,11 @@ class PipelineOffloadHandle:
         return format_rows(self.rows, next(iter(devices)) if len(devices) == 1 else None)
 
     def close(self) -> None:
-        """Give every component back whole, with its real weights."""
+        """Give every component back whole, with its real weights; ``pipe.mapoffload_handle`` goes."""
         for h in self.components.values():
             h.close()
+        if getattr(self.pipe, "__dict__", {}).get("mapoffload_handle") is self:
+            del self.pipe.__dict__["mapoffload_handle"]  # never left naming a closed handle
 
     def __enter__(self) -> PipelineOffloadHandle:
         return self
@@ -152,6 +154,7 @@ def offload_pipeline(
     Returns
     -------
     PipelineOffloadHandle
+        Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` removes the attribute).
     """
     import torch
 
@@ -167,6 +170,7 @@ def offload_pipeline(
     except BaseException:
         handle.close()
         raise
+    object.__setattr__(pipe, "mapoffload_handle", handle)  # the live handle (close() removes it)
     logger.info("offload of %s:\n%s", type(pipe).__name__, handle.summary())
     return handle
 
