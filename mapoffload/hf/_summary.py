@@ -2,19 +2,24 @@
 plain-text table :meth:`OffloadHandle.summary` prints.
 
 Every number is measured when asked, not remembered from the plan: each
-unit's tensors are classified by :meth:`MappedRegions.span_classes` (a file
-mapping, anonymous memory, pinned) or found on the device, each tensor
-counted once. The words are chosen from what is measured and from the device
-in use, so that none contradicts another (no "streamed" on a CPU that
-computes in place, no "mapped" next to bytes that are a copy).
+unit's storage ranges (the union of its tensors' extents, so a byte reached
+by two views counts once) are classified against one snapshot of
+``/proc/self/maps`` (a file mapping, anonymous memory, pinned) or found on the
+device, and the pages of the mapped ranges that copy-on-write made the
+process's own (a weight written in place) are read from
+``/proc/self/pagemap`` and counted as anonymous. The words are chosen from
+what is measured and from the device in use, so that none contradicts
+another (no "streamed" on a CPU that computes in place, no "mapped" next to
+bytes that are a copy).
 """
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._log import format_bytes
 from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copy_room
@@ -25,6 +30,8 @@ if TYPE_CHECKING:
     from ..offload import LayerwiseOffloadManager
 
 __all__ = ["OffloadRow", "format_rows", "placed_row", "stack_row"]
+
+logger = logging.getLogger("mapoffload")
 
 WIDTH = 100  # columns the summary fits in
 
@@ -53,7 +60,8 @@ class OffloadRow:
     mapped_bytes, anonymous_bytes, pinned_bytes
         Host bytes of the unit's tensors on a file mapping (page cache the
         kernel can drop and re-read), in anonymous memory (a copy: the model's
-        own tensors or a host store), and in pinned memory. For a placed unit
+        own tensors or a host store; or pages of a mapped tensor written in
+        place, see ``written_bytes``), and in pinned memory. For a placed unit
         on a GPU these are the host originals kept for ``close()``.
     device_bytes
         Bytes placed on the GPU for good (streamed layers' device buffers
@@ -68,6 +76,13 @@ class OffloadRow:
         pages, and the decision that put the bytes where they are.
     component
         The pipeline component (``"transformer"``); empty for a single model.
+    written_bytes
+        Of ``anonymous_bytes``: bytes of tensors on a file mapping whose pages
+        were written in place since they were mapped (copy-on-write made them
+        the process's own memory, no longer the file's: the kernel cannot drop
+        them). A page is copied whole: the bytes of the unit's tensors in
+        such pages are counted, a neighbour's bytes in the same page are the
+        neighbour's.
     """
 
     unit: str
@@ -84,6 +99,7 @@ class OffloadRow:
     residency: str
     why: str
     component: str = ""
+    written_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -106,37 +122,162 @@ class OffloadRow:
 # --- measuring -----------------------------------------------------------------------------
 
 
-def _measure(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int, int, int]:
-    """(mapped, anonymous, pinned, device, total) bytes of ``tensors``, each storage range once."""
-    from ..offload.stores import describe
+class _Measured(NamedTuple):
+    """What :func:`_measure` found, in bytes; ``written`` is part of ``anonymous``."""
+
+    mapped: int
+    anonymous: int
+    pinned: int
+    device: int
+    total: int
+    written: int
+
+
+def _union(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(address, end, index)`` extents merged where they overlap, sorted:
+    the union of the ranges, each byte once. ``index`` is the extent that
+    starts the merged range (the longest of those starting there). Ranges
+    that only touch stay apart, so each keeps its own class."""
+    merged: list[list[int]] = []
+    for addr, end, i in sorted(extents, key=lambda e: (e[0], -e[1])):
+        if merged and addr < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([addr, end, i])
+    return [(a, e, i) for a, e, i in merged]
+
+
+def _written_bytes(ranges: list[tuple[int, int]]) -> int:
+    """Bytes of the mapped ``(address, end)`` ranges (sorted, disjoint) that
+    lie in pages the process wrote in place (copy-on-write made them its
+    own), from ``/proc/self/pagemap``; 0 where it cannot be read.
+
+    A written page is copied whole, but only the bytes of the ranges in it are
+    counted, so that a page two units share (a small tensor beside another)
+    is not counted in both. One native call over all the ranges' pages
+    answers the usual case (nothing written); when some are, one more over
+    the partial pages at the ranges' ends says whether any of those is
+    written, and only then are they halved until the written ones are found.
+    """
+    from .._native import _core
+
+    ps = _core.page_size()
+    bodies: list[tuple[int, int]] = []  # whole pages inside a range
+    edges: dict[int, int] = {}  # a page only partly in the ranges -> the ranges' bytes in it
+    for addr, end in ranges:
+        pos = addr
+        if pos % ps:
+            page = pos - pos % ps
+            stop = min(end, page + ps)
+            edges[page] = edges.get(page, 0) + stop - pos
+            pos = stop
+        if pos < end - end % ps:
+            bodies.append((pos, end - end % ps))
+            pos = end - end % ps
+        if pos < end:
+            edges[pos] = edges.get(pos, 0) + end - pos
+
+    def private(spans: list[tuple[int, int]]) -> int:
+        return _core.private_page_bytes(_core.SpanArray([a for a, _ in spans], [n for _, n in spans]))
+
+    pages = sorted(edges)
+    got = private([(a, e - a) for a, e in bodies] + [(p, ps) for p in pages])
+    if got <= 0:
+        if got < 0:
+            logger.debug("summary: /proc/self/pagemap unreadable (errno %d): pages written in place not counted",
+                         -got)
+        return 0
+    in_edges = private([(p, ps) for p in pages]) if pages else 0
+    written = got - max(in_edges, 0)
+    todo = [(pages, in_edges)] if in_edges > 0 else []
+    while todo:  # halve the partial pages until each written one is found
+        group, n = todo.pop()
+        if n >= ps * len(group) or len(group) == 1:  # all of them written
+            written += sum(edges[p] for p in group)
+            continue
+        left = group[: len(group) // 2]
+        k = private([(p, ps) for p in left])
+        if k < 0:
+            break
+        todo += [(g, m) for g, m in ((left, k), (group[len(left):], n - k)) if m > 0]
+    return written
+
+
+def _extents(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each tensor (:func:`~mapoffload.memory.regions.tensor_extent`), on
+    the CPU and on a device alike (where ``tensor_spans`` answers ``(0, 0)``): two native calls.
+    ``(0, 0)`` for a tensor without an address (no storage)."""
+    import torch
+
+    from .._native import _core
+    from ..memory.regions import tensor_spans
+
+    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    off = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    out: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    spans = tensor_spans([tensors[i] for i in host])
+    for i, a, n in zip(host, spans.addrs, spans.sizes):
+        out[i] = (a, n)
+    if off:
+        try:  # the same extent, read without the CPU check (a device address: only compared, never read)
+            spans = _core.extract_spans([tensors[i] for i in off], torch.Tensor, False)
+            found = list(zip(spans.addrs, spans.sizes))
+        except (RuntimeError, TypeError, OverflowError):  # a device tensor without a plain storage
+            found = [(0, 0)] * len(off)
+        for i, (a, n) in zip(off, found):
+            out[i] = (a, n)
+    return out
+
+
+def _measure(tensors: Iterable[torch.Tensor]) -> _Measured:
+    """Bytes of ``tensors``, each storage range once.
+
+    The tensors' extents (:func:`~mapoffload.memory.regions.tensor_extent`,
+    on every device) are merged per device into their union, so that views
+    that overlap (``t`` and ``t[:10]``, a slice inside another) count each
+    byte once. Host ranges are classified against one maps snapshot: on a
+    file mapping they are mapped, except their bytes in pages written in
+    place since they were mapped (pagemap, read natively for all the ranges
+    at once: :func:`_written_bytes`), which are anonymous memory now; the
+    rest is pinned or anonymous.
+    """
+    from .._native import _core
     from ..memory.regions import MappedRegions
 
-    seen: set[tuple[str, int, int]] = set()
-    host: list[torch.Tensor] = []
+    live = [t for t in tensors if t.device.type != "meta" and t.numel()]
+    by_device: dict[str, list[tuple[int, int, int]]] = {}
     device = total = 0
-    for t in tensors:
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        n = describe(t)[0]
-        key = (str(t.device), t.data_ptr(), n)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += n
-        if t.device.type == "cpu":
-            host.append(t)
+    for i, (addr, n) in enumerate(_extents(live)):
+        if n:
+            by_device.setdefault(str(live[i].device), []).append((addr, addr + n, i))
+        elif live[i].device.type != "cpu":  # on a device without an address to merge by: its values' bytes
+            n = live[i].numel() * live[i].element_size()
+            device, total = device + n, total + n
+    host: list[tuple[int, int, int]] = []
+    for extents in by_device.values():
+        ranges = _union(extents)
+        nbytes = sum(e - a for a, e, _ in ranges)
+        total += nbytes
+        if live[ranges[0][2]].device.type == "cpu":
+            host = ranges
         else:
-            device += n
+            device += nbytes
     mapped = anonymous = pinned = 0
-    for t, cls in zip(host, MappedRegions().span_classes(host)):
-        n = describe(t)[0]
-        if cls == "file":
-            mapped += n
-        elif _pinned(t):
-            pinned += n
-        else:
-            anonymous += n  # anonymous, shared memory, mixed: none of it can be dropped and re-read
-    return mapped, anonymous, pinned, device, total
+    on_file: list[tuple[int, int]] = []
+    table = MappedRegions().table
+    if host:
+        classes = (table.span_classes(_core.SpanArray([a for a, _, _ in host], [e - a for a, e, _ in host]))
+                   if table is not None else ["unmapped"] * len(host))
+        for (addr, end, i), cls in zip(host, classes):
+            if cls == "file":
+                mapped += end - addr
+                on_file.append((addr, end))
+            elif _pinned(live[i]):
+                pinned += end - addr
+            else:
+                anonymous += end - addr  # anonymous, shared memory, mixed: none of it can be dropped and re-read
+    written = min(_written_bytes(on_file), mapped)
+    return _Measured(mapped - written, anonymous + written, pinned, device, total, written)
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -174,12 +315,30 @@ def _residency(m: LayerwiseOffloadManager, mapped: int, what: str) -> tuple[str,
     )
 
 
+def _written_words(written: int) -> str:
+    """The clause on a unit's mapped bytes written in place, or ''."""
+    if not written:
+        return ""
+    return (f"; {format_bytes(written)} of its mapped weights' pages were written in place since they were "
+            "mapped (copy-on-write: anonymous memory of the process now, no longer the file's)")
+
+
 def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, available: int | None,
-         host_store_given: bool) -> str:
+         host_store_given: bool, written: int = 0) -> str:
+    """Why the unit's bytes are where they are. ``written`` (part of
+    ``anonymous``) are mapped bytes written in place: the words on copies
+    are about the rest."""
+    copied = anonymous - written
+    on_file = mapped + written  # what the load left on the mapping
+    return _decision(m, on_file, copied, pinned, available, host_store_given, bool(written)) + _written_words(written)
+
+
+def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, available: int | None,
+              host_store_given: bool, written: bool = False) -> str:
     in_place = m.copier is None
     if in_place and m.host_store in ("auto", "mapped"):
         if not anonymous and not pinned:
-            return "its weights are views of the checkpoint's file mapping, as loaded"
+            return "its weights are views of the checkpoint's file mapping" + ("" if written else ", as loaded")
         if not mapped:
             return ("its weights are the model's own tensors in anonymous memory, not on a file mapping (on the "
                     "CPU the offload computes from them where they are and copies nothing)")
@@ -211,7 +370,7 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
     """The row of one manager (a stack, or the streamed rest when ``modules``)."""
     from ..offload.buffers import held_buffers
 
-    mapped, anonymous, pinned, _, total = _measure(_manager_hosts(m))
+    mapped, anonymous, pinned, _, total, written = _measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
     read_around = next((b for b in held_buffers(m.loads, m.copier, m.device) if b.what == "read-around buffers"), None)
     if m.copier is None and read_around is not None:
@@ -231,19 +390,20 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
         step = "module by module" if modules else "one layer at a time"
         where = f"copied to {m.device} {step}, {m.prefetch_layers} ahead, from {route}"
     residency, cached, read = _residency(m, mapped, what)
-    reason = why or _why(m, mapped, anonymous, pinned, available, host_store_given)
+    reason = (why + _written_words(written)) if why else _why(m, mapped, anonymous, pinned, available,
+                                                              host_store_given, written)
     return OffloadRow(unit, how, len(m.layers), mapped, anonymous, pinned, 0, total, cached, read, where,
-                      residency, reason)
+                      residency, reason, written_bytes=written)
 
 
 def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[torch.Tensor],
                device: torch.device, why: str) -> OffloadRow:
     """The row of the tensors placed whole: on the device (``originals``: their
     host data, kept for ``close()``), or on the CPU left where they are."""
-    mapped, anonymous, pinned, on_device, total = _measure(tensors)
+    mapped, anonymous, pinned, on_device, total, written = _measure(tensors)
     if device.type != "cpu":
         kept = _measure(originals)
-        mapped, anonymous, pinned = kept[0], kept[1], kept[2]
+        mapped, anonymous, pinned, written = kept.mapped, kept.anonymous, kept.pinned, kept.written
         where = f"on {device} whole" + (" (host originals kept for close())" if any(kept[:3]) else "")
         residency = "no file pages read by forwards" if not mapped else "host originals only read by close()"
     else:
@@ -251,7 +411,8 @@ def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[t
         residency = ("its file pages are read every forward and stay cached" if mapped
                      else "no file pages to keep cached or re-read")
     return OffloadRow(unit, PLACED, None, mapped, anonymous, pinned, on_device, total,
-                      mapped if device.type == "cpu" else 0, 0, where, residency, why)
+                      mapped if device.type == "cpu" else 0, 0, where, residency, why + _written_words(written),
+                      written_bytes=written)
 
 
 # --- the table ------------------------------------------------------------------------------
@@ -355,6 +516,11 @@ def format_rows(rows: Sequence[OffloadRow], device: torch.device | Iterable[Any]
     if full and buffers:
         lines.append(_wrap(f"of the {format_bytes(host_copy)} anonymous or pinned, {format_bytes(buffers)} are "
                            "the offload's reused working buffers (row 'buffers'), not copies of weights", "    "))
+    written = sum(r.written_bytes for r in rows)
+    if full and written:
+        lines.append(_wrap(f"of the {format_bytes(host_copy)} anonymous or pinned, {format_bytes(written)} are "
+                           "mapped weights' pages written in place (copy-on-write), not copies the offload made",
+                           "    "))
     for r in rows:
         name = f"{r.component}.{r.unit}" if r.component else r.unit
         lines.append(_wrap(f"{name}: {r.where}; {r.residency}. Why: {r.why}.", "    "))
