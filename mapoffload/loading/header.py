@@ -88,7 +88,11 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     object of strings; every other entry has a known dtype, a shape of
     non-negative integers, and ``data_offsets`` ``[begin, end]`` with
     ``0 <= begin <= end <= file size - 8 - header length`` spanning exactly the
-    shape's bytes.
+    shape's bytes; and the tensors' ranges, sorted, cover the data exactly as
+    safetensors' own loader requires (no two overlap, no bytes between or
+    after them: :func:`_check_layout`). Every loader and ``mapoffload
+    inspect`` read headers through this one function, so what one refuses
+    the others refuse.
 
     Raises
     ------
@@ -128,4 +132,31 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
         why = _check_entry(entry, data_bytes)
         if why:
             raise CheckpointError(p, f"tensor {_short(key, 200)}: {why}")
+    why = _check_layout(header, data_bytes)
+    if why:
+        raise CheckpointError(p, why)
     return header
+
+
+def _check_layout(header: dict, data_bytes: int) -> str | None:
+    """Why the tensors' byte ranges are not laid out as safetensors' own loader
+    requires, or None: sorted by ``data_offsets``, each begins where the one
+    before ends (no two overlap, no bytes between), the last ends where the
+    data does. Overlapping ranges are named as a pair. Every entry has passed
+    :func:`_check_entry`."""
+    ranges = sorted((entry["data_offsets"][0], entry["data_offsets"][1], key)
+                    for key, entry in header.items() if key != "__metadata__")
+    end, last = 0, None
+    for begin, stop, key in ranges:
+        if begin < end and last is not None:  # end > 0: there is a tensor before
+            return (f"tensors {_short(last[2], 200)} (data_offsets {[last[0], last[1]]}) and {_short(key, 200)} "
+                    f"(data_offsets {[begin, stop]}) overlap: each tensor must have bytes of its own")
+        if begin > end:
+            after = f"after tensor {_short(last[2], 200)}" if last else "at the start of the data"
+            return (f"bytes {end}..{begin} of the data, {after}, belong to no tensor (tensor {_short(key, 200)} "
+                    f"begins at {begin}): the tensors must cover the data without gaps")
+        end, last = stop, (begin, stop, key)
+    if end != data_bytes:
+        return (f"the data is {data_bytes} bytes but its tensors end at {end}: the last "
+                f"{data_bytes - end} bytes belong to no tensor")
+    return None
