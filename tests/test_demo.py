@@ -173,3 +173,84 @@ def test_layers_too_small_to_judge_at_any_count_name_a_width_that_would_do(capsy
     monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", str(tmp_path))
     err = _refused(capsys, ["demo", "--device", "cpu", "--layers", "4", "--width", "8"], tmp_path)
     assert "--layers" not in err.split("use ", 1)[1] and "--width 186 or more" in err, err
+
+
+# --- one budget, one figure; step times with their spread (issue 36) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    """One in-place run, its budget half a 12 MiB checkpoint: (exit code, text)."""
+    import io
+
+    from mapoffload.demo import DemoConfig, run_demo
+
+    out = io.StringIO()
+    rc = run_demo(DemoConfig(layers=4, width=256, tokens=8, steps=3, device="cpu"), out)
+    return rc, out.getvalue()
+
+
+def test_the_host_budget_is_one_figure_said_once(small_run):
+    import re
+
+    rc, text = small_run
+    assert rc == 0, text
+    said = re.search(r"host budget ([0-9.]+ [KMG]iB) \(half the checkpoint\)", text)
+    assert said, text
+    budget = said.group(1)
+    assert budget == "6.02 MiB" and text.count(budget) == 1, text  # stated once, in one unit
+    assert "GiB (MAPOFFLOAD_HOST_AVAILABLE_GIB)" not in text and "may grow by" not in text
+    gate = next(line for line in text.splitlines() if "the gate kept" in line or "the gate copied" in line)
+    # in terms of that budget: not "0 B available", a second figure the library computed from another meaning
+    assert gate.strip().endswith("against the host budget less the 4.00 GiB reserve)"), gate
+    assert " available" not in gate, gate
+    growth = next(line for line in text.splitlines() if "host anonymous growth" in line)
+    assert re.search(r"growth +[0-9.]+ [KM]iB \([0-9.]+ % of the host budget\)", growth), growth
+
+
+def test_the_library_sees_the_demos_budget_as_available(monkeypatch):
+    """The cause of the two figures: MAPOFFLOAD_HOST_AVAILABLE_GIB=X is a host of X GiB whose own
+    anonymous memory counts as in use, so X = the budget left the library 0 B. The demo sets X to
+    the budget above what the process holds: what the gate and the page cache see is the budget."""
+    from mapoffload.demo import _as_if_host_gib
+    from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, host_memory_available_bytes
+
+    for budget in (6 << 20, 192 << 20, 8 << 30):
+        monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, _as_if_host_gib(budget))
+        seen = host_memory_available_bytes()
+        assert abs(seen - budget) <= 1 << 20, (budget, seen)
+
+
+def test_the_step_time_says_what_it_measures_how_noisy_and_what_is_normal(small_run):
+    import re
+
+    rc, text = small_run
+    rows = {line.split("  ")[1].strip(): line for line in text.splitlines()
+            if line.startswith("  step time")}
+    assert set(rows) == {"step time", "step time spread", "step time normal"}, text
+    step = rows["step time"]
+    assert "the median of 3 forwards each" in step and "wall time over the resident model's" in step, step
+    spread = re.search(r"offloaded ([0-9.]+) ms-([0-9.]+) ms, resident ([0-9.]+) ms-([0-9.]+) ms: .* lies in "
+                       r"([0-9.]+)x-([0-9.]+)x", rows["step time spread"])
+    assert spread, rows["step time spread"]
+    lo_off, hi_off, lo_ref, hi_ref, lo, hi = (float(g) for g in spread.groups())
+    assert lo_off <= hi_off and lo_ref <= hi_ref and lo <= hi
+    assert lo == pytest.approx(lo_off / hi_ref, rel=0.02, abs=0.01)
+    assert hi == pytest.approx(hi_off / lo_ref, rel=0.02, abs=0.01)
+    ratio = float(re.search(r"resident: ([0-9.]+)x", step).group(1))
+    assert lo - 0.01 <= ratio <= hi + 0.01  # the medians' ratio lies in the spread
+    normal = rows["step time normal"]
+    assert normal.split("  ")[-1].strip().startswith(("about 1x", "1x and more")), normal
+    assert "noise" in normal
+
+
+def test_step_rows_from_known_times():
+    from mapoffload.demo import _step_rows
+
+    rows = dict(_step_rows([0.2, 0.3, 0.4], [0.1, 0.2, 0.2], "cuda", None, 0.1, True))
+    assert rows["step time"].startswith("300.0 ms offloaded vs 200.0 ms resident: 1.50x (the median of 3")
+    assert "lies in 1.00x-4.00x" in rows["step time spread"]
+    assert rows["step time normal"].startswith("1.00x-1.50x: every forward also copies each layer (100.0 ms")
+    one = dict(_step_rows([0.2], [0.1], "in place", None, 0.0, False))
+    assert "one forward each" in one["step time"] and "no spread measured" in one["step time spread"]
+    assert one["step time normal"].startswith("about 1x: the layers compute from the gate's copies")
