@@ -22,6 +22,7 @@ from ._log import format_bytes
 from .memory.budget import (ENV_HOST_AVAILABLE_GIB, GIB_BYTES, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB,
                             rss_anon_bytes)
 from .demo_sizing import _block_bytes, _check_budget, _check_room, _demo_folder
+from .demo_steps import step_rows, time_steps
 
 if TYPE_CHECKING:
     import torch
@@ -317,7 +318,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         ref.to(device)
         with torch.inference_mode():
             expected = ref(x)
-            t_ref = _time(lambda: ref(x), cfg.steps, device)
+            t_ref = time_steps(lambda: ref(x), cfg.steps, device)
         del ref
 
         previous = os.environ.get(ENV_HOST_AVAILABLE_GIB)
@@ -355,7 +356,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
             mgr.register_forward_hooks()
             with torch.inference_mode():
                 got = model(x)
-                t_off = _time(lambda: model(x), cfg.steps, device)
+                t_off = time_steps(lambda: model(x), cfg.steps, device)
             same = torch.equal(got, expected) if device.type == "cpu" else torch.allclose(got, expected, 1e-4, 1e-5)
             del got
             if not same:
@@ -398,7 +399,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         ("mapping turned anonymous", f"{turned} bytes"),
         ("copy bandwidth per layer",
          f"{min(per_layer):.2f}-{max(per_layer):.2f} GB/s" if per_layer else "none: nothing is copied in place"),
-        *_step_rows(t_off, t_ref, mode, plan, copy_s, report.keep_mapping),
+        *step_rows(t_off, t_ref, mode, plan, copy_s, report.keep_mapping),
         ("output check", "identical to the reference" if same else "MISMATCH"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -410,73 +411,3 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         return 1
     say("OK")
     return 0
-
-
-def _time(fn, steps: int, device) -> list[float]:
-    """Wall seconds of each of ``steps`` calls of ``fn`` (at least one), the device synchronised."""
-    import torch
-
-    times = []
-    for _ in range(max(1, steps)):
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def _step_rows(t_off: list[float], t_ref: list[float], mode: str, plan, copy_s: float,
-               kept: bool) -> list[tuple[str, str]]:
-    """The report's rows on step time: the medians and their ratio, the spread of the steps (the
-    ratio any offloaded step makes with any resident one) and, from what this run does (its mode,
-    its page-cache ``plan``, its layers' copy time ``copy_s`` at step 4's bandwidth, whether the
-    gate ``kept`` the checkpoint on its mapping), what ratio is normal.
-
-    The ratio is an offloaded forward's wall time over the resident model's (the same model and
-    input, every weight in the reference's own memory), the two timed one after the other, not
-    interleaved: another load on the machine moves either, and with few steps the ratio moves
-    with it (one machine measured 0.70x busy and 1.66x idle at three steps).
-    """
-    import statistics
-
-    off, ref = statistics.median(t_off), statistics.median(t_ref)
-    n = min(len(t_off), len(t_ref))
-    of = f"the median of {n} forwards each" if n > 1 else "one forward each"
-    rows = [("step time", f"{_ms(off)} offloaded vs {_ms(ref)} resident: {off / ref:.2f}x ({of}, timed one after "
-                          "the other; the ratio is an offloaded forward's wall time over the resident model's, "
-                          "whose weights are in its own memory)")]
-    if n > 1:
-        low, high = min(t_off) / max(t_ref), max(t_off) / min(t_ref)
-        rows.append(("step time spread",
-                     f"offloaded {_ms(min(t_off))}-{_ms(max(t_off))}, resident {_ms(min(t_ref))}-{_ms(max(t_ref))}:"
-                     f" the ratio of any offloaded step to any resident one lies in {low:.2f}x-{high:.2f}x; a busy "
-                     "machine widens it (more --steps: a steadier median)"))
-    else:
-        rows.append(("step time spread", "one forward each: no spread measured, and another load on the machine "
-                                         "can move the ratio either way (more --steps: a spread and a steadier "
-                                         "median)"))
-    hooks = ("; the hooks add a small fixed cost a layer, which shows where a layer computes in a few "
-             "milliseconds or less (a small --width or --tokens)")
-    if mode != "in place":
-        low = max(1.0, copy_s / ref)
-        normal = (f"{low:.2f}x-{1 + copy_s / ref:.2f}x: every forward also copies each layer "
-                  f"({_ms(copy_s)} for all of them at step 4's bandwidth), behind the compute at best, after it at "
-                  f"worst{hooks}")
-    elif plan is not None and plan.streamed and kept:
-        held = ("the page cache the budget leaves holds the rest" if plan.cached
-                else "the budget leaves no page cache to keep one in")
-        normal = (f"1x and more: {len(plan.streamed)} of {len(plan.layer_bytes)} layers "
-                  f"({format_bytes(plan.streamed_bytes)}) are re-read from the file every forward ({held}), "
-                  f"which adds their read time{hooks}; the compute is the reference's, so below 1x is the "
-                  "machine's noise")
-    else:
-        where = ("from the same bytes, in the file mapping's page cache instead of anonymous memory" if kept
-                 else "from the gate's copies in host memory, as the reference computes from its own")
-        normal = f"about 1x: the layers compute {where}{hooks}; below 1x is the machine's noise"
-    rows.append(("step time normal", normal))
-    return rows

@@ -245,7 +245,7 @@ def test_the_step_time_says_what_it_measures_how_noisy_and_what_is_normal(small_
 
 
 def test_step_rows_from_known_times():
-    from mapoffload.demo import _step_rows
+    from mapoffload.demo_steps import step_rows as _step_rows
 
     rows = dict(_step_rows([0.2, 0.3, 0.4], [0.1, 0.2, 0.2], "cuda", None, 0.1, True))
     assert rows["step time"].startswith("300.0 ms offloaded vs 200.0 ms resident: 1.50x (the median of 3")

@@ -1,0 +1,80 @@
+"""The demo's step time: each forward timed, and the report's rows on what the ratio measures, how
+much it moves between steps, and what ratio this run's mode and page-cache plan make normal."""
+
+from __future__ import annotations
+
+import time
+
+from ._log import format_bytes
+
+__all__ = ["step_rows", "time_steps"]
+
+
+def time_steps(fn, steps: int, device) -> list[float]:
+    """Wall seconds of each of ``steps`` calls of ``fn`` (at least one), the device synchronised."""
+    import torch
+
+    times = []
+    for _ in range(max(1, steps)):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def step_rows(t_off: list[float], t_ref: list[float], mode: str, plan, copy_s: float,
+               kept: bool) -> list[tuple[str, str]]:
+    """The report's rows on step time: the medians and their ratio, the spread of the steps (the
+    ratio any offloaded step makes with any resident one) and, from what this run does (its mode,
+    its page-cache ``plan``, its layers' copy time ``copy_s`` at step 4's bandwidth, whether the
+    gate ``kept`` the checkpoint on its mapping), what ratio is normal.
+
+    The ratio is an offloaded forward's wall time over the resident model's (the same model and
+    input, every weight in the reference's own memory), the two timed one after the other, not
+    interleaved: another load on the machine moves either, and with few steps the ratio moves
+    with it (one machine measured 0.70x busy and 1.66x idle at three steps).
+    """
+    import statistics
+
+    off, ref = statistics.median(t_off), statistics.median(t_ref)
+    n = min(len(t_off), len(t_ref))
+    of = f"the median of {n} forwards each" if n > 1 else "one forward each"
+    rows = [("step time", f"{_ms(off)} offloaded vs {_ms(ref)} resident: {off / ref:.2f}x ({of}, timed one after "
+                          "the other; the ratio is an offloaded forward's wall time over the resident model's, "
+                          "whose weights are in its own memory)")]
+    if n > 1:
+        low, high = min(t_off) / max(t_ref), max(t_off) / min(t_ref)
+        rows.append(("step time spread",
+                     f"offloaded {_ms(min(t_off))}-{_ms(max(t_off))}, resident {_ms(min(t_ref))}-{_ms(max(t_ref))}:"
+                     f" the ratio of any offloaded step to any resident one lies in {low:.2f}x-{high:.2f}x; a busy "
+                     "machine widens it (more --steps: a steadier median)"))
+    else:
+        rows.append(("step time spread", "one forward each: no spread measured, and another load on the machine "
+                                         "can move the ratio either way (more --steps: a spread and a steadier "
+                                         "median)"))
+    hooks = ("; the hooks add a small fixed cost a layer, which shows where a layer computes in a few "
+             "milliseconds or less (a small --width or --tokens)")
+    if mode != "in place":
+        low = max(1.0, copy_s / ref)
+        normal = (f"{low:.2f}x-{1 + copy_s / ref:.2f}x: every forward also copies each layer "
+                  f"({_ms(copy_s)} for all of them at step 4's bandwidth), behind the compute at best, after it at "
+                  f"worst{hooks}")
+    elif plan is not None and plan.streamed and kept:
+        held = ("the page cache the budget leaves holds the rest" if plan.cached
+                else "the budget leaves no page cache to keep one in")
+        normal = (f"1x and more: {len(plan.streamed)} of {len(plan.layer_bytes)} layers "
+                  f"({format_bytes(plan.streamed_bytes)}) are re-read from the file every forward ({held}), "
+                  f"which adds their read time{hooks}; the compute is the reference's, so below 1x is the "
+                  "machine's noise")
+    else:
+        where = ("from the same bytes, in the file mapping's page cache instead of anonymous memory" if kept
+                 else "from the gate's copies in host memory, as the reference computes from its own")
+        normal = f"about 1x: the layers compute {where}{hooks}; below 1x is the machine's noise"
+    rows.append(("step time normal", normal))
+    return rows
