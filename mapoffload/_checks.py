@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_bool", "check_count", "folder_problem", "parse_device", "user_path"]
+__all__ = ["NoCudaDeviceError", "check_bool", "check_count", "check_device", "folder_problem", "user_path"]
 
 
 def check_bool(name: str, value: Any, *, none: bool = False) -> bool | None:
@@ -70,26 +70,65 @@ def check_count(name: str, value: Any, *, minimum: int = 0, none: bool = False) 
     return value
 
 
-def parse_device(name: str, value: Any) -> torch.device:
-    """``torch.device(value)``, its refusal naming the option.
+class NoCudaDeviceError(RuntimeError, ValueError):
+    """CUDA asked for where torch sees no CUDA device (a ``RuntimeError``, as the
+    entry points raised it, and a ``ValueError``, as the demo's arguments are)."""
+
+
+def check_device(device: Any, what: str = "device", *, flag: str | None = None,
+                 program: str = "mapoffload") -> torch.device:
+    """The one device rule: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``, CUDA only where torch
+    sees a device, ``N`` one it sees.
+
+    Parameters
+    ----------
+    device
+        What the caller passed (a ``torch.device`` or its name).
+    what
+        The keyword it came in as, for the message (``device=``).
+    flag
+        The command-line flag it came in as (``"--device"``): the messages then
+        name the flag as typed, and the fix as a flag.
+    program
+        What runs there, for the message (``"the demo"``).
+
+    Returns
+    -------
+    torch.device
 
     Raises
     ------
     TypeError
-        Neither a str, an int (a CUDA index) nor a ``torch.device`` (``1.5``, None).
+        Not a str, an int (a CUDA index) or a ``torch.device`` (``1.5``, None).
     ValueError
-        A string torch does not read as a device (``"gpu"``).
+        Not a device, or not one mapoffload runs on, or a CUDA index torch does not see.
+    NoCudaDeviceError
+        CUDA where torch sees none.
     """
     import torch
 
-    if isinstance(value, torch.device):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (str, int)):  # an int is a CUDA index, as for torch
-        raise TypeError(f"{name} must be a device ('cuda', 'cuda:N' or 'cpu', or a torch.device), not {value!r}")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):  # an int: a CUDA index
+        raise TypeError(f"{flag} {device!r} is not a device: cuda, cuda:N or cpu" if flag
+                        else f"{what} must be 'cuda', 'cuda:N' or 'cpu' (or a torch.device), not {device!r}")
     try:
-        return torch.device(value)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"{name} must be a device ('cuda', 'cuda:N' or 'cpu'), not {value!r}") from None
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{flag} {device!r} is not a device: cuda, cuda:N or cpu" if flag
+                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"{flag} {device!r}: {program} runs on cuda, cuda:N or cpu" if flag
+                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
+    if dev.type == "cpu":
+        return dev
+    said = f"{flag} {device}:" if flag else f"{what}={device!r}, but"
+    if not torch.cuda.is_available():
+        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        fix = f"run with {flag} cpu" if flag else f"pass {what}='cpu'"
+        raise NoCudaDeviceError(f"{said} torch sees no CUDA device (torch {torch.__version__}, {build}); {fix}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{said} torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return dev
 
 
 def user_path(value: Any, name: str = "path") -> str:

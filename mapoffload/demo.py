@@ -90,7 +90,7 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
 def resolve_device(name: str | None):
     """The ``torch.device`` the demo runs on (None: cuda if present, else cpu).
 
-    The rule is :func:`mapoffload.hf._args.check_device`'s, the one the Python
+    The rule is :func:`mapoffload._checks.check_device`'s, the one the Python
     entry points apply, worded for ``--device``.
 
     Raises
@@ -103,7 +103,7 @@ def resolve_device(name: str | None):
     """
     import torch
 
-    from .hf._args import check_device
+    from ._checks import check_device
 
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

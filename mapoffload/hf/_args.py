@@ -12,12 +12,11 @@ import difflib
 import functools
 import inspect
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+# The one device rule lives with the other checkers; the entry points import it from here too.
+from .._checks import NoCudaDeviceError, check_device  # noqa: F401
 from ..loading.files import _looks_remote
-
-if TYPE_CHECKING:
-    import torch
 
 RESTS = ("auto", "device", "stream")  # offload(..., rest=)
 # The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
@@ -115,62 +114,6 @@ def check_pipeline_class(cls: Any, what: str) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"{what} takes a pipeline class, not a built {type(cls).__name__}: pass its class, or "
                         "stream this one with mapoffload.offload_pipeline(pipe, device=...)")
-
-
-class NoCudaDeviceError(RuntimeError, ValueError):
-    """CUDA asked for where torch sees no CUDA device (a ``RuntimeError``, as the
-    entry points raised it, and a ``ValueError``, as the demo's arguments are)."""
-
-
-def check_device(device: Any, what: str = "device", *, flag: str | None = None,
-                 program: str = "mapoffload") -> torch.device:
-    """The one device rule: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``, CUDA only where torch
-    sees a device, ``N`` one it sees.
-
-    Parameters
-    ----------
-    device
-        What the caller passed (a ``torch.device`` or its name).
-    what
-        The keyword it came in as, for the message (``device=``).
-    flag
-        The command-line flag it came in as (``"--device"``): the messages then
-        name the flag as typed, and the fix as a flag.
-    program
-        What runs there, for the message (``"the demo"``).
-
-    Returns
-    -------
-    torch.device
-
-    Raises
-    ------
-    ValueError
-        Not a device, or not one mapoffload runs on, or a CUDA index torch does not see.
-    NoCudaDeviceError
-        CUDA where torch sees none.
-    """
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{flag} {device!r} is not a device: cuda, cuda:N or cpu" if flag
-                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}") from None
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"{flag} {device!r}: {program} runs on cuda, cuda:N or cpu" if flag
-                         else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
-    if dev.type == "cpu":
-        return dev
-    said = f"{flag} {device}:" if flag else f"{what}={device!r}, but"
-    if not torch.cuda.is_available():
-        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        fix = f"run with {flag} cpu" if flag else f"pass {what}='cpu'"
-        raise NoCudaDeviceError(f"{said} torch sees no CUDA device (torch {torch.__version__}, {build}); {fix}")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ValueError(f"{said} torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
-    return dev
 
 
 def check_layers(layers: Any) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._checks import check_bool, check_count, parse_device, user_path
+from .._checks import check_bool, check_count, check_device, user_path
 from .._log import logger
 from .._progress import byte_bar
 from ..memory.regions import tensor_bytes
@@ -155,7 +155,7 @@ def load_checkpoint(
     check_bool("strict", strict)
     check_bool("progress", progress, none=True)
     check_count("local_ranks", local_ranks, minimum=1, none=True)
-    target_device = parse_device("device", device)
+    target_device = check_device(device, "device")
     path = user_path(path)
     files = checkpoint_files(path)
     component = type(module).__name__

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._checks import check_bool, check_count, parse_device
+from .._checks import check_bool, check_count, check_device
 from .stream_reads import STREAM_READS
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def resolve(*, device: str | torch.device, prefetch_layers: int, resident_layers
     check_bool("cpu_twin", cpu_twin)
     check_count("local_ranks", local_ranks, minimum=1, none=True)
     check_count("available_bytes", available_bytes, none=True)
-    dev = parse_device("device", device)
+    dev = check_device(device, "device")  # the one device rule (CUDA where torch sees it)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if cpu_twin and dev.type != "cpu":
