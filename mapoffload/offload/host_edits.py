@@ -175,7 +175,7 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         being given back) the edit is logged and left as the user made it.
     """
     for w, now in edits:
-        why = refusal(w, now, in_place=seq.slots.in_place)
+        why = refusal(w, now, in_place=seq.slots.in_place) or _shared(seq, w, now[0])
         if why is not None:
             msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
             if strict:
@@ -222,6 +222,24 @@ def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
     return None
 
 
+def _shared(seq: Sequencer, w: Weight, new: torch.Tensor) -> str | None:
+    """In place, why ``new`` cannot be ``w``'s own tensor: its bytes are another managed weight's (a view
+    of it: a later ``update_cpu_weights`` of one would write into the other), or None. On the device
+    path the values are copied into ``w``'s store, so sharing is harmless there."""
+    from ..memory.regions import tensor_extent, tensor_spans
+
+    if not seq.slots.in_place or new.device.type != "cpu":
+        return None
+    addr, n = tensor_extent(new)
+    others = [o for s in seq.stores for o in s.weights if o is not w and o.host is not None]
+    spans = tensor_spans([o.host for o in others])
+    for o, a, m in zip(others, spans.addrs, spans.sizes):
+        if n and m and a < addr + n and addr < a + m:
+            return (f"with a tensor that shares its bytes with {o.names[0]}, another offloaded weight: assign a "
+                    "copy of it (.clone())")
+    return None
+
+
 def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new: torch.Tensor, *,
            device: torch.device) -> None:
     """Take ``new`` (checked by :func:`refusal`) as ``w``: see :func:`adopt_edits`."""
@@ -230,6 +248,12 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
     from ..memory.regions import tensor_extent
     from .placeholder import stand_in
 
+    if new.is_inference():
+        # Made under torch.inference_mode: such a tensor takes no other data and is not written outside
+        # it (a later update, the device path's rebinding). Its values become the weight; the parameter
+        # stays the manager's.
+        with torch.inference_mode(False):
+            new = new.detach().clone()
     if isinstance(new, torch.nn.Parameter) and new is not w.param:
         # The user's parameter is the weight's from now on (an optimizer or a caller holding it sees the
         # weight that computes); the old one is let go of, its marks with it.

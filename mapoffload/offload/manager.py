@@ -180,10 +180,12 @@ class LayerwiseOffloadManager:
             parts.abandon()  # nothing half-made stays behind
             raise
         parts.forget_at_fork()  # copies in flight at a fork() never complete in the child
-        me = weakref.ref(self)
+        from .placeholder import ManagerMark
+
+        me, mark = weakref.ref(self), ManagerMark(self)
         for s in self._stores:
             for w in s.weights:
-                w.param._mapoffload_manager = me  # a second manager on these weights is refused
+                w.param._mapoffload_manager = mark  # a second manager on these weights is refused
                 w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
 
     # -- the parts (for tools and tests: their interfaces, not the manager's insides) ----------------
@@ -242,6 +244,7 @@ class LayerwiseOffloadManager:
 
     def store_of(self, name: str) -> str:
         """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
+        self._adopt_all()
         return self._weight(name)[1].store
 
     # -- residency -------------------------------------------------------------------------
@@ -326,8 +329,7 @@ class LayerwiseOffloadManager:
         if self._slots.engaged:
             # What the user replaced is adopted first (or, refused, left as they made it): the model is
             # given back with the weights that last computed, or theirs - never the old ones silently.
-            for i in range(len(self._stores)):
-                self._seq.adopt_edits(i, strict=False)
+            self._seq.adopt_all(strict=False)
             self._seq.release_all(strict=False)
             self._slots.disengage()
 
@@ -348,8 +350,19 @@ class LayerwiseOffloadManager:
         except KeyError:
             raise KeyError(f"{name} is not a weight managed by this LayerwiseOffloadManager") from None
 
+    def _adopt_all(self) -> None:
+        """A weight the user replaced in the model is the weight from now on (refused ones logged), under
+        the layer turn: no forward of another thread is half-way through a layer meanwhile."""
+        self._turn.enter()
+        try:
+            self._seq.adopt_all(strict=False)
+        finally:
+            self._turn.leave()
+
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, host tensor)`` for every managed weight, mapped ones included."""
+        """``(name, host tensor)`` for every managed weight, mapped ones included (a weight the user
+        replaced in the model is adopted first: see :func:`~mapoffload.offload.host_edits.adopt_edits`)."""
+        self._adopt_all()
         return host_edits.iter_cpu_weights(self._stores)
 
     def cpu_weights_checksum(self) -> str:

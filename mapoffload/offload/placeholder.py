@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -216,6 +217,26 @@ def copy_refusal(manager: object | None, what: str, w: OffloadedWeight | None = 
             f"hooks, which a copy would share. Call {close} first: the model is then a plain model with its "
             "own weights to copy or save, and offload the copy afterwards (in place, on the CPU, state_dict() "
             "and save_pretrained() work while offloaded)")
+
+
+class ManagerMark:
+    """What a managed parameter carries as ``_mapoffload_manager``: a weak reference to its manager,
+    called for it. A parameter carrying one is not pickled (its manager is this process's): the
+    refusal names the call that gives the model back, as the hooks' does."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, manager: object) -> None:
+        self.ref = weakref.ref(manager)
+
+    def __call__(self) -> object | None:
+        return self.ref()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OffloadedCopyError(copy_refusal(self.ref(), "pickled"))
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise OffloadedCopyError(copy_refusal(self.ref(), "copied (copy.deepcopy)"))
 
 
 class AlreadyOffloadedError(ValueError):

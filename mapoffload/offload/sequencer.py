@@ -67,11 +67,19 @@ class Sequencer:
 
             adopt_edits(self, self.pages, self.stores[i], edits, device=self.device, strict=strict)
 
+    def adopt_all(self, *, strict: bool = True) -> None:
+        """:meth:`adopt_edits` for every layer (before the stores are read: a query, the model given back);
+        nothing once closed (the model is the user's)."""
+        if self.slots.closed:
+            return
+        for i in range(len(self.stores)):
+            self.adopt_edits(i, strict=strict)
+
     def engage(self) -> None:
-        """Engage the slots (idempotent), adopting what the user replaced while the model was whole."""
-        if not self.slots.engaged:
-            for i in range(len(self.stores)):
-                self.adopt_edits(i)
+        """Engage the slots (idempotent; raises once closed), adopting what the user replaced while the
+        model was whole."""
+        if not self.slots.engaged and not self.slots.closed:
+            self.adopt_all()
         self.slots.engage()
 
     # -- one layer -------------------------------------------------------------------------
@@ -98,6 +106,12 @@ class Sequencer:
             # behind a mapping is whole again.
             self.release(i)
             raise
+        if self.slots.edits(self.stores[i]):
+            # Replaced while it loaded (a prefetch, another layer's hook): what it read is the old
+            # weight's. The edit is adopted as the layer is let go, and the layer loaded afresh.
+            self.release(i)
+            self.ensure(i)
+            return
         for w in self.stores[i].weights:
             self.slots.bind(w, self.loads.value(w, load))
         load.ready = True
@@ -106,15 +120,19 @@ class Sequencer:
     def release(self, i: int, *, strict: bool = True) -> None:
         """Drop layer ``i``'s load (its slots bound as released) and un-keep it."""
         self.kept.discard(i)
-        if self.slots.engaged and i in self.loaded and self.loaded[i].ready:
-            self.adopt_edits(i, strict=strict)
         load = self.loaded.pop(i, None)
         if load is None:
             return
-        if self.slots.engaged:
-            for w in self.stores[i].weights:
-                self.slots.bind(w, None)
-        self.loads.release(i, load)
+        try:
+            if self.slots.engaged:  # not loaded now: an edit is written into the host store, not the load
+                self.adopt_edits(i, strict=strict)
+        finally:
+            if self.slots.engaged:
+                refused = {id(w) for w, _ in self.slots.edits(self.stores[i])}  # left as the user made them
+                for w in self.stores[i].weights:
+                    if id(w) not in refused:
+                        self.slots.bind(w, None)
+            self.loads.release(i, load)
 
     def is_loaded(self, i: int) -> bool:
         """Layer ``i`` is loaded and bound (not merely in flight)."""
