@@ -215,3 +215,15 @@ def test_a_closed_manager_says_closed_whatever_was_replaced(stack):
     with LayerwiseOffloadManager(model, "blocks", device="cpu"):
         with pytest.raises(RuntimeError, match="closed"):
             old.register_forward_hooks()
+
+
+def test_requires_grad_set_between_forwards_on_the_twin_is_the_weights(stack):
+    """On the device path ``model.requires_grad_(False)`` between forwards reaches the placeholders: the
+    real parameters follow (the gradient rule lets the forward run; close() gives them back frozen)."""
+    path, x, want, _ = stack
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped") as mgr:
+        mgr.register_forward_hooks()
+        model.requires_grad_(False)
+        assert torch.equal(model(x), want)  # autograd on: refused before, as 'weights require grad'
+    assert not any(p.requires_grad for p in model.blocks.parameters())

@@ -102,16 +102,30 @@ class OffloadedWeight(torch.nn.Parameter):
             elif prop == "data" and len(args) == 2 and isinstance(args[1], torch.Tensor):
                 return _assign_data(args[0], args[1])
             elif prop == "requires_grad":
-                return _plain(func, args, kwargs)
+                out = _plain(func, args, kwargs)
+                _follow_requires_grad(args[0])
+                return out
         elif name == "get_device" and args and isinstance(args[0], OffloadedWeight):
             return args[0]._mo_device.index if args[0]._mo_device.type != "cpu" else -1
         elif name in _METADATA_METHODS:
-            return _plain(func, args, kwargs)
+            out = _plain(func, args, kwargs)
+            if name == "requires_grad_" and args and isinstance(args[0], OffloadedWeight):
+                _follow_requires_grad(args[0])
+            return out
         elif name in _MOVES and args and isinstance(args[0], OffloadedWeight):
             return _move(args[0], name, args[1:], kwargs)
         else:
             what = f"used by {what}"
         raise RuntimeError(_message(_first(args, kwargs), what))
+
+
+def _follow_requires_grad(w: OffloadedWeight) -> None:
+    """``requires_grad`` set on a placeholder (``model.requires_grad_(False)`` between forwards) is set on
+    the real parameter it stands for too: the manager's gradient rule and the model given back see it."""
+    mgr = owner_of(w)
+    weight = getattr(mgr, "_by_name", {}).get(w._mo_name) if mgr is not None else None
+    if weight is not None and weight[1].param.requires_grad != w.requires_grad:
+        weight[1].param.requires_grad_(w.requires_grad)
 
 
 def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
