@@ -93,11 +93,11 @@ class PipelineOffloadHandle:
         return format_rows(self.rows, next(iter(devices)) if len(devices) == 1 else None)
 
     def close(self) -> None:
-        """Give every component back whole, with its real weights; ``pipe.mapoffload_handle`` goes."""
+        """Give every component back whole, with its real weights; ``pipe.mapoffload_handle`` becomes None."""
         for h in self.components.values():
             h.close()
         if getattr(self.pipe, "__dict__", {}).get("mapoffload_handle") is self:
-            del self.pipe.__dict__["mapoffload_handle"]  # never left naming a closed handle
+            self.pipe.__dict__["mapoffload_handle"] = None  # never left naming a closed handle (None: no offload)
 
     def __enter__(self) -> PipelineOffloadHandle:
         return self
@@ -154,7 +154,7 @@ def offload_pipeline(
     Returns
     -------
     PipelineOffloadHandle
-        Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` removes the attribute).
+        Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` sets it to None).
     """
     import torch
 
@@ -170,7 +170,7 @@ def offload_pipeline(
     except BaseException:
         handle.close()
         raise
-    object.__setattr__(pipe, "mapoffload_handle", handle)  # the live handle (close() removes it)
+    object.__setattr__(pipe, "mapoffload_handle", handle)  # the live handle (close() sets it to None)
     logger.info("offload of %s:\n%s", type(pipe).__name__, handle.summary())
     return handle
 

@@ -125,7 +125,7 @@ class OffloadHandle:
         self._saved.clear()
         self._closed = True
         if self.model.__dict__.get("mapoffload_handle") is self:
-            del self.model.__dict__["mapoffload_handle"]  # never left naming a closed handle
+            self.model.__dict__["mapoffload_handle"] = None  # never left naming a closed handle (None: no offload)
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -220,7 +220,7 @@ def offload(
     Returns
     -------
     OffloadHandle
-        Also ``model.mapoffload_handle`` while it is open (its ``close()`` removes the attribute).
+        Also ``model.mapoffload_handle`` while it is open (its ``close()`` sets it to None).
     """
     import torch
 
@@ -266,7 +266,7 @@ def offload(
     except BaseException:
         handle.close()
         raise
-    object.__setattr__(model, "mapoffload_handle", handle)  # the live handle (close() removes it)
+    object.__setattr__(model, "mapoffload_handle", handle)  # the live handle (close() sets it to None)
     logger.info("offload of %s:\n%s", type(model).__name__, handle.summary())
     return handle
 
