@@ -244,6 +244,7 @@ print("converted", r.converted_tensors, "reused" if r.conversion_reused else "wr
 """
 
 
+@pytest.mark.slow  # 8-11 s on 2 cores (Zen 3): the slow part
 def test_a_manifest_that_is_a_fifo_does_not_hang_the_load(tmp_path):
     _, conversion_dir = _converted_folder(tmp_path)
     path = os.path.join(conversion_dir, _converted.MANIFEST)

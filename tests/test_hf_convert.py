@@ -277,6 +277,7 @@ print(rss_anon_bytes() - base)
 """
 
 
+@pytest.mark.slow  # 8-11 s on 2 cores (Zen 3): the slow part
 def test_after_a_converting_load_the_freed_temporaries_are_given_back(tmp_path):
     """glibc keeps freed large temporaries (its mmap threshold grows): RssAnon after a
     converting load stayed at the converted model's size until they are trimmed."""
@@ -365,6 +366,7 @@ def _unfinished(cache) -> list[str]:
     return sorted(e for e in os.listdir(cache) if e.startswith("."))
 
 
+@pytest.mark.slow  # 8-11 s on 2 cores (Zen 3): the slow part
 def test_a_conversion_killed_part_way_is_cleaned_by_the_next_load(tmp_path):
     # kill -9 (or the OOM killer) mid-conversion left .<key>.XXXX/part-*.safetensors behind for good:
     # nothing ever looked at it again. The next load (here one that reuses another conversion) removes it.
@@ -383,6 +385,7 @@ def test_a_conversion_killed_part_way_is_cleaned_by_the_next_load(tmp_path):
     assert _unfinished(cache) == [] and os.listdir(cache) == [os.path.basename(first.conversion_dir)]
 
 
+@pytest.mark.slow  # 8-11 s on 2 cores (Zen 3): the slow part
 def test_a_live_concurrent_conversions_folder_is_left_alone(tmp_path):
     # The same-looking folder of a conversion still running is not a leftover: both finish, one folder stays.
     cls, _ = build("mixtral", str(tmp_path / "m"))
