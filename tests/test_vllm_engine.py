@@ -138,7 +138,9 @@ def test_weights_stay_mapped(engines, arch, run):
 def test_second_start_maps_the_conversion(engines, arch):
     results, folders = engines
     assert _ok(results, f"{arch}/packed")["where"]["bound"]["reused"] is False
-    assert _ok(results, f"{arch}/packed")["where"]["bound"]["packed"] > 0  # the load line counts the packed copies
+    packed = _ok(results, f"{arch}/packed")["where"]
+    if packed["gemm_packs"]:  # where vLLM's CPU backend packs at all (not on an AVX2-only CPU: torch's linear)
+        assert packed["bound"]["packed"] > 0  # the load line counts the packed copies
     assert _ok(results, f"{arch}/mapped")["where"]["bound"]["packed"] == 0
     assert _ok(results, f"{arch}/mapped")["where"]["bound"]["reused"] is False  # packing is part of the key
     again, first = _ok(results, f"{arch}/mapped_again"), _ok(results, f"{arch}/mapped")

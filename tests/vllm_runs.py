@@ -39,6 +39,22 @@ def _maps() -> list[tuple[int, int, str]]:
     return rows
 
 
+def _gemm_packs(dtype) -> bool:  # noqa: ANN001
+    """Whether vLLM's CPU backend hands linear weights of ``dtype`` to its GEMM library on this CPU:
+    oneDNN builds a matmul for them (on an AVX2-only CPU it has none for bf16, and vLLM falls back to
+    torch's linear, keeping the weights: nothing is packed)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        return False
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=dtype).t(), 32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _where(model) -> dict:  # noqa: ANN001
     import mapoffload
 
@@ -78,6 +94,8 @@ def _where(model) -> dict:  # noqa: ANN001
     out["bound"] = None if bound is None else {"mapped": bound.mapped, "converted": bound.converted,
                                                "copied": bound.copied, "reused": bound.reused,
                                                "packed": bound.packed}
+    dtype = next((p.dtype for _, p in every if p.is_floating_point()), None)
+    out["gemm_packs"] = dtype is not None and _gemm_packs(dtype)
     return out
 
 
