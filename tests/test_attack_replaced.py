@@ -227,3 +227,20 @@ def test_requires_grad_set_between_forwards_on_the_twin_is_the_weights(stack):
         model.requires_grad_(False)
         assert torch.equal(model(x), want)  # autograd on: refused before, as 'weights require grad'
     assert not any(p.requires_grad for p in model.blocks.parameters())
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_a_query_meets_a_replacement_while_the_layers_load_is_in_flight(stack, path_kind):
+    """iter_cpu_weights with layer 4's prefetch in flight and its weight replaced: the load lands, is let
+    go, the replacement is taken once and the layer loads afresh (no adoption inside the landing load)."""
+    path, x, want, ref = stack
+    model = mapped(path)
+    new = torch.randn(OUT, IN)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS[path_kind]) as mgr:
+        mgr.register_forward_hooks()
+        mgr.prefetch_layer(4)
+        model.blocks[4].weight = nn.Parameter(new.clone())
+        hosts = dict(mgr.iter_cpu_weights())
+        assert torch.equal(hosts["blocks.4.weight"], new)
+        with torch.no_grad():
+            assert torch.equal(model(x), _plain_with(ref, {"blocks.4.weight": new})(x))

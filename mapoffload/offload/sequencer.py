@@ -62,6 +62,10 @@ class Sequencer:
         or are refused (:func:`~mapoffload.offload.host_edits.adopt_edits`): run before anything reads
         the layer's host stores or binds over its slots."""
         edits = self.slots.edits(self.stores[i])
+        load = self.loaded.get(i)
+        if edits and load is not None and not load.ready:
+            self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
+            return
         if edits:
             from .host_edits import adopt_edits
 
