@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import mapoffload.checkpoint as checkpoint_module
 from mapoffload import CheckpointError, checkpoint_bytes, checkpoint_files, empty_weights, load_checkpoint
-from mapoffload.inspect_checkpoint import inspect_checkpoint
+from mapoffload.cli.inspect import inspect_checkpoint
 
 from models import TinyModel, saveable_state
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload.cli import main
-from mapoffload.inspect_checkpoint import read_safetensors_header
+from mapoffload.cli.inspect import read_safetensors_header
 
 from conftest import drop_page_cache
 

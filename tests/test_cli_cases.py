@@ -216,7 +216,7 @@ def test_inspect_matches_what_each_entry_point_then_does(tmp_path, monkeypatch, 
     import transformers as tf
 
     from conformance_zoo import build
-    from mapoffload.inspect_checkpoint import inspect_checkpoint
+    from mapoffload.cli.inspect import inspect_checkpoint
 
     build("gpt2", str(tmp_path))
     monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", host_gib)

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from mapoffload import CheckpointError, load_checkpoint
 from mapoffload.cli import main
-from mapoffload.inspect_checkpoint import read_safetensors_header
+from mapoffload.cli.inspect import read_safetensors_header
 
 KEY = "layer.weight"
 

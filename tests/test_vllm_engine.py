@@ -177,7 +177,7 @@ def test_damaged_conversion_is_rebuilt(engines):
 
 
 def test_inspect_lists_the_vllm_conversions(engines):
-    from mapoffload.inspect_checkpoint import conversions
+    from mapoffload.cli.inspect import conversions
 
     _, folders = engines
     found = [c for c in conversions(folders["llama"]) if c["finished"]]

@@ -11,10 +11,10 @@ import os
 import json
 from dataclasses import asdict, dataclass, field
 
-from .loading.files import checkpoint_components, checkpoint_files
-from .loading.header import read_safetensors_header
-from ._native import _core
-from .memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
+from ..loading.files import checkpoint_components, checkpoint_files
+from ..loading.header import read_safetensors_header
+from .._native import _core
+from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, host_memory
 
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
 
@@ -25,7 +25,7 @@ CONVERTED_DIR = ".mapoffload-converted"
 
 def _conversion_root(folder: str) -> str:
     """Where a load of ``folder`` that converts writes (without ``cache_dir=``)."""
-    from .hf._fingerprint import default_root
+    from ..hf._fingerprint import default_root
 
     return default_root(folder)
 
@@ -86,7 +86,7 @@ def _file_info(path: str) -> FileInfo:
         header = read_safetensors_header(path)
         names = [entry["dtype"] for key, entry in header.items() if key != "__metadata__"]
     else:
-        from .loading.read import read_file  # the loader's own reader: what it refuses, this refuses
+        from ..loading.read import read_file  # the loader's own reader: what it refuses, this refuses
 
         names = [_dtype_name(t.dtype) for t in read_file(path).values()]
     for name in names:
@@ -98,7 +98,7 @@ def _file_info(path: str) -> FileInfo:
 def _transformers_refusal(folder: str) -> str | None:
     """Why ``from_pretrained`` would refuse this folder before loading, from its
     ``config.json`` alone (the quantization method); None when it would load."""
-    from .hf.transformers import quantization_refusal
+    from ..hf.transformers import quantization_refusal
 
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
@@ -153,7 +153,7 @@ def conversions(folder: str) -> list[dict]:
     Which one a later load reuses depends on what it asks for (class, dtype,
     config, versions), which a folder alone does not say: each is listed.
     """
-    from .hf._converted import MANIFEST
+    from ..hf._converted import MANIFEST
 
     root = os.path.join(folder, CONVERTED_DIR)
     out: list[dict] = []

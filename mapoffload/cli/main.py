@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._log import format_bytes
+from .._log import format_bytes
 
 __all__ = ["main"]
 
@@ -93,7 +93,7 @@ def _print_conversions(data: dict) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect_checkpoint import inspect_checkpoint
+    from .inspect import inspect_checkpoint
 
     data = inspect_checkpoint(args.path)
     if args.json:
@@ -104,7 +104,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run_demo
+    from ..demo import DemoConfig, run_demo
 
     cfg = DemoConfig(layers=args.layers, width=args.width, tokens=args.tokens, steps=args.steps,
                      device=args.device, host_gib=args.host_gib, cpu_twin=args.cpu_twin)
@@ -112,10 +112,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .hf._extras import MissingExtraError
+    from ..hf._extras import MissingExtraError
 
     try:
-        from .hf.convert import convert_pretrained
+        from ..hf.convert import convert_pretrained
 
         report = convert_pretrained(args.folder, dtype=args.dtype, cache_dir=args.cache_dir, cls=args.model_class)
     except (OSError, ValueError, MissingExtraError) as exc:  # transformers' own messages span lines: one line
@@ -137,7 +137,7 @@ def _verbose_flag(parser: argparse.ArgumentParser, default: object) -> None:
 
 def _path(text: str) -> str:
     """A path argument with ``~`` expanded: the shell leaves it in ``--cache-dir=~/x`` and in quotes."""
-    from ._checks import user_path
+    from .._checks import user_path
 
     return user_path(text)
 
@@ -159,7 +159,7 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    from .memory.budget import MAX_HOST_GIB
+    from ..memory.budget import MAX_HOST_GIB
 
     if not math.isfinite(value) or value <= 0 or value > MAX_HOST_GIB:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB, at most {MAX_HOST_GIB}")
@@ -167,7 +167,7 @@ def _gib(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     ap = argparse.ArgumentParser(prog="mapoffload", description="Keep model weights on their checkpoint mapping.")
     ap.add_argument("--version", action="version", version=f"mapoffload {__version__}",

@@ -1,0 +1,7 @@
+"""The ``mapoffload`` command (``inspect``, ``demo``, ``convert``; also ``python -m mapoffload``)."""
+
+from __future__ import annotations
+
+from .main import build_parser, main
+
+__all__ = ["build_parser", "main"]
