@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import mapoffload  # noqa: E402
 from kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
-from mapoffload.hf import _converted  # noqa: E402
+from mapoffload.conversion import cache as _converted  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained  # noqa: E402
 
 IDS = torch.tensor([[1, 2, 3]])
@@ -92,7 +92,7 @@ import os, sys, threading, time, warnings
 warnings.simplefilter("ignore")
 import transformers as tf
 import mapoffload
-from mapoffload.hf import _converted
+from mapoffload.conversion import cache as _converted
 folder, cache = sys.argv[1], sys.argv[2]
 entered, release = threading.Event(), threading.Event()
 real = _converted.write_safetensors

@@ -12,7 +12,7 @@ import textwrap
 
 import torch
 
-from mapoffload.hf._converted import MANIFEST, ConversionCache
+from mapoffload.conversion import MANIFEST, ConversionCache
 from mapoffload.regions import MappedRegions
 
 KEY = "0123456789abcdef01234567"
@@ -57,7 +57,7 @@ def test_meta_that_is_not_a_dict_is_not_reused(tmp_path):
 def test_a_writer_killed_while_computing_is_swept(tmp_path):
     code = textwrap.dedent(f"""
         import os, sys, time, torch
-        from mapoffload.hf._converted import ConversionCache
+        from mapoffload.conversion import ConversionCache
         cache = ConversionCache.open({str(tmp_path)!r}, {KEY!r})
         v = cache.reserve({{"a": ((1024, 1024), torch.float32)}})
         v["a"][:10].fill_(1)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import mapoffload  # noqa: E402
 from kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
-from mapoffload.hf import _converted, _fingerprint, _sweep  # noqa: E402
+from mapoffload.conversion import cache as _converted, naming as _fingerprint, marks as _sweep  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained, model_class_for  # noqa: E402
 
 
@@ -329,7 +329,7 @@ import os, sys, time, warnings
 warnings.simplefilter("ignore")
 import torch, transformers as tf
 import mapoffload
-from mapoffload.hf import _converted
+from mapoffload.conversion import cache as _converted
 folder, cache, dtype, ready, go = sys.argv[1:6]
 real = _converted.write_safetensors
 def stalled(path, tensors):

@@ -5,7 +5,8 @@ too, not those under ``if TYPE_CHECKING:``), is an edge of the module graph. The
 circle; the layers import downward only (running -> page cache -> memory, and loading -> memory):
 ``mapoffload.memory`` imports neither ``loading``, ``pagecache`` nor ``offload``,
 ``mapoffload.pagecache`` does not import ``offload``, ``mapoffload.loading`` imports none of
-``pagecache``, ``offload``, ``hf``, ``vllm``; and no module is longer than ``MAX_LINES``.
+``pagecache``, ``offload``, ``hf``, ``vllm``; ``mapoffload.conversion`` (the conversion cache ``hf``
+and ``vllm`` share) imports none of ``pagecache``, ``offload``, ``hf``, ``vllm``; and no module is longer than ``MAX_LINES``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def test_a_circle_is_found():
                            "mapoffload.vllm")),
     ("mapoffload.pagecache", ("mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
     ("mapoffload.loading", ("mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
+    ("mapoffload.conversion", ("mapoffload.pagecache", "mapoffload.offload", "mapoffload.hf", "mapoffload.vllm")),
 ])
 def test_layers_import_downward_only(layer, above):
     graph = module_graph()

@@ -166,7 +166,7 @@ def test_the_inspect_command_expands_the_home_folder(ckpt, home, capsys):
 
 
 def test_the_conversion_root_expands_the_home_folder(home, monkeypatch):
-    from mapoffload.hf import _converted, _fingerprint
+    from mapoffload.conversion import cache as _converted, naming as _fingerprint
 
     assert _converted.ConversionCache("~/conv", "k").path == str(home / "conv" / "k")
     monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", "~/env")

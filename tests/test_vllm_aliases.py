@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from mapoffload.loading.read import read_file
-from mapoffload.hf._st_write import reserve_safetensors
+from mapoffload.conversion import reserve_safetensors
 from mapoffload.vllm._aliases import AliasRecorder, SourceIndex
 
 

@@ -19,13 +19,13 @@ from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit, 
 __all__ = ["CheckpointInfo", "FileInfo", "inspect_checkpoint", "read_safetensors_header"]
 
 
-# The folder beside a checkpoint that conversions go to (mapoffload.hf._fingerprint.default_root).
+# The folder beside a checkpoint that conversions go to (mapoffload.conversion.default_root).
 CONVERTED_DIR = ".mapoffload-converted"
 
 
 def _conversion_root(folder: str) -> str:
     """Where a load of ``folder`` that converts writes (without ``cache_dir=``)."""
-    from ..hf._fingerprint import default_root
+    from ..conversion import default_root
 
     return default_root(folder)
 
@@ -148,12 +148,12 @@ def _dir_bytes(path: str) -> int:
 def conversions(folder: str) -> list[dict]:
     """The conversion folders ``from_pretrained`` (or a pipeline's component, or vLLM's
     ``mapoffload`` load format: ``"for"`` says which) left beside the checkpoint in ``folder``: ``<folder>/.mapoffload-converted/<fingerprint>/``,
-    finished when its manifest is there (:mod:`mapoffload.hf._converted`).
+    finished when its manifest is there (:mod:`mapoffload.conversion`).
 
     Which one a later load reuses depends on what it asks for (class, dtype,
     config, versions), which a folder alone does not say: each is listed.
     """
-    from ..hf._converted import MANIFEST
+    from ..conversion import MANIFEST
 
     root = os.path.join(folder, CONVERTED_DIR)
     out: list[dict] = []

@@ -9,7 +9,7 @@ only when a function that needs them is called (``pip install ".[hf]"`` from the
 
 from __future__ import annotations
 
-from ._converted import ConversionWriteError
+from ..conversion import ConversionWriteError
 from ._extras import INSTALL_HINT, MissingExtraError
 from .blocks import find_block_lists
 from .diffusers import PipelineOffloadHandle, load_pipeline, offload_pipeline, pipeline_from_pretrained

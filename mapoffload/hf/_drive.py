@@ -7,7 +7,7 @@ mapoffload does not re-implement any of that: it lets transformers load, and
 watches the one place where each final tensor is set into the model
 (``core_model_loading.set_param_for_module``). A tensor set there that does
 not live on a file mapping was *made* by a conversion; the tensors of one
-conversion are written into the :class:`~._converted.ConversionCache` (a
+conversion are written into the :class:`~mapoffload.conversion.ConversionCache` (a
 bounded batch at a time) and the model gets their mapped views instead, so
 anonymous memory never holds more than a batch.
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from .._log import logger
 from ..memory.regions import tensor_bytes
-from ._converted import PART_BYTES, ConversionCache
+from ..conversion import PART_BYTES, ConversionCache
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .._log import format_bytes, logger
 from ..loading.report import LoadReport
 from ..memory.regions import tensor_bytes
-from ._converted import ConversionCache
+from ..conversion import ConversionCache
 
 if TYPE_CHECKING:
     import torch

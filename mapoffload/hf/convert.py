@@ -120,7 +120,7 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     CheckpointError
         For a file, a diffusers pipeline or model folder, a folder without config.json.
     ConversionWriteError
-        When the conversion cannot be written (:mod:`._converted`).
+        When the conversion cannot be written (:mod:`mapoffload.conversion`).
     """
     from . import transformers as hf_transformers
 

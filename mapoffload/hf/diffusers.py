@@ -35,8 +35,8 @@ from ..loading.report import LoadReport
 from . import _keys
 from ._args import (checked_keywords, check_device, check_flags, check_folder, check_offload_args,
                     check_pipeline_class, keyword_names, unexpected_keyword)
-from ._converted import ConversionCache
-from ._fingerprint import default_root, fingerprint
+from ..conversion import ConversionCache
+from ..conversion import default_root, fingerprint
 from ._drive import driving
 from ._drive_diffusers import diffusers_hooks
 from ._report import Unsettled, settle

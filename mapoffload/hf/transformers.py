@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ..loading.files import CheckpointError, checkpoint_files
 from ..loading.report import LoadReport
 from . import _keys
-from ._converted import ConversionCache
-from ._fingerprint import concrete_class, default_root, fingerprint
+from ..conversion import ConversionCache
+from ..conversion import concrete_class, default_root, fingerprint
 from ._args import (checked_keywords, check_device, check_flags, check_folder, check_model_class,
                     check_offload_args, keyword_names, unexpected_keyword)
 from ._drive import driving

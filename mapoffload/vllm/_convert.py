@@ -23,8 +23,8 @@ import torch
 from .._log import logger
 from ..loading.read import read_files
 from ..memory.regions import tensor_bytes
-from ..hf._converted import ConversionCache
-from ..hf._fingerprint import default_root, fingerprint
+from ..conversion import ConversionCache
+from ..conversion import default_root, fingerprint
 from ._aliases import AliasRecorder, SourceIndex
 
 FORMAT = 1  # the "vllm" entry of a conversion's meta

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from .._log import logger
-from ..hf._converted import PART_BYTES, ConversionCache
+from ..conversion import PART_BYTES, ConversionCache
 from ..memory.regions import tensor_bytes
 
 PREFIX = "post:"  # names of rebuilt weights in the conversion folder

@@ -1,7 +1,7 @@
 """Writer marks on conversion work folders, and the sweep of the ones dead conversions left.
 
 A conversion is written in ``<root>/.<fingerprint>.XXXXXXXX/`` and renamed
-into place when whole (:mod:`._converted`); while it runs that folder holds
+into place when whole (:mod:`.cache`); while it runs that folder holds
 ``.writer``, a lock file its process holds an ``flock`` on. The kernel drops
 the lock when the process dies however it dies (``kill -9``, the OOM killer),
 so every load sweeps its root: a work folder whose lock can be taken is a dead
@@ -45,7 +45,7 @@ def _forget_held_marks() -> None:
 os.register_at_fork(after_in_child=_forget_held_marks)
 
 
-def _mark_writer(work: str) -> int | None:
+def mark_writer(work: str) -> int | None:
     """Mark ``work`` as written by this process: :data:`WRITER`, locked (``flock``) until the
     conversion ends. Created under another name, locked, then renamed: a sweep never sees the
     mark unlocked. None where the file system has no flock (the folder is then unmarked)."""
@@ -67,7 +67,7 @@ def _mark_writer(work: str) -> int | None:
     return fd
 
 
-def _release_writer(fd: int | None) -> None:
+def release_writer(fd: int | None) -> None:
     if fd is not None and _HELD.get(fd) == os.getpid():
         del _HELD[fd]
         os.close(fd)

@@ -5,7 +5,7 @@ any change of the sources (their real paths, sizes, modification and change
 times), the model class (an ``AutoModel*`` class counts as the concrete class
 it resolves to), the requested dtype (however it is spelled), the config or the
 transformers/torch versions: :func:`fingerprint` names the folder they live in
-(:mod:`._converted`). Its root (:func:`default_root`) is, in order: the
+(:mod:`.cache`). Its root (:func:`default_root`) is, in order: the
 ``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR`` (``~`` expanded in both), ``<checkpoint
 folder>/.mapoffload-converted`` when that folder is writable and not a hub
 cache snapshot (and no file has that name), ``$XDG_CACHE_HOME/mapoffload/converted``

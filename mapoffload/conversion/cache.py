@@ -8,14 +8,14 @@ A model converted this way holds no anonymous copy of its weights: at most
 memory during the load, so a 90 GB MoE converts on a 32 GB host. The files
 are reused by the next load of the same folder and invalidated by any change
 of what made them: the fingerprint names the folder they live in, under a root
-chosen for the checkpoint (both: :mod:`._fingerprint`).
+chosen for the checkpoint (both: :mod:`.naming`).
 
 Layout: ``<root>/<fingerprint>/part-00000.safetensors …`` and
 ``manifest.json`` (written last, so a folder without it is an unfinished
 conversion). A conversion is written in ``<root>/.<fingerprint>.XXXXXXXX/``
 and renamed into place when whole; while it runs that folder holds a writer
 mark, and every load sweeps its root of the work folders dead conversions
-left (:mod:`._sweep`).
+left (:mod:`.marks`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._checks import user_path
 from .._log import format_bytes, logger
-from ._fingerprint import FORMAT
-from ._st_write import reserve_safetensors, write_safetensors  # noqa: F401  (ConversionCache writes parts with them)
-from ._sweep import WRITER, _mark_writer, _release_writer, sweep
+from .naming import FORMAT
+from .writer import reserve_safetensors, write_safetensors
+from .marks import WRITER, mark_writer, release_writer, sweep
 from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class ConversionCache:
         try:
             os.makedirs(self.root, exist_ok=True)
             self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
-            self._mark = _mark_writer(self._work)
+            self._mark = mark_writer(self._work)
         except OSError as exc:
             not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
             raise self._failed(f"creating a conversion folder under {self.root}", exc,
@@ -289,7 +289,7 @@ class ConversionCache:
             self.abandon()
             raise
         self._work = None
-        _release_writer(self._mark)
+        release_writer(self._mark)
         self._mark = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 
@@ -348,5 +348,5 @@ class ConversionCache:
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)  # under its lock: no sweep takes it meanwhile
             self._work = None
-        _release_writer(self._mark)
+        release_writer(self._mark)
         self._mark = None
