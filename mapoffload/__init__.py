@@ -21,6 +21,7 @@ from .memory.budget import (
 )
 from .loading.checkpoint import (
     CheckpointError,
+    CopyReason,
     LoadReport,
     checkpoint_bytes,
     checkpoint_files,
@@ -34,6 +35,7 @@ from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
 from .offload.grads import OffloadedGradientError
 from .offload.errors import ReplacedWeightError
+from .options import OffloadOptions
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .memory.ranks import LocalWorld, local_world
 from .memory.regions import (
@@ -78,6 +80,7 @@ __all__ = [
     "CheckpointError",
     "Copier",
     "CopyHandle",
+    "CopyReason",
     "CopyStats",
     "CowMapping",
     "CowReport",
@@ -90,6 +93,7 @@ __all__ = [
     "LocalWorld",
     "MappedRegions",
     "MappingFaultError",
+    "OffloadOptions",
     "OffloadedGradientError",
     "OffloadedWeight",
     "PageCacheCoordinator",

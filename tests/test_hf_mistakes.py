@@ -170,13 +170,16 @@ def test_in_place_there_is_no_placeholder_to_refuse_a_read(gpt2):
     model.mapoffload_handle.close()
 
 
-def test_device_is_a_required_keyword_of_every_entry_point():
-    from mapoffload.hf import offload_pipeline
-
-    for fn in (mapoffload.from_pretrained, mapoffload.offload, mapoffload.pipeline_from_pretrained,
-               offload_pipeline):
-        param = inspect.signature(fn).parameters["device"]
-        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is inspect.Parameter.empty, fn
+def test_device_is_required_by_every_entry_point(tmp_path):
+    # No device and no options: refused before anything is read, naming device= (the folder need not exist).
+    calls = [lambda: mapoffload.from_pretrained(object, tmp_path),
+             lambda: mapoffload.pipeline_from_pretrained(object, tmp_path),
+             lambda: mapoffload.offload(torch.nn.Linear(2, 2)),
+             lambda: mapoffload.offload_pipeline(object()),
+             lambda: mapoffload.LayerwiseOffloadManager(torch.nn.Sequential(), "0")]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"needs (a device|device=)"):
+            call()
 
 
 def test_offload_devices_it_cannot_use_are_named(gpt2):

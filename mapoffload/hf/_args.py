@@ -8,17 +8,12 @@ the class named as a string, a file for its folder) must not surface as an
 
 from __future__ import annotations
 
-import difflib
-import functools
 import inspect
 import os
 from typing import Any, Callable
 
-# The one device rule lives with the other checkers; the entry points import it from here too.
-from .._checks import NoCudaDeviceError, check_device  # noqa: F401
 from ..loading.files import _looks_remote
 
-RESTS = ("auto", "device", "stream")  # offload(..., rest=)
 # The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
 # config's dtype, else the checkpoint's).
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32", "float64")
@@ -116,39 +111,6 @@ def check_pipeline_class(cls: Any, what: str) -> None:
                         "stream this one with mapoffload.offload_pipeline(pipe, device=...)")
 
 
-def check_layers(layers: Any) -> None:
-    """``layers`` names block lists: ``"auto"``, an attribute path, a ``ModuleList``, or a list of those."""
-    import torch
-
-    items = layers if isinstance(layers, (list, tuple)) else [layers]
-    for item in items:
-        if isinstance(item, (str, torch.nn.Module)):
-            continue
-        what = "not how many" if isinstance(item, (int, float)) else f"not a {type(item).__name__}"
-        raise TypeError(f"layers={layers!r}: layers names which block lists to stream ('auto', an attribute "
-                        f"path such as 'model.layers', an nn.ModuleList, or a list of those), {what}; "
-                        "prefetch_layers= sets how many layers are copied ahead")
-
-
-def check_offload_args(*, layers: Any = "auto", rest: Any = "auto", prefetch_layers: Any = 1,
-                       host_store: Any = None, stream_reads: Any = "auto") -> None:
-    """The offload arguments, checked before anything is loaded or offloaded."""
-    from ..offload import HOST_STORES, STREAM_READS
-
-    check_layers(layers)
-    if rest not in RESTS:
-        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
-    if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int):
-        raise TypeError(f"prefetch_layers must be a whole number >= 0, not {prefetch_layers!r}")
-    if prefetch_layers < 0:
-        raise ValueError(f"prefetch_layers must be a whole number >= 0, not {prefetch_layers!r}")
-    if host_store is not None and host_store not in HOST_STORES:
-        raise ValueError(f"host_store must be one of {HOST_STORES} (or None: chosen for the device), "
-                         f"not {host_store!r}")
-    if stream_reads not in STREAM_READS:
-        raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {stream_reads!r}")
-
-
 def check_flags(*, keep_mapping: Any = None, strict: Any = False) -> None:
     """``keep_mapping`` True/False/None and ``strict`` True/False: a string would read as True."""
     if keep_mapping is not None and not isinstance(keep_mapping, bool):
@@ -157,39 +119,7 @@ def check_flags(*, keep_mapping: Any = None, strict: Any = False) -> None:
         raise TypeError(f"strict must be True or False, not {strict!r}")
 
 
-def unexpected_keyword(what: str, name: str, candidates: Any, why: str = "") -> TypeError:
-    """A ``TypeError`` naming the keyword ``name`` nobody takes, with the closest of
-    ``candidates`` (:func:`difflib.get_close_matches`) as the one meant, else ``why``."""
-    close = difflib.get_close_matches(name, list(dict.fromkeys(candidates)), n=1)
-    tail = f"did you mean {close[0]}=?" if close else why
-    return TypeError(f"{what} got an unexpected keyword argument {name!r}{f': {tail}' if tail else ''}")
-
-
 def keyword_names(fn: Callable[..., Any]) -> tuple[str, ...]:
     """The keyword-only parameters of ``fn`` (an entry point's own keywords)."""
     params = inspect.signature(fn).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def checked_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with a misspelling of one of its required keywords named as that.
-
-    Python binds the call before the body runs, so ``device`` misspelt
-    (``devcie="cpu"``) would only say that ``device`` is missing. The wrapper
-    names the misspelt keyword and the one meant first; everything else (the
-    signature too, for :func:`inspect.signature`) is ``fn``'s.
-    """
-    params = inspect.signature(fn).parameters
-    required = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    what = f"mapoffload.{fn.__name__}"
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        for name in required:
-            if name not in kwargs:
-                for given in kwargs:
-                    if given not in params and difflib.get_close_matches(given, [name], n=1):
-                        raise unexpected_keyword(what, given, [name])
-        return fn(*args, **kwargs)
-
-    return entry

@@ -33,8 +33,9 @@ from ..loading.files import checkpoint_files
 from .._log import logger
 from ..loading.report import LoadReport
 from . import _keys
-from ._args import (checked_keywords, check_device, check_flags, check_folder, check_offload_args,
-                    check_pipeline_class, keyword_names, unexpected_keyword)
+from ..offload.errors import CallNames
+from ..options import FIELDS, OffloadOptions, gather, load_options, unexpected_keyword
+from ._args import check_flags, check_folder, check_pipeline_class, keyword_names
 from ..conversion import ConversionCache
 from ..conversion import default_root, fingerprint
 from ._drive import driving
@@ -43,7 +44,7 @@ from ._report import Unsettled, settle
 from ._extras import require
 from ._summary import OffloadRow
 from .blocks import find_block_lists
-from .offload import OffloadHandle, offload
+from .offload import OffloadHandle, offload_with
 
 if TYPE_CHECKING:
     import torch
@@ -122,17 +123,9 @@ def _stacks(model: torch.nn.Module) -> list[Any]:
     return [path for path, _ in find_block_lists(model)]
 
 
-def offload_pipeline(
-    pipe: Any,
-    *,
-    device: str | torch.device,
-    prefetch_layers: int = 1,
-    host_store: str | None = None,
-    rest: str = "auto",
-    skip: tuple[str, ...] = (),
-    stream_reads: str = "auto",
-) -> PipelineOffloadHandle:
-    """Offload every model component of a diffusers pipeline onto ``device``.
+def offload_pipeline(pipe: Any, options: OffloadOptions | None = None, *, skip: tuple[str, ...] = (),
+                     **keywords: Any) -> PipelineOffloadHandle:
+    """Offload every model component of a diffusers pipeline onto the device.
 
     Each ``torch.nn.Module`` component (text encoders, denoiser, VAE) goes
     through :func:`mapoffload.offload`: its block lists streamed layer by
@@ -144,18 +137,29 @@ def offload_pipeline(
     ----------
     pipe
         A ``DiffusionPipeline`` (any object with a ``components`` dict).
-    device
-        ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
-    prefetch_layers, host_store, rest, stream_reads
-        Passed to :func:`mapoffload.offload` for each component.
+    options
+        An :class:`~mapoffload.OffloadOptions` for every component (its
+        ``layers`` stays ``"auto"``: each component's block lists are found).
     skip
         Component names left alone.
+    **keywords
+        The fields of :class:`~mapoffload.OffloadOptions`, laid over ``options``.
 
     Returns
     -------
     PipelineOffloadHandle
         Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` sets it to None).
     """
+    return offload_pipeline_with(pipe, gather("mapoffload.offload_pipeline", options, keywords, others=("skip",)),
+                                 CallNames("handle.close()"), skip)
+
+
+def offload_pipeline_with(pipe: Any, options: OffloadOptions, calls: CallNames,
+                          skip: tuple[str, ...] = ()) -> PipelineOffloadHandle:
+    """:func:`offload_pipeline` with checked ``options``; the placeholders' errors name ``calls``."""
+    if options.layers != "auto":
+        raise ValueError(f"layers={options.layers!r}: a pipeline's block lists are found in each component "
+                         "(leave layers='auto'; offload one component with mapoffload.offload(component, layers=...))")
     import torch
 
     handle = PipelineOffloadHandle(pipe)
@@ -163,10 +167,7 @@ def offload_pipeline(
         for name, component in pipe.components.items():
             if not isinstance(component, torch.nn.Module) or name in skip:
                 continue
-            layers = _stacks(component)
-            handle.components[name] = offload(component, device=device, layers=layers, rest=rest,
-                                              prefetch_layers=prefetch_layers, host_store=host_store,
-                                              stream_reads=stream_reads)
+            handle.components[name] = offload_with(component, options.filled(layers=_stacks(component)), calls)
     except BaseException:
         handle.close()
         raise
@@ -336,19 +337,14 @@ def _load_pipeline(pipeline_cls: Any, folder: str | os.PathLike, *, dtype: Any, 
     return pipe, reports
 
 
-@checked_keywords
 def pipeline_from_pretrained(
     pipeline_cls: Any,
     folder: str | os.PathLike,
     *,
-    device: str | torch.device | None,
+    options: OffloadOptions | None = None,
     dtype: Any = "auto",
     keep_mapping: bool | None = True,
-    prefetch_layers: int = 1,
-    host_store: str | None = None,
-    rest: str = "auto",
     cache_dir: str | os.PathLike | None = None,
-    stream_reads: str = "auto",
     **components: Any,
 ) -> Any:
     """A diffusers pipeline from a local folder, on the file mapping, offloaded onto ``device``.
@@ -361,8 +357,11 @@ def pipeline_from_pretrained(
     folder
         A local folder written by ``save_pretrained`` (``model_index.json`` and
         one sub-folder per component).
-    device
-        Where the pipeline runs; None: no offload (the loaded pipeline on the host).
+    options
+        How every component is offloaded (:class:`~mapoffload.OffloadOptions`,
+        as :func:`offload_pipeline` takes it); its fields may be given as
+        keywords instead (``device="cuda"``). ``device=None`` without
+        ``options``: no offload (the loaded pipeline on the host).
     dtype
         ``"auto"``: each component in the dtype its checkpoint stores (nothing
         converted); a dtype, or a dict ``{component: dtype}``, converts, once,
@@ -376,10 +375,8 @@ def pipeline_from_pretrained(
         component's report records it.
     cache_dir
         Where converted tensors go (see :func:`mapoffload.from_pretrained`).
-    prefetch_layers, host_store, rest, stream_reads
-        Passed to :func:`offload_pipeline`.
     **components
-        Components to use instead of loading them (``tokenizer=None``, a
+        The fields of :class:`~mapoffload.OffloadOptions`; then components to use instead of loading them (``tokenizer=None``, a
         model already built), and other arguments of the pipeline's
         ``__init__``, as with diffusers' ``from_pretrained``. Anything else is
         refused by name before anything is loaded, a misspelt keyword with the
@@ -392,19 +389,15 @@ def pipeline_from_pretrained(
         :class:`~mapoffload.LoadReport`; ``pipe.mapoffload_handle`` is the
         :class:`PipelineOffloadHandle` (``summary()``, ``close()``) or None.
     """
-    if device is not None:  # checked before the load, not after it
-        check_device(device)
-        check_offload_args(rest=rest, prefetch_layers=prefetch_layers, host_store=host_store, stream_reads=stream_reads)
+    offload = load_options(WHAT, options, components)  # checked before the load, not after it
     pipe, reports = _load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,
-                                   components=components, own=keyword_names(pipeline_from_pretrained))
+                                   components=components, own=(*keyword_names(pipeline_from_pretrained), *FIELDS))
     handle = None
-    if device is not None:
-        handle = offload_pipeline(pipe, device=device, prefetch_layers=prefetch_layers, host_store=host_store,
-                                  rest=rest, stream_reads=stream_reads)
-        for component in handle.components.values():
-            component.name_calls("pipe.mapoffload_handle.close()",
-                                 "mapoffload.pipeline_from_pretrained(cls, folder, device=..., dtype={dtype}): "
-                                 "converted once into a mapped conversion folder")
+    if offload is not None:
+        handle = offload_pipeline_with(pipe, offload, CallNames(
+            "pipe.mapoffload_handle.close()",
+            "mapoffload.pipeline_from_pretrained(cls, folder, device=..., dtype={dtype}): converted once into a "
+            "mapped conversion folder"))
     object.__setattr__(pipe, "mapoffload_reports", reports)
     object.__setattr__(pipe, "mapoffload_handle", handle)
     return pipe

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from .._log import format_bytes, logger
 from ..memory.budget import host_memory
 from ..memory.regions import tensor_bytes
+from ..offload.errors import CallNames
+from ..options import OffloadOptions, gather
 from ._summary import OffloadRow
-from ._args import RESTS
 from .blocks import find_block_lists
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
     from ..offload import LayerwiseOffloadManager
 
-__all__ = ["OffloadHandle", "OffloadRow", "offload"]
+__all__ = ["OffloadHandle", "OffloadRow", "offload", "offload_with"]
 
 
 
@@ -59,17 +60,14 @@ class OffloadHandle:
     context manager.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, options: OffloadOptions) -> None:
         self.model = model
-        self.device = device
+        self.options = options  # the host budget in it is the one every unit planned against
+        self.device = options.device
         self.managers: dict[str, LayerwiseOffloadManager] = {}
         self._saved: list[tuple[Any, str, bool, Any]] = []  # (module or param, attr, is_param, host tensor)
         self._closed = False
-        # For the summary: the host budget planned against, whether host_store
-        # was the caller's, and the decision behind the rest ("rest"/"placed").
-        self._available: int | None = None
-        self._host_store_given = False
-        self._notes: dict[str, str] = {}
+        self._notes: dict[str, str] = {}  # for the summary: the decision behind the rest ("rest"/"placed")
 
     @property
     def rows(self) -> list[OffloadRow]:
@@ -80,7 +78,8 @@ class OffloadHandle:
             return []
         rows = []
         for path, m in self.managers.items():
-            rows.append(stack_row(path, m, available=self._available, host_store_given=self._host_store_given,
+            rows.append(stack_row(path, m, available=self.options.available_bytes,
+                                  host_store_given=self.options.host_store != "auto",
                                   modules=path == "rest", why=self._notes.get(path) if path == "rest" else None))
         placed = "placed" if "rest" in self.managers else "rest"  # as _place_rest names it
         if placed in self._notes:
@@ -103,13 +102,6 @@ class OffloadHandle:
         if self._closed:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
         return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
-
-    def name_calls(self, close_call: str, reload_call: str | None = None) -> None:
-        """What the placeholders' errors tell a user to call: ``close_call`` gives
-        the model back (``"model.mapoffload_handle.close()"`` after from_pretrained),
-        ``reload_call`` (with ``{dtype}``) loads it in another dtype."""
-        for m in self.managers.values():
-            m.close_call, m.reload_call = close_call, reload_call
 
     def close(self) -> None:
         """Give the model back whole: layers' real weights, placed tensors' host data."""
@@ -175,47 +167,20 @@ def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Mod
     return list(owners.values())
 
 
-def offload(
-    model: torch.nn.Module,
-    *,
-    device: str | torch.device,
-    layers: Any = "auto",
-    rest: str = "auto",
-    prefetch_layers: int = 1,
-    host_store: str | None = None,
-    available_bytes: int | None = None,
-    device_free_bytes: int | None = None,
-    stream_reads: str = "auto",
-) -> OffloadHandle:
-    """Stream a model's block lists to ``device`` and place the rest there.
+def offload(model: torch.nn.Module, options: OffloadOptions | None = None, /, **keywords: Any) -> OffloadHandle:
+    """Stream a model's block lists to the device and place the rest there.
 
     Parameters
     ----------
     model
         A built model with real weights (mapped views or copies).
-    device
-        ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the whole machinery runs; the
-        rest stays where it is).
-    layers
-        ``"auto"`` (the repeated block lists, see :func:`find_block_lists`),
-        an attribute path, a ``ModuleList``, or a list of those (one manager each).
-    rest
-        ``"auto"``: the parameters and buffers outside the stacks go to the
-        device when they fit in its free memory (less what streaming needs),
-        else their parameters are streamed as one more unit; ``"device"`` or
-        ``"stream"`` force one way.
-    prefetch_layers
-        Layers copied ahead of the one running.
-    host_store
-        Passed to each manager; default ``"mapped"`` on ``cpu`` (a copy would
-        buy nothing there) and ``"auto"`` on CUDA (pinned while the budget
-        allows, mapped when copies would not fit).
-    available_bytes, device_free_bytes
-        Host budget and free device bytes to plan against (default: measured).
-    stream_reads
-        How streamed layers are read (``"auto"``, ``"mapping"``,
-        ``"direct"``: around the page cache, on CUDA into pinned buffers
-        copied by DMA; see :class:`~mapoffload.LayerwiseOffloadManager`).
+    options
+        An :class:`~mapoffload.OffloadOptions`: which block lists stream
+        (``layers``), where the rest goes (``rest``), the device and the host
+        stores - each field documented there.
+    **keywords
+        Its fields (``device=``, ``layers=``, ``prefetch_layers=``, ...), laid
+        over ``options``: ``offload(model, device="cuda")``.
 
     Returns
     -------
@@ -224,45 +189,35 @@ def offload(
     """
     import torch
 
-    from ..offload import LayerwiseOffloadManager
-
-    from ._args import check_device, check_offload_args
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload takes a built torch.nn.Module, not {type(model).__name__} (to load a folder: "
                         "mapoffload.from_pretrained(cls, folder, device=...))")
-    if device is None:
+    if "device" in keywords and keywords["device"] is None:
         raise TypeError("offload needs a device: device='cuda', 'cuda:N' or 'cpu' (device=None, no offload, is for "
                         "from_pretrained and pipeline_from_pretrained)")
-    check_device(device)
-    check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
-                       stream_reads=stream_reads)
+    return offload_with(model, gather("mapoffload.offload", options, keywords), CallNames("handle.close()"))
+
+
+def offload_with(model: torch.nn.Module, options: OffloadOptions, calls: CallNames) -> OffloadHandle:
+    """:func:`offload` with checked ``options``; the placeholders' errors name ``calls``."""
+    from ..offload import LayerwiseOffloadManager
+
     _refuse_offloaded(model)
     if model.training:
         warnings.warn(
             f"{type(model).__name__} is in train mode: dropout changes its outputs. Call model.eval() first.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    chosen = host_store is not None
-    if host_store is None:
-        host_store = "mapped" if dev.type == "cpu" else "auto"
-    host = host_memory()
-    available = host.available if available_bytes is None else available_bytes
-    handle = OffloadHandle(model, dev)
-    handle._available, handle._host_store_given = available, chosen
+    if options.available_bytes is None:  # one figure for every unit of the model
+        options = options.filled(available_bytes=host_memory().available)
+    handle = OffloadHandle(model, options)
     try:
-        for path, stack in _resolve_layers(model, layers):
-            m = LayerwiseOffloadManager(
-                model, stack, device=dev, prefetch_layers=prefetch_layers, host_store=host_store,
-                available_bytes=available, stream_reads=stream_reads,
-            )
+        for path, stack in _resolve_layers(model, options.layers):
+            m = LayerwiseOffloadManager(model, stack, options)
+            m.calls = calls
             m.register_forward_hooks()
             handle.managers[path] = m
-        _place_rest(handle, rest, prefetch_layers, host_store, available, device_free_bytes, stream_reads)
-        handle.name_calls("handle.close()")
+        _place_rest(handle, calls)
     except BaseException:
         handle.close()
         raise
@@ -285,18 +240,18 @@ def _refuse_offloaded(model: torch.nn.Module) -> None:
             )
 
 
-def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str, available: int,
-                device_free_bytes: int | None, stream_reads: str) -> None:
+def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     import torch
 
     from ..offload import LayerwiseOffloadManager
 
-    model, dev = handle.model, handle.device
+    model, dev, o = handle.model, handle.device, handle.options
+    rest, device_free_bytes = o.rest, o.device_free_bytes
     params, buffers = _rest_tensors(model)
     rest_bytes = sum(tensor_bytes(p) for p in params)
     buffer_bytes = sum(tensor_bytes(b) for _, _, b in buffers)
     streaming = max((m.layer_bytes(i) for m in handle.managers.values() for i in range(len(m.layers))), default=0)
-    streaming *= prefetch + 1
+    streaming *= o.prefetch_layers + 1
     if dev.type == "cuda":
         free = torch.cuda.mem_get_info(dev)[0] if device_free_bytes is None else device_free_bytes
     else:
@@ -312,8 +267,8 @@ def _place_rest(handle: OffloadHandle, rest: str, prefetch: int, host_store: str
     if mode == "stream":
         owners = _leaf_owners(model, params)
         if owners:
-            m = LayerwiseOffloadManager(model, owners, device=dev, prefetch_layers=prefetch,
-                                        host_store=host_store, available_bytes=available, stream_reads=stream_reads)
+            m = LayerwiseOffloadManager(model, owners, o)
+            m.calls = calls
             m.register_forward_hooks()
             handle.managers["rest"] = m
             handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"

@@ -26,8 +26,9 @@ from ..loading.report import LoadReport
 from . import _keys
 from ..conversion import ConversionCache
 from ..conversion import concrete_class, default_root, fingerprint
-from ._args import (checked_keywords, check_device, check_flags, check_folder, check_model_class,
-                    check_offload_args, keyword_names, unexpected_keyword)
+from ..offload.errors import CallNames
+from ..options import FIELDS, OffloadOptions, load_options, unexpected_keyword
+from ._args import check_flags, check_folder, check_model_class, keyword_names
 from ._drive import driving
 from ._drive_transformers import transformers_hooks
 from ._report import Unsettled, settle
@@ -43,6 +44,7 @@ __all__ = ["KeyMismatchError", "from_pretrained", "load_pretrained"]
 # quantization_config methods whose checkpoints load (transformers' quantizer
 # runs; what it makes is converted into mapped files like any conversion).
 SUPPORTED_QUANT_METHODS = ("fp8",)
+WHAT = "mapoffload.from_pretrained"
 
 # transformers' own arguments that mean something else here, with the answer.
 _TRANSFORMERS_HABITS = {
@@ -305,24 +307,18 @@ def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException
                            f"{why.strip()}", keys) from cause
 
 
-@checked_keywords
 def from_pretrained(
     cls: Any,
     folder: str | os.PathLike,
     *,
-    device: str | torch.device | None,
+    options: OffloadOptions | None = None,
     dtype: Any = "auto",
     keep_mapping: bool | None = True,
     strict: bool = False,
     config: Any = None,
-    layers: Any = "auto",
-    rest: str = "auto",
-    prefetch_layers: int = 1,
-    stream_reads: str = "auto",
-    host_store: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     fp8: str = "keep",
-    **model_kwargs: Any,
+    **keywords: Any,
 ) -> torch.nn.Module:
     """A transformers model from a local folder, on the file mapping, offloaded onto ``device``.
 
@@ -340,10 +336,12 @@ def from_pretrained(
     folder
         A local folder written by ``save_pretrained`` (``config.json`` and
         safetensors or PyTorch files, sharded or not).
-    device
-        Where the model runs (``"cuda"``, ``"cuda:N"``, ``"cpu"``); its block
-        lists are streamed there by :func:`mapoffload.offload`. None: no
-        offload (the loaded model on the host). Checked before any loading.
+    options
+        How the model is offloaded (:class:`~mapoffload.OffloadOptions`:
+        ``device``, ``layers``, ``prefetch_layers``, ...); its fields may be
+        given as keywords instead (``device="cuda"``), laid over ``options``.
+        ``device=None`` without ``options``: no offload (the loaded model on
+        the host). Checked before any loading.
     dtype
         As in transformers 5: ``"auto"`` (the config's dtype, else the
         checkpoint's), a ``torch.dtype`` or its name. A dtype other than the
@@ -357,8 +355,6 @@ def from_pretrained(
     strict
         Missing, unexpected or mismatched keys raise :class:`KeyMismatchError`
         instead of a warning (transformers itself initialises missing ones).
-    layers, rest, prefetch_layers, host_store, stream_reads
-        Passed to :func:`mapoffload.offload`.
     cache_dir
         Where converted tensors are written (default: beside the checkpoint
         when writable, else ``~/.cache/mapoffload/converted``;
@@ -371,8 +367,8 @@ def from_pretrained(
         dequantized weight — the rest (experts stacked from many tensors) is
         dequantized once into the conversion folder; ``"dequantize"`` does
         that for every weight (transformers' dequantized model, in bf16).
-    **model_kwargs
-        Where transformers sends them: its own keywords to its
+    **keywords
+        The fields of :class:`~mapoffload.OffloadOptions`; the others where transformers sends them: its own keywords to its
         ``from_pretrained`` (``attn_implementation=``, ``trust_remote_code=``…),
         a configuration field to the configuration (``rms_norm_eps=1e-5``,
         ``num_hidden_layers=1``: the config, and the model, that
@@ -391,27 +387,23 @@ def from_pretrained(
         :class:`OffloadHandle` (``summary()``, ``close()``) or None.
     """
     from ._args import check_dtype
-    from .offload import offload
+    from .offload import offload_with
 
-    check_transformers_kwargs(model_kwargs)
+    offload = load_options(WHAT, options, keywords)  # the rest of keywords are transformers'
+    check_transformers_kwargs(keywords)
     if dtype is not None:
         check_dtype(dtype)  # "fp16" is refused here, naming the names, not after a load inside transformers
-    if device is not None:  # every offload argument checked before the load, not after it
-        check_device(device)
-        check_offload_args(layers=layers, rest=rest, prefetch_layers=prefetch_layers, host_store=host_store,
-                           stream_reads=stream_reads)
     check_flags(keep_mapping=keep_mapping, strict=strict)
     loaded = load_unsettled(cls, folder, dtype=dtype, strict=strict, config=config, cache_dir=cache_dir, fp8=fp8,
-                            model_kwargs=model_kwargs, own=keyword_names(from_pretrained))
+                            model_kwargs=keywords, own=(*keyword_names(from_pretrained), *FIELDS))
     (report,) = settle([loaded], keep_mapping, component=type(loaded.model).__name__)
     model = loaded.model
     handle: OffloadHandle | None = None
     object.__setattr__(model, "mapoffload_report", report)
-    if device is not None:
-        handle = offload(model, device=device, layers=layers, rest=rest, prefetch_layers=prefetch_layers,
-                         host_store=host_store, stream_reads=stream_reads)
-        handle.name_calls("model.mapoffload_handle.close()",
-                          "mapoffload.from_pretrained(cls, folder, device=..., dtype={dtype}): converted once into "
-                          "a mapped conversion folder")
+    if offload is not None:
+        handle = offload_with(model, offload, CallNames(
+            "model.mapoffload_handle.close()",
+            "mapoffload.from_pretrained(cls, folder, device=..., dtype={dtype}): converted once into a mapped "
+            "conversion folder"))
     object.__setattr__(model, "mapoffload_handle", handle)
     return model

@@ -2,7 +2,7 @@
 
 ``LayerwiseOffloadManager`` (``manager``) is a facade over these parts:
 
-- ``options``: every knob validated once; ``plan``, ``stores``: which host store each weight gets and
+- ``options``: the user's :class:`~mapoffload.OffloadOptions` completed with what the host measures; ``plan``, ``stores``: which host store each weight gets and
   the stores themselves; ``slots``, ``placeholder``: what a parameter slot holds, loaded or released;
   ``grads``: autograd through managed layers.
 - ``parts``: one stack's parts, made and closed together.
@@ -10,9 +10,10 @@
   policy). ``steps``: the per-forward policy the hooks run; ``turn``: the layer turn and the hooks.
 - targets x sources: where a layer computes - ``loads`` (the ``Load`` record; in place) or
   ``device_copies`` (device buffers, ``device_pool``) - and where its bytes come from - ``sources``
-  (the mapping, or read around the page cache); ``buffers``: what they hold on the host.
-- ``layer_pages``: the stack's spans, files, page reads and let-gos; ``rest``: the mapped weights
-  outside the layers; ``stream_reads``: how streamed layers are read (the ``auto`` policy).
+  (the read-around source; the mapping is ``pagecache.read_source``); ``buffers``: what they hold on the host.
+- ``rest``: the mapped weights outside the layers. The stack's pages (``pagecache.layer_pages``) and
+  how its streamed layers are read (``pagecache.stream_reads``, the ``auto`` policy) are page-cache
+  policy, in ``mapoffload.pagecache``.
 - ``host_edits``: the host weights read and replaced, by the manager's methods or by the user in the
   model (``adopt_edits``).
 
@@ -20,6 +21,6 @@
 (a lazy attribute there); this package stays importable as ``mapoffload.offload``.
 """
 
-from .manager import HOST_STORES, STREAM_READS, LayerwiseOffloadManager
+from .manager import HOST_STORES, READS, LayerwiseOffloadManager
 
-__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "STREAM_READS"]
+__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "READS"]

@@ -19,29 +19,30 @@ the device path a released layer's slots hold placeholders (``slots.py``, ``plac
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_count
 from .._log import format_bytes
 from ..pagecache.coordinator import coordinator
 from . import host_edits
-from .options import HOST_STORES, check_page_cache_bytes, make_copier, resolve
+from ..options import HOST_STORES, READS, OffloadOptions, gather
+from .options import make_copier, resolve
 from .parts import Parts
+from .errors import CallNames
 from .stores import MAPPED, LayerStore, Weight, host_bytes
-from .stream_reads import STREAM_READS
 
 if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier
     from ..pagecache.residency import ResidencyPlan
-    from .layer_pages import LayerPages
+    from ..pagecache.layer_pages import LayerPages
     from .rest import RestGuard
     from .sequencer import Sequencer
-    from .stream_reads import StreamReads
+    from ..pagecache.stream_reads import StreamReads
 
-__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "STREAM_READS"]
+__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "READS"]
 
 
 class LayerwiseOffloadManager:
@@ -55,67 +56,17 @@ class LayerwiseOffloadManager:
         tied embedding, say) are left alone too (see ``unmanaged``).
     layers
         An ``nn.ModuleList`` or its attribute path (``"blocks"``, ``"encoder.layer"``).
-    device
-        ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (layers compute from their host
-        stores; see ``cpu_twin``).
-    prefetch_layers
-        How many following layers each pre-hook starts copying.
-    resident_layers
-        The first N layers stay on the device once loaded.
-    host_store
-        ``"auto"`` (mapped when copies would not fit, pinned while the budget
-        covers it, pageable for the rest), or force ``"mapped"``, ``"pinned"``,
-        ``"pageable"`` where possible.
+    options
+        An :class:`~mapoffload.OffloadOptions` (each field documented there);
+        its ``layers`` and ``rest`` are :func:`~mapoffload.offload`'s, a manager
+        streams the ``layers`` it is given.
     copier
         A :class:`~mapoffload.Copier` for the device; one is made otherwise.
-        Its copies run on a side stream, except a copier in ``"direct"`` mode
-        (the seed runtime's path, kept for comparison): on the compute stream.
-    available_bytes
-        Host budget to plan against (default: :func:`host_memory_available_bytes`).
-        It is the host's, shared by every local rank.
-    local_ranks
-        Ranks sharing this host, each with its own manager (None detects:
-        ``LOCAL_WORLD_SIZE``, else ``torch.distributed``'s world size, else
-        1). Host copies and pinned buffers are planned against this rank's
-        share of the budget, and a copier the manager makes has its staging
-        ring shrunk when ``local_ranks`` rings would take more than 1/8 of
-        the budget (:func:`mapoffload.ranks.staging_ring_settings`).
-    cpu_twin
-        With ``device="cpu"``: run the device pipeline's CPU twin (layers
-        copied through the copier into separate CPU buffers), to exercise
-        the pipeline without a GPU. Off by default: on the CPU, layers
-        compute from their host stores and nothing is copied.
-    page_cache_bytes
-        Page cache these layers' mapped weights may fill. Default: measured
-        (:func:`mapoffload.budget.page_cache_budget`), less the mapped
-        weights outside the layers that every forward reads (a head). Decides
-        the residency plan (``residency``): which layers stay cached across
-        forwards and which are read once per forward and let go after use.
-    stream_reads
-        How streamed layers are read: ``"mapping"`` (through the mapping -
-        read in, or copied from it - and let go after use), ``"direct"``
-        (read around the page cache, ``O_DIRECT``, into ``1 + depth`` reused
-        buffers; cached layers stay on the mapping), or ``"auto"``: direct as
-        soon as the plan streams layers and their files take ``O_DIRECT``
-        (measured on the CPU: a forward 3.7x faster than through the mapping
-        at base + 50 %, reads at the bound; docs/benchmarks.md) - except while
-        the page-cache coordinator knows replicas (processes of this cgroup
-        mapping the same bytes): then through the shared page cache, where
-        one replica's read serves the other (two replicas streaming in step
-        read 0.72x the bound, against 1.25-1.31x each reading around); where they
-        do not (tmpfs, some overlays), the mapping, until two warm forwards
-        in a row read more than 1.2x what the plan streams - then buffered
-        reads around the cache. ``stream_reads_why`` says why. In place a
-        layer read around computes from its buffer (with autograd recording,
-        from its mapping: exact gradients); on the device path it is copied
-        from the buffer, on CUDA by DMA from the page-locked buffer
-        (``offload/sources.py``, ``offload/device_copies.py``).
-    kernel_caps
-        What to assume of the kernel's page-cache behaviour instead of
-        measuring it (``pagecache/kernel.py``): text as for the variable
-        ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``,
-        ``"no-populate-read"``, ``"no-pageout"``, ...), which it replaces.
-        Default: the variable, then a run-time probe per device.
+        Its copies run on a side CUDA stream, except a copier in ``"direct"``
+        mode (the seed runtime's path, kept for comparison): on the compute stream.
+    **keywords
+        The fields of :class:`~mapoffload.OffloadOptions` (``device=``,
+        ``prefetch_layers=``, ``host_store=``, ...), laid over ``options``.
 
     Notes
     -----
@@ -131,39 +82,32 @@ class LayerwiseOffloadManager:
         self,
         model: torch.nn.Module,
         layers: Any,
+        options: OffloadOptions | None = None,
         *,
-        device: str | torch.device,
-        prefetch_layers: int = 1,
-        resident_layers: int = 0,
-        host_store: str = "auto",
         copier: Copier | None = None,
-        available_bytes: int | None = None,
-        local_ranks: int | None = None,
-        cpu_twin: bool = False,
-        page_cache_bytes: int | None = None,
-        kernel_caps: str | None = None,
-        stream_reads: str = "auto",
+        **keywords: Any,
     ) -> None:
         import torch
 
         from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
-        o = resolve(device=device, prefetch_layers=prefetch_layers, resident_layers=resident_layers,
-                    host_store=host_store, copier=copier, available_bytes=available_bytes, local_ranks=local_ranks, cpu_twin=cpu_twin,
-                    page_cache_bytes=page_cache_bytes, kernel_caps=kernel_caps, stream_reads=stream_reads)
+        o = resolve(gather("LayerwiseOffloadManager", options, keywords, others=("copier",)), copier)
+        self.options = o
+        # What the placeholders' errors name (the entry point that made this manager names its calls).
+        self.calls = CallNames()
         self.model = model
         self.layers = _plan.resolve_layers(model, layers)
         self.device = o.device
-        self.prefetch_layers = prefetch_layers
-        self.resident_layers = resident_layers
-        self.host_store = host_store
+        self.prefetch_layers = o.prefetch_layers
+        self.resident_layers = o.resident_layers
+        self.host_store = o.host_store
         self.local_ranks = o.local_ranks
         # Host stores are normal tensors even when made under inference_mode:
         # an inference tensor cannot be written outside it (update_cpu_weights).
         with torch.inference_mode(False):
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
-            _plan.plan(self._stores, host_store, o.available_bytes, cuda=o.cuda, device=self.device,
+            _plan.plan(self._stores, o.host_store, o.available_bytes, cuda=o.cuda, device=self.device,
                        local_ranks=self.local_ranks, in_place=o.in_place)
         owns_copier = copier is None
         if not o.in_place:
@@ -182,11 +126,11 @@ class LayerwiseOffloadManager:
         parts.forget_at_fork()  # copies in flight at a fork() never complete in the child
         from .placeholder import ManagerMark
 
-        me, mark = weakref.ref(self), ManagerMark(self)
+        mark = ManagerMark(self)
         for s in self._stores:
             for w in s.weights:
-                w.param._mapoffload_manager = mark  # a second manager on these weights is refused
-                w.placeholder._mo_manager = me  # named when a second offload meets the placeholder
+                # One mark on a weight's two forms: a second manager on these weights is refused, and named.
+                w.param._mapoffload_manager = w.placeholder._mapoffload_manager = mark
 
     # -- the parts (for tools and tests: their interfaces, not the manager's insides) ----------------
     @property
@@ -201,7 +145,7 @@ class LayerwiseOffloadManager:
 
     @property
     def pages(self) -> LayerPages:
-        """The page-cache side of the layers: spans, files, page reads and let-gos (``offload/layer_pages.py``)."""
+        """The page-cache side of the layers: spans, files, page reads and let-gos (``pagecache/layer_pages.py``)."""
         return self._pages
 
     @property
@@ -211,7 +155,7 @@ class LayerwiseOffloadManager:
 
     @property
     def reads(self) -> StreamReads:
-        """The ``stream_reads`` setting and its ``auto`` policy (``offload/stream_reads.py``)."""
+        """The ``stream_reads`` setting and its ``auto`` policy (``pagecache/stream_reads.py``)."""
         return self._reads
 
     # -- accounting ------------------------------------------------------------------------
@@ -257,7 +201,7 @@ class LayerwiseOffloadManager:
         one budget, and follows the cgroup's cap from then on (when the cap
         changes, the next forward plans again).
         """
-        check_page_cache_bytes(page_cache_bytes)
+        check_count("page_cache_bytes", page_cache_bytes, none=True)
         self._member.given = page_cache_bytes
         coordinator().replan()
         return self.residency
@@ -334,14 +278,26 @@ class LayerwiseOffloadManager:
             self._slots.disengage()
 
     @property
-    def stream_reads(self) -> str:
-        """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
+    def read_mode(self) -> str:
+        """How streamed layers are read now: ``"mapping"`` or ``"uncached"`` (see ``OffloadOptions.reads``)."""
         return self._reads.mode
 
     @property
-    def stream_reads_why(self) -> str:
+    def read_mode_why(self) -> str:
         """Why streamed layers are read as they are."""
         return self._reads.why
+
+    @property
+    def stream_reads(self) -> str:
+        """Deprecated: :attr:`read_mode`."""
+        _deprecated("manager.stream_reads", "manager.read_mode")
+        return self.read_mode
+
+    @property
+    def stream_reads_why(self) -> str:
+        """Deprecated: :attr:`read_mode_why`."""
+        _deprecated("manager.stream_reads_why", "manager.read_mode_why")
+        return self.read_mode_why
 
     # -- host weights (host_edits.py) ------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
@@ -421,3 +377,9 @@ class LayerwiseOffloadManager:
             f"{format_bytes(self.mapped_bytes)} mapped, {format_bytes(self.pinned_bytes)} pinned, "
             f"{format_bytes(self.pageable_bytes)} pageable)"
         )
+
+
+def _deprecated(old: str, new: str) -> None:
+    import warnings
+
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=3)

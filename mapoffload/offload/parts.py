@@ -1,36 +1,38 @@
 """The parts one :class:`~mapoffload.LayerwiseOffloadManager` is a facade over, and their lifetime.
 
-For one stack of layers: its pages (``layer_pages``: spans, files, page reads and let-gos), its load
+For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
 path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
 (``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``rest``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the ``stream_reads``
-policy (``stream_reads``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
+policy (``pagecache.stream_reads``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from ..pagecache.coordinator import coordinator
+from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
-from .layer_pages import LayerPages
+from ..pagecache.stream_reads import StreamReads
 from .device_copies import DeviceCopies
 from .loads import InPlace
 from .rest import RestGuard
 from .sequencer import Sequencer
 from .slots import Slots
+from .sources import ReadAroundSource, layer_buffer_bytes
 from .steps import Steps
-from .stream_reads import StreamReads
 from .turn import LayerTurn, StackHooks
 
 if TYPE_CHECKING:
     from ..copier import Copier
-    from .options import Options
+    from ..options import OffloadOptions
     from .stores import LayerStore
 
 __all__ = ["Parts"]
@@ -49,6 +51,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _read_around(stores: list[LayerStore], pages: LayerPages, buffers: int,
+                 pin_device: int | None) -> ReadAroundSource:
+    """The stack's read-around source, as :class:`~mapoffload.pagecache.stream_reads.StreamReads` asks for one."""
+    return ReadAroundSource(stores, pages, buffers, pin_device=pin_device)
+
+
 class Parts:
     """One stack's parts (see the module); made by :meth:`build`."""
 
@@ -62,7 +70,7 @@ class Parts:
     hooks: StackHooks
 
     @classmethod
-    def build(cls, o: Options, *, model: Any, layers: list, stores: list[LayerStore], name: str,
+    def build(cls, o: OffloadOptions, *, model: Any, layers: list, stores: list[LayerStore], name: str,
               copier: Copier | None, owns_copier: bool, owner: object) -> Parts:
         """Make every part; registers the member with the process's coordinator (which plans it).
 
@@ -89,13 +97,15 @@ class Parts:
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
                                       always_read=_plan.always_read_tensors, owner=owner)
-            self.reads = StreamReads(o.stream_reads, self.sequencer, self.member, self.pages, cuda=o.cuda)
+            self.reads = StreamReads(o.reads, loads, self.member, self.pages, cuda=o.cuda,
+                                     read_around=functools.partial(_read_around, stores, self.pages),
+                                     buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
             self.turn = LayerTurn()
             self.hooks = StackHooks(self.turn, Steps(self.sequencer, self.member, self.reads, self.rest,
                                                      in_place=o.in_place), owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
-            if o.stream_reads == "direct":
-                self.reads.read_around("stream_reads='direct'")
+            if o.reads == "uncached":
+                self.reads.read_around("reads='uncached'")
                 coordinator().place_buffers()  # its buffers are charged before they are made
         except BaseException:
             self.abandon(loads, copier if owns_copier else None)

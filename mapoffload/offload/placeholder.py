@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .errors import CallNames
+
 # Properties whose value would be computed from the data.
 _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 # Device properties answer for the device the weight computes on.
@@ -57,6 +59,7 @@ class OffloadedWeight(torch.nn.Parameter):
     _mo_name: str
     _mo_layer: int
     _mo_device: torch.device
+    _mapoffload_manager: ManagerMark | None  # the manager's mark, as its real parameters carry it
 
     def __new__(cls, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, name: str, layer: int,
                 requires_grad: bool = False, device: torch.device | str = "cpu") -> OffloadedWeight:
@@ -65,6 +68,7 @@ class OffloadedWeight(torch.nn.Parameter):
         self._mo_name = name
         self._mo_layer = layer
         self._mo_device = torch.device(device)
+        self._mapoffload_manager = None
         return self
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
@@ -181,11 +185,10 @@ class OffloadedConversionError(RuntimeError, TypeError):
 
 
 def _owner_words(w: OffloadedWeight) -> tuple[str | None, str | None]:
-    """(the call that gives the model back, how to load it in another dtype) for
-    ``w``'s owner, as the entry point that made it named them; (None, None) for a
-    manager made directly."""
+    """(the call that gives the model back, how to load it in another dtype) for ``w``'s owner."""
     mgr = owner_of(w)
-    return getattr(mgr, "close_call", None), getattr(mgr, "reload_call", None)
+    calls = mgr.calls if mgr is not None else CallNames()
+    return calls.close, calls.reload
 
 
 def _message(w: OffloadedWeight | None, what: str) -> str:
@@ -213,7 +216,7 @@ def _conversion_message(w: OffloadedWeight, dtype: torch.dtype) -> str:
     if close is None:
         return (f"{w._mo_name} is offloaded by a LayerwiseOffloadManager and was converted to {dtype}: {keeps}; "
                 f"load the weights in {dtype}, or close the manager first (manager.close()) and convert the model")
-    how = f"load it as {dtype} ({reload.format(dtype=dtype)})" if reload else f"convert it before offloading it"
+    how = f"load it as {dtype} ({reload.format(dtype=dtype)})" if reload else "convert it before offloading it"
     return f"{w._mo_name} is offloaded and was converted to {dtype}: {keeps}; {how}, or call {close} first"
 
 
@@ -225,7 +228,7 @@ class OffloadedCopyError(RuntimeError, TypeError):
 
 def copy_refusal(manager: object | None, what: str, w: OffloadedWeight | None = None) -> str:
     """The one message for a copy or pickle of an offloaded model (its hooks or placeholders met)."""
-    close = getattr(manager, "close_call", None) or "manager.close()"
+    close = (manager.calls.close if manager is not None else None) or "manager.close()"
     where = f" ({w._mo_name} is one of its weights)" if w is not None else ""
     return (f"an offloaded model was {what}{where}: its layers' weights are loaded by this process's offload "
             f"hooks, which a copy would share. Call {close} first: the model is then a plain model with its "
@@ -259,8 +262,8 @@ class AlreadyOffloadedError(ValueError):
 
 def owner_of(w: OffloadedWeight) -> object | None:
     """The manager whose placeholder ``w`` is, while it lives."""
-    ref = getattr(w, "_mo_manager", None)
-    return ref() if ref is not None else None
+    mark = w._mapoffload_manager
+    return mark() if mark is not None else None
 
 
 def offloaded_by(p: torch.Tensor) -> tuple[bool, object | None]:

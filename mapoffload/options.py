@@ -1,0 +1,275 @@
+"""The offload options: one frozen object, each field checked and documented once, here.
+
+Every entry point that offloads (:class:`~mapoffload.LayerwiseOffloadManager`,
+:func:`mapoffload.offload`, :func:`mapoffload.offload_pipeline`, :func:`mapoffload.from_pretrained`,
+:func:`mapoffload.pipeline_from_pretrained`, the vLLM load format) takes an :class:`OffloadOptions`
+as ``options=``, or the same names as keyword arguments, which build one at the door
+(:func:`gather`). The parts behind them receive the object whole and check nothing again.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._checks import check_bool, check_count, check_device
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "gather", "load_options", "take",
+           "unexpected_keyword"]
+
+HOST_STORES = ("auto", "mapped", "pinned", "pageable")
+READS = ("auto", "mapping", "uncached")
+RESTS = ("auto", "device", "stream")
+# Names and values given up, still accepted with a DeprecationWarning naming the new one.
+_RENAMED_KEYWORDS = {"stream_reads": "reads"}
+_RENAMED_READS = {"direct": "uncached"}
+
+
+def _deprecated(old: str, new: str, stacklevel: int = 4) -> None:
+    """Warn at the caller's line (``stacklevel``: frames from here to it)."""
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How a model's layers are offloaded: what streams, where it computes, what the host holds.
+
+    Parameters
+    ----------
+    device
+        Where the layers compute: ``"cuda"``, ``"cuda:N"`` (the index is fixed when the
+        options are made) or ``"cpu"``: there each layer computes from its host store and
+        nothing is copied (see ``cpu_twin``). CUDA is refused where torch sees none.
+    layers
+        Which block lists :func:`~mapoffload.offload` streams: ``"auto"`` (the repeated
+        ones, :func:`~mapoffload.find_block_lists`), an attribute path (``"model.layers"``),
+        an ``nn.ModuleList``, or a list of those. A manager streams the list it is given.
+    rest
+        The parameters and buffers outside the streamed lists: ``"auto"`` places them on
+        the device when they fit in its free memory (less what streaming needs), else
+        streams their modules one by one; ``"device"`` or ``"stream"`` force one way.
+    prefetch_layers
+        How many layers ahead each layer's pre-hook starts loading (the prefetch depth).
+    resident_layers
+        The first N layers stay loaded once loaded.
+    host_store
+        Where each layer's weights live on the host: ``"auto"`` (pinned while the budget
+        covers it, mapped when copies would not fit; on the CPU in place, mapped: a copy
+        buys nothing there), or ``"mapped"``, ``"pinned"``, ``"pageable"`` where possible.
+    reads
+        How streamed layers are read: ``"mapping"`` (through the file mapping, let go
+        after use), ``"uncached"`` (``O_DIRECT`` around the page cache into ``1 + depth``
+        reused buffers, on CUDA page-locked and copied by DMA; cached layers stay on the
+        mapping), or ``"auto"``: uncached as soon as the plan streams layers and their
+        files take ``O_DIRECT``, except while replicas of this cgroup map the same bytes
+        (the shared page cache serves them both) — docs/usage.md has the measurements.
+    available_bytes
+        The host budget to plan against; None measures it when the plan is made
+        (:func:`~mapoffload.host_memory_available_bytes`). It is the host's, shared by
+        every local rank.
+    device_free_bytes
+        Free device memory ``rest="auto"`` plans against; None measures it.
+    page_cache_bytes
+        Page cache the streamed layers' mapped weights may fill; None measures it
+        (less the mapped weights outside the layers that every forward reads).
+    local_ranks
+        Ranks sharing this host, each with its own managers; None detects them
+        (``LOCAL_WORLD_SIZE``, else ``torch.distributed``'s world size, else 1).
+    cpu_twin
+        With ``device="cpu"``: run the device pipeline's CPU twin (layers copied into
+        separate CPU buffers, as on a GPU) to exercise it without one.
+    kernel_caps
+        What to assume of the kernel's page-cache behaviour instead of probing it: text as
+        for ``MAPOFFLOAD_KERNEL_CAPS`` (``"no-large-folios"``, ``"no-pageout"``, ...).
+
+    Raises
+    ------
+    TypeError
+        A field of the wrong type (``prefetch_layers=1.5``, ``cpu_twin="false"``).
+    ValueError
+        A value not among the choices, out of range, or fields that do not go together.
+    NoCudaDeviceError
+        ``device="cuda"`` where torch sees no CUDA device.
+
+    Deprecated: ``reads="direct"`` (now ``"uncached"``), ``host_store=None`` (now
+    ``"auto"``); as keywords of the entry points, ``stream_reads=`` (now ``reads=``).
+    """
+
+    device: torch.device
+    layers: Any = "auto"
+    rest: str = "auto"
+    prefetch_layers: int = 1
+    resident_layers: int = 0
+    host_store: str = "auto"
+    reads: str = "auto"
+    available_bytes: int | None = None
+    device_free_bytes: int | None = None
+    page_cache_bytes: int | None = None
+    local_ranks: int | None = None
+    cpu_twin: bool = False
+    kernel_caps: str | None = None
+
+    def __post_init__(self) -> None:
+        import torch
+
+        dev = check_device(self.device, "device")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        object.__setattr__(self, "device", dev)
+        _check_layers(self.layers)
+        _check_choice("rest", self.rest, RESTS)
+        check_count("prefetch_layers", self.prefetch_layers)
+        check_count("resident_layers", self.resident_layers)
+        if self.host_store is None:
+            _deprecated("host_store=None", "host_store='auto'")
+            object.__setattr__(self, "host_store", "auto")
+        _check_choice("host_store", self.host_store, HOST_STORES)
+        if self.reads in _RENAMED_READS:
+            new = _RENAMED_READS[self.reads]
+            _deprecated(f"reads={self.reads!r}", f"reads={new!r}")
+            object.__setattr__(self, "reads", new)
+        _check_choice("reads", self.reads, READS)
+        for name in ("available_bytes", "device_free_bytes", "page_cache_bytes"):
+            check_count(name, getattr(self, name), none=True)
+        check_count("local_ranks", self.local_ranks, minimum=1, none=True)
+        check_bool("cpu_twin", self.cpu_twin)
+        if self.kernel_caps is not None and not isinstance(self.kernel_caps, str):
+            raise TypeError(f"kernel_caps must be text as for MAPOFFLOAD_KERNEL_CAPS or None, not {self.kernel_caps!r}")
+        if self.cpu_twin and dev.type != "cpu":
+            raise ValueError(f"cpu_twin is for device='cpu', not {dev}")
+
+    @property
+    def in_place(self) -> bool:
+        """On the CPU without ``cpu_twin``: layers compute from their host stores, nothing moves."""
+        return self.device.type == "cpu" and not self.cpu_twin
+
+    @property
+    def cuda(self) -> bool:
+        """The layers compute on a CUDA device."""
+        return self.device.type == "cuda"
+
+    def replace(self, **changes: Any) -> OffloadOptions:
+        """These options with ``changes`` (checked again, as when made)."""
+        return dataclasses.replace(self, **changes)
+
+    def filled(self, **measured: Any) -> OffloadOptions:
+        """These options with what the environment answered for fields left to it (the host budget,
+        the local ranks, the block lists found): the parts' values, not the user's, so not checked
+        again."""
+        new = copy.copy(self)
+        for name, value in measured.items():
+            if name not in FIELDS:
+                raise AttributeError(f"OffloadOptions has no field {name!r}")
+            object.__setattr__(new, name, value)
+        return new
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, not {value!r}")
+
+
+def _check_layers(layers: Any) -> None:
+    """``layers`` names block lists: ``"auto"``, an attribute path, a ``ModuleList``, or a list of those."""
+    import torch
+
+    for item in layers if isinstance(layers, (list, tuple)) else [layers]:
+        if isinstance(item, (str, torch.nn.Module)):
+            continue
+        what = "not how many" if isinstance(item, (int, float)) else f"not a {type(item).__name__}"
+        raise TypeError(f"layers={layers!r}: layers names which block lists to stream ('auto', an attribute "
+                        f"path such as 'model.layers', an nn.ModuleList, or a list of those), {what}; "
+                        "prefetch_layers= sets how many layers are loaded ahead")
+
+
+def take(keywords: dict[str, Any]) -> dict[str, Any]:
+    """Remove the offload options (and their deprecated names) from ``keywords``; return them."""
+    given = {}
+    for name in list(keywords):
+        new = _RENAMED_KEYWORDS.get(name)
+        if new is not None:
+            _deprecated(f"{name}=", f"{new}=", stacklevel=5)  # here, take, gather, the entry point, its caller
+            if new in keywords:
+                raise TypeError(f"{name}= and {new}= name one option: give {new}= only")
+            given[new] = keywords.pop(name)
+        elif name in FIELDS:
+            given[name] = keywords.pop(name)
+    return given
+
+
+def gather(what: str, options: OffloadOptions | None, keywords: dict[str, Any], *,
+           others: tuple[str, ...] = ()) -> OffloadOptions:
+    """The options an entry point runs with: ``options`` with the keyword arguments laid over it.
+
+    ``keywords`` must hold only offload options (their deprecated names included); a
+    misspelt one is named with the one meant.
+
+    Parameters
+    ----------
+    what
+        The entry point, for the messages (``"mapoffload.offload"``).
+    others
+        The entry point's other keywords, offered too when one is misspelt.
+
+    Raises
+    ------
+    TypeError
+        ``options`` not an :class:`OffloadOptions`, an unknown keyword, or no device given.
+    """
+    keywords = dict(keywords)
+    given = take(keywords)
+    if keywords:
+        name = next(iter(keywords))
+        raise unexpected_keyword(what, name, FIELDS + tuple(_RENAMED_KEYWORDS) + others)
+    if options is None:
+        if "device" not in given:
+            raise TypeError(f"{what} needs a device: device='cuda', 'cuda:N' or 'cpu' (or options=OffloadOptions(...))")
+        return OffloadOptions(**given)
+    if not isinstance(options, OffloadOptions):
+        raise TypeError(f"{what}: options must be a mapoffload.OffloadOptions, not {type(options).__name__}")
+    return options.replace(**given) if given else options
+
+
+def load_options(what: str, options: OffloadOptions | None, keywords: dict[str, Any]) -> OffloadOptions | None:
+    """The offload options of an entry point that loads, then offloads (``from_pretrained``):
+    the offload keywords are taken out of ``keywords`` (the rest are the loader's), checked now,
+    before anything is loaded. None: ``device=None`` and no ``options``, no offload.
+
+    Raises
+    ------
+    TypeError
+        No device and no options (a misspelt ``device`` named with it), or offload
+        keywords beside ``device=None``.
+    """
+    given = take(keywords)
+    if options is None and given.get("device", 0) is None:
+        others = sorted(set(given) - {"device"})
+        if others:
+            raise TypeError(f"{what}: {', '.join(o + '=' for o in others)} offload(s) the model, and device=None "
+                            "loads it without offloading: give a device, or leave them out")
+        return None
+    if options is None and "device" not in given:
+        for name in keywords:
+            if difflib.get_close_matches(name, ["device"], n=1):
+                raise unexpected_keyword(what, name, ["device"])
+        raise TypeError(f"{what} needs device=: 'cuda', 'cuda:N', 'cpu', or None (loaded, not offloaded); "
+                        "or options=OffloadOptions(...)")
+    return gather(what, options, given)
+
+
+def unexpected_keyword(what: str, name: str, candidates: Any, why: str = "") -> TypeError:
+    """A ``TypeError`` naming the keyword ``name`` nobody takes, with the closest of
+    ``candidates`` (:func:`difflib.get_close_matches`) as the one meant, else ``why``."""
+    close = difflib.get_close_matches(name, list(dict.fromkeys(candidates)), n=1)
+    tail = f"did you mean {close[0]}=?" if close else why
+    return TypeError(f"{what} got an unexpected keyword argument {name!r}{f': {tail}' if tail else ''}")
