@@ -45,9 +45,9 @@ def test_a_host_copy_longer_than_a_second_shows_a_bar(tmp_path, capsys, monkeypa
     # A one-second delay is what the library uses; 0 makes "long" instant for the test.
     real = progress.byte_bar
     monkeypatch.setattr(progress, "byte_bar", lambda *a, **k: real(*a, **{**k, "delay": 0}))
-    import mapoffload.checkpoint as checkpoint
+    import mapoffload.loading.assign as assign  # where load_checkpoint's assignment makes its bar
 
-    monkeypatch.setattr(checkpoint, "byte_bar", progress.byte_bar)
+    monkeypatch.setattr(assign, "byte_bar", progress.byte_bar)
     load_checkpoint(model, tmp_path, keep_mapping=False)
     assert "Assigning weights" in capsys.readouterr().err
     load_checkpoint(model, tmp_path, keep_mapping=False, progress=False)

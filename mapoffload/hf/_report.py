@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
+from ..loading.reasons import CopyReason
 from ..loading.report import LoadReport
 from ..memory.regions import tensor_bytes
 from ..conversion import ConversionCache
@@ -153,13 +154,13 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
             report.bytes_mapped += n
             continue
         report.bytes_copied += n
-        reason = (f"initialised by {maker} (not in the checkpoint)" if name in missing
-                  else f"made by {maker} after loading")
+        reason = CopyReason.initialised_by(maker) if name in missing else CopyReason.made_by(maker)
         report.copied[reason] = report.copied.get(reason, 0) + n
     report.decided_by = decided_by
     if copied_by_request:
-        report.copied["copies fit (gate)" if decided_by == "gate" else "keep_mapping=False"] = copied_by_request
-        report.copied.pop(f"made by {maker} after loading", None)
+        # The decision's copies under its one reason, as load_checkpoint files them.
+        report.copied[CopyReason.of_decision(decided_by)] = copied_by_request
+        report.copied.pop(CopyReason.made_by(maker), None)
     report.converted_tensors = len(cache.tensors)
     report.bytes_converted = cache.bytes
     report.conversion_dir = cache.path if cache.tensors else None

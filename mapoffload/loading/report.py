@@ -18,9 +18,13 @@ __all__ = ["LoadReport"]
 class LoadReport:
     """What :func:`load_checkpoint` did.
 
-    ``copied`` maps a reason (``dtype``, ``keep_mapping=False``, ``copies fit
-    (gate)``, ``device``, ``column slice``, ``not mapped``) to the bytes
-    copied for it.
+    ``copied`` maps a reason (a :class:`~mapoffload.CopyReason`, a ``str``:
+    ``dtype``, ``keep_mapping=False``, ``copies fit (gate)``, ``device``,
+    ``column slice``, ``not mapped``, and for ``from_pretrained`` what its
+    library made) to the bytes copied for it. The decision's copies are filed
+    under one reason, whoever made them (fp8 codes and scales too):
+    ``copies fit (gate)`` when the gate decided, ``keep_mapping=False`` when
+    the caller did.
 
     ``decided_by`` says who chose between the mapping and copies: ``"gate"``
     (the caller passed ``keep_mapping=None``; :func:`keep_checkpoint_mapped`
