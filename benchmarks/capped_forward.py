@@ -22,7 +22,7 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 the files take it, else through the mapping until two warm
                 forwards read > 1.2x the plan - the JSON's stream_reads says
                 which)
-  mapoffload-direct  the same with stream_reads="direct" (O_DIRECT from the
+  mapoffload-direct  the same with stream_reads="uncached" (O_DIRECT from the
                 start; issue 18's tight caps)
   plain         the plain API (issue 25): the model built on meta (empty_weights,
                 AutoModelForCausalLM.from_config), load_checkpoint(model, folder,
@@ -35,13 +35,13 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 host_store="mapped")): each layer copied through the copier
                 into CPU buffers, as a GPU run copies it - from the mapping,
                 or read around the page cache into the reader's buffers and
-                copied from them (stream_reads="direct"); the weights outside
+                copied from them (stream_reads="uncached"); the weights outside
                 the layers stay in place on the mapping
   cuda-mapping, cuda-direct  (not run by default; needs a GPU) the same load
                 with device="cuda": layers streamed to the GPU through the
                 copier from the mapping, or read around the page cache into
                 page-locked reader buffers and copied from them by DMA
-                (stream_reads="direct"); the rest on the GPU. The CUDA
+                (stream_reads="uncached"); the rest on the GPU. The CUDA
                 context is made before the baseline (its host memory is not
                 the model's); forward time is synchronised; logits are
                 compared by their max difference (GPU arithmetic differs)
@@ -301,7 +301,7 @@ def child(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
     elif args.contender == "mapoffload-direct":  # streamed layers read around the page cache from the start
-        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="direct")
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="uncached")
     elif args.contender.startswith("twin-"):  # the device pipeline, its CPU twin, over the layers
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="mapping")
         model.mapoffload_handle.close()  # the model whole again, its weights on the mapping

@@ -32,7 +32,7 @@ install ".[bench]").
 
 Run (root, cgroups): python benchmarks/shared_cap.py [--layers 16] [--width 2048]
      [--forwards 4] [--dir /var/tmp] [--json out.json] [--figure trace.png]
-     [--stream-reads auto|mapping|direct] [--pairs ranks,replicas] [--modes coordinated,alone]
+     [--stream-reads auto|mapping|uncached] [--pairs ranks,replicas] [--modes coordinated,alone]
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None)
     ap.add_argument("--figure", default=None)
-    ap.add_argument("--stream-reads", default="auto", choices=["auto", "mapping", "direct"],
+    ap.add_argument("--stream-reads", default="auto", choices=["auto", "mapping", "uncached"],
                     help="the children's stream_reads (default auto: O_DIRECT where the files take it)")
     ap.add_argument("--pairs", default="ranks,replicas", help="comma-separated: ranks, replicas")
     ap.add_argument("--modes", default="coordinated,alone", help="comma-separated: coordinated, alone")

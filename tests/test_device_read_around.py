@@ -1,5 +1,5 @@
 """The device path with streamed layers read around the page cache
-(``stream_reads="direct"``, ``DeviceCopies`` with a ``ReadAroundSource``), run through its CPU twin:
+(``stream_reads="uncached"``, ``DeviceCopies`` with a ``ReadAroundSource``), run through its CPU twin:
 outputs bit-identical to the mapping path, the reader's buffers reused and all
 returned, the streamed layers kept out of the page cache, failures raised,
 ``close()`` with a read in flight clean. The CUDA side (pinned buffers, DMA,
@@ -27,7 +27,7 @@ def _layer(model) -> int:
     return model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
 
 
-def _twin(model, *, depth: int = 1, cached: int = 3, stream_reads: str = "direct", **kw) -> LayerwiseOffloadManager:
+def _twin(model, *, depth: int = 1, cached: int = 3, stream_reads: str = "uncached", **kw) -> LayerwiseOffloadManager:
     """A twin whose plan caches ``cached`` layers and streams the rest, ``depth`` read ahead."""
     room = (cached + 1 + depth) * _layer(model) + 4096
     return LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
@@ -43,7 +43,7 @@ def _forwards(model, x, n: int) -> list[torch.Tensor]:
 def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
     path, x, want = ckpt
     outs = {}
-    for mode in ("mapping", "direct"):
+    for mode in ("mapping", "uncached"):
         model = mapped(path)
         with _twin(model, depth=depth, stream_reads=mode) as mgr:
             plan = mgr.residency
@@ -51,7 +51,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
             assert mgr.stream_reads == mode
             mgr.register_forward_hooks()
             outs[mode] = _forwards(model, x, 1)
-            if mode == "direct":
+            if mode == "uncached":
                 loads = mgr.loads
                 assert isinstance(loads.source, ReadAroundSource)
                 reader = loads.source.reader
@@ -61,7 +61,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 assert 1 <= allocations <= 1 + depth and held == loads.window_bytes > 0
                 direct0 = mgr.copier.stats().direct_bytes
             outs[mode] += _forwards(model, x, 3)
-            if mode == "direct":
+            if mode == "uncached":
                 # Reused, not reallocated per forward; nothing leased between forwards.
                 assert reader.stats()["allocations"] == allocations and reader.held_bytes == held
                 assert reader.leased == 0 and loads.source.outstanding == 0
@@ -69,9 +69,9 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 # from its buffer without staging (the twin's "direct" copy: a plain memcpy).
                 assert reader.stats()["reads"] == 4 * len(plan.streamed)
                 assert mgr.copier.stats().direct_bytes - direct0 == 3 * plan.streamed_bytes
-        if mode == "direct":
+        if mode == "uncached":
             assert reader.leased == 0 and reader.held_bytes == 0  # all returned, and dropped by close()
-    for a, b in zip(outs["mapping"], outs["direct"]):
+    for a, b in zip(outs["mapping"], outs["uncached"]):
         assert torch.equal(a, want) and torch.equal(b, want)
 
 
@@ -112,7 +112,7 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
     want = no_grad_forward(reference)
     model = mixed_model(tmp_path, reference)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
-                                 page_cache_bytes=0, stream_reads="direct") as mgr:
+                                 page_cache_bytes=0, stream_reads="uncached") as mgr:
         assert {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")} \
             == {"mapped", "consolidated", "strided"}
         assert len(mgr.residency.streamed) == 4
@@ -129,9 +129,9 @@ def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
         assert mgr.stream_reads == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        if not mgr.reads.probe_direct()[0]:
+        if not mgr.reads.probe_uncached()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
-        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
         assert "O_DIRECT" in mgr.stream_reads_why
     # Nothing streams: nothing to decide.
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
@@ -304,7 +304,7 @@ with torch.no_grad():
 model = mapped(path)
 layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
 mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped", prefetch_layers=2,
-                              page_cache_bytes=6 * layer + 4096, stream_reads="direct")
+                              page_cache_bytes=6 * layer + 4096, stream_reads="uncached")
 mgr.register_forward_hooks()
 with torch.no_grad():
     assert torch.equal(model(x), want)
@@ -361,7 +361,7 @@ def test_an_explicit_copier_is_shared_and_left_open(ckpt):
 def test_cuda_direct_reads_match_the_mapping_path(ckpt):
     path, x, want = ckpt
     outs = {}
-    for mode in ("mapping", "direct"):
+    for mode in ("mapping", "uncached"):
         model = mapped(path)
         model.mix.cuda()  # the weights outside the blocks: on the device (the manager streams the blocks only)
         room = 6 * _layer(model) + 4096
@@ -371,14 +371,14 @@ def test_cuda_direct_reads_match_the_mapping_path(ckpt):
             mgr.register_forward_hooks()
             with torch.no_grad():
                 outs[mode] = [model(x.cuda()).cpu() for _ in range(3)]
-            if mode == "direct":
+            if mode == "uncached":
                 reader = mgr.loads.source.reader
                 assert reader.stats()["reads"] == 3 * len(mgr.residency.streamed)
                 assert reader.pinned_bytes == reader.held_bytes > 0  # every buffer page-locked
                 assert mgr.copier.stats().direct_bytes >= 3 * mgr.residency.streamed_bytes  # DMA, no staging
-        if mode == "direct":
+        if mode == "uncached":
             assert reader.leased == 0 and reader.held_bytes == 0 and reader.pinned_bytes == 0
-    for a, b in zip(outs["mapping"], outs["direct"]):
+    for a, b in zip(outs["mapping"], outs["uncached"]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-3, atol=1e-3)  # TF32 and other kernels than the CPU's
 

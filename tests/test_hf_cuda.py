@@ -2,7 +2,7 @@
 device="cuda")`` against transformers' own model on the same device, on every
 architecture of the zoo — with the plan's defaults, and with every layer
 streamed (a host of 0 GiB), read through the mapping and read around the page
-cache into page-locked buffers (``stream_reads="direct"``). Needs a CUDA
+cache into page-locked buffers (``stream_reads="uncached"``). Needs a CUDA
 device (``cuda`` marker): skipped elsewhere.
 
 The streamed runs must equal each other bit for bit (the same kernels on the
@@ -63,7 +63,7 @@ def test_every_architecture_on_the_device(tmp_path, arch, monkeypatch):
 
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "0")  # no page cache to keep: every layer streams
     mapping, streamed, modes = _ours(cls, str(tmp_path), x, stream_reads="mapping")
-    direct, streamed_direct, _ = _ours(cls, str(tmp_path), x, stream_reads="direct")
+    direct, streamed_direct, _ = _ours(cls, str(tmp_path), x, stream_reads="uncached")
     assert streamed > 0 and streamed_direct == streamed and modes == {"mapping"}
     assert torch.equal(mapping, direct), (mapping - direct).abs().max()
     torch.testing.assert_close(mapping, expected, rtol=1e-4, atol=1e-4 * scale)

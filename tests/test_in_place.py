@@ -16,7 +16,7 @@ from mapoffload import LayerwiseOffloadManager, MappedRegions, OffloadedGradient
 
 from stacks import LAYERS, mapped
 
-READS = ["mapping", "direct"]
+READS = ["mapping", "uncached"]
 
 
 def _manager(model, reads: str, **kw) -> LayerwiseOffloadManager:

@@ -115,7 +115,7 @@ def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(
     model = _mapped(path)
     layer = _layer_bytes(model, 0)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=5 * layer + 8192,
-                                 stream_reads="direct") as mgr:
+                                 stream_reads="uncached") as mgr:
         plan = mgr.residency
         mgr.register_forward_hooks()
         read = warm_read_bytes(model, x, want, path)

@@ -196,3 +196,17 @@ def test_the_exceptions_are_still_needed():
     for name in OVER:
         with open(modules[name]) as f:
             assert sum(1 for _ in f) > MAX_LINES, name
+
+
+def test_page_cache_policy_is_in_the_page_cache_layer():
+    names = set(module_graph())
+    for policy in ("layer_pages", "stream_reads", "read_source"):
+        assert f"mapoffload.pagecache.{policy}" in names
+        assert f"mapoffload.offload.{policy}" not in names
+
+
+def test_the_page_cache_names_the_mapped_store_as_the_stores_do():
+    from mapoffload.offload.stores import MAPPED
+    from mapoffload.pagecache import layer_pages
+
+    assert layer_pages.MAPPED == MAPPED

@@ -1,4 +1,4 @@
-"""Streamed layers read around the page cache (``stream_reads="direct"``):
+"""Streamed layers read around the page cache (``stream_reads="uncached"``):
 outputs equal, the streamed layers never enter the page cache, a warm
 forward reads the streamed bytes once; ``"auto"`` switches after two warm
 forwards that read more than the plan streams, and not otherwise."""
@@ -16,7 +16,7 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 from stacks import drain, layer_resident, mapped, warm_read_bytes
 
 # The stream-reads policy's module (its /proc/self/io reader is replaced here).
-offload_module = importlib.import_module("mapoffload.offload.stream_reads")
+offload_module = importlib.import_module("mapoffload.pagecache.stream_reads")
 
 
 def _layer(model) -> int:
@@ -28,8 +28,8 @@ def test_direct_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
     model = mapped(path)
     layer = _layer(model)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
-                                 stream_reads="direct") as mgr:
-        assert mgr.stream_reads == "direct"
+                                 stream_reads="uncached") as mgr:
+        assert mgr.stream_reads == "uncached"
         plan = mgr.residency
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
@@ -53,7 +53,7 @@ def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                 stream_reads="direct") as mgr:
+                                 stream_reads="uncached") as mgr:
         mgr.load_all_layers()  # every layer at once: two buffers, the rest through the mapping
         with torch.no_grad():
             assert torch.equal(model(x), want)
@@ -73,7 +73,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
     ref(xg).sum().backward()
     want = xg.grad
     grads = []
-    for mode in ("mapping", "direct"):
+    for mode in ("mapping", "uncached"):
         model = mapped(path)
         for p in model.parameters():
             p.requires_grad_(False)  # frozen weights, input gradients (attribution)
@@ -83,7 +83,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
             xg = x.clone().requires_grad_(True)
             model(xg).sum().backward()
             grads.append(xg.grad)
-            if mode == "direct":
+            if mode == "uncached":
                 assert mgr.loads.source.reader.stats()["reads"] == 0  # nothing went through a reused buffer
     assert torch.equal(grads[0], want) and torch.equal(grads[1], want)
 
@@ -108,7 +108,7 @@ def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_pat
                     assert torch.equal(model(x), want)
                     assert torch.equal(model(x), want)
                 if where == "disk":
-                    assert mgr.stream_reads == "direct", mgr.stream_reads_why
+                    assert mgr.stream_reads == "uncached", mgr.stream_reads_why
                     assert "O_DIRECT" in mgr.stream_reads_why
                 else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
                     assert mgr.stream_reads == "mapping", mgr.stream_reads_why
@@ -131,7 +131,7 @@ def test_a_truncated_file_is_an_exception(ckpt, tmp_path):
     shutil.copy(path, copy)
     model = mapped(copy)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                 stream_reads="direct") as mgr:
+                                 stream_reads="uncached") as mgr:
         mgr.register_forward_hooks()
         last = max(mgr.residency.streamed)
         size = copy.stat().st_size
@@ -150,7 +150,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
         assert mgr.stream_reads == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
-        monkeypatch.setattr(mgr.reads, "probe_direct", lambda: (False, "tmpfs, say"))
+        monkeypatch.setattr(mgr.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
         monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
@@ -158,7 +158,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
         with torch.no_grad():
             for _ in range(len(reads) + 1):
                 assert torch.equal(model(x), want)
-        assert mgr.stream_reads == ("direct" if switched else "mapping"), mgr.stream_reads_why
+        assert mgr.stream_reads == ("uncached" if switched else "mapping"), mgr.stream_reads_why
         assert "the plan streams" in mgr.stream_reads_why
 
 
@@ -200,7 +200,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
                 assert torch.equal(model(x), want), note
 
         forward("alone")
-        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
         reader = mgr.loads.source.reader
         assert reader.held_bytes > 0
         replicas.append(4242)
@@ -214,7 +214,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
         replicas.clear()
         coord.replan()
         forward("alone again")
-        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
         assert reader.stats()["reads"] > reads
 
 
@@ -231,7 +231,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
             LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
         for model, mgr in ((a, ma), (b, mb)):
-            monkeypatch.setattr(mgr.reads, "probe_direct", lambda: (False, "tmpfs, say"))
+            monkeypatch.setattr(mgr.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
             mgr.register_forward_hooks()
             streamed = mgr.residency.streamed_bytes
             assert streamed > 0

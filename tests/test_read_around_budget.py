@@ -80,7 +80,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_direct(mgr) -> None:
-    capable, why = mgr.reads.probe_direct()
+    capable, why = mgr.reads.probe_uncached()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 
@@ -135,7 +135,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         assert mgr.residency.cached == (0, 1, 2, 3, 4) and mgr.residency.depth == 1
         mgr.register_forward_hooks()
         forward(model, x, want)
-        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
         # Charged from the switch on, before a buffer was made: 2 buffers of a layer.
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
@@ -152,7 +152,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         # Room again: read around again.
         cap(100)
         forward(model, x, want)
-        assert mgr.stream_reads == "direct", mgr.stream_reads_why
+        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
         forward(model, x, want)
 
 
@@ -160,7 +160,7 @@ def test_direct_buffers_are_charged_before_they_are_made(ckpt, cap):
     path, x, want = ckpt
     cap(100)
     model = mapped(path)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="direct") as mgr:
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="uncached") as mgr:
         coord = coordinator_module.coordinator()
         assert mgr.loads.source.reader.held_bytes == 0
         assert buffers_of(2, coord.buffers), coord.buffers  # 1 + depth buffers of a layer, none made yet

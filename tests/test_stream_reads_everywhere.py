@@ -13,7 +13,7 @@ import mapoffload  # noqa: E402
 from stacks import mapped  # noqa: E402
 
 
-@pytest.mark.parametrize("reads", ["direct", "mapping"])
+@pytest.mark.parametrize("reads", ["uncached", "mapping"])
 def test_offload_passes_stream_reads_to_a_streamed_rest(ckpt, reads):
     path, x, want = ckpt
     model = mapped(path).eval()
@@ -34,9 +34,9 @@ class _Pipe:
 def test_offload_pipeline_passes_stream_reads_to_every_component(ckpt):
     path, x, want = ckpt
     a, b = mapped(path).eval(), mapped(path).eval()
-    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", stream_reads="direct") as handle:
+    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", stream_reads="uncached") as handle:
         managers = [m for h in handle.components.values() for m in h.managers.values()]
-        assert len(managers) == 2 and {m.stream_reads for m in managers} == {"direct"}
+        assert len(managers) == 2 and {m.stream_reads for m in managers} == {"uncached"}
         with torch.no_grad():
             assert torch.equal(a(x), want) and torch.equal(b(x), want)
 
@@ -50,7 +50,7 @@ def test_pipeline_from_pretrained_takes_stream_reads(tmp_path):
                                  up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8)
     diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler()).save_pretrained(tmp_path)
     pipe = mapoffload.pipeline_from_pretrained(diffusers.DDPMPipeline, tmp_path, device="cpu",
-                                               stream_reads="direct")
+                                               stream_reads="uncached")
     managers = [m for h in pipe.mapoffload_handle.components.values() for m in h.managers.values()]
-    assert managers and {m.stream_reads for m in managers} == {"direct"}
+    assert managers and {m.stream_reads for m in managers} == {"uncached"}
     pipe.mapoffload_handle.close()

@@ -41,7 +41,7 @@ model = mapped(path).eval()
 importlib.import_module("torch._dynamo")  # the hooks import it (a fixed cost, README), not a buffer
 with torch.no_grad():
     model(x)  # torch's own first-use allocations
-handle = mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="direct")
+handle = mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="uncached")
 # After the offload: its own bookkeeping and threads (~3 MiB here, in either stream_reads mode) are
 # not buffers; what the forwards grow is. (Buffers rounded up to 2 MiB, twice a layer here, hid them.)
 before = rss_anon_bytes()

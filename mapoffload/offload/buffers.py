@@ -44,13 +44,10 @@ class HeldBuffers:
 def held_buffers(loads: Any, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
     """What a manager holds now besides its weights (entries with bytes only): its load target ``loads``
     (``manager.loads``), its ``copier`` (None in place), on ``device``."""
-    from .sources import ReadAroundSource
-
     out: list[HeldBuffers] = []
-    if isinstance(loads.source, ReadAroundSource):
-        reader = loads.source.reader
-        held, pinned = reader.held_bytes, reader.pinned_bytes
-        out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(reader)))
+    source = loads.source
+    held, pinned = source.held_bytes, source.pinned_bytes
+    out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(source)))
     ring = copier.ring_bytes if copier is not None else 0
     if ring:
         cuda = copier.device.type == "cuda"

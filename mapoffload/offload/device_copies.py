@@ -1,6 +1,6 @@
 """The device target: each layer copied into device buffers through the native copier (CUDA, or the CPU twin).
 
-Through the mapping (the source :data:`~mapoffload.offload.sources.MAPPING`, and every layer a
+Through the mapping (the source :data:`~mapoffload.pagecache.read_source.MAPPING`, and every layer a
 read-around source declines), a load copies the layer's host stores into device buffers from the
 device pool, on a copy stream; a release gives the buffers back to the pool.
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from .._log import logger
 from .._runs import merge_copies
 from .device_pool import DevicePool
-from .layer_pages import LayerPages
+from ..pagecache.layer_pages import LayerPages
 from .loads import Load, Target, wait_quietly
 from .stores import CONSOLIDATED, MAPPED, LayerStore, Weight, device_view
 

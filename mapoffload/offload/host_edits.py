@@ -26,7 +26,7 @@ from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
 if TYPE_CHECKING:
     import torch
 
-    from .layer_pages import LayerPages
+    from ..pagecache.layer_pages import LayerPages
     from .sequencer import Sequencer
 
 __all__ = ["ReplacedWeightError", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",

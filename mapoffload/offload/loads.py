@@ -3,7 +3,7 @@
 A load *target* is where a layer computes: :class:`InPlace` (``device="cpu"``: from its host stores or
 a read-around buffer, nothing copied) or :class:`~mapoffload.offload.device_copies.DeviceCopies` (CUDA,
 or the CPU twin: device buffers the native copier fills). Each holds a *source*
-(:mod:`~mapoffload.offload.sources`: the mapping, or reads around the page cache) and answers one
+(:mod:`~mapoffload.pagecache.read_source`: the mapping, or reads around the page cache) and answers one
 interface, which the sequencer drives:
 
 - ``start(i)`` begins loading layer ``i`` (a :class:`Load`); ``ready(i, load)`` waits until it can
@@ -14,7 +14,7 @@ interface, which the sequencer drives:
   buffers, for the page-cache plan), ``bytes`` / ``peak_bytes`` (device buffers), ``forget(i)``,
   ``close()``.
 
-The page cache is :class:`~mapoffload.offload.layer_pages.LayerPages`'.
+The page cache is :class:`~mapoffload.pagecache.layer_pages.LayerPages`'.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
-from .layer_pages import LayerPages
-from .sources import MAPPING, Source
+from ..pagecache.layer_pages import LayerPages
+from ..pagecache.read_source import MAPPING, Source
 from .stores import LayerStore, Weight
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def wait_quietly(load: Load, i: int) -> None:
 
 
 class Target:
-    """What both load targets share: the source they hold (:data:`~mapoffload.offload.sources.MAPPING`
+    """What both load targets share: the source they hold (:data:`~mapoffload.pagecache.read_source.MAPPING`
     until ``stream_reads`` gives them another), and what the page-cache plan reads of it."""
 
     source: Source = MAPPING

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..pagecache.residency import ResidencyPlan
-    from .layer_pages import LayerPages
+    from ..pagecache.layer_pages import LayerPages
     from .loads import Load
     from .slots import Slots
 

@@ -1,10 +1,11 @@
-"""Where a streamed layer's bytes come from: the mapping, or a read around the page cache.
+"""The read-around source: a streamed layer's bytes read around the page cache.
 
-A load target (``loads.InPlace``, ``device_copies.DeviceCopies``) holds one source and asks it, at each
-load, whether it takes the layer (:meth:`takes`):
+A load target (``loads.InPlace``, ``device_copies.DeviceCopies``) holds one source
+(:class:`~mapoffload.pagecache.read_source.Source`) and asks it, at each load, whether it takes the
+layer (:meth:`takes`):
 
-- :data:`MAPPING` (:class:`MappingSource`) takes none: every layer is read through its mapping (read
-  in, or copied from it, and let go after use by the page-cache side).
+- :data:`~mapoffload.pagecache.read_source.MAPPING` takes none: every layer is read through its
+  mapping (read in, or copied from it, and let go after use by the page-cache side).
 - :class:`ReadAroundSource` takes a streamed layer when a buffer is free: its file bytes are read with
   ``O_DIRECT`` (:class:`~mapoffload.pagecache.direct_read.DirectReader`) into one of ``1 + depth``
   reused, page-aligned buffers (the plan's streaming window, in anonymous memory instead of the page
@@ -14,13 +15,13 @@ load, whether it takes the layer (:meth:`takes`):
 
 Under a cap too tight for the streaming window, reading a streamed layer through its mapping makes the
 kernel evict pages of the layer in use and read them again (issue 18: 2.3x the checkpoint per forward
-at +6 %); reading it around the page cache reads it once. ``stream_reads.StreamReads`` decides which
+at +6 %); reading it around the page cache reads it once. ``pagecache.stream_reads.StreamReads`` decides which
 source a stack's target holds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from ..pagecache.file_places import MapsView
@@ -31,46 +32,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from .layer_pages import LayerPages
+    from ..pagecache.layer_pages import LayerPages
 
-__all__ = ["MAPPING", "MappingSource", "ReadAroundSource", "Source", "file_places", "layer_buffer_bytes",
-           "written_in_place"]
-
-
-class Source(Protocol):
-    """What a load target asks of its source. A source that :meth:`takes` a layer also answers
-    ``read(i)`` (a Future of the buffer), ``done()`` (that read finished with), ``places(i)`` and
-    ``view(w, buf)`` (where each mapped weight lies in the buffer)."""
-
-    mode: str  # "direct" while it takes layers, else "mapping" (``stream_reads``)
-    paused: str  # why it takes none for now ("": it is not paused)
-    window_bytes: int  # the buffers it holds (the streaming window in anonymous memory)
-    planned_bytes: int  # the buffers as the page-cache plan charges them
-
-    def takes(self, i: int) -> bool: ...
-    def forget(self, i: int) -> None: ...
-    def close(self) -> None: ...
-
-
-class MappingSource:
-    """Every layer read through its mapping: takes none, holds nothing."""
-
-    mode = "mapping"
-    paused = ""
-    window_bytes = 0
-    planned_bytes = 0
-
-    def takes(self, i: int) -> bool:
-        return False
-
-    def forget(self, i: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-MAPPING = MappingSource()
+__all__ = ["ReadAroundSource", "file_places", "layer_buffer_bytes", "written_in_place"]
 
 
 class ReadAroundSource:
@@ -108,10 +72,27 @@ class ReadAroundSource:
         self._written: set[str] = set()  # layers logged as written in place (written_in_place)
         self.paused = ""
 
+    reads_around = True
+
     @property
     def mode(self) -> str:
-        """``"direct"`` while it takes layers, ``"mapping"`` while paused."""
-        return "mapping" if self.paused else "direct"
+        """``"uncached"`` while it takes layers, ``"mapping"`` while paused."""
+        return "mapping" if self.paused else "uncached"
+
+    @property
+    def buffers(self) -> int:
+        """The read-around buffers the reader may hold at once (the plan's window)."""
+        return self.reader.buffers
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes of the reader's buffers now (paused or not)."""
+        return self.reader.held_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Of :attr:`held_bytes`, the page-locked ones."""
+        return self.reader.pinned_bytes
 
     def pause(self, why: str) -> None:
         """Take no layer until :meth:`resume`."""

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..pagecache.member import StackMember
     from .rest import RestGuard
     from .sequencer import Sequencer
-    from .stream_reads import StreamReads
+    from ..pagecache.stream_reads import StreamReads
 
 __all__ = ["Steps"]
 

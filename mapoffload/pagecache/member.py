@@ -26,7 +26,7 @@ __all__ = ["StackBuffers", "StackMember", "StackPages", "always_read_of", "cache
 
 
 class StackPages(Protocol):
-    """What a member reads of its stack's pages (``offload.layer_pages.LayerPages``)."""
+    """What a member reads of its stack's pages (``layer_pages.LayerPages``)."""
 
     watch: bool
 

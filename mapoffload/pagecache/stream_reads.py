@@ -1,31 +1,40 @@
 """How a stack's streamed layers are read: through the mapping, or around the page cache (``O_DIRECT``).
 
-``stream_reads=`` of :class:`~mapoffload.LayerwiseOffloadManager`: ``"mapping"``, ``"direct"``, or
-``"auto"`` - the policy here, decided at each forward's start (:meth:`StreamReads.choose`): direct
+``reads=`` of :class:`~mapoffload.OffloadOptions`: ``"mapping"``, ``"uncached"`` (``O_DIRECT``), or
+``"auto"`` - the policy here, decided at each forward's start (:meth:`StreamReads.choose`): uncached
 once the plan streams layers and their files take ``O_DIRECT`` and the plan's room holds the
 buffers (``PageCacheCoordinator.read_around_fits``); through the shared page cache while replicas map
 the same bytes; else measured with ``/proc/self/io``, and around the cache when two warm forwards in
 a row read more than ``READ_AROUND_RATIO`` x what the plans stream. Switching gives the stack's load
-target a read-around source (``sources.ReadAroundSource``); pausing it reads through the mapping again.
+target a read-around source (``read_around``, given by the stack: ``offload.sources.ReadAroundSource``);
+pausing it reads through the mapping again.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from .._log import format_bytes, logger
-from ..pagecache.coordinator import coordinator
-from .sources import ReadAroundSource, layer_buffer_bytes
+from .coordinator import coordinator
 
 if TYPE_CHECKING:
-    from ..pagecache.member import StackMember
     from .layer_pages import LayerPages
-    from .sequencer import Sequencer
+    from .member import StackMember
+    from .read_source import Source
 
-__all__ = ["READ_AROUND_RATIO", "STREAM_READS", "StreamReads"]
+__all__ = ["READS", "READ_AROUND_RATIO", "ReadTarget", "StreamReads"]
 
-STREAM_READS = ("auto", "mapping", "direct")
+
+class ReadTarget(Protocol):
+    """What the policy reads and sets of a stack's load target (``offload.loads``)."""
+
+    source: Source  # swapped here: the target itself is never replaced
+    copies: bool  # it copies into device buffers (False: it computes in place)
+    pin_device: int | None  # the CUDA device read-around buffers are page-locked for (when it copies)
+
+READS = ("auto", "mapping", "uncached")  # the read modes (``OffloadOptions.reads``)
 # A warm forward reading more than this times what the plan streams (and the
 # weights read every forward) is the kernel re-reading evicted pages.
 READ_AROUND_RATIO = 1.2
@@ -44,52 +53,53 @@ def _process_read_bytes() -> int | None:
 
 
 class StreamReads:
-    """The ``stream_reads`` setting of one manager, and the ``auto`` policy's state.
+    """The ``reads`` setting of one manager, and the ``auto`` policy's state.
 
-    ``why`` says why streamed layers are read as they are (``stream_reads_why``).
+    ``why`` says why streamed layers are read as they are (``read_mode_why``).
 
     Parameters
     ----------
     setting
-        ``"auto"``, ``"mapping"`` or ``"direct"``.
-    sequencer
-        The stack's sequencer: its load path is the one switched (``sequencer.loads``).
+        ``"auto"``, ``"mapping"`` or ``"uncached"``.
+    target
+        The stack's load target: its source is the one switched.
     member
         The stack's page-cache member: its plan, and the load path the plan charges.
     pages
         The stack's pages (the files behind the streamed layers).
     cuda
         The device path is on CUDA (read-around buffers are then pinned).
+    read_around
+        ``read_around(buffers, pin_device)``: a new read-around source of that many buffers.
+    buffer_bytes
+        Bytes of one read-around buffer (the largest layer's mapped weights; 0: none mapped).
     """
 
-    def __init__(self, setting: str, sequencer: Sequencer, member: StackMember, pages: LayerPages, *,
-                 cuda: bool) -> None:
-        if setting not in STREAM_READS:
-            raise ValueError(f"stream_reads must be one of {STREAM_READS}, not {setting!r}")
-        self._seq, self._member, self._pages, self._cuda = sequencer, member, pages, cuda
+    def __init__(self, setting: str, target: ReadTarget, member: StackMember, pages: LayerPages, *,
+                 cuda: bool, read_around: Callable[[int, int | None], Source],
+                 buffer_bytes: Callable[[], int]) -> None:
+        if setting not in READS:
+            raise ValueError(f"reads must be one of {READS}, not {setting!r}")
+        self._loads, self._member, self._pages, self._cuda = target, member, pages, cuda
+        self._new_source, self._buffer_bytes = read_around, buffer_bytes
         self.setting = setting
         self.why = ""
         self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
         self._forward_marks: dict[int, int] | None = None  # every stack's forwards then (coordinator)
         self._forwards = 0
         self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
-        self._direct_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
-        self._direct_why = ""  # what the probe said when they do
+        self._uncached_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
+        self._uncached_why = ""  # what the probe said when they do
         self._refused = ""  # why auto reads through the mapping where the files take O_DIRECT
 
     @property
     def mode(self) -> str:
-        """How streamed layers are read now: ``"mapping"`` or ``"direct"`` (see ``stream_reads=``)."""
+        """How streamed layers are read now: ``"mapping"`` or ``"uncached"`` (see ``reads=``)."""
         return self._source.mode
 
     @property
-    def _loads(self):
-        """The stack's load target (never replaced: its source is)."""
-        return self._seq.loads
-
-    @property
-    def _source(self):
-        return self._seq.loads.source
+    def _source(self) -> Source:
+        return self._loads.source
 
     def _window_buffers(self) -> int:
         """Read-around buffers for the streaming window: the layer computing and the plan's depth ahead."""
@@ -104,9 +114,9 @@ class StreamReads:
         device buffers - on CUDA by DMA, the buffers being pinned.
         """
         name = self._member.name
-        if self.mode == "direct":
+        if self.mode == "uncached":
             return
-        if isinstance(self._source, ReadAroundSource):  # paused: read around again
+        if self._source.reads_around:  # paused: read around again
             self._source.resume()
             self.why = why
             logger.info("%s: streamed layers are read around the page cache again: %s", name, why)
@@ -120,11 +130,11 @@ class StreamReads:
             where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
                      if self._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
         # The plan charges its buffers (the member reads them off the same target).
-        loads.source = ReadAroundSource(self._seq.stores, self._pages, self._window_buffers(), pin_device=pin)
+        loads.source = self._new_source(self._window_buffers(), pin)
         self.why = why
         logger.info("%s: streamed layers are %s from now on: %s", name, where, why)
 
-    def probe_direct(self) -> tuple[bool, str]:
+    def probe_uncached(self) -> tuple[bool, str]:
         """Whether every file behind the streamed layers takes ``O_DIRECT`` (and why not)."""
         from .._native import _core
 
@@ -138,13 +148,13 @@ class StreamReads:
             except OSError as e:
                 return False, f"{path}: {e}"
             os.close(fd)
-            if method != "direct":
+            if method != "direct":  # the native reader's word for O_DIRECT
                 return False, f"{path} is read buffered ({why})"
         return True, (f"the plan streams {len(plan.streamed)} layers and their files take O_DIRECT "
                       "(reads at the bound, no page-cache work on the compute path)")
 
     def choose(self) -> None:
-        """``stream_reads="auto"``, at a forward's start: direct once layers stream and their files take
+        """``reads="auto"``, at a forward's start: uncached once layers stream and their files take
         ``O_DIRECT``; else measure what the last forward read, and read around the cache when it thrashed."""
         name, member = self._member.name, self._member
         if self.setting != "auto":
@@ -155,12 +165,12 @@ class StreamReads:
             # of a layer serves the other, and the last to let it go drops it.
             why = (f"replicas (pid {', '.join(map(str, replicas))}) map the same bytes: streamed layers "
                    "are read through the shared page cache")
-            if self.mode == "direct":
+            if self.mode == "uncached":
                 self._source.pause(why)
                 logger.info("%s: %s", name, why)
             self.why = why
             return
-        if self.mode == "direct":
+        if self.mode == "uncached":
             fits, why = coordinator().read_around_fits(member, self._source.planned_bytes)
             if not fits:  # the cap or the plan changed under the buffers: through the mapping again
                 self._source.pause(why)
@@ -168,22 +178,22 @@ class StreamReads:
                 logger.info("%s: %s", name, why)
                 coordinator().place_buffers()
             return
-        if isinstance(self._source, ReadAroundSource) and self._source.paused:
+        if self._source.reads_around and self._source.paused:
             # Paused for replicas that are gone, or for room the plan now has.
             replicas_gone = self._source.paused.startswith("replicas")
-            self._try("no replica maps these bytes now" if replicas_gone or not self._direct_why
-                      else self._direct_why)
+            self._try("no replica maps these bytes now" if replicas_gone or not self._uncached_why
+                      else self._uncached_why)
             return
         plan = member.residency
         if plan is None or not plan.streamed:
             self._reads_at_forward = None  # nothing to decide (and nothing read per forward to measure)
             return
-        if self._direct_capable is None:
-            self._direct_capable, self._direct_why = self.probe_direct()
-            if not self._direct_capable:
-                self.why = self._direct_why
-                self._direct_why = ""
-        if self._direct_capable and self._try(self._direct_why):
+        if self._uncached_capable is None:
+            self._uncached_capable, self._uncached_why = self.probe_uncached()
+            if not self._uncached_capable:
+                self.why = self._uncached_why
+                self._uncached_why = ""
+        if self._uncached_capable and self._try(self._uncached_why):
             return
         now = _process_read_bytes()
         last, self._reads_at_forward = self._reads_at_forward, now
@@ -208,8 +218,8 @@ class StreamReads:
         """``auto``: read around the page cache from the next layer on where the plan's room holds the
         buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
         source = self._source
-        count = source.reader.buffers if isinstance(source, ReadAroundSource) else self._window_buffers()
-        per_buffer = layer_buffer_bytes(self._seq.stores, self._pages)
+        count = source.buffers if source.reads_around else self._window_buffers()
+        per_buffer = self._buffer_bytes()
         fits, refused = coordinator().read_around_fits(self._member, count * per_buffer)
         if not fits:
             if refused != self._refused:

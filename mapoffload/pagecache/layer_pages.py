@@ -11,18 +11,37 @@ it out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from .._log import logger
 from .._native import _core
-from ..pagecache.file_places import MapsView
-from ..pagecache.mapped_file import MappedFiles
-from ..pagecache.pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
-from ..pagecache.residency import ResidencyPlan
-from .stores import MAPPED, LayerStore
+from .file_places import MapsView
+from .mapped_file import MappedFiles
+from .pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
+from .residency import ResidencyPlan
 
-__all__ = ["LayerPages"]
+__all__ = ["MAPPED", "LayerPages", "PagedLayer", "PagedWeight"]
+
+MAPPED = "mapped"  # the host store of a weight kept on its file mapping (``offload.stores.MAPPED``)
+
+
+class PagedWeight(Protocol):
+    """What the page cache reads of one weight (``offload.stores.Weight``)."""
+
+    store: str  # MAPPED: its host tensor is a view of a file mapping
+    host: Any  # the host tensor (``data_ptr()``)
+    nbytes: int  # the byte extent its strides reach
+
+
+class PagedLayer(Protocol):
+    """What the page cache reads of one layer (``offload.stores.LayerStore``)."""
+
+    name: str
+    weights: Sequence[PagedWeight]
+
+    def bytes_in(self, store: str) -> int: ...
 
 
 class LayerPages:
@@ -36,7 +55,7 @@ class LayerPages:
         What to assume of the kernel instead of probing it (``kernel.py``).
     """
 
-    def __init__(self, stores: list[LayerStore], kernel_caps: str | None = None) -> None:
+    def __init__(self, stores: Sequence[PagedLayer], kernel_caps: str | None = None) -> None:
         self._stores = stores
         self.files = MappedFiles()  # the files behind the spans, held open
         self.worker = PageWorker(kernel_caps)

@@ -1,0 +1,88 @@
+"""Where a streamed layer's bytes come from: the interface a load target holds, and the mapping.
+
+A load target (``offload.loads.InPlace``, ``offload.device_copies.DeviceCopies``) holds one
+:class:`Source` and asks it, at each load, whether it takes the layer (:meth:`Source.takes`).
+:data:`MAPPING` takes none: every layer is read through its mapping. A read-around source
+(``offload.sources.ReadAroundSource``) takes streamed layers and reads them around the page cache
+(``O_DIRECT``); :mod:`.stream_reads` decides which one a stack's target holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+__all__ = ["MAPPING", "MappingSource", "Source"]
+
+
+class Source(Protocol):
+    """What a load target and the read policy ask of a source.
+
+    A source that :meth:`takes` a layer also answers :meth:`read` (a Future of the buffer),
+    :meth:`done` (that read finished with), :meth:`places` and :meth:`view` (where each mapped
+    weight lies in the buffer).
+    """
+
+    mode: str  # "uncached" while it takes layers, else "mapping"
+    paused: str  # why it takes none for now ("": it is not paused)
+    reads_around: bool  # it reads around the page cache when not paused (False: the mapping)
+    buffers: int  # the read-around buffers it may hold at once (0: none)
+    window_bytes: int  # the buffers it holds (the streaming window in anonymous memory)
+    planned_bytes: int  # the buffers as the page-cache plan charges them
+    held_bytes: int  # host bytes of its buffers now
+    pinned_bytes: int  # of which page-locked
+
+    def takes(self, i: int) -> bool: ...
+    def read(self, i: int) -> Future: ...
+    def done(self) -> None: ...
+    def places(self, i: int) -> list: ...
+    def view(self, w: Any, buf: Any) -> Any: ...
+    def pause(self, why: str) -> None: ...
+    def resume(self) -> None: ...
+    def forget(self, i: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class MappingSource:
+    """Every layer read through its mapping: takes none, holds nothing."""
+
+    mode = "mapping"
+    paused = ""
+    reads_around = False
+    buffers = 0
+    window_bytes = 0
+    planned_bytes = 0
+    held_bytes = 0
+    pinned_bytes = 0
+
+    def takes(self, i: int) -> bool:
+        return False
+
+    def read(self, i: int) -> Future:
+        raise RuntimeError(f"layer {i} is read through its mapping: the mapping source takes no layer")
+
+    def done(self) -> None:
+        raise RuntimeError("the mapping source started no read")
+
+    def places(self, i: int) -> list:
+        return []
+
+    def view(self, w: Any, buf: Any) -> None:
+        return None
+
+    def pause(self, why: str) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def forget(self, i: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+MAPPING = MappingSource()
