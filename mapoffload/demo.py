@@ -14,15 +14,14 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from ._log import format_bytes
 from .memory.budget import (ENV_HOST_AVAILABLE_GIB, GIB_BYTES, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB,
                             rss_anon_bytes)
-from .demo_sizing import _block_bytes, _check_budget, _check_room, _demo_folder
-from .demo_steps import step_rows, time_steps
+from .demo_sizing import _block_bytes, _check_budget, _check_room, _demo_folder, model_class, write_checkpoint
+from .demo_steps import copy_layers, library_buffers, step_rows, time_steps
 
 if TYPE_CHECKING:
     import torch
@@ -39,40 +38,6 @@ class DemoConfig:
     device: str | None = None  # None: cuda if present, else cpu
     host_gib: float | None = None  # None: half the checkpoint
     cpu_twin: bool = False  # on the CPU: the device pipeline's twin instead of computing in place
-
-
-def _model_class():
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.qkv = nn.Linear(width, 3 * width)
-            self.proj = nn.Linear(width, width)
-            self.up = nn.Linear(width, 4 * width)
-            self.down = nn.Linear(4 * width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.norm(x)
-            q, k, v = self.qkv(h).chunk(3, dim=-1)
-            att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
-            x = x + self.proj(att @ v)
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-    class DemoModel(nn.Module):
-        def __init__(self, layers: int, width: int) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
-            self.register_buffer("scale", torch.ones(width), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(x)
-            return x * self.scale
-
-    return DemoModel
 
 
 def _mode(device, cpu_twin: bool) -> tuple[str, str]:
@@ -155,22 +120,6 @@ def _held_anon_bytes() -> int:
     return rss_anon_bytes()
 
 
-def _write_checkpoint(Model, cfg: DemoConfig, path: str, say) -> torch.nn.Module:
-    """Step 1: a ``cfg.layers`` x ``cfg.width`` model, its blocks saved to ``path``; returns the model
-    (the reference)."""
-    from safetensors.torch import save_file
-
-    state = {}
-    ref = Model(cfg.layers, cfg.width)
-    for i, block in enumerate(ref.blocks):
-        for name, p in block.named_parameters():
-            state[f"blocks.{i}.{name}"] = p.detach().contiguous()
-        say(f"      layer {i + 1}/{cfg.layers} generated")
-    save_file(state, path)
-    del state
-    return ref
-
-
 def _judge_gate(kept: bool, keep: bool, size: int, available: int, say) -> list[str]:
     """Step 3: what the gate did (``kept``: the checkpoint left on the mapping), said and judged
     against its rule (``keep``: what ``host_copies_would_not_fit`` answers with ``available``, the
@@ -210,44 +159,195 @@ def _as_if_host_gib(budget: int) -> str:
     return repr(min((budget + host.rss_anon_bytes()) / GIB_BYTES, float(MAX_HOST_GIB)))
 
 
-def _copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list[float]:
-    """Step 4: each layer copied once through the pipeline and released, timed (GB/s each), or,
-    in place, said where it computes from."""
+@dataclass
+class _Setup:
+    """What the run is, settled before anything is written."""
+
+    device: torch.device
+    mode: str
+    mode_line: str
+    copies: bool  # the layers go through the copier (not in place)
+    Model: type
+    folder: str
+
+
+@dataclass
+class _Written:
+    """Steps 1 and 2: the checkpoint, its budget, the reference's output and step times."""
+
+    path: str
+    size: int
+    budget: int
+    x: torch.Tensor
+    expected: torch.Tensor
+    t_ref: list[float]
+
+
+@dataclass
+class _Loaded:
+    """Step 3: the model loaded, with the baselines the checks measure against."""
+
+    model: torch.nn.Module
+    report: object
+    first_use: int
+    anon0: int
+    hosts: list
+    cow0: int
+
+
+@dataclass
+class _Offloaded:
+    """Step 4: what the offloaded run measured."""
+
+    same: bool
+    turned: int
+    anon: int
+    parts: str
+    mapped: int
+    plan: object
+    per_layer: list[float]
+    copy_s: float
+    t_off: list[float]
+
+
+def _setup(cfg: DemoConfig) -> _Setup:
+    """The device, the mode and the checks that refuse a run before anything is written."""
+    device = resolve_device(cfg.device)
+    if cfg.cpu_twin and device.type != "cpu":
+        raise ValueError(f"--cpu-twin runs the device pipeline on the CPU; it does not apply to {device}")
+    mode, mode_line = _mode(device, cfg.cpu_twin)
+    if cfg.host_gib is not None and not 0 < cfg.host_gib <= MAX_HOST_GIB:
+        raise ValueError(f"host_gib must be a positive number of GiB, at most {MAX_HOST_GIB}, not {cfg.host_gib!r}")
+    Model = model_class()
+    layer_bytes, layer_tensors = _block_bytes(Model, cfg.width)
+    folder = _demo_folder()
+    _check_room(cfg, device, layer_bytes, folder)
+    _check_budget(cfg, mode, layer_bytes, layer_tensors, Model)
+    return _Setup(device, mode, mode_line, mode != "in place", Model, folder)
+
+
+def _write_and_reference(cfg: DemoConfig, run: _Setup, tmp: str, say) -> _Written:
+    """Steps 1 and 2: the checkpoint written, the host budget stated, the reference output and its step times."""
     import torch
 
-    per_layer = []
-    for i in range(layers):
-        nbytes = mgr.layer_bytes(i)
-        if not copies:
-            where = "on the file mapping" if kept else "in host memory (the gate's copy)"
-            say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} {where}, computed from there")
-            continue
-        t0 = time.perf_counter()
-        mgr.prefetch_layer(i, non_blocking=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        per_layer.append(nbytes / dt / 1e9)
-        mgr.release_layer(i)
-        where = "the device" if device.type == "cuda" else "its CPU buffer"
-        say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} copied to {where} at "
-            f"{per_layer[-1]:.2f} GB/s")
-    return per_layer
+    from .loading.checkpoint import checkpoint_bytes
+
+    path = os.path.join(tmp, "model.safetensors")
+    say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
+    ref = write_checkpoint(run.Model, cfg, path, say)
+    size = checkpoint_bytes(path)
+    host_gib = cfg.host_gib if cfg.host_gib is not None else size / 2 / (1 << 30)
+    budget = int(host_gib * (1 << 30))
+    say(f"      {format_bytes(size)} on disk; host budget {format_bytes(budget)} "
+        f"({'--host-gib' if cfg.host_gib is not None else 'half the checkpoint'}): what the load and the "
+        "forwards may add to the process's memory, which the gate and the page cache see as available "
+        f"({ENV_HOST_AVAILABLE_GIB} set to it above what the process holds) and the most its anonymous memory "
+        "may grow")
+
+    say("[2/5] reference output without offload")
+    x = torch.randn(cfg.tokens, cfg.width, device=run.device)
+    ref.to(run.device)
+    with torch.inference_mode():
+        expected = ref(x)
+        t_ref = time_steps(lambda: ref(x), cfg.steps, run.device)
+    return _Written(path, size, budget, x, expected, t_ref)
 
 
-def _library_buffers(mgr, copier, mode: str, report) -> str:
-    """The library's own host buffers, as it accounts them (capacities: at most what is resident),
-    the gate's copies first when it copied: one phrase for the budget's line."""
-    buffers = [("read-around window", mgr.loads.window_bytes)]
+def _load(cfg: DemoConfig, run: _Setup, w: _Written, tmp: str, say, failures: list[str]) -> _Loaded:
+    """Step 3: the warm-up, the baseline, and ``load_checkpoint`` under ``empty_weights()``, the gate deciding
+    (its answer judged against its rule into ``failures``)."""
+    from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
+    from .loading.checkpoint import empty_weights, load_checkpoint
+    from .memory.regions import cow_report
+
+    say("[3/5] load_checkpoint under empty_weights(), the gate deciding")
+    before = _held_anon_bytes()
+    import torch._dynamo  # noqa: F401  (counted in the first use: the hooks import it)
+
+    _warm_up(run.Model, tmp, run.device, cfg.cpu_twin, run.copies)
+    first_use = _held_anon_bytes() - before
+    say(f"      first use of the library, measured on a one-layer warm-up and not counted in the budget: "
+        f"{format_bytes(first_use)} (TorchDynamo, imported by the hooks; the library's modules; "
+        "worker threads' stacks and arenas)")
+    with empty_weights():
+        model = run.Model(cfg.layers, cfg.width)
+    model.scale = model.scale.to(run.device)
+    anon0 = _held_anon_bytes()
+    os.environ[ENV_HOST_AVAILABLE_GIB] = _as_if_host_gib(w.budget)  # the budget above this baseline
+    # The gate's rule, asked here with the same bytes and budget: the check judges
+    # the loader's answer against it (copies that fit are the right answer too).
+    available = host_memory_available_bytes()
+    keep = host_copies_would_not_fit(w.size, available_bytes=available)
+    report = load_checkpoint(model, w.path)
+    say(f"      {report}")
+    failures += _judge_gate(report.keep_mapping, keep, w.size, available, say)
+    hosts = list(model.parameters())
+    return _Loaded(model, report, first_use, anon0, hosts, cow_report(hosts).anonymous_bytes)
+
+
+def _offload(cfg: DemoConfig, run: _Setup, w: _Written, ld: _Loaded, say, failures: list[str]) -> _Offloaded:
+    """Step 4: the layerwise offload run and checked (output, copy-on-write, anonymous growth) into
+    ``failures``; the manager and copier closed."""
+    import torch
+
+    from .copier import Copier
+    from .offload import LayerwiseOffloadManager
+    from .memory.regions import cow_report
+
+    device, model = run.device, ld.model
+    say(f"[4/5] layerwise offload, {run.mode}")
+    copier = Copier(device) if run.copies else None
+    mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier,
+                                  cpu_twin=cfg.cpu_twin)
+    per_layer = copy_layers(mgr, cfg.layers, device, run.copies, ld.report.keep_mapping, say)
+    mgr.register_forward_hooks()
+    with torch.inference_mode():
+        got = model(w.x)
+        t_off = time_steps(lambda: model(w.x), cfg.steps, device)
+    same = torch.equal(got, w.expected) if device.type == "cpu" else torch.allclose(got, w.expected, 1e-4, 1e-5)
+    del got
+    if not same:
+        failures.append("offloaded output differs from the reference")
+    turned = cow_report(ld.hosts).anonymous_bytes - ld.cow0
+    if turned:
+        failures.append(f"{turned} bytes of the mapping turned anonymous")
+    anon = _held_anon_bytes() - ld.anon0
+    if run.mode == "cpu twin":
+        # The twin's layer buffers are host memory by construction. Count them even
+        # when the allocator served them from memory freed earlier (the reference
+        # model's), which leaves the RSS delta near zero.
+        anon = max(anon, mgr.peak_device_bytes)
+    parts = library_buffers(mgr, copier, run.mode, ld.report)
+    if anon > w.budget:
+        failures.append(
+            f"anonymous memory grew by {format_bytes(anon)}, over the {format_bytes(w.budget)} host budget "
+            f"({parts})"
+        )
+    copy_s = sum(mgr.layer_bytes(i) / (gbps * 1e9) for i, gbps in enumerate(per_layer))
+    done = _Offloaded(same, turned, anon, parts, mgr.mapped_bytes, mgr.residency, per_layer, copy_s, t_off)
+    mgr.close()
     if copier is not None:
-        buffers.append(("staging ring", copier.ring_bytes))
-    if mode == "cpu twin":
-        buffers.append(("twin's layer buffers", mgr.peak_device_bytes))
-    buffers = [(name, n) for name, n in buffers if n]
-    if not report.keep_mapping:
-        buffers.insert(0, ("the gate's copies", report.bytes_copied))
-    return ("the library's buffers (capacity): " + ", ".join(f"{name} {format_bytes(n)}" for name, n in buffers)
-            if buffers else "no buffers of the library")
+        copier.close()
+    return done
+
+
+def _report_rows(run: _Setup, w: _Written, ld: _Loaded, o: _Offloaded) -> list[tuple[str, str]]:
+    """Step 5's rows."""
+    size, budget = w.size, w.budget
+    return [
+        ("mode", run.mode_line.split(":")[0]),
+        ("checkpoint bytes", f"{size} ({format_bytes(size)})"),
+        ("left on the file mapping", f"{o.mapped} ({format_bytes(o.mapped)})"),
+        ("host anonymous growth", f"{format_bytes(o.anon)} ({100 * o.anon / budget:.1f} % of the host budget), "
+                                  f"held after the forwards; {o.parts}"),
+        ("first use (per process)", f"{format_bytes(ld.first_use)} (not in the budget)"),
+        ("mapping turned anonymous", f"{o.turned} bytes"),
+        ("copy bandwidth per layer",
+         f"{min(o.per_layer):.2f}-{max(o.per_layer):.2f} GB/s" if o.per_layer
+         else "none: nothing is copied in place"),
+        *step_rows(o.t_off, w.t_ref, run.mode, o.plan, o.copy_s, ld.report.keep_mapping),
+        ("output check", "identical to the reference" if o.same else "MISMATCH"),
+    ]
 
 
 def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
@@ -274,114 +374,22 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     """
     import torch
 
-    from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
-    from .loading.checkpoint import checkpoint_bytes, empty_weights, load_checkpoint
-    from .copier import Copier
-    from .offload import LayerwiseOffloadManager
-    from .memory.regions import cow_report
-
     out = sys.stdout if out is None else out  # the stream at the call, not at import
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
-    device = resolve_device(cfg.device)
-    if cfg.cpu_twin and device.type != "cpu":
-        raise ValueError(f"--cpu-twin runs the device pipeline on the CPU; it does not apply to {device}")
-    mode, mode_line = _mode(device, cfg.cpu_twin)
-    copies = mode != "in place"
-    if cfg.host_gib is not None and not 0 < cfg.host_gib <= MAX_HOST_GIB:
-        raise ValueError(f"host_gib must be a positive number of GiB, at most {MAX_HOST_GIB}, not {cfg.host_gib!r}")
-    Model = _model_class()
-    layer_bytes, layer_tensors = _block_bytes(Model, cfg.width)
-    folder = _demo_folder()
-    _check_room(cfg, device, layer_bytes, folder)
-    _check_budget(cfg, mode, layer_bytes, layer_tensors, Model)
+    run = _setup(cfg)
     torch.manual_seed(0)
-    failures = []
-    say(f"mode: {mode_line}")
-    with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=folder) as tmp:
-        path = os.path.join(tmp, "model.safetensors")
-        say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
-        ref = _write_checkpoint(Model, cfg, path, say)
-        size = checkpoint_bytes(path)
-        host_gib = cfg.host_gib if cfg.host_gib is not None else size / 2 / (1 << 30)
-        budget = int(host_gib * (1 << 30))
-        say(f"      {format_bytes(size)} on disk; host budget {format_bytes(budget)} "
-            f"({'--host-gib' if cfg.host_gib is not None else 'half the checkpoint'}): what the load and the "
-            "forwards may add to the process's memory, which the gate and the page cache see as available "
-            f"({ENV_HOST_AVAILABLE_GIB} set to it above what the process holds) and the most its anonymous memory "
-            "may grow")
-
-        say("[2/5] reference output without offload")
-        x = torch.randn(cfg.tokens, cfg.width, device=device)
-        ref.to(device)
-        with torch.inference_mode():
-            expected = ref(x)
-            t_ref = time_steps(lambda: ref(x), cfg.steps, device)
-        del ref
-
+    failures: list[str] = []
+    say(f"mode: {run.mode_line}")
+    with tempfile.TemporaryDirectory(prefix="mapoffload-demo-", dir=run.folder) as tmp:
+        w = _write_and_reference(cfg, run, tmp, say)
         previous = os.environ.get(ENV_HOST_AVAILABLE_GIB)
-        os.environ[ENV_HOST_AVAILABLE_GIB] = _as_if_host_gib(budget)  # the warm-up sees a host like the run's
+        os.environ[ENV_HOST_AVAILABLE_GIB] = _as_if_host_gib(w.budget)  # the warm-up sees a host like the run's
         try:
-            say("[3/5] load_checkpoint under empty_weights(), the gate deciding")
-            before = _held_anon_bytes()
-            import torch._dynamo  # noqa: F401  (counted in the first use: the hooks import it)
-
-            _warm_up(Model, tmp, device, cfg.cpu_twin, copies)
-            first_use = _held_anon_bytes() - before
-            say(f"      first use of the library, measured on a one-layer warm-up and not counted in the budget: "
-                f"{format_bytes(first_use)} (TorchDynamo, imported by the hooks; the library's modules; "
-                "worker threads' stacks and arenas)")
-            with empty_weights():
-                model = Model(cfg.layers, cfg.width)
-            model.scale = model.scale.to(device)
-            anon0 = _held_anon_bytes()
-            os.environ[ENV_HOST_AVAILABLE_GIB] = _as_if_host_gib(budget)  # the budget above this baseline
-            # The gate's rule, asked here with the same bytes and budget: the check judges
-            # the loader's answer against it (copies that fit are the right answer too).
-            available = host_memory_available_bytes()
-            keep = host_copies_would_not_fit(size, available_bytes=available)
-            report = load_checkpoint(model, path)
-            say(f"      {report}")
-            failures += _judge_gate(report.keep_mapping, keep, size, available, say)
-            hosts = list(model.parameters())
-            cow0 = cow_report(hosts).anonymous_bytes
-
-            say(f"[4/5] layerwise offload, {mode}")
-            copier = Copier(device) if copies else None
-            mgr = LayerwiseOffloadManager(model, "blocks", device=device, prefetch_layers=1, copier=copier,
-                                          cpu_twin=cfg.cpu_twin)
-            per_layer = _copy_layers(mgr, cfg.layers, device, copies, report.keep_mapping, say)
-            mgr.register_forward_hooks()
-            with torch.inference_mode():
-                got = model(x)
-                t_off = time_steps(lambda: model(x), cfg.steps, device)
-            same = torch.equal(got, expected) if device.type == "cpu" else torch.allclose(got, expected, 1e-4, 1e-5)
-            del got
-            if not same:
-                failures.append("offloaded output differs from the reference")
-            turned = cow_report(hosts).anonymous_bytes - cow0
-            if turned:
-                failures.append(f"{turned} bytes of the mapping turned anonymous")
-            anon = _held_anon_bytes() - anon0
-            if mode == "cpu twin":
-                # The twin's layer buffers are host memory by construction. Count them even
-                # when the allocator served them from memory freed earlier (the reference
-                # model's), which leaves the RSS delta near zero.
-                anon = max(anon, mgr.peak_device_bytes)
-            parts = _library_buffers(mgr, copier, mode, report)
-            if anon > budget:
-                failures.append(
-                    f"anonymous memory grew by {format_bytes(anon)}, over the {format_bytes(budget)} host budget "
-                    f"({parts})"
-                )
-            mapped = mgr.mapped_bytes
-            plan = mgr.residency
-            copy_s = sum(mgr.layer_bytes(i) / (gbps * 1e9) for i, gbps in enumerate(per_layer))
-            mgr.close()
-            if copier is not None:
-                copier.close()
+            ld = _load(cfg, run, w, tmp, say, failures)
+            o = _offload(cfg, run, w, ld, say, failures)
         finally:
             if previous is None:
                 os.environ.pop(ENV_HOST_AVAILABLE_GIB, None)
@@ -389,19 +397,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
                 os.environ[ENV_HOST_AVAILABLE_GIB] = previous
 
     say("[5/5] report")
-    rows = [
-        ("mode", mode_line.split(":")[0]),
-        ("checkpoint bytes", f"{size} ({format_bytes(size)})"),
-        ("left on the file mapping", f"{mapped} ({format_bytes(mapped)})"),
-        ("host anonymous growth", f"{format_bytes(anon)} ({100 * anon / budget:.1f} % of the host budget), held "
-                                  f"after the forwards; {parts}"),
-        ("first use (per process)", f"{format_bytes(first_use)} (not in the budget)"),
-        ("mapping turned anonymous", f"{turned} bytes"),
-        ("copy bandwidth per layer",
-         f"{min(per_layer):.2f}-{max(per_layer):.2f} GB/s" if per_layer else "none: nothing is copied in place"),
-        *step_rows(t_off, t_ref, mode, plan, copy_s, report.keep_mapping),
-        ("output check", "identical to the reference" if same else "MISMATCH"),
-    ]
+    rows = _report_rows(run, w, ld, o)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         say(f"  {k.ljust(width)}  {v}")

@@ -1,4 +1,5 @@
-"""What ``mapoffload demo`` asks of the machine, checked before anything is written.
+"""The model ``mapoffload demo`` runs (:func:`model_class`, its checkpoint: :func:`write_checkpoint`)
+and what it asks of the machine, checked before anything is written.
 
 The demo's budget must hold what streaming needs at the least, whatever the
 budget (:func:`streaming_floor`: one layer's read-around buffer, on the device
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from ._log import format_bytes
 from .memory.regions import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 # What a run costs beside the model's weights, whatever the budget (measured on
 # the CPU for 2 to 200 layers, after the warm-up, with the allocator's freed
@@ -189,3 +194,54 @@ def _check_room(cfg, device, layer_bytes: int, folder: str) -> None:
             f"{format_bytes(free)} free in {folder}: use smaller --layers or --width, or set MAPOFFLOAD_DEMO_DIR "
             "to a folder with room"
         )
+
+
+def model_class():
+    """The demo's model class: ``layers`` transformer-like blocks of ``width``, and a non-persistent buffer."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            q, k, v = self.qkv(h).chunk(3, dim=-1)
+            att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+            x = x + self.proj(att @ v)
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class DemoModel(nn.Module):
+        def __init__(self, layers: int, width: int) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+            self.register_buffer("scale", torch.ones(width), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x * self.scale
+
+    return DemoModel
+
+
+def write_checkpoint(Model, cfg, path: str, say) -> torch.nn.Module:
+    """Step 1: a ``cfg.layers`` x ``cfg.width`` model, its blocks saved to ``path``; returns the model
+    (the reference)."""
+    from safetensors.torch import save_file
+
+    state = {}
+    ref = Model(cfg.layers, cfg.width)
+    for i, block in enumerate(ref.blocks):
+        for name, p in block.named_parameters():
+            state[f"blocks.{i}.{name}"] = p.detach().contiguous()
+        say(f"      layer {i + 1}/{cfg.layers} generated")
+    save_file(state, path)
+    del state
+    return ref

@@ -1,5 +1,7 @@
-"""The demo's step time: each forward timed, and the report's rows on what the ratio measures, how
-much it moves between steps, and what ratio this run's mode and page-cache plan make normal."""
+"""The demo's timing: step 4's copy of each layer (:func:`copy_layers`) and the library's buffers it
+names (:func:`library_buffers`); each forward timed, and the report's rows on what the ratio
+measures, how much it moves between steps, and what ratio this run's mode and page-cache plan make
+normal."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import time
 
 from ._log import format_bytes
 
-__all__ = ["step_rows", "time_steps"]
+__all__ = ["copy_layers", "library_buffers", "step_rows", "time_steps"]
 
 
 def time_steps(fn, steps: int, device) -> list[float]:
@@ -78,3 +80,43 @@ def step_rows(t_off: list[float], t_ref: list[float], mode: str, plan, copy_s: f
         normal = f"about 1x: the layers compute {where}{hooks}; below 1x is the machine's noise"
     rows.append(("step time normal", normal))
     return rows
+
+
+def copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list[float]:
+    """Step 4: each layer copied once through the pipeline and released, timed (GB/s each), or,
+    in place, said where it computes from."""
+    import torch
+
+    per_layer = []
+    for i in range(layers):
+        nbytes = mgr.layer_bytes(i)
+        if not copies:
+            where = "on the file mapping" if kept else "in host memory (the gate's copy)"
+            say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} {where}, computed from there")
+            continue
+        t0 = time.perf_counter()
+        mgr.prefetch_layer(i, non_blocking=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        per_layer.append(nbytes / dt / 1e9)
+        mgr.release_layer(i)
+        where = "the device" if device.type == "cuda" else "its CPU buffer"
+        say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} copied to {where} at "
+            f"{per_layer[-1]:.2f} GB/s")
+    return per_layer
+
+
+def library_buffers(mgr, copier, mode: str, report) -> str:
+    """The library's own host buffers, as it accounts them (capacities: at most what is resident),
+    the gate's copies first when it copied: one phrase for the budget's line."""
+    buffers = [("read-around window", mgr.loads.window_bytes)]
+    if copier is not None:
+        buffers.append(("staging ring", copier.ring_bytes))
+    if mode == "cpu twin":
+        buffers.append(("twin's layer buffers", mgr.peak_device_bytes))
+    buffers = [(name, n) for name, n in buffers if n]
+    if not report.keep_mapping:
+        buffers.insert(0, ("the gate's copies", report.bytes_copied))
+    return ("the library's buffers (capacity): " + ", ".join(f"{name} {format_bytes(n)}" for name, n in buffers)
+            if buffers else "no buffers of the library")
