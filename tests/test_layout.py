@@ -6,7 +6,8 @@ circle; the layers import downward only (running -> page cache -> memory, and lo
 ``mapoffload.memory`` imports neither ``loading``, ``pagecache`` nor ``offload``,
 ``mapoffload.pagecache`` does not import ``offload``, ``mapoffload.loading`` imports none of
 ``pagecache``, ``offload``, ``hf``, ``vllm``; ``mapoffload.conversion`` (the conversion cache ``hf``
-and ``vllm`` share) imports none of ``pagecache``, ``offload``, ``hf``, ``vllm``; and no module is longer than ``MAX_LINES``.
+and ``vllm`` share) imports none of ``pagecache``, ``offload``, ``hf``, ``vllm``; no module is longer than ``MAX_LINES``, and no
+function or method longer than ``MAX_FUNCTION_LINES`` (issue 34: one function, one job).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ MAX_LINES = 450
 # the list only shrinks (an entry back under MAX_LINES is taken out: the test below).
 OVER = {
 }
+MAX_FUNCTION_LINES = 100  # from the ``def`` line to the last line of the body, docstring included
 
 
 def _modules() -> dict[str, str | None]:
@@ -210,3 +212,41 @@ def test_the_page_cache_names_the_mapped_store_as_the_stores_do():
     from mapoffload.pagecache import layer_pages
 
     assert layer_pages.MAPPED == MAPPED
+
+
+def long_functions(source: str, path: str = "<string>", limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``"path:line name (n lines)"`` of every function or method (nested ones too) longer than ``limit``
+    lines, counted from its ``def`` line (decorators excluded) to its last line."""
+    out = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                out.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_over_the_line_limit():
+    over = []
+    for path in _modules().values():
+        if path is not None:
+            with open(path) as f:
+                over += long_functions(f.read(), os.path.relpath(path, os.path.dirname(PACKAGE)))
+    assert over == [], "functions over %d lines: %s" % (MAX_FUNCTION_LINES, "; ".join(sorted(over)))
+
+
+def test_a_long_function_is_found():
+    source = (
+        "@decorated\n"          # 1: not counted
+        "def three():\n"         # 2
+        "    a = 1\n"
+        "    return a\n"         # 4
+        "class C:\n"
+        "    async def four(self):\n"  # 6
+        "        def inner():\n"      # 7
+        "            pass\n"          # 8
+        "        return inner\n"      # 9
+    )
+    assert long_functions(source, "m.py", limit=3) == ["m.py:6 four (4 lines)"]
+    assert sorted(long_functions(source, "m.py", limit=1)) == [
+        "m.py:2 three (3 lines)", "m.py:6 four (4 lines)", "m.py:7 inner (2 lines)"]
