@@ -17,7 +17,7 @@ def quantize_folder(src: str, dst: str) -> dict:
     Returns the sizes of the new checkpoint."""
     from safetensors.torch import load_file, save_file
 
-    from mapoffload.fp8 import quantize_fp8
+    from mapoffload.loading.fp8 import quantize_fp8
 
     os.makedirs(dst, exist_ok=True)
     weight_map = {}

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 
 from _common import emit_json, machine, print_table, timeit
-from mapoffload import fp8
+from mapoffload.loading import fp8
 from mapoffload._native import _core
 
 SHAPES = ((3584, 1024), (1024, 1024))

@@ -81,7 +81,7 @@ def child(args: argparse.Namespace) -> None:
     import mapoffload
     import mapoffload.hf.transformers  # noqa: F401  (imported before the baseline, as modeling_llama)
     import transformers.models.llama.modeling_llama  # noqa: F401  (lazy in transformers: not the load's cost)
-    from mapoffload.budget import rss_anon_bytes
+    from mapoffload.memory.budget import rss_anon_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -42,7 +42,7 @@ def child(variant: str, path: str, layers: int, rows: int, cols: int) -> None:
     from torch import nn
 
     from mapoffload import empty_weights, load_checkpoint
-    from mapoffload.budget import rss_anon_bytes as rss_anon
+    from mapoffload.memory.budget import rss_anon_bytes as rss_anon
 
     class Stack(nn.Module):
         def __init__(self) -> None:

@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> None:
     import mapoffload.hf.transformers  # noqa: F401  (imported before the baseline)
     import transformers.models.mixtral.modeling_mixtral  # noqa: F401
     from _common import AnonSampler
-    from mapoffload.budget import rss_anon_bytes
+    from mapoffload.memory.budget import rss_anon_bytes
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(max(1, os.cpu_count() or 1))

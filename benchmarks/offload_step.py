@@ -33,7 +33,7 @@ from torch import nn
 
 from _common import emit_json, machine, print_table
 from mapoffload import Copier, LayerwiseOffloadManager, empty_weights, load_checkpoint
-from mapoffload.budget import rss_anon_bytes as rss_anon
+from mapoffload.memory.budget import rss_anon_bytes as rss_anon
 
 
 class Block(nn.Module):

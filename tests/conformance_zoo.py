@@ -223,7 +223,7 @@ def to_fp8(folder: str, block: int | str = 128) -> None:
 
 
 def _fp8_state(state: dict, block: int | str) -> dict:
-    from mapoffload.fp8 import quantize_fp8
+    from mapoffload.loading.fp8 import quantize_fp8
 
     out = {}
     for k, v in state.items():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from mapoffload.budget import ENV_PAGE_CACHE_MARGIN_MIB
+from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
 
 MIB = 1 << 20
 

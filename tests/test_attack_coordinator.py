@@ -24,7 +24,7 @@ from mapoffload import LayerwiseOffloadManager
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache import peers as peers_module
 from mapoffload.pagecache.peers import PeerRegistry
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
 from stacks import SQUARE_LAYERS as LAYERS, SQUARE_WIDTH as WIDTH, SquareStack as Stack, save_reference

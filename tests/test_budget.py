@@ -14,7 +14,7 @@ from mapoffload import (
     host_copies_would_not_fit,
     host_memory_available_bytes,
 )
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import write
 
@@ -110,7 +110,7 @@ def test_override_behaves_like_a_smaller_host(tmp_path, monkeypatch):
 def test_override_has_one_meaning_for_the_gate_and_the_page_cache_budget(tmp_path, monkeypatch):
     # X GiB less RssAnon, in place of the machine and of every cgroup cap, for both:
     # a cap tighter than X (here 2 GiB) and a machine looser than X change neither answer.
-    from mapoffload.budget import page_cache_budget
+    from mapoffload.memory.budget import page_cache_budget
     import psutil
 
     class VM:
@@ -146,7 +146,7 @@ def test_gate_matches_the_seed_expectations():
 
 def test_gate_is_the_room_the_copies_may_take():
     # One definition of what copies may spend, read by the gate, the pinned-store budget and the summary.
-    from mapoffload.budget import host_copy_room
+    from mapoffload.memory.budget import host_copy_room
 
     assert host_copy_room(32 * GIB) == 28 * GIB
     assert host_copy_room(32 * GIB, 4) == 16 * GIB

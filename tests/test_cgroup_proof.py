@@ -23,7 +23,7 @@ CHILD = textwrap.dedent(
     import sys, torch
     from torch import nn
     from mapoffload import empty_weights, load_checkpoint
-    from mapoffload.budget import cgroup_memory_limit_bytes
+    from mapoffload.memory.budget import cgroup_memory_limit_bytes
 
     class Stack(nn.Module):
         def __init__(self):
@@ -89,7 +89,7 @@ def test_gate_keeps_a_too_big_checkpoint_mapped_under_a_real_cap(big_checkpoint)
 CACHE_CHILD = textwrap.dedent(
     """
     import json, os, sys
-    from mapoffload.budget import cgroup_memory_limit_bytes
+    from mapoffload.memory.budget import cgroup_memory_limit_bytes
 
     def raw_usage():
         for name in ("memory.current", "memory.usage_in_bytes"):

@@ -20,7 +20,7 @@ from mapoffload import (
     load_checkpoint,
     match_checkpoint_dtypes,
 )
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from models import TinyModel, saveable_state
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import mapoffload.checkpoint as checkpoint_module
+import mapoffload.loading.checkpoint as checkpoint_module
 from mapoffload import CheckpointError, checkpoint_bytes, checkpoint_files, empty_weights, load_checkpoint
 from mapoffload.cli.inspect import inspect_checkpoint
 

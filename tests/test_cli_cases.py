@@ -147,7 +147,7 @@ def test_demo_in_place_says_so_and_copies_nothing():
 def test_demo_fails_when_its_own_budget_is_exceeded(monkeypatch):
     # A gate made to copy: the copies (the whole 24 MiB checkpoint) are host memory,
     # twice the budget, on top of the twin's buffers and the staging ring.
-    import mapoffload.checkpoint as checkpoint
+    import mapoffload.loading.checkpoint as checkpoint
 
     monkeypatch.setenv("MAPOFFLOAD_STAGING_MIB", "0.25")  # a 1 MiB ring: the size is one the demo can judge
     real = checkpoint.load_checkpoint

@@ -13,7 +13,7 @@ import textwrap
 import torch
 
 from mapoffload.conversion import MANIFEST, ConversionCache
-from mapoffload.regions import MappedRegions
+from mapoffload.memory.regions import MappedRegions
 
 KEY = "0123456789abcdef01234567"
 

@@ -147,7 +147,7 @@ print("survived")
 def test_thread_creation_failing_is_an_error_not_an_abort():
     proc = run_python(PRELUDE + """
 import resource
-from mapoffload.budget import rss_anon_bytes
+from mapoffload.memory.budget import rss_anon_bytes
 with open("/proc/self/status") as f:
     vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (96 << 20), resource.RLIM_INFINITY))

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mapoffload import CopyReason, empty_weights, load_checkpoint  # noqa: E402
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB  # noqa: E402
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB  # noqa: E402
 
 from fp8_models import Stack, random_codes, random_scales  # noqa: E402
 from models import TinyModel, saveable_state  # noqa: E402
@@ -62,9 +62,9 @@ def test_the_reasons_are_the_strings_users_see():
     assert CopyReason.made_by("diffusers") is CopyReason.MADE_BY_DIFFUSERS
     assert CopyReason.initialised_by("transformers") == "initialised by transformers (not in the checkpoint)"
     assert all(r.words for r in CopyReason)
-    import mapoffload.checkpoint
+    import mapoffload.loading.checkpoint
 
-    assert "CopyReason" in mapoffload.__all__ and mapoffload.checkpoint.CopyReason is CopyReason
+    assert "CopyReason" in mapoffload.__all__ and mapoffload.loading.checkpoint.CopyReason is CopyReason
 
 
 @pytest.mark.parametrize("kind", ["fp8", "ordinary"])

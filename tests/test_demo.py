@@ -68,7 +68,7 @@ def test_a_gate_that_copies_because_copies_fit_is_right_not_a_failure(tmp_path):
 def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch):
     import io
 
-    import mapoffload.checkpoint as checkpoint
+    import mapoffload.loading.checkpoint as checkpoint
     from mapoffload.demo import DemoConfig, run_demo
 
     real = checkpoint.load_checkpoint

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mapoffload import MappedRegions, _core, cow_report, resident_bytes
-from mapoffload.regions import tensor_extent, tensor_spans
+from mapoffload.memory.regions import tensor_extent, tensor_spans
 
 import extent_reference as ref
 from child import run_python
@@ -409,7 +409,7 @@ def test_python_code_run_where_none_was_expected_cannot_free_items_under_the_rea
 
 
 def test_tensor_bytes_is_a_dense_copy_and_the_extent_is_where_the_bytes_lie():
-    from mapoffload.regions import tensor_bytes
+    from mapoffload.memory.regions import tensor_bytes
 
     base = torch.zeros(4, 6)
     col = base[:, 1]

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import mapoffload  # noqa: E402
 from mapoffload import LayerwiseOffloadManager, MappedRegions, load_checkpoint  # noqa: E402
-from mapoffload.fp8 import attach_fp8, dequantize_fp8, fp8_weights  # noqa: E402
+from mapoffload.loading.fp8 import attach_fp8, dequantize_fp8, fp8_weights  # noqa: E402
 
 from fp8_models import E4M3, Stack  # noqa: E402
 from fp8_models import random_codes as _codes, random_scales as _scales  # noqa: E402
@@ -27,7 +27,7 @@ from fp8_models import transformers_dequant as _transformers_dequant  # noqa: E4
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_is_transformers_bit_for_bit(shape, grid, dtype, monkeypatch):
-    from mapoffload import fp8
+    from mapoffload.loading import fp8
 
     codes, scale = _codes(shape), _scales(grid)
     want = _transformers_dequant(codes, scale, dtype)
@@ -179,7 +179,7 @@ from fp8_models import Stack, random_codes as _codes, random_scales as _scales
 from safetensors.torch import save_file
 import mapoffload
 from mapoffload import LayerwiseOffloadManager, load_checkpoint
-from mapoffload.budget import rss_anon_bytes
+from mapoffload.memory.budget import rss_anon_bytes
 torch.set_num_threads(1)
 width, depth = 1024, 32
 state = {}
@@ -255,7 +255,7 @@ def test_streamed_to_cuda_equals_the_cpu_reference(tmp_path):
 
 def test_a_weight_read_many_times_in_one_forward_is_dequantized_once(monkeypatch):
     """An MoE's experts index their stacked weight once per expert hit."""
-    from mapoffload import fp8
+    from mapoffload.loading import fp8
 
     class Experts(torch.nn.Module):
         def __init__(self):
@@ -299,7 +299,7 @@ def test_the_residency_plan_counts_what_is_read(tmp_path):
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 32), "channel", "tensor"])
 def test_quantize_then_dequantize_is_within_fp8_rounding(block):
-    from mapoffload.fp8 import quantize_fp8
+    from mapoffload.loading.fp8 import quantize_fp8
 
     w = torch.randn(256, 384) * 0.05  # whole tiles: transformers derives the block from the grid
     codes, scale = quantize_fp8(w, block)

@@ -19,9 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mapoffload import MappingFaultError  # noqa: E402
-from mapoffload import fp8  # noqa: E402
+from mapoffload.loading import fp8  # noqa: E402
 from mapoffload._native import _core  # noqa: E402
-from mapoffload.fp8 import dequantize_fp8  # noqa: E402
+from mapoffload.loading.fp8 import dequantize_fp8  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {E4M3: "e4m3fn", E5M2: "e5m2"}
@@ -360,7 +360,7 @@ def test_simd_names_what_it_runs():
 
 def test_tracing_takes_the_torch_path(calls):
     """torch.compile traces torch's ops (a native call on raw memory would break the graph)."""
-    from mapoffload.fp8 import attach_fp8
+    from mapoffload.loading.fp8 import attach_fp8
 
     lin = torch.nn.Linear(256, 128, bias=False)
     codes = _codes((128, 256))

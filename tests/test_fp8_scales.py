@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import mapoffload  # noqa: E402
 from mapoffload import CheckpointError, load_checkpoint  # noqa: E402
-from mapoffload.fp8 import attach_fp8, dequantize_fp8  # noqa: E402
+from mapoffload.loading.fp8 import attach_fp8, dequantize_fp8  # noqa: E402
 
 from fp8_models import random_codes as _codes, transformers_dequant as _transformers_dequant  # noqa: E402
 

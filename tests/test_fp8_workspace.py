@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mapoffload.loading import fp8_workspace
-from mapoffload.fp8 import attach_fp8, dequantize_fp8, quantize_fp8
+from mapoffload.loading.fp8 import attach_fp8, dequantize_fp8, quantize_fp8
 
 pytestmark = pytest.mark.skipif(fp8_workspace._use_count is None, reason="torch has no storage use count")
 

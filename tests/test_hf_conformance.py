@@ -220,7 +220,7 @@ def test_fine_grained_fp8_is_what_transformers_computes(tmp_path, arch, block):
     # transformers dequantizes on load (asked to, on any machine); each weight it made is kept as fp8
     # codes and scales instead, checked bit for bit: the checkpoint's own for one tensor, for the
     # experts transformers stacks from many the same ops run on codes and scales, written once (mapped).
-    from mapoffload.fp8 import fp8_weights
+    from mapoffload.loading.fp8 import fp8_weights
 
     codes = [c for _, c, _ in fp8_weights(model)]
     assert report.fp8_weights == len(codes) > 0 and report.bytes_fp8 == sum(c.nbytes for c in codes)
@@ -281,7 +281,7 @@ def test_custom_code_folder_is_refused_without_trust_remote_code(tmp_path):
 def test_sharded_fp8(tmp_path, arch):
     pytest.importorskip("accelerate")
     from conformance_zoo import to_fp8
-    from mapoffload.fp8 import fp8_weights
+    from mapoffload.loading.fp8 import fp8_weights
 
     cls, kind = build(arch, str(tmp_path), dtype=torch.bfloat16, shard="20KB")
     to_fp8(str(tmp_path))
@@ -311,7 +311,7 @@ def test_an_fp8_layout_that_does_not_fit_is_named(tmp_path):
 def test_fp8_moe_conversion_is_reused_exactly(tmp_path, fp8):
     pytest.importorskip("accelerate")
     from conformance_zoo import to_fp8
-    from mapoffload.fp8 import fp8_weights
+    from mapoffload.loading.fp8 import fp8_weights
 
     cls, kind = build("mixtral", str(tmp_path), dtype=torch.bfloat16)
     to_fp8(str(tmp_path))

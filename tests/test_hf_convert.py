@@ -170,7 +170,7 @@ import sys, threading, time, warnings
 import torch, transformers as tf
 import mapoffload
 from mapoffload.hf import _drive
-from mapoffload.budget import rss_anon_bytes
+from mapoffload.memory.budget import rss_anon_bytes
 warnings.simplefilter("ignore")
 cls, folder, who = tf.MixtralForCausalLM, sys.argv[1], sys.argv[2]
 _drive.PART_BYTES = 4 << 20
@@ -267,7 +267,7 @@ _AFTER = """
 import sys, warnings
 import torch, transformers as tf
 import mapoffload
-from mapoffload.budget import rss_anon_bytes
+from mapoffload.memory.budget import rss_anon_bytes
 warnings.simplefilter("ignore")
 import mapoffload.hf.transformers, transformers.models.llama.modeling_llama
 base = rss_anon_bytes()

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
 from conformance_zoo import build, first_output, inputs, zoo  # noqa: E402
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB  # noqa: E402
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

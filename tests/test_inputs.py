@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mapoffload import empty_weights, host_memory_available_bytes, load_checkpoint
 from mapoffload._env import EnvSettingError
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, page_cache_budget
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, page_cache_budget
 from mapoffload.copier import Copier, resolve_settings
 
 # --- environment variables ------------------------------------------------------------

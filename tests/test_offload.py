@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mapoffload import LayerwiseOffloadManager, MappedRegions, cow_report, empty_weights, load_checkpoint
 from mapoffload.offload.placeholder import OffloadedWeight
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from models import TinyModel, saveable_state
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import mapoffload
 from mapoffload import LayerwiseOffloadManager, checkpoint_bytes, checkpoint_files, empty_weights, load_checkpoint
-from mapoffload.checkpoint import keep_checkpoint_mapped
+from mapoffload.loading.checkpoint import keep_checkpoint_mapped
 
 from models import TinyModel, saveable_state
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from mapoffload.memory.cgroup import tightest_cgroup
 from mapoffload.pagecache.peers import PeerRegistry
-from mapoffload.budget import cgroup_memory_limit_bytes, page_cache_budget
+from mapoffload.memory.budget import cgroup_memory_limit_bytes, page_cache_budget
 
 from cgroups import memory_cgroup
 from fake_cgroups import write

@@ -20,8 +20,8 @@ from mapoffload import (
     local_world,
     shard_tensor,
 )
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
-from mapoffload.ranks import ENV_LOCAL_WORLD_SIZE, staging_ring_settings
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.ranks import ENV_LOCAL_WORLD_SIZE, staging_ring_settings
 
 from models import PLAN, Pair
 
@@ -262,7 +262,7 @@ def test_a_shrunk_ring_never_gets_larger_slots():
     # Slots the user made smaller than the shrink's 1 MiB floor stay as they are (they grew to 1 MiB:
     # "shrinking" a 64 KiB x 64 ring for 8 ranks in 1 MiB gave 8 slots of 1 MiB each).
     from mapoffload.copier import MIN_SLOT_BYTES
-    from mapoffload.ranks import SHRUNK_SLOT_FLOOR_BYTES
+    from mapoffload.memory.ranks import SHRUNK_SLOT_FLOOR_BYTES
 
     assert MIN_SLOT_BYTES == 4096 < SHRUNK_SLOT_FLOOR_BYTES == MIB  # two bounds, two names
     threads, slot_bytes, slots = staging_ring_settings(threads=4, slot_bytes=64 << 10, slots=64, local_ranks=8,

@@ -17,7 +17,7 @@ from torch import nn
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import plan_shared
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from fake_cgroups import pin_whole_margin, v2_cap
 from stacks import save_reference

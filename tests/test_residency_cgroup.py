@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
     import json, os, sys, torch
     from torch import nn
     from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint
-    from mapoffload.budget import page_cache_budget
+    from mapoffload.memory.budget import page_cache_budget
 
     cgroup, path = sys.argv[1], sys.argv[2]
     # One thread: the forwards compared bit for bit must add in one order

@@ -10,7 +10,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager
 from mapoffload.pagecache import coordinator as coordinator_module
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
 from stacks import LAYERS, mapped
 from fake_cgroups import pin_whole_margin, v2_cap

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, PageCacheBudget, page_cache_budget
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, PageCacheBudget, page_cache_budget
 from mapoffload.pagecache.residency import plan_residency
 
 from fake_cgroups import DEFAULT_MARGIN_MIB, pin_whole_margin, v1_cap, v2_cap, write

@@ -18,7 +18,7 @@ import mapoffload
 from mapoffload import cow_report, empty_weights, load_checkpoint
 from mapoffload._log import format_bytes
 from mapoffload.hf._summary import placed_row
-from mapoffload.regions import tensor_extent
+from mapoffload.memory.regions import tensor_extent
 from models import TinyModel, saveable_state
 
 transformers = pytest.importorskip("transformers")

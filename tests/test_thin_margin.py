@@ -14,7 +14,7 @@ import torch
 from mapoffload import LayerwiseOffloadManager, _core
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import plan_shared
-from mapoffload.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB, page_cache_budget
 
 from stacks import LAYERS, mapped
 from fake_cgroups import v2_cap

@@ -11,7 +11,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, cow_report
 from mapoffload._native import _core
-from mapoffload.regions import tensor_spans
+from mapoffload.memory.regions import tensor_spans
 from stacks import mapped
 
 TWIN = {"cpu_twin": True, "host_store": "mapped"}

@@ -92,7 +92,7 @@ class Session:
     conversion_errors: dict[str, str] = field(default_factory=dict)
     reusable: bool = True
     loads: int = 0
-    keep_fp8: bool = False  # fp8 weights stay codes + scales (mapoffload.fp8) where that is exact
+    keep_fp8: bool = False  # fp8 weights stay codes + scales (mapoffload.loading.fp8) where that is exact
     sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
     fp8_fused: Any = None  # (codes, scales) the last conversion's ops made of its fp8 inputs
     made_since_trim: int = 0

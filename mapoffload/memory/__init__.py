@@ -5,6 +5,5 @@
 - ``regions``: the residency index (``MappedRegions``), a tensor's bytes, ``mincore``, copy-on-write reports.
 - ``ranks``: many ranks on one host (``local_world``, the staging rings' share).
 
-``mapoffload.budget``, ``mapoffload.regions`` and ``mapoffload.ranks`` are these modules under their
-contract names (``shared/DESIGN.md``).
+Their contract names (``shared/DESIGN.md``) are importable from ``mapoffload`` itself.
 """

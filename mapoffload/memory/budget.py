@@ -243,7 +243,7 @@ def host_copies_would_not_fit(
     local_ranks
         Ranks on this host; None detects (``LOCAL_WORLD_SIZE``, else an
         initialised ``torch.distributed``'s world size, else 1; see
-        :mod:`mapoffload.ranks`).
+        :mod:`mapoffload.memory.ranks`).
     """
     from .ranks import local_world
 

@@ -2,7 +2,7 @@
 
 What each level holds (cap, usage, file cache) is read here, once per call,
 and every decision taken against a cgroup starts from these levels: the
-host headroom and the page-cache budget (:mod:`mapoffload.budget`) and the
+host headroom and the page-cache budget (:mod:`mapoffload.memory.budget`) and the
 peers' registry (:mod:`mapoffload.pagecache.peers`: the processes that draw on
 one cap).
 """

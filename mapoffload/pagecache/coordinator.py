@@ -74,7 +74,7 @@ class PageCacheCoordinator:
     Attributes
     ----------
     budget
-        The last measured :class:`~mapoffload.budget.PageCacheBudget` (None
+        The last measured :class:`~mapoffload.memory.budget.PageCacheBudget` (None
         before a measured plan).
     room
         Bytes the registered stacks' layers may fill, after the always-read

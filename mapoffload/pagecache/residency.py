@@ -11,7 +11,7 @@ physical floor. Streamed layers are let go with ``MADV_PAGEOUT`` after use,
 so they never push the cached set out.
 
 The plan is a pure function of the layers' mapped bytes and a budget
-(:func:`mapoffload.budget.page_cache_budget`), so it is tested against fake
+(:func:`mapoffload.memory.budget.page_cache_budget`), so it is tested against fake
 budgets.
 """
 

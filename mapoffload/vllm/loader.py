@@ -19,7 +19,7 @@ import torch
 from ..loading.files import checkpoint_files
 from .._log import format_bytes, logger
 from ..loading.checkpoint import keep_checkpoint_mapped
-from ..regions import tensor_bytes
+from ..memory.regions import tensor_bytes
 from ._compute import PLAIN, VNNI, mapped_layout, mapped_linear, packed_layers
 from ._convert import Bound, bind_mapped, conversion_key, hidden
 from ._errors import VllmLoadError, VllmVersionError
