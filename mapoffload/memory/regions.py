@@ -163,13 +163,6 @@ class MappedRegions:
             logger.debug("no maps snapshot (%s): every tensor reads as not mapped", exc)
             self._table = None
 
-    @classmethod
-    def from_table(cls, table: _core.MapsTable) -> MappedRegions:
-        """Wrap an already parsed table (``_core.parse_maps``), for tests and tools."""
-        self = cls.__new__(cls)
-        self._table = table
-        return self
-
     @property
     def available(self) -> bool:
         """False where ``/proc`` was unreadable; then every query answers False."""
