@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes
 from ._measure import measure
-from ..memory.budget import HOST_COPY_RESERVE_BYTES, host_copy_room
+from ..memory.budget import HOST_COPY_RESERVE_BYTES
 
 if TYPE_CHECKING:
     import torch
 
     from ..offload import LayerwiseOffloadManager
+    from ..offload.stores import StorePlan
 
 __all__ = ["OffloadRow", "format_rows", "placed_row", "stack_row"]
 
@@ -162,31 +163,50 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
     return _decision(m, on_file, copied, pinned, available, host_store_given, bool(written)) + _written_words(written)
 
 
+def _store_plan(m: LayerwiseOffloadManager) -> StorePlan | None:
+    """The decision the manager's plan recorded on its layers' stores (one for all of them)."""
+    return next((s.plan for s in m.sequencer.stores if s.plan is not None), None)
+
+
+def _pin_words(m: LayerwiseOffloadManager) -> str | None:
+    """The copies' pinning as the plan chose it, when it pinned some layers and not others."""
+    from ..offload.stores import PinChoice
+
+    choices = [s.pin for s in m.sequencer.stores if s.pin is not PinChoice.NONE]
+    pinned = sum(c is PinChoice.PINNED for c in choices)
+    if not pinned or pinned == len(choices):
+        return None
+    why = sorted({c.value for c in choices if c is not PinChoice.PINNED})
+    return f"host copies fit: {pinned} of {len(choices)} layers pinned, the rest pageable ({', '.join(why)})"
+
+
 def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, available: int | None,
               host_store_given: bool, written: bool = False) -> str:
-    in_place = m.copier is None
-    if in_place and m.host_store in ("auto", "mapped"):
+    """The words on the rule the manager's plan recorded (:class:`~mapoffload.offload.stores.StorePlan`),
+    with the bytes measured now."""
+    from ..offload.stores import StoreRule
+
+    sp = _store_plan(m)
+    if sp is not None and sp.rule is StoreRule.IN_PLACE:
         if not anonymous and not pinned:
             return "its weights are views of the checkpoint's file mapping" + ("" if written else ", as loaded")
         if not mapped:
             return ("its weights are the model's own tensors in anonymous memory, not on a file mapping (on the "
                     "CPU the offload computes from them where they are and copies nothing)")
         return "kept as they are: part on the file mapping, part anonymous copies (on the CPU nothing is copied)"
-    if host_store_given or m.host_store != "auto":
+    if host_store_given or sp is None or sp.rule is StoreRule.ASKED:
         return f"host_store={m.host_store!r} asked"
-    total = mapped + anonymous + pinned
-    if available is None:
+    if sp.available_bytes is None and available is None:
         return "host stores chosen against the host's available memory"
-    n = getattr(m, "local_ranks", 1)
-    room = max(host_copy_room(available, n), 0)
-    if mapped and not anonymous and not pinned:
-        verdict = "a host copy would not fit: kept on the file mapping"
-    elif pinned and not mapped:
-        verdict = "host copies fit: pinned, so the copies to the device overlap compute"
-    elif mapped:
-        verdict = "mapped where a host copy would not fit, copied for the rest"
+    total = mapped + anonymous + pinned
+    n, room = sp.local_ranks, max(sp.room or 0, 0)
+    available = sp.available_bytes if sp.available_bytes is not None else available
+    if sp.rule is StoreRule.COPIES_DO_NOT_FIT:
+        verdict = ("a host copy would not fit: kept on the file mapping" if not anonymous and not pinned
+                   else "mapped where a host copy would not fit, copied for the rest")
     else:
-        verdict = "host copies fit: copied into anonymous memory"
+        verdict = _pin_words(m) or ("host copies fit: pinned, so the copies to the device overlap compute"
+                                    if pinned else "host copies fit: copied into anonymous memory")
     if n > 1:
         return (f"{n} local ranks x {format_bytes(total)} against {format_bytes(available)} available less "
                 f"{n} x the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve ({format_bytes(room)}): {verdict}")

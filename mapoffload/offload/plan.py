@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from .._log import logger
 from .._progress import byte_bar
 from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
-from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight, build_consolidated, build_strided
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, PinChoice, StorePlan, StoreRule, Weight
+from .stores import build_consolidated, build_strided
 from .stores import describe, layout, log_plan
 from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
 from ..memory.regions import MappedRegions
@@ -193,9 +194,53 @@ def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> 
     return sum(n for _, n in always_read_tensors(model, layers))
 
 
+def _record(stores: list[LayerStore], decided: StorePlan) -> None:
+    for s in stores:
+        s.plan = decided
+
+
+def _choose(weights: list[Weight], on_mapping: list[bool], host_store: str, available_bytes: int,
+            local_ranks: int) -> StorePlan:
+    """Each weight's store (mapped, strided or consolidated), by the rule ``host_store`` and the budget
+    give; the decision, recorded."""
+    mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
+    candidate_bytes = sum(w.nbytes for w in weights if id(w) in mapped_candidates)
+    if host_store == "auto":
+        keep_mapped = host_copies_would_not_fit(
+            candidate_bytes, available_bytes=available_bytes, local_ranks=local_ranks
+        )
+        rule = StoreRule.COPIES_DO_NOT_FIT if keep_mapped else StoreRule.COPIES_FIT
+    else:
+        keep_mapped, rule = host_store == "mapped", StoreRule.ASKED
+    for w in weights:
+        if keep_mapped and id(w) in mapped_candidates:
+            w.store = MAPPED
+            w.host = w.param.data
+        elif not w.contiguous:
+            w.store = STRIDED
+        else:
+            w.store = CONSOLIDATED
+    return StorePlan(rule, host_store, candidate_bytes, available_bytes, local_ranks,
+                     host_copy_room(available_bytes, local_ranks))
+
+
+def _pin_choice(store: LayerStore, host_store: str, cuda: bool, budget: int) -> PinChoice:
+    """Whether to pin the layer's consolidated buffers (``budget``: this rank's pinning room left)."""
+    if not store.bytes_in(CONSOLIDATED):
+        return PinChoice.NONE
+    if host_store not in ("auto", "pinned"):
+        return PinChoice.NOT_ASKED
+    if not cuda:
+        return PinChoice.NO_CUDA
+    if host_store == "pinned" or store.bytes_in(CONSOLIDATED) <= budget:
+        return PinChoice.PINNED
+    return PinChoice.OVER_BUDGET
+
+
 def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None, *, cuda: bool,
          device: object, local_ranks: int = 1, in_place: bool = False) -> None:
-    """Choose each weight's store, lay out each layer and build its host buffers.
+    """Choose each weight's store, lay out each layer and build its host buffers; the decision is
+    recorded on each store (``LayerStore.plan``, ``LayerStore.pin``).
 
     ``available_bytes`` is the host's headroom, shared by ``local_ranks``
     ranks that each make this plan: copies and pinned buffers are weighed
@@ -212,43 +257,28 @@ def plan(stores: list[LayerStore], host_store: str, available_bytes: int | None,
         for w, m in zip(weights, on_mapping):
             w.store = MAPPED if m else STRIDED
             w.host = w.param.data
+        _record(stores, StorePlan(StoreRule.IN_PLACE, host_store, local_ranks=local_ranks))
         log_plan(stores, device)
         return
-    mapped_candidates = {id(w) for w, m in zip(weights, on_mapping) if m and w.contiguous}
-    candidate_bytes = sum(w.nbytes for w in weights if id(w) in mapped_candidates)
     if available_bytes is None:
         available_bytes = host_memory_available_bytes()
-    if host_store == "mapped":
-        keep_mapped = True
-    elif host_store == "auto":
-        keep_mapped = host_copies_would_not_fit(
-            candidate_bytes, available_bytes=available_bytes, local_ranks=local_ranks
-        )
-    else:
-        keep_mapped = False
-    for w in weights:
-        if keep_mapped and id(w) in mapped_candidates:
-            w.store = MAPPED
-            w.host = w.param.data
-        elif not w.contiguous:
-            w.store = STRIDED
-        else:
-            w.store = CONSOLIDATED
+    _record(stores, _choose(weights, on_mapping, host_store, available_bytes, local_ranks))
     # Pinned stores are copied by DMA straight from pinned memory (no
     # staging), so each pinned byte buys overlap; pin while the budget lasts.
     budget = host_copy_room(available_bytes, local_ranks) // local_ranks  # this rank's share
-    pin_allowed = cuda and host_store in ("auto", "pinned")
     if host_store == "pinned" and not cuda:
         logger.info("host_store='pinned' on %s: pinning needs CUDA, using pageable buffers", device)
     bar = byte_bar(sum(s.bytes_in(CONSOLIDATED) + s.bytes_in(STRIDED) for s in stores), "Building host stores")
     for store in stores:
         bar.update(store.bytes_in(CONSOLIDATED) + store.bytes_in(STRIDED))
         layout(store)
-        consolidated = store.bytes_in(CONSOLIDATED)
-        pin = pin_allowed and (host_store == "pinned" or consolidated <= budget)
+        store.pin = _pin_choice(store, host_store, cuda, budget)
+        pin = store.pin is PinChoice.PINNED
         if pin:
-            budget -= consolidated
+            budget -= store.bytes_in(CONSOLIDATED)
         build_consolidated(store, pin, device=device.index if cuda and device.index is not None else -1)
+        if pin and not store.pinned:
+            store.pin = PinChoice.REFUSED
         for w in store.weights:
             if w.store == STRIDED:
                 build_strided(w)

@@ -23,6 +23,7 @@ nothing in between (adjacent spans merged): ``layer_bytes`` plus nothing.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,39 @@ if TYPE_CHECKING:
 ALIGN = 256  # bytes: device allocations and vector loads like this alignment
 
 MAPPED, CONSOLIDATED, STRIDED = "mapped", "consolidated", "strided"
+
+
+class StoreRule(str, enum.Enum):
+    """Which rule chose the host stores of a manager's weights (:func:`~.plan.plan`)."""
+
+    IN_PLACE = "in place"  # the CPU computes from the host tensors: each weight kept as it is
+    ASKED = "asked"  # host_store named a store (mapped, pageable, pinned)
+    COPIES_DO_NOT_FIT = "copies would not fit"  # auto: host copies would not fit, the mapped weights stay mapped
+    COPIES_FIT = "copies fit"  # auto: host copies fit, the weights are copied into host buffers
+
+
+class PinChoice(str, enum.Enum):
+    """Why a layer's consolidated buffers are pinned or pageable."""
+
+    NONE = "no consolidated weights"  # nothing to pin: mapped or strided weights only
+    PINNED = "pinned"
+    NOT_ASKED = "not asked"  # host_store='pageable', or 'mapped' (what is not on a mapping is copied pageable)
+    NO_CUDA = "pinning needs CUDA"
+    OVER_BUDGET = "over the pinning budget"  # auto: the rank's share of the room was spent on earlier layers
+    REFUSED = "page-locking refused"  # the runtime refused cudaHostRegister: its copies are staged
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """The decision :func:`~.plan.plan` made for a manager's weights, recorded on each layer's store
+    (``summary()`` reads it rather than deriving it again)."""
+
+    rule: StoreRule
+    host_store: str  # as asked: auto, mapped, pageable, pinned
+    weighed_bytes: int = 0  # the mapped bytes the auto rule weighed (contiguous weights on a file mapping)
+    available_bytes: int | None = None  # the host's headroom it was weighed against (None: nothing weighed)
+    local_ranks: int = 1
+    room: int | None = None  # what the local ranks' copies may take together (``host_copy_room``)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -76,6 +110,8 @@ class LayerStore:
     dev_bytes: dict = field(default_factory=dict)  # dtype -> device buffer size
     consolidated: dict = field(default_factory=dict)  # dtype -> uint8 host buffer
     pinned: bool = False
+    plan: StorePlan | None = None  # the rule that chose its weights' stores (set by plan.plan)
+    pin: PinChoice = PinChoice.NONE  # why its consolidated buffers are pinned or pageable
     _spans: list[tuple[Any, int, int, int, bool]] | None = None
 
     @property
