@@ -19,11 +19,11 @@ permitted).
   a0) mapping-readahead  the same without MADV_RANDOM|MADV_HUGEPAGE (the
                kernel's default read-around: what a kernel without large-folio
                faults, or a manager without the advice, gets)
-  b) direct    ``DirectReader`` (O_DIRECT into 2 reused page-aligned buffers),
+  b) direct    ``UncachedReader`` (O_DIRECT into 2 reused page-aligned buffers),
                per layer read, use, release
   b') direct+prefetch  the same, the next layer read (``read_async``) while
                the current one is used
-  c) pread     ``DirectReader(direct=False)``: pread, then POSIX_FADV_DONTNEED
+  c) pread     ``UncachedReader(o_direct=False)``: pread, then POSIX_FADV_DONTNEED
 
 "Use" is a checksum of every byte of the layer (int64 sum), the same for every
 variant (and compared: the variants must read the same bytes). Reported per
@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from mapoffload._core import SpanArray, advise_pageout, advise_random, populate_read
-    from mapoffload.pagecache.direct_read import DirectReader
+    from mapoffload.pagecache.uncached_read import UncachedReader
 
     torch.set_num_threads(1)  # the checksum; the reads have threads of their own
     size = os.path.getsize(args.file)
@@ -161,8 +161,8 @@ def child(args: argparse.Namespace) -> None:
         pool = ThreadPoolExecutor(max_workers=1)  # as the manager's page worker: reads and let-gos in order
         pool.submit(int).result()
     else:
-        reader = DirectReader(buffers=2, io_bytes=args.io_mib * MIB, threads=args.threads,
-                              direct=args.variant != "pread")
+        reader = UncachedReader(buffers=2, io_bytes=args.io_mib * MIB, threads=args.threads,
+                                o_direct=args.variant != "pread")
         f = reader.open(fd, args.file)
         if args.variant == "direct+prefetch":  # both buffers and the worker thread, made now
             with reader.read(f, 0, layer), reader.read_async(f, 0, layer).result():
@@ -232,14 +232,14 @@ def sweep_child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from mapoffload.pagecache.direct_read import DirectReader
+    from mapoffload.pagecache.uncached_read import UncachedReader
 
     size = os.path.getsize(args.file)
     layer = args.layer_mib * MIB
     rows = []
     for io_mib in (1, 4, 8):
         for threads in (1, 2, 4):
-            with DirectReader(buffers=2, io_bytes=io_mib * MIB, threads=threads) as reader:
+            with UncachedReader(buffers=2, io_bytes=io_mib * MIB, threads=threads) as reader:
                 f = reader.open(args.file)
                 reader.read(f, 0, layer).release()
                 times, reads = [], []

@@ -18,7 +18,7 @@ import torch
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
 from mapoffload.offload.sources import ReadAroundSource
-from mapoffload.pagecache.direct_read import DirectReader
+from mapoffload.pagecache.uncached_read import UncachedReader
 
 from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
 
@@ -89,7 +89,7 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
         for i in plan.cached:
             assert layer_resident(mgr, i) > 0
         stats = mgr.loads.source.reader.stats()
-        if stats["direct_bytes"] == 0:
+        if stats["uncached_bytes"] == 0:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
         # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
         assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 2 * 4096 + 65536, read
@@ -181,16 +181,16 @@ def test_a_failed_read_on_the_worker_is_raised_by_the_layer(ckpt, monkeypatch):
     with _twin(model) as mgr:
         mgr.register_forward_hooks()
         reader = mgr.loads.source.reader
-        real = DirectReader._read_into
+        real = UncachedReader._read_into
 
         def failing(self, *a, **kw):
             raise OSError(5, "injected read failure")
 
-        monkeypatch.setattr(DirectReader, "_read_into", failing)
+        monkeypatch.setattr(UncachedReader, "_read_into", failing)
         with torch.no_grad(), pytest.raises(OSError, match="injected"):
             model(x)
         assert reader.leased == 0 and mgr.loads.source.outstanding == 0
-        monkeypatch.setattr(DirectReader, "_read_into", real)
+        monkeypatch.setattr(UncachedReader, "_read_into", real)
         assert torch.equal(_forwards(model, x, 1)[0], want)  # the next forward reads afresh
 
 
@@ -202,13 +202,13 @@ def test_close_with_a_read_in_flight_is_clean(ckpt, monkeypatch):
     assert torch.equal(_forwards(model, x, 1)[0], want)
     reader = mgr.loads.source.reader
     gate = threading.Event()
-    real = DirectReader._read_into
+    real = UncachedReader._read_into
 
     def slow(self, *a, **kw):
         gate.wait(10)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(DirectReader, "_read_into", slow)
+    monkeypatch.setattr(UncachedReader, "_read_into", slow)
     streamed = mgr.residency.streamed
     mgr.prefetch_layer(streamed[0])
     mgr.prefetch_layer(streamed[1])  # both reads held on the worker
@@ -293,7 +293,7 @@ import os, threading, torch
 from stacks import Stack, mapped, IN
 from safetensors.torch import save_file
 from mapoffload import LayerwiseOffloadManager
-from mapoffload.pagecache.direct_read import DirectReader
+from mapoffload.pagecache.uncached_read import UncachedReader
 torch.manual_seed(0)
 ref = Stack()
 path = {str(tmp_path / "stack.safetensors")!r}
@@ -309,11 +309,11 @@ mgr.register_forward_hooks()
 with torch.no_grad():
     assert torch.equal(model(x), want)
 gate = threading.Event()
-real = DirectReader._read_into
+real = UncachedReader._read_into
 def slow(self, *a, **kw):
     gate.wait(5)
     return real(self, *a, **kw)
-DirectReader._read_into = slow
+UncachedReader._read_into = slow
 s = mgr.residency.streamed
 mgr.prefetch_layer(s[0])
 mgr.prefetch_layer(s[1])  # reads in flight on the parent's worker at the fork
@@ -358,7 +358,7 @@ def test_an_explicit_copier_is_shared_and_left_open(ckpt):
 
 
 @pytest.mark.cuda
-def test_cuda_direct_reads_match_the_mapping_path(ckpt):
+def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
     path, x, want = ckpt
     outs = {}
     for mode in ("mapping", "uncached"):

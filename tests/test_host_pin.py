@@ -1,6 +1,6 @@
 """Page-locking host memory through the native CUDA loader (``_core.host_register``,
 ``_core.HostPin``) and the read-around buffers that use it
-(``DirectReader(pin_device=)``), under the stand-in runtime (tests/fakecuda):
+(``UncachedReader(pin_device=)``), under the stand-in runtime (tests/fakecuda):
 registered once, unregistered exactly once - on ``unregister()``, when the
 reader closes or is dropped, when a buffer grows, comes back after close or is
 dropped unreleased - and never in a forked child."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mapoffload import CudaError
-from mapoffload.pagecache.direct_read import DirectReader
+from mapoffload.pagecache.uncached_read import UncachedReader
 from mapoffload._native import _core
 
 from fakecuda import cudaErrorMemoryAllocation
@@ -89,7 +89,7 @@ def test_a_refused_registration_raises_and_holds_nothing(fake):
 
 def test_reader_buffers_are_pinned_reused_and_unregistered_on_close(fake, data_file):
     path, data = data_file
-    r = DirectReader(buffers=2, pin_device=0)
+    r = UncachedReader(buffers=2, pin_device=0)
     for _ in range(3):  # three "forwards" over the same layers: one buffer, registered once
         for k in range(3):
             with r.read(path, k * 2 * MIB + 1, (k + 1) * 2 * MIB) as buf:
@@ -108,7 +108,7 @@ def test_reader_buffers_are_pinned_reused_and_unregistered_on_close(fake, data_f
 
 def test_a_grown_buffer_is_unregistered_before_it_goes(fake, data_file):
     path, _ = data_file
-    with DirectReader(buffers=1, pin_device=0) as r:
+    with UncachedReader(buffers=1, pin_device=0) as r:
         with r.read(path, 0, MIB):
             pass
         with r.read(path, 0, 5 * MIB) as buf:  # the free 2 MiB buffer grows to 6 MiB
@@ -120,7 +120,7 @@ def test_a_grown_buffer_is_unregistered_before_it_goes(fake, data_file):
 
 def test_a_dropped_reader_and_a_dropped_buffer_unregister(fake, data_file):
     path, _ = data_file
-    r = DirectReader(buffers=2, pin_device=0)
+    r = UncachedReader(buffers=2, pin_device=0)
     keep = r.read(path, 0, MIB)
     lost = r.read(path, 0, MIB)
     assert _registered(fake) == 2
@@ -136,7 +136,7 @@ def test_a_dropped_reader_and_a_dropped_buffer_unregister(fake, data_file):
 def test_a_refused_registration_leaves_the_buffer_pageable_and_says_so(fake, data_file, caplog):
     path, data = data_file
     fake.fail("cudaHostRegister", error=cudaErrorMemoryAllocation)
-    with caplog.at_level(logging.WARNING, logger="mapoffload"), DirectReader(pin_device=0) as r:
+    with caplog.at_level(logging.WARNING, logger="mapoffload"), UncachedReader(pin_device=0) as r:
         with r.read(path, 3, MIB) as buf:
             assert not buf.pinned and bytes(buf.tensor().numpy()) == data[3:MIB]
         assert r.stats()["pin_failures"] == 1 and r.pinned_bytes == 0 and "cudaHostRegister" in r.pin_why
@@ -146,7 +146,7 @@ def test_a_refused_registration_leaves_the_buffer_pageable_and_says_so(fake, dat
 
 def test_unpinned_readers_never_call_the_runtime(fake, data_file):
     path, _ = data_file
-    with DirectReader() as r, r.read(path, 0, MIB) as buf:
+    with UncachedReader() as r, r.read(path, 0, MIB) as buf:
         assert not buf.pinned
     assert fake.stat("cudaHostRegister") == 0
 
@@ -154,7 +154,7 @@ def test_unpinned_readers_never_call_the_runtime(fake, data_file):
 def test_a_forked_child_unregisters_nothing(fake, data_file):
     """Page locks are not inherited: in a child the pins are not registered, and dropping them calls nothing."""
     path, data = data_file
-    r = DirectReader(buffers=2, pin_device=0)
+    r = UncachedReader(buffers=2, pin_device=0)
     free = r.read(path, 0, MIB)
     held = r.read(path, MIB, 2 * MIB)
     free.release()

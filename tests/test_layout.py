@@ -174,7 +174,7 @@ def test_layers_import_downward_only(layer, above):
 
 def test_nothing_process_wide_in_the_offload_parts():
     names = set(module_graph())
-    for process_wide in ("coordinator", "peers", "kernel", "direct_read"):
+    for process_wide in ("coordinator", "peers", "kernel", "uncached_read"):
         assert f"mapoffload.pagecache.{process_wide}" in names
         assert f"mapoffload.offload.{process_wide}" not in names
     assert not any(n.startswith("mapoffload._manager") for n in names)

@@ -156,7 +156,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         forward(model, x, want)
 
 
-def test_direct_buffers_are_charged_before_they_are_made(ckpt, cap):
+def test_uncached_buffers_are_charged_before_they_are_made(ckpt, cap):
     path, x, want = ckpt
     cap(100)
     model = mapped(path)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier, CopyHandle
-    from ..pagecache.direct_read import DirectBuffer
+    from ..pagecache.uncached_read import UncachedBuffer
 
 __all__ = ["DeviceCopies"]
 
@@ -243,7 +243,7 @@ class DeviceCopies(Target):
         return Load(buffers, job, around=job)
 
     def _copy_from(self, store: LayerStore, where: list, buffers: dict, stream: Any,
-                   buf: DirectBuffer) -> CopyHandle:
+                   buf: UncachedBuffer) -> CopyHandle:
         """Submit layer ``store``'s copies: mapped weights from ``buf``, the others from their host stores.
 
         Runs on the reader's worker thread when the read completed.
@@ -311,8 +311,8 @@ class ReadThenCopy:
 
     __slots__ = ("buffer", "copy", "error", "returned", "_copy_from", "_submitted")
 
-    def __init__(self, read: Future, copy_from: Callable[[DirectBuffer], CopyHandle]) -> None:
-        self.buffer: DirectBuffer | None = None
+    def __init__(self, read: Future, copy_from: Callable[[UncachedBuffer], CopyHandle]) -> None:
+        self.buffer: UncachedBuffer | None = None
         self.copy: CopyHandle | None = None
         self.error: BaseException | None = None
         self.returned = False  # the target is done with the buffer (DeviceCopies._give_back)

@@ -62,7 +62,7 @@ class _PagesRead:
 
 
 class AroundRead:
-    """A layer's bytes being read around the page cache (a Future of a DirectBuffer); ``buffer`` once
+    """A layer's bytes being read around the page cache (a Future of a UncachedBuffer); ``buffer`` once
     waited for."""
 
     __slots__ = ("buffer", "future")

@@ -7,7 +7,7 @@ layer (:meth:`takes`):
 - :data:`~mapoffload.pagecache.read_source.MAPPING` takes none: every layer is read through its
   mapping (read in, or copied from it, and let go after use by the page-cache side).
 - :class:`ReadAroundSource` takes a streamed layer when a buffer is free: its file bytes are read with
-  ``O_DIRECT`` (:class:`~mapoffload.pagecache.direct_read.DirectReader`) into one of ``1 + depth``
+  ``O_DIRECT`` (:class:`~mapoffload.pagecache.uncached_read.UncachedReader`) into one of ``1 + depth``
   reused, page-aligned buffers (the plan's streaming window, in anonymous memory instead of the page
   cache; page-locked on CUDA), and the target computes from that buffer (in place) or copies from it
   (the device path). It declines a layer whose weights were written in place (its pages are no longer
@@ -57,11 +57,11 @@ class ReadAroundSource:
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, buffers: int, *,
                  pin_device: int | None = None) -> None:
-        from ..pagecache.direct_read import DirectReader
+        from ..pagecache.uncached_read import UncachedReader
 
         self._stores, self._pages = stores, pages
         # Buffers of the largest layer's bytes, made so: what the plan charges (planned_bytes).
-        self.reader = DirectReader(buffers=max(1, buffers), buffer_bytes=layer_buffer_bytes(stores, pages) or None,
+        self.reader = UncachedReader(buffers=max(1, buffers), buffer_bytes=layer_buffer_bytes(stores, pages) or None,
                                    pin_device=pin_device)
         self._where: dict[int, list] = {}  # layer -> (weight, extent index, byte offset in its file)
         self._placed: dict[int, tuple[int, int]] = {}  # id(weight) -> (extent index, byte offset in its file)
@@ -136,7 +136,7 @@ class ReadAroundSource:
                     or not self.places(i) or written_in_place(self._stores[i], self._written))
 
     def read(self, i: int) -> Future:
-        """Start reading layer ``i``'s file bytes into a buffer (a Future of a ``DirectBuffer``); give it
+        """Start reading layer ``i``'s file bytes into a buffer (a Future of a ``UncachedBuffer``); give it
         back with :meth:`done`."""
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]
         future = self.reader.read_extents_async(extents)
@@ -168,7 +168,7 @@ class ReadAroundSource:
 
 def layer_buffer_bytes(stores: list[LayerStore], pages: LayerPages) -> int:
     """Bytes of the read-around buffer the largest layer's mapped weights take (0: none mapped)."""
-    from ..pagecache.direct_read import buffer_capacity
+    from ..pagecache.uncached_read import buffer_capacity
 
     return max((buffer_capacity([(e.first, e.end) for e in pages.extents(i)])
                 for i, s in enumerate(stores) if s.bytes_in(MAPPED)), default=0)

@@ -1,4 +1,4 @@
-"""Reading file bytes around the page cache (csrc/direct_read.*, mapoffload/pagecache/direct_read.py).
+"""Reading file bytes around the page cache (csrc/direct_read.*, mapoffload/pagecache/uncached_read.py).
 
 The bytes are the file's for every alignment and size, on both paths; a
 truncated file is a MappingFaultError naming it; filesystems without O_DIRECT
@@ -19,7 +19,7 @@ import torch
 
 from mapoffload import MappingFaultError, drop_page_cache
 from mapoffload._core import DIRECT_ALIGN, direct_span, file_resident_bytes, open_for_reading, read_ranges
-from mapoffload.pagecache.direct_read import DirectReader
+from mapoffload.pagecache.uncached_read import UncachedReader
 from mapoffload._native import _core
 
 MIB = 1 << 20
@@ -54,7 +54,7 @@ def _aligned(nbytes: int) -> tuple[torch.Tensor, int]:
 
 
 def _is_direct(path) -> bool:
-    with DirectReader() as r:
+    with UncachedReader() as r:
         return r.open(path).method == "direct"
 
 
@@ -138,7 +138,7 @@ def test_native_rejects_bad_input(disk_file):
 def test_reader_bytes_equal_the_file(disk_file, name):
     path, data = disk_file
     first, n = RANGES[name]
-    with DirectReader(io_bytes=MIB) as r:
+    with UncachedReader(io_bytes=MIB) as r:
         with r.read(path, first, first + n) as buf:
             assert buf.data.data_ptr() % DIRECT_ALIGN == 0
             assert (buf.data.data_ptr() + buf.offset) % DIRECT_ALIGN == first % DIRECT_ALIGN
@@ -150,7 +150,7 @@ def test_views_of_a_dtype_bind_without_a_copy(disk_file):
     path, data = disk_file
     first = 3 * MIB + 24  # a float32 tensor of 1000 elements stored here
     want = torch.frombuffer(bytearray(data[first:first + 4000]), dtype=torch.float32)
-    with DirectReader() as r, r.read(path, first - 8, first + 4008) as buf:
+    with UncachedReader() as r, r.read(path, first - 8, first + 4008) as buf:
         t = buf.view(first, first + 4000).view(torch.float32)
         assert t.untyped_storage().data_ptr() == buf.data.untyped_storage().data_ptr()  # a view, no copy
         assert torch.equal(t.view(torch.int32), want.view(torch.int32))  # random bits: NaNs among them
@@ -162,7 +162,7 @@ def test_extents_of_two_files_share_one_buffer(tmp_path, disk_file):
     path, data = disk_file
     other = tmp_path / "shard2.bin"
     data2 = _write(other, 3 * MIB + 5, seed=1)
-    with DirectReader() as r:
+    with UncachedReader() as r:
         with r.read_extents([(path, 9 * MIB, len(data)), (other, 0, 2 * MIB + 1)]) as buf:
             assert bytes(buf.tensor(0).numpy()) == data[9 * MIB:]
             assert bytes(buf.tensor(1).numpy()) == data2[:2 * MIB + 1]
@@ -175,7 +175,7 @@ def test_a_truncated_file_raises_naming_path_and_offset(tmp_path, direct):
     _write(path, 2 * MIB)
     fd = os.open(path, os.O_RDONLY)
     try:
-        with DirectReader(direct=direct) as r:
+        with UncachedReader(o_direct=direct) as r:
             f = r.open(fd)
             os.truncate(path, MIB + 100)  # under the held descriptor
             with pytest.raises(MappingFaultError) as e:
@@ -197,7 +197,7 @@ def test_tmpfs_reads_buffered_and_says_so():
     path = f"/dev/shm/mapoffload-direct-{os.getpid()}"
     try:
         data = _write(path, 3 * MIB + 11)
-        with DirectReader() as r:
+        with UncachedReader() as r:
             f = r.open(path)
             if "tmpfs" not in f.why:
                 pytest.skip(f"/dev/shm is not tmpfs here ({f})")
@@ -205,7 +205,7 @@ def test_tmpfs_reads_buffered_and_says_so():
             with r.read(f, 7, 3 * MIB + 11) as buf:
                 assert buf.methods == ["buffered"]
                 assert bytes(buf.tensor().numpy()) == data[7:]
-            assert r.stats()["buffered_bytes"] == 3 * MIB + 4 and r.stats()["direct_bytes"] == 0
+            assert r.stats()["buffered_bytes"] == 3 * MIB + 4 and r.stats()["uncached_bytes"] == 0
     finally:
         os.unlink(path)
 
@@ -224,7 +224,7 @@ def test_ramfs_refuses_o_direct_and_reads_buffered(tmp_path):
             with pytest.raises(OSError) as e:
                 os.close(os.open(f"/proc/self/fd/{fd0}", os.O_RDONLY | os.O_DIRECT))
             assert e.value.errno == errno.EINVAL
-            with DirectReader() as r:
+            with UncachedReader() as r:
                 f = r.open(fd0)
                 assert f.method == "buffered" and f.why
                 with r.read(f, 1, MIB + 3) as buf:
@@ -238,7 +238,7 @@ def test_ramfs_refuses_o_direct_and_reads_buffered(tmp_path):
 def test_an_open_refusing_o_direct_reads_buffered(disk_file):
     path, data = disk_file
     _core._inject_direct_errors(errno.EINVAL, 0)
-    with DirectReader() as r:
+    with UncachedReader() as r:
         f = r.open(path)
         assert f.method == "buffered" and "refuses O_DIRECT" in f.why
         assert not (fcntl_flags(f.fd) & os.O_DIRECT)
@@ -254,7 +254,7 @@ def fcntl_flags(fd: int) -> int:
 
 def test_a_pread_refusing_o_direct_falls_back_and_stays_buffered(disk_file):
     path, data = disk_file
-    with DirectReader(threads=2, io_bytes=MIB) as r:
+    with UncachedReader(threads=2, io_bytes=MIB) as r:
         f = r.open(path)
         if f.method != "direct":
             pytest.skip(f"no O_DIRECT here: {f.why}")
@@ -281,7 +281,7 @@ def test_the_direct_path_leaves_the_page_cache_empty(disk_file):
     drop_page_cache(path)
     if _cached(path) > 0:
         pytest.skip("the file's pages cannot be dropped here")
-    with DirectReader() as r, r.read(path, 1, len(data)) as buf:
+    with UncachedReader() as r, r.read(path, 1, len(data)) as buf:
         assert buf.method == "direct"
         assert bytes(buf.tensor()[:MIB].numpy()) == data[1:MIB + 1]
     assert _cached(path) == 0
@@ -294,7 +294,7 @@ def test_the_buffered_path_drops_what_it_read(disk_file):
     drop_page_cache(path)
     if _cached(path) > 0:
         pytest.skip("the file's pages cannot be dropped here")
-    with DirectReader(direct=False) as r, r.read(path, 10, 8 * MIB + 10) as buf:
+    with UncachedReader(o_direct=False) as r, r.read(path, 10, 8 * MIB + 10) as buf:
         assert buf.method == "buffered"
         assert bytes(buf.tensor().numpy()) == data[10:8 * MIB + 10]
     # Only the partial pages at the range's two ends may stay (the kernel drops whole pages).
@@ -303,7 +303,7 @@ def test_the_buffered_path_drops_what_it_read(disk_file):
 
 def test_buffers_are_reused_and_bounded(disk_file):
     path, _ = disk_file
-    with DirectReader(buffers=2) as r:
+    with UncachedReader(buffers=2) as r:
         ptrs = set()
         for _ in range(3):  # three "forwards" of four layers
             for k in range(4):
@@ -328,7 +328,7 @@ def test_buffers_are_reused_and_bounded(disk_file):
 
 def test_a_buffer_dropped_without_release_is_not_reused(disk_file):
     path, data = disk_file
-    with DirectReader(buffers=1) as r:
+    with UncachedReader(buffers=1) as r:
         buf = r.read(path, 0, MIB)
         view = buf.tensor()
         del buf  # never released: its memory stays with `view`
@@ -339,7 +339,7 @@ def test_a_buffer_dropped_without_release_is_not_reused(disk_file):
 
 def test_a_larger_read_than_fixed_buffers_is_refused(disk_file):
     path, _ = disk_file
-    with DirectReader(buffer_bytes=MIB) as r:
+    with UncachedReader(buffer_bytes=MIB) as r:
         with pytest.raises(ValueError, match="does not fit"):
             r.read(path, 1, MIB + 1)  # the aligned superset is MiB + 4 KiB
         with r.read(path, 0, MIB) as buf:
@@ -354,14 +354,14 @@ def test_a_renamed_over_path_still_reads_the_held_inode(tmp_path):
         new_path = tmp_path / "ckpt.bin.tmp"
         new = _write(new_path, MIB, seed=3)
         os.rename(new_path, path)  # an atomic replace, as downloaders do
-        with DirectReader() as r:
+        with UncachedReader() as r:
             with r.read(fd, 0, 2 * MIB + 1) as buf:
                 assert bytes(buf.tensor().numpy()) == old
             with r.read(path, 0, MIB) as buf:  # the path now names the new file
                 assert bytes(buf.tensor().numpy()) == new
             assert len(r.files()) == 2
         os.unlink(path)  # and after the name is gone altogether
-        with DirectReader() as r, r.read(fd, 5, 105) as buf:
+        with UncachedReader() as r, r.read(fd, 5, 105) as buf:
             assert bytes(buf.tensor().numpy()) == old[5:105]
     finally:
         os.close(fd)
@@ -369,7 +369,7 @@ def test_a_renamed_over_path_still_reads_the_held_inode(tmp_path):
 
 def test_async_reads_and_close(disk_file):
     path, data = disk_file
-    r = DirectReader(buffers=2)
+    r = UncachedReader(buffers=2)
     futs = [r.read_async(path, k * MIB, (k + 1) * MIB + 3) for k in range(2)]
     bufs = [f.result(timeout=30) for f in futs]
     for k, b in enumerate(bufs):
@@ -388,7 +388,7 @@ def test_async_reads_and_close(disk_file):
 def test_close_wakes_a_read_waiting_for_a_buffer(disk_file):
     """A read waiting for a buffer when close() comes raises; the leased one stays its holder's until released."""
     path, data = disk_file
-    r = DirectReader(buffers=1)
+    r = UncachedReader(buffers=1)
     held = r.read(path, 0, MIB)
     raised: list[BaseException] = []
 
@@ -412,7 +412,7 @@ def test_close_wakes_a_read_waiting_for_a_buffer(disk_file):
 
 def test_a_forked_child_reads_with_threads_of_its_own(disk_file):
     path, data = disk_file
-    with DirectReader(threads=2, io_bytes=MIB) as r:
+    with UncachedReader(threads=2, io_bytes=MIB) as r:
         with r.read_async(path, 0, 3 * MIB).result(timeout=30) as buf:  # the parent's worker exists
             assert bytes(buf.tensor()[:100].numpy()) == data[:100]
         pid = os.fork()
@@ -436,7 +436,7 @@ def test_a_failed_asynchronous_read_leaves_a_forked_child_every_buffer(disk_file
     """An asynchronous read refused before it had a buffer is no lease of the worker's: a child forked
     after it still has every buffer (a child writes off only what the worker held at the fork)."""
     path, data = disk_file
-    with DirectReader(buffers=1, buffer_bytes=MIB) as r:
+    with UncachedReader(buffers=1, buffer_bytes=MIB) as r:
         held = r.read(path, 0, 10) if failure == "timeout" else None
         first, end, timeout = {"too_large": (0, 2 * MIB, None), "bad_extent": (5, 1, None),
                                "timeout": (0, 10, 0.05)}[failure]
@@ -460,7 +460,7 @@ def test_a_failed_asynchronous_read_leaves_a_forked_child_every_buffer(disk_file
 
 def test_close_does_not_wait_for_a_queued_read_stuck_on_a_buffer_its_caller_holds(disk_file):
     path, _ = disk_file
-    r = DirectReader(buffers=1)
+    r = UncachedReader(buffers=1)
     held = r.read(path, 0, 10)
     fut = r.read_async(path, 0, 10)  # waits for `held` on the worker
     closer = threading.Thread(target=r.close, daemon=True)
@@ -500,7 +500,7 @@ def test_reads_release_the_gil(disk_file):
     t = threading.Thread(target=tick)
     t.start()
     try:
-        with DirectReader(threads=1, io_bytes=DIRECT_ALIGN) as r:  # many small I/Os: a long call
+        with UncachedReader(threads=1, io_bytes=DIRECT_ALIGN) as r:  # many small I/Os: a long call
             ran = False
             for _ in range(5):
                 before = len(ticks)

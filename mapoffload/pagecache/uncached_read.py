@@ -4,7 +4,7 @@ Under a memory cap too tight for the streaming window, reading streamed
 layers through their mapping (``MADV_POPULATE_READ``, then ``MADV_PAGEOUT``)
 makes the kernel read much of the checkpoint twice: readahead and reclaim
 evict pages of the layer in use, whose next touch reads them again. A
-:class:`DirectReader` reads "the bytes ``[first, end)`` of file F" with
+:class:`UncachedReader` reads "the bytes ``[first, end)`` of file F" with
 ``O_DIRECT`` straight into one of a few page-aligned CPU buffers: nothing
 passes through the page cache, so nothing of it is evicted or read twice, and
 the memory it uses is the buffers, bounded and reused from one forward to the
@@ -13,19 +13,19 @@ next.
 Where a filesystem has no ``O_DIRECT`` (ramfs, overlay or FUSE setups,
 tmpfs before Linux 6.6; tmpfs is read buffered on purpose everywhere: its
 pages are the file), the same call reads with ``pread`` and drops the pages
-after it (``POSIX_FADV_DONTNEED``); :attr:`DirectFile.method` and
-:attr:`DirectBuffer.methods` say which path was taken.
+after it (``POSIX_FADV_DONTNEED``); :attr:`UncachedFile.method` and
+:attr:`UncachedBuffer.methods` say which path was taken.
 
 Layout: the byte at file offset ``x`` lands at a buffer address congruent to
 ``x`` modulo :data:`DIRECT_ALIGN` (4096), whichever path was taken, so a
 tensor aligned in the file is aligned in the buffer and views of its dtype
-bind to the buffer without a copy (:meth:`DirectBuffer.view`).
+bind to the buffer without a copy (:meth:`UncachedBuffer.view`).
 
 Pinning (``pin_device=``, the device path): each buffer is page-locked with
 the CUDA runtime when it is made, so that a device copy DMAs straight from it;
-:mod:`~mapoffload.pagecache.direct_pool` (the buffers) says when it is
+:mod:`~mapoffload.pagecache.uncached_pool` (the buffers) says when it is
 unregistered. A refused registration leaves the buffer pageable
-(:attr:`DirectBuffer.pinned` says which).
+(:attr:`UncachedBuffer.pinned` says which).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ from typing import Any
 
 from .._log import format_bytes, logger
 from .._native import _core
-from .direct_buffers import DIRECT_ALIGN, DirectBuffer, DirectFile, Slab, buffer_capacity, round_up
-from .direct_pool import SlabPool
+from .uncached_buffers import DIRECT_ALIGN, UncachedBuffer, UncachedFile, Slab, buffer_capacity, round_up
+from .uncached_pool import SlabPool
 
-__all__ = ["DIRECT_ALIGN", "DirectBuffer", "DirectFile", "DirectReader", "buffer_capacity"]
+__all__ = ["DIRECT_ALIGN", "UncachedBuffer", "UncachedFile", "UncachedReader", "buffer_capacity"]
 
-_READERS: weakref.WeakSet[DirectReader] = weakref.WeakSet()
+_READERS: weakref.WeakSet[UncachedReader] = weakref.WeakSet()
 
 
-class DirectReader:
+class UncachedReader:
     """Reads file byte ranges around the page cache into a bounded pool of buffers.
 
     Parameters
@@ -67,7 +67,7 @@ class DirectReader:
         Reads in flight at once within one call (the calling thread and
         ``threads - 1`` threads started for the call and joined before it
         returns).
-    direct
+    o_direct
         False reads every file buffered (``pread`` + ``POSIX_FADV_DONTNEED``),
         for comparison.
     pin_device
@@ -85,7 +85,7 @@ class DirectReader:
     """
 
     def __init__(self, *, buffers: int = 2, buffer_bytes: int | None = None, io_bytes: int = 4 << 20,
-                 threads: int = 2, direct: bool = True, pin_device: int | None = None) -> None:
+                 threads: int = 2, o_direct: bool = True, pin_device: int | None = None) -> None:
         if buffers < 1:
             raise ValueError(f"buffers must be >= 1, not {buffers}")
         if io_bytes < DIRECT_ALIGN or io_bytes % DIRECT_ALIGN:
@@ -96,22 +96,22 @@ class DirectReader:
             raise ValueError(f"buffer_bytes must be >= {DIRECT_ALIGN}, not {buffer_bytes}")
         self.buffers = buffers
         self.buffer_bytes = None if buffer_bytes is None else round_up(buffer_bytes, DIRECT_ALIGN)
-        self.io_bytes, self.threads, self.direct = io_bytes, threads, direct
+        self.io_bytes, self.threads, self.o_direct = io_bytes, threads, o_direct
         self.pin_device = pin_device
         self._slabs = SlabPool(buffers, self.buffer_bytes, pin_device)  # its own lock, never taken inside ours
         self._cond = threading.Condition()  # guards what follows (reads in flight, files, stats, the worker)
         self._active = 0  # reads using descriptors now
         self._closing = False  # close() began: no new reads are taken
         self._closed = False
-        self._files: dict[tuple[int, int], DirectFile] = {}
+        self._files: dict[tuple[int, int], UncachedFile] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._stats = {"reads": 0, "wanted_bytes": 0, "direct_bytes": 0, "buffered_bytes": 0, "seconds": 0.0}
+        self._stats = {"reads": 0, "wanted_bytes": 0, "uncached_bytes": 0, "buffered_bytes": 0, "seconds": 0.0}
         _READERS.add(self)
 
     # --- files -----------------------------------------------------------------------------------
 
-    def open(self, file: Any, path: str | None = None) -> DirectFile:
-        """The :class:`DirectFile` for ``file``; one per inode, opened on first use.
+    def open(self, file: Any, path: str | None = None) -> UncachedFile:
+        """The :class:`UncachedFile` for ``file``; one per inode, opened on first use.
 
         Parameters
         ----------
@@ -125,7 +125,7 @@ class DirectReader:
             The name to use in messages (default: the object's ``path``, or
             what ``/proc/self/fd`` says).
         """
-        if isinstance(file, DirectFile) and self._files.get(file.key) is file:
+        if isinstance(file, UncachedFile) and self._files.get(file.key) is file:
             return file
         own = None
         if isinstance(file, int):
@@ -149,11 +149,11 @@ class DirectReader:
                     path = os.readlink(f"/proc/self/fd/{fd}")
                 except OSError:
                     path = f"<fd {fd}>"
-            nfd, method, why = _core.open_for_reading(fd, self.direct)
+            nfd, method, why = _core.open_for_reading(fd, self.o_direct)
         finally:
             if own is not None:
                 os.close(own)
-        f = DirectFile(path, nfd, method, why, key)
+        f = UncachedFile(path, nfd, method, why, key)
         with self._cond:
             closing = self._closing
             other = None if closing else self._files.setdefault(key, f)
@@ -170,13 +170,13 @@ class DirectReader:
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def read(self, file: Any, first: int, end: int, *, timeout: float | None = None) -> DirectBuffer:
+    def read(self, file: Any, first: int, end: int, *, timeout: float | None = None) -> UncachedBuffer:
         """Read the bytes ``[first, end)`` of ``file`` into a free buffer.
 
         Parameters
         ----------
         file
-            A :class:`DirectFile`, or anything :meth:`open` takes.
+            A :class:`UncachedFile`, or anything :meth:`open` takes.
         first, end
             File offsets; any alignment.
         timeout
@@ -184,7 +184,7 @@ class DirectReader:
 
         Returns
         -------
-        DirectBuffer
+        UncachedBuffer
             ``buf.data[buf.offset : buf.offset + end - first]`` are the bytes
             (``buf.tensor()``); release it when done.
 
@@ -198,11 +198,11 @@ class DirectReader:
         return self.read_extents([(file, first, end)], timeout=timeout)
 
     def read_extents(self, extents: Sequence[tuple[Any, int, int]], *, timeout: float | None = None
-                     ) -> DirectBuffer:
+                     ) -> UncachedBuffer:
         """Read several ``(file, first, end)`` extents into one buffer (a layer across two shards).
 
         Each extent starts at its own DIRECT_ALIGN-aligned slot of the buffer
-        (:attr:`DirectBuffer.offsets`); the reads run in one native call.
+        (:attr:`UncachedBuffer.offsets`); the reads run in one native call.
         """
         with self._cond:
             self._check_open()
@@ -210,7 +210,7 @@ class DirectReader:
         return self._read(files, timeout, worker=False)
 
     def read_async(self, file: Any, first: int, end: int, *, timeout: float | None = None
-                   ) -> Future[DirectBuffer]:
+                   ) -> Future[UncachedBuffer]:
         """:meth:`read` on the reader's worker thread; the Future's result is the buffer.
 
         Reads run one after another in the order asked (each with its own
@@ -219,13 +219,13 @@ class DirectReader:
         return self.read_extents_async([(file, first, end)], timeout=timeout)
 
     def read_extents_async(self, extents: Sequence[tuple[Any, int, int]], *, timeout: float | None = None
-                           ) -> Future[DirectBuffer]:
+                           ) -> Future[UncachedBuffer]:
         """:meth:`read_extents` on the reader's worker thread."""
         files = [(self.open(f), int(a), int(b)) for f, a, b in extents]
         return self._executor().submit(self._read, files, timeout, True)
 
-    def _read(self, files: list[tuple[DirectFile, int, int]], timeout: float | None, worker: bool
-              ) -> DirectBuffer:
+    def _read(self, files: list[tuple[UncachedFile, int, int]], timeout: float | None, worker: bool
+              ) -> UncachedBuffer:
         for f, a, b in files:
             if not 0 <= a <= b:
                 raise ValueError(f"{f.path}: bad extent [{a}, {b})")
@@ -240,7 +240,7 @@ class DirectReader:
             self._slabs.worker_done()  # handed over in the Future
         return buf
 
-    def _read_into(self, slab: Slab, files: list[tuple[DirectFile, int, int]], spans: list[int]) -> DirectBuffer:
+    def _read_into(self, slab: Slab, files: list[tuple[UncachedFile, int, int]], spans: list[int]) -> UncachedBuffer:
         base = slab.data.data_ptr()
         dsts, offsets, slot = [], [], 0
         for (_, a, _), n in zip(files, spans):
@@ -249,7 +249,7 @@ class DirectReader:
             slot += n
         with self._cond:
             if self._closed:
-                raise RuntimeError("this DirectReader is closed")
+                raise RuntimeError("this UncachedReader is closed")
             self._active += 1
         t0 = time.perf_counter()
         try:
@@ -271,23 +271,23 @@ class DirectReader:
             s["reads"] += 1
             s["wanted_bytes"] += sum(b - a for _, a, b in files)
             for m, n in res:
-                s["direct_bytes" if m == "direct" else "buffered_bytes"] += n
+                s["uncached_bytes" if m == "direct" else "buffered_bytes"] += n
             s["seconds"] += seconds
-        return DirectBuffer(self, slab, files, offsets, methods, sum(n for _, n in res), lost=DirectReader._lost)
+        return UncachedBuffer(self, slab, files, offsets, methods, sum(n for _, n in res), lost=UncachedReader._lost)
 
     # --- buffers (the pool's) -------------------------------------------------------------------
 
     def _give_back(self, slab: Slab) -> None:
-        """:class:`~.direct_buffers.BufferOwner`: a released buffer's slab goes back to the pool."""
+        """:class:`~.uncached_buffers.BufferOwner`: a released buffer's slab goes back to the pool."""
         self._slabs.give_back(slab)
 
     @staticmethod
     def _lost(reader_ref: weakref.ref, capacity: int, pinned: int) -> None:
-        """A DirectBuffer was dropped without release(): its slot is free, its memory is not reused."""
+        """A UncachedBuffer was dropped without release(): its slot is free, its memory is not reused."""
         reader = reader_ref()
         if reader is None:
             return
-        logger.debug("a DirectBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
+        logger.debug("a UncachedBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
         reader._slabs.lost(capacity, pinned)
 
     def trim(self) -> int:
@@ -328,7 +328,7 @@ class DirectReader:
         return self._slabs.leased
 
     def stats(self) -> dict[str, float]:
-        """Counters: ``reads``, ``wanted_bytes``, ``direct_bytes`` and ``buffered_bytes`` (bytes the
+        """Counters: ``reads``, ``wanted_bytes``, ``uncached_bytes`` and ``buffered_bytes`` (bytes the
         reads transferred by each path), ``seconds`` in native reads, buffer ``allocations``,
         ``pin_failures`` (registrations the CUDA runtime refused)."""
         with self._cond:
@@ -336,20 +336,20 @@ class DirectReader:
         stats.update(self._slabs.counters())  # after ours, not inside: the two locks are never nested
         return stats
 
-    def files(self) -> list[DirectFile]:
+    def files(self) -> list[UncachedFile]:
         """The files opened so far."""
         with self._cond:
             return list(self._files.values())
 
     def _check_open(self) -> None:
         if self._closing:
-            raise RuntimeError("this DirectReader is closed")
+            raise RuntimeError("this UncachedReader is closed")
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._cond:
             self._check_open()
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-direct")
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-uncached")
             return self._pool
 
     def _after_fork_in_child(self) -> None:
@@ -387,7 +387,7 @@ class DirectReader:
             if fd >= 0:
                 os.close(fd)
 
-    def __enter__(self) -> DirectReader:
+    def __enter__(self) -> UncachedReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,8 +1,8 @@
-"""The buffers a :class:`~mapoffload.pagecache.direct_read.DirectReader` reads into: a bounded pool of slabs.
+"""The buffers a :class:`~mapoffload.pagecache.uncached_read.UncachedReader` reads into: a bounded pool of slabs.
 
-A :class:`SlabPool` makes, keeps and leases the reader's slabs (:class:`~.direct_buffers.Slab`): at most
+A :class:`SlabPool` makes, keeps and leases the reader's slabs (:class:`~.uncached_buffers.Slab`): at most
 ``buffers`` exist at once, leased or free, and a lease waits for a release when all are out. Slabs grow
-to the largest read so far (to a multiple of :data:`~.direct_buffers.GROW_QUANTUM`) unless their size is
+to the largest read so far (to a multiple of :data:`~.uncached_buffers.GROW_QUANTUM`) unless their size is
 fixed, and are reused from then on.
 
 Pinning (``pin_device``): each slab is page-locked with the CUDA runtime when it is made
@@ -11,7 +11,7 @@ registered while the pool keeps it and is unregistered before its memory can be 
 :meth:`SlabPool.trim`, :meth:`SlabPool.close`, the pool collected (with its reader), a leased slab
 given back after close, or its buffer dropped without ``release()``. A forked child unregisters
 nothing (page locks are not inherited). A refused registration leaves the slab pageable (logged
-once; :attr:`SlabPool.pin_why` says why, :attr:`~.direct_buffers.DirectBuffer.pinned` which).
+once; :attr:`SlabPool.pin_why` says why, :attr:`~.uncached_buffers.UncachedBuffer.pinned` which).
 
 Locking: the pool's Condition guards its slabs and counters only. It is taken alone: the reader never
 calls into the pool while it holds its own lock, and the pool knows nothing of the reader.
@@ -23,7 +23,7 @@ import threading
 import time
 
 from .._log import format_bytes, logger
-from .direct_buffers import GROW_QUANTUM, Slab, round_up
+from .uncached_buffers import GROW_QUANTUM, Slab, round_up
 
 __all__ = ["SlabPool"]
 
@@ -85,7 +85,7 @@ class SlabPool:
         with self._cond:
             while True:
                 if self._closed:
-                    raise RuntimeError("this DirectReader is closed")
+                    raise RuntimeError("this UncachedReader is closed")
                 if self._free:
                     # The smallest free buffer that fits, else the largest (it grows).
                     fits = [s for s in self._free if s.capacity >= need]
@@ -96,10 +96,10 @@ class SlabPool:
                     slab = None
                     break
                 if self._draining:  # only a holder could give one back, and it may be the closer
-                    raise RuntimeError("this DirectReader is closed")
+                    raise RuntimeError("this UncachedReader is closed")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"no DirectReader buffer was released within {timeout} s "
+                    raise TimeoutError(f"no UncachedReader buffer was released within {timeout} s "
                                        f"({self.buffers} leased)")
                 self._cond.wait(left)
             self._leased += 1
@@ -108,7 +108,7 @@ class SlabPool:
             if slab is None or slab.capacity < need:
                 cap = self.buffer_bytes or round_up(need, GROW_QUANTUM)
                 if slab is not None:
-                    logger.debug("DirectReader buffer grows from %s to %s", format_bytes(slab.capacity),
+                    logger.debug("UncachedReader buffer grows from %s to %s", format_bytes(slab.capacity),
                                  format_bytes(cap))
                 old = 0 if slab is None else slab.capacity
                 unpinned = 0 if slab is None else slab.unpin()  # free: no copy reads it

@@ -1,11 +1,11 @@
-"""What a :class:`~mapoffload.pagecache.direct_read.DirectReader` reads into: files, buffers, leases.
+"""What a :class:`~mapoffload.pagecache.uncached_read.UncachedReader` reads into: files, buffers, leases.
 
-:class:`DirectFile` is one file opened for reading around the page cache (``O_DIRECT``, or buffered
+:class:`UncachedFile` is one file opened for reading around the page cache (``O_DIRECT``, or buffered
 where the filesystem has none); a slab is one page-aligned buffer the reader owns (page-locked on
-the device path); a :class:`DirectBuffer` is a slab leased to one read, with the file bytes it holds
+the device path); a :class:`UncachedBuffer` is a slab leased to one read, with the file bytes it holds
 and views of them. Layout: the byte at file offset ``x`` lands at a buffer address congruent to ``x``
 modulo :data:`DIRECT_ALIGN`, so a tensor aligned in the file is aligned in the buffer
-(:meth:`DirectBuffer.view`). :func:`buffer_capacity` is the bytes one read of given file ranges takes.
+(:meth:`UncachedBuffer.view`). :func:`buffer_capacity` is the bytes one read of given file ranges takes.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any, Protocol
 from .._log import format_bytes, logger
 from .._native import _core
 
-__all__ = ["DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "DirectBuffer", "DirectFile", "Slab", "buffer_capacity",
+__all__ = ["DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "UncachedBuffer", "UncachedFile", "Slab", "buffer_capacity",
            "round_up"]
 
 
 class BufferOwner(Protocol):
-    """What a buffer needs of the reader that made it (a ``DirectReader``): to take its slab back."""
+    """What a buffer needs of the reader that made it (a ``UncachedReader``): to take its slab back."""
 
     def _give_back(self, slab: Slab) -> None: ...
 
@@ -41,7 +41,7 @@ def buffer_capacity(ranges: Sequence[tuple[int, int]]) -> int:
     return max(sum(_core.direct_span(a, b - a) for a, b in ranges), DIRECT_ALIGN)
 
 
-class DirectFile:
+class UncachedFile:
     """One file opened for reading around the page cache.
 
     Attributes
@@ -71,7 +71,7 @@ class DirectFile:
         return os.fstat(self.fd).st_size
 
     def __repr__(self) -> str:
-        return f"DirectFile({self.path!r}, {self.method}{', ' + self.why if self.why else ''})"
+        return f"UncachedFile({self.path!r}, {self.method}{', ' + self.why if self.why else ''})"
 
 
 class Slab:
@@ -109,7 +109,7 @@ class Slab:
         return self.capacity if pinned else 0
 
 
-class DirectBuffer:
+class UncachedBuffer:
     """A leased buffer holding the file bytes of one read.
 
     Views of it (:meth:`tensor`, :meth:`view`) share its memory: once
@@ -123,7 +123,7 @@ class DirectBuffer:
     data
         The whole buffer (uint8; ``data.data_ptr()`` is DIRECT_ALIGN-aligned).
     extents
-        ``(DirectFile, first, end)`` of each extent read.
+        ``(UncachedFile, first, end)`` of each extent read.
     offsets
         Where each extent's ``first`` byte lies in ``data``.
     methods
@@ -138,7 +138,7 @@ class DirectBuffer:
     __slots__ = ("data", "extents", "offsets", "methods", "bytes_read", "pinned", "_slab", "_reader", "_finalizer",
                  "__weakref__")
 
-    def __init__(self, reader: BufferOwner, slab: Slab, extents: list[tuple[DirectFile, int, int]],
+    def __init__(self, reader: BufferOwner, slab: Slab, extents: list[tuple[UncachedFile, int, int]],
                  offsets: list[int], methods: list[str], bytes_read: int, *,
                  lost: Callable[[weakref.ref, int, int], None]) -> None:
         self.data = slab.data
@@ -176,7 +176,7 @@ class DirectBuffer:
         ``.view(dtype)`` of a tensor stored aligned in the file works.
         """
         if self._slab is None:
-            raise RuntimeError("this DirectBuffer was released: its bytes may already be another read's")
+            raise RuntimeError("this UncachedBuffer was released: its bytes may already be another read's")
         _, first, end = self.extents[i]
         if not first <= start <= stop <= end:
             raise ValueError(f"[{start}, {stop}) is not within the extent read, [{first}, {end})")
@@ -191,7 +191,7 @@ class DirectBuffer:
             reader, self._reader = self._reader, None  # a released buffer does not keep its reader alive
             reader._give_back(slab)
 
-    def __enter__(self) -> DirectBuffer:
+    def __enter__(self) -> UncachedBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,4 +199,4 @@ class DirectBuffer:
 
     def __repr__(self) -> str:
         state = "released" if self._slab is None else f"{format_bytes(self.data.numel())}"
-        return f"DirectBuffer({len(self.extents)} extent(s), {self.method}, {state})"
+        return f"UncachedBuffer({len(self.extents)} extent(s), {self.method}, {state})"
