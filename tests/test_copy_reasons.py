@@ -92,3 +92,18 @@ def test_the_same_reason_for_an_fp8_and_an_ordinary_checkpoint(tmp_path, monkeyp
     ordinary = _load("ordinary", tmp_path / "plain.safetensors", False)
     assert set(fp8.copied) == set(ordinary.copied) == {CopyReason.ASKED}
     assert fp8.copied[CopyReason.ASKED] == fp8.bytes_copied
+
+
+def test_summary_names_the_loads_copies_by_the_same_reason(tmp_path, monkeypatch):
+    from mapoffload import LayerwiseOffloadManager
+    from mapoffload.hf._summary import stack_row
+
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "64")
+    with empty_weights():
+        model = TinyModel()
+    report = load_checkpoint(model, str(_ordinary_checkpoint(tmp_path / "plain.safetensors")))
+    model.mapoffload_report = report  # as from_pretrained leaves it
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        why = stack_row("blocks", mgr, available=None, host_store_given=False).why
+    assert "the model's own tensors in anonymous memory" in why
+    assert f"because {CopyReason.GATE.words} (copied['copies fit (gate)'])" in why, why

@@ -180,6 +180,23 @@ def _pin_words(m: LayerwiseOffloadManager) -> str | None:
     return f"host copies fit: {pinned} of {len(choices)} layers pinned, the rest pageable ({', '.join(why)})"
 
 
+def _load_copies(m: LayerwiseOffloadManager) -> str:
+    """The clause on the copies the model's load decided (``model.mapoffload_report``, from
+    ``from_pretrained``), by the reasons its report files them under, or ''."""
+    from ..loading.reasons import CopyReason
+
+    copied = getattr(getattr(m.model, "mapoffload_report", None), "copied", None) or {}
+    parts = []
+    for reason, n in sorted(copied.items()):
+        try:
+            reason = CopyReason(reason)
+        except ValueError:
+            continue
+        if reason.by_decision:
+            parts.append(f"{format_bytes(n)} because {reason.words} (copied[{str(reason)!r}])")
+    return f"; the load copied {', '.join(parts)}" if parts else ""
+
+
 def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, available: int | None,
               host_store_given: bool, written: bool = False) -> str:
     """The words on the rule the manager's plan recorded (:class:`~mapoffload.offload.stores.StorePlan`),
@@ -192,7 +209,7 @@ def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: i
             return "its weights are views of the checkpoint's file mapping" + ("" if written else ", as loaded")
         if not mapped:
             return ("its weights are the model's own tensors in anonymous memory, not on a file mapping (on the "
-                    "CPU the offload computes from them where they are and copies nothing)")
+                    "CPU the offload computes from them where they are and copies nothing)" + _load_copies(m))
         return "kept as they are: part on the file mapping, part anonymous copies (on the CPU nothing is copied)"
     if host_store_given or sp is None or sp.rule is StoreRule.ASKED:
         return f"host_store={m.host_store!r} asked"
