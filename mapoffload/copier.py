@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,7 +142,14 @@ class CopyStats:
     read_seconds: float
     submit_seconds: float
     slot_wait_seconds: float
-    direct_bytes: int
+    unstaged_bytes: int  # copied without a staging slot (pinned sources, DMA straight from them)
+
+    @property
+    def direct_bytes(self) -> int:
+        """Deprecated: :attr:`unstaged_bytes`."""
+        warnings.warn("CopyStats.direct_bytes is deprecated: use CopyStats.unstaged_bytes", DeprecationWarning,
+                      stacklevel=2)
+        return self.unstaged_bytes
 
 
 class CopyHandle:
@@ -303,14 +311,16 @@ class Copier:
         stream: object | None = None,
         keepalive: object = None,
         *,
-        direct: Sequence[bool] | None = None,
+        unstaged: Sequence[bool] | None = None,
         wait_for: object | None = None,
+        direct: Sequence[bool] | None = None,
     ) -> CopyHandle:
         """Copy raw ``(dst, src, nbytes)`` spans.
 
         ``keepalive`` (whatever owns the memory) is held by the copier until
-        the copy is done. ``direct`` flags spans whose source is pinned: DMA
-        straight from it, no staging. ``wait_for``: a CUDA stream whose work
+        the copy is done. ``unstaged`` flags spans whose source is pinned: DMA
+        straight from it, no staging (``direct=``, its old name, is deprecated).
+        ``wait_for``: a CUDA stream whose work
         already queued must finish before these copies start (a destination
         recycled from it); torch's default stream (handle 0) included.
 
@@ -326,8 +336,14 @@ class Copier:
             A null address, or a destination overlapping another destination
             or a source (the pair is named).
         """
+        if direct is not None:
+            warnings.warn("copy_spans(direct=...) is deprecated: use copy_spans(unstaged=...)", DeprecationWarning,
+                          stacklevel=2)
+            if unstaged is not None:
+                raise TypeError("copy_spans() takes unstaged= or its deprecated name direct=, not both")
+            unstaged = direct
         job = self._native.submit(
-            dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=direct,
+            dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=unstaged,
             # None: no wait. A handle of 0 is torch's default stream (the
             # legacy default stream), which a side stream does not wait for
             # by itself: torch makes its streams non-blocking.
@@ -365,15 +381,15 @@ class Copier:
 
         dspans = _core.extract_spans(dst_list, torch.Tensor, False)
         sspans = _core.extract_spans(src_list, torch.Tensor, False)
-        direct = None
+        unstaged = None
         if self.device.type == "cuda":
             # Pinned sources need no staging: the DMA engine reads them directly.
-            direct = [bool(s.is_pinned()) for s in src_list]
+            unstaged = [bool(s.is_pinned()) for s in src_list]
         # The storages too: a tensor re-pointed while the copy runs
         # (``param.data = other``) must not free the memory being copied.
         storages = [t.untyped_storage() for t in dst_list + src_list]
         return self.copy_spans(
-            dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list, storages), direct=direct
+            dspans.addrs, sspans.addrs, sspans.sizes, stream, (dst_list, src_list, storages), unstaged=unstaged
         )
 
     def advise(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -195,7 +195,7 @@ def scenario_buffer_waits_for_the_device_copies(folder: str) -> None:
     loads.ready(1, other)
     loads.release(1, other)
     stats = s.copier.stats()
-    assert stats.direct_bytes == s.stores[0].nbytes, stats  # layer 0 from the pinned buffer, no staging
+    assert stats.unstaged_bytes == s.stores[0].nbytes, stats  # layer 0 from the pinned buffer, no staging
     assert fake.stat("pageable_snapshots") == 0  # the runtime never staged a pageable source
     registered = fake.stat("live_registered")
     assert registered == reader.stats()["allocations"] == 1
@@ -257,10 +257,10 @@ def scenario_forwards(folder: str, depth: int, register: bool) -> None:
     copied = s.copier.stats()
     if register:
         assert s.fake.stat("live_registered") == stats["allocations"] and reader.pinned_bytes == reader.held_bytes
-        assert copied.direct_bytes == 3 * sum(st.nbytes for st in s.stores)
+        assert copied.unstaged_bytes == 3 * sum(st.nbytes for st in s.stores)
     else:
         assert stats["pin_failures"] == stats["allocations"] and reader.pinned_bytes == 0
-        assert copied.direct_bytes == 0  # staged through the copier's pinned slots
+        assert copied.unstaged_bytes == 0  # staged through the copier's pinned slots
     assert s.fake.stat("pageable_snapshots") == 0
     s.close()
     assert s.fake.stat("live_registered") == 0

@@ -244,7 +244,7 @@ def test_cuda_wait_stream_orders_a_kernel_after_the_copies_without_a_host_wait()
         h.wait_stream(compute)  # the host waits only for the enqueue
         total = d1.double().sum() + d2.double().sum()  # queued on compute, after the copies
         assert float(total) == pytest.approx(float(src.double().sum() + pinned.double().sum()))
-        assert c.stats().direct_bytes == pinned.nbytes
+        assert c.stats().unstaged_bytes == pinned.nbytes
         assert h.done() or (h.wait() is None and h.done())
 
 
@@ -279,3 +279,21 @@ def test_cuda_requested_without_a_device_is_a_clear_error():
         Copier("cuda")
     with pytest.raises(ValueError, match="cuda or cpu"):
         Copier("meta")
+
+
+def test_copy_spans_direct_is_the_deprecated_name_of_unstaged():
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    with Copier("cpu", "staged", threads=1, staging_bytes=SLOT, slots=2) as c:
+        dst = torch.zeros_like(src)
+        c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], keepalive=(src, dst), unstaged=[False]).wait()
+        assert torch.equal(dst, src)
+        dst.zero_()
+        with pytest.warns(DeprecationWarning, match="unstaged="):
+            h = c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], keepalive=(src, dst), direct=[False])
+        h.wait()
+        assert torch.equal(dst, src)
+        with pytest.raises(TypeError, match="not both"):
+            c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], unstaged=[False], direct=[False])
+        stats = c.stats()
+        with pytest.warns(DeprecationWarning, match="unstaged_bytes"):
+            assert stats.direct_bytes == stats.unstaged_bytes

@@ -59,7 +59,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 allocations = reader.stats()["allocations"]
                 held = reader.held_bytes
                 assert 1 <= allocations <= 1 + depth and held == loads.window_bytes > 0
-                direct0 = mgr.copier.stats().direct_bytes
+                direct0 = mgr.copier.stats().unstaged_bytes
             outs[mode] += _forwards(model, x, 3)
             if mode == "uncached":
                 # Reused, not reallocated per forward; nothing leased between forwards.
@@ -68,7 +68,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 # Every streamed layer was read around the cache, once per forward, and copied
                 # from its buffer without staging (the twin's "direct" copy: a plain memcpy).
                 assert reader.stats()["reads"] == 4 * len(plan.streamed)
-                assert mgr.copier.stats().direct_bytes - direct0 == 3 * plan.streamed_bytes
+                assert mgr.copier.stats().unstaged_bytes - direct0 == 3 * plan.streamed_bytes
         if mode == "uncached":
             assert reader.leased == 0 and reader.held_bytes == 0  # all returned, and dropped by close()
     for a, b in zip(outs["mapping"], outs["uncached"]):
@@ -375,7 +375,7 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
                 reader = mgr.loads.source.reader
                 assert reader.stats()["reads"] == 3 * len(mgr.residency.streamed)
                 assert reader.pinned_bytes == reader.held_bytes > 0  # every buffer page-locked
-                assert mgr.copier.stats().direct_bytes >= 3 * mgr.residency.streamed_bytes  # DMA, no staging
+                assert mgr.copier.stats().unstaged_bytes >= 3 * mgr.residency.streamed_bytes  # DMA, no staging
         if mode == "uncached":
             assert reader.leased == 0 and reader.held_bytes == 0 and reader.pinned_bytes == 0
     for a, b in zip(outs["mapping"], outs["uncached"]):

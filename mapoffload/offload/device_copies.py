@@ -9,7 +9,7 @@ cap too tight for the streaming window, copying a streamed layer out of its mapp
 evict pages of the layers in use and read them again, as on the CPU (issue 18). Then a streamed
 layer's file bytes are read with ``O_DIRECT`` into one of the source's ``1 + depth`` reused buffers -
 page-locked on CUDA (``cudaHostRegister``) - and the copier copies each mapped weight's bytes from that
-buffer into the layer's device buffers with ``direct=True``: on CUDA a DMA straight from the pinned
+buffer into the layer's device buffers with ``unstaged=True``: on CUDA a DMA straight from the pinned
 buffer (disk -> pinned buffer -> device, no page cache and no staging slot), on the CPU twin a plain
 ``memcpy`` from the (pageable) buffer. Cached layers, and a layer that finds no buffer free (more layers
 loaded than the window: ``load_all_layers``), keep the mapping path.
@@ -154,7 +154,7 @@ class DeviceCopies(Target):
                 [n for _, _, _, n, _ in spans],
                 stream=self.copy_stream or compute,
                 keepalive=(store.host_tensors(), buffers),
-                direct=[pinned for *_, pinned in spans] if self._cuda else None,
+                unstaged=[pinned for *_, pinned in spans] if self._cuda else None,
                 # New or recycled buffers: the compute stream may still read them.
                 wait_for=compute if self.copy_stream is not None else None,
             )
@@ -263,7 +263,7 @@ class DeviceCopies(Target):
         merged = merge_copies(spans)  # spans that continue each other on both sides, one copy
         return self.copier.copy_spans(
             [s[0] for s in merged], [s[1] for s in merged], [s[2] for s in merged], stream=stream,
-            keepalive=(store.host_tensors(), buffers, buf), direct=[s[3] for s in merged],
+            keepalive=(store.host_tensors(), buffers, buf), unstaged=[s[3] for s in merged],
         )
 
     def _give_back(self, job: ReadThenCopy) -> None:
