@@ -210,7 +210,7 @@ def test_the_cpu_twins_charge_covers_every_buffer_size_its_pool_keeps():
 
     def charge(sizes, window):
         stores = [SimpleNamespace(dev_bytes=dict(zip((torch.bfloat16, torch.float32), s))) for s in sizes]
-        target = DeviceCopies(stores, None, torch.device("cpu"), None, owns_copier=False, window_layers=window)
+        target = DeviceCopies(stores, None, torch.device("cpu"), None, owns_copier=False, buffer_layers=window)
         return target.planned_host_bytes
 
     a, b = 3 * MIB, 1 * MIB

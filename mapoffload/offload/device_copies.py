@@ -73,7 +73,7 @@ class DeviceCopies(Target):
         runtime's path, which a copier in ``"direct"`` mode runs, for comparison).
     pool
         The device buffers' pool (default: one on ``device``, its buffers recorded on the copy stream).
-    window_layers
+    buffer_layers
         The most layers loaded at once (resident ones, the one computing and the prefetched ones):
         on the CPU twin the plan charges that many layers' buffers as host memory.
     """
@@ -81,7 +81,7 @@ class DeviceCopies(Target):
     copies = True
 
     def __init__(self, stores: list[LayerStore], pages: LayerPages, device: torch.device, copier: Copier, *,
-                 owns_copier: bool, side_stream: bool = True, pool: Any = None, window_layers: int = 1) -> None:
+                 owns_copier: bool, side_stream: bool = True, pool: Any = None, buffer_layers: int = 1) -> None:
         import torch
 
         self._stores, self._pages, self.device, self.copier = stores, pages, device, copier
@@ -91,7 +91,7 @@ class DeviceCopies(Target):
         if self._cuda and side_stream:
             self.copy_stream = torch.cuda.Stream(device)
         self.pool = DevicePool(device, self.copy_stream) if pool is None else pool
-        self._window_layers = window_layers
+        self._buffer_layers = buffer_layers
 
     @property
     def bytes(self) -> int:
@@ -115,13 +115,13 @@ class DeviceCopies(Target):
     @property
     def planned_host_bytes(self) -> int:
         """What the page-cache plan charges for it: the ring, and on the CPU twin the buffers of
-        ``window_layers`` buffers of each size the layers use (or what the pool holds, when more)."""
+        ``buffer_layers`` buffers of each size the layers use (or what the pool holds, when more)."""
         if self._cuda:
             return self._ring_bytes()
         # The pool keeps given-back buffers by exact size: of each size, at most as many as a window
         # of layers takes at once, and never fewer than the layers of that size need.
         sizes = Counter(n for s in self._stores for n in s.dev_bytes.values())
-        most = sum(n * min(count, self._window_layers) for n, count in sizes.items())
+        most = sum(n * min(count, self._buffer_layers) for n, count in sizes.items())
         return self._ring_bytes() + max(self.pool.bytes, most)
 
     @property

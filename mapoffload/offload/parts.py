@@ -87,7 +87,7 @@ class Parts:
             loads = InPlace(stores, self.pages) if o.in_place else DeviceCopies(
                 stores, self.pages, o.device, copier, owns_copier=owns_copier,
                 side_stream=copier.mode != "direct",  # direct: the seed's path, on the compute stream
-                window_layers=o.resident_layers + 1 + o.prefetch_layers)
+                buffer_layers=o.resident_layers + 1 + o.prefetch_layers)
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
                                        resident_layers=o.resident_layers, pages=self.pages, device=o.device)
