@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import mapoffload
 from mapoffload.cli import build_parser, main
-from mapoffload.demo import DemoConfig, run_demo
+from mapoffload.cli.demo import DemoConfig, run_demo
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_demo_fails_when_its_own_budget_is_exceeded(monkeypatch):
 def test_demo_counts_the_twins_buffers_when_the_allocator_reuses_freed_memory(monkeypatch):
     # CI saw the RSS delta at 20 KiB: the buffers came from memory freed before the
     # baseline. The demo must still see the twin's buffers as host memory.
-    import mapoffload.demo as demo
+    import mapoffload.cli.demo as demo
 
     monkeypatch.setenv("MAPOFFLOAD_STAGING_MIB", "0.25")
     monkeypatch.setattr(demo, "rss_anon_bytes", lambda: 1 << 30)

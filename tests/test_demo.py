@@ -69,7 +69,7 @@ def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch
     import io
 
     import mapoffload.loading.checkpoint as checkpoint
-    from mapoffload.demo import DemoConfig, run_demo
+    from mapoffload.cli.demo import DemoConfig, run_demo
 
     real = checkpoint.load_checkpoint
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda module, path, **kw: real(module, path, keep_mapping=False))
@@ -183,7 +183,7 @@ def small_run():
     """One in-place run, its budget half a 12 MiB checkpoint: (exit code, text)."""
     import io
 
-    from mapoffload.demo import DemoConfig, run_demo
+    from mapoffload.cli.demo import DemoConfig, run_demo
 
     out = io.StringIO()
     rc = run_demo(DemoConfig(layers=4, width=256, tokens=8, steps=3, device="cpu"), out)
@@ -213,7 +213,7 @@ def test_the_library_sees_the_demos_budget_as_available(monkeypatch):
     """The cause of the two figures: MAPOFFLOAD_HOST_AVAILABLE_GIB=X is a host of X GiB whose own
     anonymous memory counts as in use, so X = the budget left the library 0 B. The demo sets X to
     the budget above what the process holds: what the gate and the page cache see is the budget."""
-    from mapoffload.demo import _as_if_host_gib
+    from mapoffload.cli.demo import _as_if_host_gib
     from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, host_memory_available_bytes
 
     for budget in (6 << 20, 192 << 20, 8 << 30):
@@ -246,7 +246,7 @@ def test_the_step_time_says_what_it_measures_how_noisy_and_what_is_normal(small_
 
 
 def test_step_rows_from_known_times():
-    from mapoffload.demo_steps import step_rows as _step_rows
+    from mapoffload.cli.demo_steps import step_rows as _step_rows
 
     rows = dict(_step_rows([0.2, 0.3, 0.4], [0.1, 0.2, 0.2], "cuda", None, 0.1, True))
     assert rows["step time"].startswith("300.0 ms offloaded vs 200.0 ms resident: 1.50x (the median of 3")

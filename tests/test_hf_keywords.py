@@ -152,7 +152,7 @@ def one_gpu(monkeypatch):
 
 
 def test_the_entry_points_and_the_demo_apply_one_device_rule(one_gpu):
-    from mapoffload.demo import resolve_device
+    from mapoffload.cli.demo import resolve_device
     from mapoffload._checks import check_device
 
     assert check_device("cuda:0") == torch.device("cuda:0") == resolve_device("cuda:0")
@@ -164,7 +164,7 @@ def test_the_entry_points_and_the_demo_apply_one_device_rule(one_gpu):
 
 
 def test_a_cuda_device_torch_does_not_see_is_refused_alike(monkeypatch):
-    from mapoffload.demo import resolve_device
+    from mapoffload.cli.demo import resolve_device
     from mapoffload._checks import check_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -104,7 +104,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(layers=args.layers, width=args.width, tokens=args.tokens, steps=args.steps,
                      device=args.device, host_gib=args.host_gib, cpu_twin=args.cpu_twin)

@@ -18,8 +18,8 @@ import os
 import tempfile
 from typing import TYPE_CHECKING
 
-from ._log import format_bytes
-from .memory.regions import tensor_bytes
+from .._log import format_bytes
+from ..memory.regions import tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +58,7 @@ def streaming_floor(mode: str, layer_bytes: int, tensors: int) -> list[tuple[str
     through the copier's staging ring into the layer's device buffers (host
     memory in the CPU twin). Plus the run's bookkeeping (``tensors`` in all).
     """
-    from .copier import resolve_settings
+    from ..copier import resolve_settings
 
     parts = []
     if mode == "cpu twin":
@@ -161,7 +161,7 @@ def _check_room(cfg, device, layer_bytes: int, folder: str) -> None:
     """
     import shutil
 
-    from .memory.budget import host_memory
+    from ..memory.budget import host_memory
 
     size = layer_bytes * cfg.layers
     acts = 4 * (3 * cfg.tokens * cfg.tokens + 16 * cfg.tokens * cfg.width)

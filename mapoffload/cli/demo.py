@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from ._log import format_bytes
-from .memory.budget import (ENV_HOST_AVAILABLE_GIB, GIB_BYTES, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB,
+from .._log import format_bytes
+from ..memory.budget import (ENV_HOST_AVAILABLE_GIB, GIB_BYTES, HOST_COPY_RESERVE_BYTES, MAX_HOST_GIB,
                             rss_anon_bytes)
 from .demo_sizing import _block_bytes, _check_budget, _check_room, _demo_folder, model_class, write_checkpoint
 from .demo_steps import copy_layers, library_buffers, step_rows, time_steps
@@ -68,7 +68,7 @@ def resolve_device(name: str | None):
     """
     import torch
 
-    from ._checks import check_device
+    from .._checks import check_device
 
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,9 +87,9 @@ def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from .loading.checkpoint import empty_weights, load_checkpoint
-    from .copier import Copier
-    from .offload import LayerwiseOffloadManager
+    from ..loading.checkpoint import empty_weights, load_checkpoint
+    from ..copier import Copier
+    from ..offload import LayerwiseOffloadManager
 
     path = os.path.join(folder, "warm-up.safetensors")
     tiny = Model(1, 64)
@@ -114,7 +114,7 @@ def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
 def _held_anon_bytes() -> int:
     """RssAnon once the allocator gave its freed memory back (glibc keeps freed
     blocks, activations' among them, after its mmap threshold grew)."""
-    from .memory.budget import release_freed_memory
+    from ..memory.budget import release_freed_memory
 
     release_freed_memory()
     return rss_anon_bytes()
@@ -153,7 +153,7 @@ def _as_if_host_gib(budget: int) -> str:
     first), so that what the library sees available is the budget, the figure
     the demo states and holds its growth to.
     """
-    from .memory import budget as host
+    from ..memory import budget as host
 
     host.release_freed_memory()
     return repr(min((budget + host.rss_anon_bytes()) / GIB_BYTES, float(MAX_HOST_GIB)))
@@ -230,7 +230,7 @@ def _write_and_reference(cfg: DemoConfig, run: _Setup, tmp: str, say) -> _Writte
     """Steps 1 and 2: the checkpoint written, the host budget stated, the reference output and its step times."""
     import torch
 
-    from .loading.checkpoint import checkpoint_bytes
+    from ..loading.checkpoint import checkpoint_bytes
 
     path = os.path.join(tmp, "model.safetensors")
     say(f"[1/5] writing a {cfg.layers}-layer, width-{cfg.width} checkpoint to {path}")
@@ -256,9 +256,9 @@ def _write_and_reference(cfg: DemoConfig, run: _Setup, tmp: str, say) -> _Writte
 def _load(cfg: DemoConfig, run: _Setup, w: _Written, tmp: str, say, failures: list[str]) -> _Loaded:
     """Step 3: the warm-up, the baseline, and ``load_checkpoint`` under ``empty_weights()``, the gate deciding
     (its answer judged against its rule into ``failures``)."""
-    from .memory.budget import host_copies_would_not_fit, host_memory_available_bytes
-    from .loading.checkpoint import empty_weights, load_checkpoint
-    from .memory.regions import cow_report
+    from ..memory.budget import host_copies_would_not_fit, host_memory_available_bytes
+    from ..loading.checkpoint import empty_weights, load_checkpoint
+    from ..memory.regions import cow_report
 
     say("[3/5] load_checkpoint under empty_weights(), the gate deciding")
     before = _held_anon_bytes()
@@ -290,9 +290,9 @@ def _offload(cfg: DemoConfig, run: _Setup, w: _Written, ld: _Loaded, say, failur
     ``failures``; the manager and copier closed."""
     import torch
 
-    from .copier import Copier
-    from .offload import LayerwiseOffloadManager
-    from .memory.regions import cow_report
+    from ..copier import Copier
+    from ..offload import LayerwiseOffloadManager
+    from ..memory.regions import cow_report
 
     device, model = run.device, ld.model
     say(f"[4/5] layerwise offload, {run.mode}")

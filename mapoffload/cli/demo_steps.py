@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from ._log import format_bytes
+from .._log import format_bytes
 
 __all__ = ["copy_layers", "library_buffers", "step_rows", "time_steps"]
 
