@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from ..pagecache.file_places import MapsView
+from ..pagecache.read_source import PauseReason
 from .stores import MAPPED, LayerStore, Weight
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ __all__ = ["ReadAroundSource", "file_places", "layer_buffer_bytes", "written_in_
 class ReadAroundSource:
     """Streamed layers read around the page cache (``O_DIRECT``) into ``buffers`` reused buffers.
 
-    While paused (``paused`` says why: replicas share the page cache, the plan's room no longer holds
-    the buffers) it takes no layer - they are read through the mapping - and loads already read around
+    While paused (``paused``, a :class:`~mapoffload.pagecache.read_source.PauseReason`: replicas share
+    the page cache, the plan's room no longer holds the buffers) it takes no layer - they are read through the mapping - and loads already read around
     finish as they are. Pausing drops the reader's free buffers (they would hold the window in anonymous
     memory beside the page cache that now holds it); resumed, it makes new ones.
 
@@ -70,7 +71,7 @@ class ReadAroundSource:
         # buffer that only a later release on the compute thread would give back.
         self.outstanding = 0
         self._written: set[str] = set()  # layers logged as written in place (written_in_place)
-        self.paused = ""
+        self.paused: PauseReason | None = None
 
     reads_around = True
 
@@ -94,13 +95,13 @@ class ReadAroundSource:
         """Of :attr:`held_bytes`, the page-locked ones."""
         return self.reader.pinned_bytes
 
-    def pause(self, why: str) -> None:
+    def pause(self, reason: PauseReason) -> None:
         """Take no layer until :meth:`resume`."""
-        self.paused = why
+        self.paused = reason
         self.reader.trim()
 
     def resume(self) -> None:
-        self.paused = ""
+        self.paused = None
 
     @property
     def window_bytes(self) -> int:

@@ -39,6 +39,7 @@ import atexit
 import os
 import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
@@ -66,6 +67,20 @@ def read_cap() -> int | None:
 
 def _cap_text(cap: int | None) -> str:
     return "uncapped" if cap is None else format_bytes(cap)
+
+
+@dataclass(frozen=True)
+class LastMeasure:
+    """The last measured plan's inputs, placed again without measuring (``_place_last``)."""
+
+    members: tuple = ()  # weak references to the measured members, in plan order
+    sizes: list = field(default_factory=list)  # each member's layer sizes
+    windows: int = 1  # streaming windows kept (1 + replicas)
+    cached: int = 0  # bytes of cached layers resident at the measure
+    why: str = ""  # the budget, in words
+
+    def measured(self) -> list:
+        return [r() for r in self.members]
 
 
 class PageCacheCoordinator:
@@ -104,7 +119,7 @@ class PageCacheCoordinator:
         self.cache_extra = 0
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
-        self._last: tuple = ([], [], 1, 0, "")  # the last measured plan's inputs (see _place_last)
+        self._last = LastMeasure()  # the last measured plan's inputs (see _place_last)
         # Forwards each registered manager began (note_forward), for streamed_since.
         self._forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Plan again at the next forward whatever the cap and the peers say:
@@ -215,7 +230,7 @@ class PageCacheCoordinator:
                     # Nothing else changed: the last measure, without the thin share. (Measured
                     # again now, "other memory" would hold what the forward's activations left
                     # in the allocator, which the margin is already there for.)
-                    self._place_last(0)  # without the thin share
+                    self._place_last(cache_extra=0)  # without the thin share
                     return
             if self._stale:
                 logger.debug("planning the page cache again (a member gone, a plan cut short, or a fork)")
@@ -294,7 +309,7 @@ class PageCacheCoordinator:
         extra = 0 if self.thin_margin_failed else budget.cache_extra
         if extra and self.ranks:
             extra = extra * mine // (mine + self._others)  # split as the room is
-        self._last = ([weakref.ref(m) for m in measured], sizes, windows, cached, str(budget))
+        self._last = LastMeasure(tuple(weakref.ref(m) for m in measured), sizes, windows, cached, str(budget))
         self._place(measured, sizes, windows, cached, extra, str(budget))
 
     def place_buffers(self) -> None:
@@ -302,19 +317,20 @@ class PageCacheCoordinator:
         stopped reading around; a full plan if the members changed). Not measured again: mid-run the
         allocator holds what the last forward's activations left, which the margin is there for."""
         with self._lock:
-            self._place_last(None if self.budget is not None else -1)
+            self._place_last(afresh=self.budget is None)
 
-    def _place_last(self, extra: int | None) -> None:
-        """The last plan's measure placed again, with ``extra`` for the cached set (None: as it is;
-        -1: plan afresh), or a full plan if the members changed since."""
-        refs, sizes, windows, cached, why = self._last
-        measured = [r() for r in refs]
+    def _place_last(self, *, cache_extra: int | None = None, afresh: bool = False) -> None:
+        """The last plan's measure placed again, with ``cache_extra`` for the cached set (None: the one
+        it has), or a full plan when ``afresh`` or when the members changed since."""
+        last = self._last
+        measured = last.measured()
         now = [m for m in self.members() if m.given is None]
-        if extra == -1 or len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
+        if afresh or len(measured) != len(now) or any(a is not b for a, b in zip(measured, now)):
             self._plan()
             return
+        extra = self.cache_extra if cache_extra is None else cache_extra
         try:
-            self._place(measured, sizes, windows, cached, self.cache_extra if extra is None else extra, why)
+            self._place(measured, last.sizes, last.windows, last.cached, extra, last.why)
         except BaseException:
             self._stale = True  # cut short: the next forward plans again
             raise
@@ -339,12 +355,12 @@ class PageCacheCoordinator:
         """Whether ``member`` may read its streamed layers around the page cache into ``need`` bytes of
         buffers under the last measured plan, and why not (:func:`.read_around_fit.read_around_fits`)."""
         with self._lock:
-            refs, sizes, windows, _, _ = self._last
+            last = self._last
             if self.budget is None:
                 return True, ""
             where = f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}"
-            return read_around_fits([r() for r in refs], sizes, windows, room=self.room, cache_extra=self.cache_extra,
-                                    member=member, need=need, where=where)
+            return read_around_fits(last.measured(), last.sizes, last.windows, room=self.room,
+                                    cache_extra=self.cache_extra, member=member, need=need, where=where)
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""

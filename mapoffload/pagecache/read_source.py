@@ -9,12 +9,20 @@ A load target (``offload.loads.InPlace``, ``offload.device_copies.DeviceCopies``
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-__all__ = ["MAPPING", "MappingSource", "Source"]
+__all__ = ["MAPPING", "MappingSource", "PauseReason", "Source"]
+
+
+class PauseReason(enum.Enum):
+    """Why a read-around source takes no layer for now (its layers are read through the mapping)."""
+
+    REPLICAS = "replicas"  # other processes map the same bytes: one read through the page cache serves all
+    NO_ROOM = "no room"  # the page-cache plan's room no longer holds the buffers (the cap or the plan changed)
 
 
 class Source(Protocol):
@@ -26,7 +34,7 @@ class Source(Protocol):
     """
 
     mode: str  # "uncached" while it takes layers, else "mapping"
-    paused: str  # why it takes none for now ("": it is not paused)
+    paused: PauseReason | None  # why it takes none for now (None: it is not paused)
     reads_around: bool  # it reads around the page cache when not paused (False: the mapping)
     buffers: int  # the read-around buffers it may hold at once (0: none)
     window_bytes: int  # the buffers it holds (the streaming window in anonymous memory)
@@ -39,7 +47,7 @@ class Source(Protocol):
     def done(self) -> None: ...
     def places(self, i: int) -> list: ...
     def view(self, w: Any, buf: Any) -> Any: ...
-    def pause(self, why: str) -> None: ...
+    def pause(self, reason: PauseReason) -> None: ...
     def resume(self) -> None: ...
     def forget(self, i: int) -> None: ...
     def close(self) -> None: ...
@@ -49,7 +57,7 @@ class MappingSource:
     """Every layer read through its mapping: takes none, holds nothing."""
 
     mode = "mapping"
-    paused = ""
+    paused: PauseReason | None = None
     reads_around = False
     buffers = 0
     window_bytes = 0
@@ -72,7 +80,7 @@ class MappingSource:
     def view(self, w: Any, buf: Any) -> None:
         return None
 
-    def pause(self, why: str) -> None:
+    def pause(self, reason: PauseReason) -> None:
         pass
 
     def resume(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .._log import format_bytes, logger
 from .coordinator import coordinator
+from .read_source import PauseReason
 
 if TYPE_CHECKING:
     from .layer_pages import LayerPages
@@ -166,21 +167,21 @@ class StreamReads:
             why = (f"replicas (pid {', '.join(map(str, replicas))}) map the same bytes: streamed layers "
                    "are read through the shared page cache")
             if self.mode == "uncached":
-                self._source.pause(why)
+                self._source.pause(PauseReason.REPLICAS)
                 logger.info("%s: %s", name, why)
             self.why = why
             return
         if self.mode == "uncached":
             fits, why = coordinator().read_around_fits(member, self._source.planned_bytes)
             if not fits:  # the cap or the plan changed under the buffers: through the mapping again
-                self._source.pause(why)
+                self._source.pause(PauseReason.NO_ROOM)
                 self.why = self._refused = why
                 logger.info("%s: %s", name, why)
                 coordinator().place_buffers()
             return
         if self._source.reads_around and self._source.paused:
             # Paused for replicas that are gone, or for room the plan now has.
-            replicas_gone = self._source.paused.startswith("replicas")
+            replicas_gone = self._source.paused is PauseReason.REPLICAS
             self._try("no replica maps these bytes now" if replicas_gone or not self._uncached_why
                       else self._uncached_why)
             return
