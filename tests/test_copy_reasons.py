@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import mapoffload  # noqa: E402
 from mapoffload import CopyReason, empty_weights, load_checkpoint  # noqa: E402
 from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB  # noqa: E402
 
@@ -107,3 +108,13 @@ def test_summary_names_the_loads_copies_by_the_same_reason(tmp_path, monkeypatch
         why = stack_row("blocks", mgr, available=None, host_store_given=False).why
     assert "the model's own tensors in anonymous memory" in why
     assert f"because {CopyReason.GATE.words} (copied['copies fit (gate)'])" in why, why
+
+
+def test_a_report_pickles_with_its_reasons(tmp_path, monkeypatch):
+    import pickle
+
+    monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "64")
+    report = _load("fp8", _fp8_checkpoint(tmp_path / "fp8.safetensors"), None)
+    back = pickle.loads(pickle.dumps(report))  # by the name users import it by: mapoffload.LoadReport
+    assert back == report and type(back) is mapoffload.LoadReport
+    assert list(back.copied) == [CopyReason.GATE] and type(next(iter(back.copied))) is CopyReason

@@ -403,7 +403,7 @@ def _wrap(text: str, indent: str) -> str:
 
 
 def fp8_words(model: torch.nn.Module) -> str:
-    """A paragraph on a model's fp8 weights (mapoffload.fp8), or '' when it has none:
+    """A paragraph on a model's fp8 weights (mapoffload.loading.fp8), or '' when it has none:
     their codes and scales, and the working memory a dequantization takes."""
     import torch
 

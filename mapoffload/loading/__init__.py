@@ -15,7 +15,7 @@ Above ``mapoffload.memory`` (the gate asks it), beside the page cache; imports n
 - ``shard``: a rank's slice of a tensor, a view of the mapping wherever the file allows.
 - ``fp8``, ``fp8_workspace``: fp8 weights kept as codes + block scales, dequantized as used; the
   reused CPU buffers they are dequantized into.
-
-``mapoffload.checkpoint`` and ``mapoffload.fp8`` are ``checkpoint`` and ``fp8`` under their contract
-and documented names (``shared/DESIGN.md``, ``docs/usage.md``): the same module objects.
+- ``load_plan``, ``decide``, ``assign``: ``load_checkpoint``'s three steps (what goes where, checked;
+  the mapping or copies, decided once; the tensors put in place and accounted); ``reasons``:
+  ``CopyReason``, the one type of the reasons a load's bytes were copied.
 """

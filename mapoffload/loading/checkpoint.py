@@ -1,7 +1,7 @@
 """``load_checkpoint``: a checkpoint into a module, its weights left on the file
 mapping when asked to or when the gate finds host copies would not fit.
 
-This is :mod:`mapoffload.checkpoint` (a contract name, ``shared/DESIGN.md``): the
+The loader of the contract (``shared/DESIGN.md``; its names are importable from ``mapoffload``): the
 gates (:mod:`.gate`), ``empty_weights``, ``LoadReport`` and the file set are
 re-exported here, and ``load_checkpoint`` calls the gate through this module.
 The steps: plan (:mod:`.load_plan`: the file set, every tensor read as a mapped

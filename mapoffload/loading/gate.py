@@ -2,9 +2,9 @@
 
 :func:`keep_checkpoint_mapped` weighs a load's bytes (times the ranks sharing the host: copies are
 per rank, the page cache is shared) against the host's available memory
-(:mod:`mapoffload.budget`) and logs why; :func:`match_checkpoint_dtypes` makes a mapped load's only
+(:mod:`mapoffload.memory.budget`) and logs why; :func:`match_checkpoint_dtypes` makes a mapped load's only
 copies, the tensors whose dtype differs from the target's. Both are contract names of
-:mod:`mapoffload.checkpoint`; :func:`~mapoffload.load_checkpoint` asks the gate by that module's
+:mod:`mapoffload.loading.checkpoint`; :func:`~mapoffload.load_checkpoint` asks the gate by that module's
 name, so a ``keep_checkpoint_mapped`` set there (a test's monkeypatch) is the one it asks.
 """
 

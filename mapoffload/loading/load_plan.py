@@ -37,7 +37,7 @@ class Placement:
 
 @dataclass
 class Fp8Placement:
-    """An fp8 weight kept as its one-byte codes and block scales (:mod:`mapoffload.fp8`)."""
+    """An fp8 weight kept as its one-byte codes and block scales (:mod:`mapoffload.loading.fp8`)."""
 
     key: str
     codes: torch.Tensor

@@ -38,7 +38,7 @@ class LoadReport:
     strided in the file (column splits), whatever else was done to them.
 
     ``fp8_weights`` / ``bytes_fp8`` / ``bytes_fp8_scales``: fp8 weights kept
-    as one-byte codes with their block scales (:mod:`mapoffload.fp8`: the
+    as one-byte codes with their block scales (:mod:`mapoffload.loading.fp8`: the
     module's weight is their dequantization, computed as it is used).
 
     ``converted_tensors`` / ``bytes_converted``: tensors a loader made (fused
@@ -106,6 +106,7 @@ class LoadReport:
         )
 
 
-# Where it is imported from (a contract module) and pickled by, as before the move; set after the
-# class is made: the dataclass machinery looks the class's module up in sys.modules while making it.
-LoadReport.__module__ = "mapoffload.checkpoint"
+# Where it is imported from (``mapoffload``, the contract's home since the alias modules went) and
+# pickled by; set after the class is made: the dataclass machinery looks the class's module up in
+# sys.modules while making it.
+LoadReport.__module__ = "mapoffload"
