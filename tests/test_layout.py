@@ -250,3 +250,15 @@ def test_a_long_function_is_found():
     assert long_functions(source, "m.py", limit=3) == ["m.py:6 four (4 lines)"]
     assert sorted(long_functions(source, "m.py", limit=1)) == [
         "m.py:2 three (3 lines)", "m.py:6 four (4 lines)", "m.py:7 inner (2 lines)"]
+
+
+def test_the_load_targets_are_siblings_behind_one_interface():
+    import inspect
+
+    from mapoffload.offload.device_copies import DeviceCopies
+    from mapoffload.offload.loads import InPlace
+    from mapoffload.offload.targets import Target
+
+    for target in (InPlace, DeviceCopies):
+        assert issubclass(target, Target) and not inspect.isabstract(target), target
+    assert inspect.isabstract(Target)

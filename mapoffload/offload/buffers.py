@@ -16,12 +16,13 @@ several managers is counted once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier
+    from .loads import Target
 
 __all__ = ["HeldBuffers", "held_buffers"]
 
@@ -41,7 +42,7 @@ class HeldBuffers:
         return self.anonymous + self.pinned
 
 
-def held_buffers(loads: Any, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
+def held_buffers(loads: Target, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
     """What a manager holds now besides its weights (entries with bytes only): its load target ``loads``
     (``manager.loads``), its ``copier`` (None in place), on ``device``."""
     out: list[HeldBuffers] = []

@@ -19,6 +19,7 @@ The page cache is :class:`~mapoffload.pagecache.layer_pages.LayerPages`'.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
@@ -92,11 +93,58 @@ def wait_quietly(load: Load, i: int) -> None:
             logger.debug("released layer %d after a failed load", i, exc_info=True)
 
 
-class Target:
-    """What both load targets share: the source they hold (:data:`~mapoffload.pagecache.read_source.MAPPING`
-    until ``stream_reads`` gives them another), and what the page-cache plan reads of it."""
+class Target(ABC):
+    """A load target: where a layer computes (:class:`InPlace`, ``device_copies.DeviceCopies``; made by
+    ``targets.load_target``). Both hold a source (:data:`~mapoffload.pagecache.read_source.MAPPING`
+    until ``stream_reads`` gives them another) and answer the page-cache plan what it reads of them.
+
+    A load is ``start(i)`` (a :class:`Load`, maybe in flight), ``ready(i, load)`` (waited, bound),
+    ``value(w, load)`` (the tensor weight ``w`` computes from), ``release(i, load)``;
+    ``drop_in_flight`` forgets a load a fork cut short; ``recycles``/``reuses`` say whether a
+    layer's load is kept between uses.
+    """
 
     source: Source = MAPPING
+    copies: bool  # True: it copies into device buffers (write_back then keeps them current)
+    pin_device: int | None = None  # the CUDA device read-around buffers are page-locked for
+
+    @property
+    @abstractmethod
+    def bytes(self) -> int:
+        """Bytes of the layers' buffers now (0 in place)."""
+
+    @property
+    @abstractmethod
+    def peak_bytes(self) -> int:
+        """The most :attr:`bytes` reached."""
+
+    @abstractmethod
+    def start(self, i: int) -> Load: ...
+
+    @abstractmethod
+    def ready(self, i: int, load: Load) -> None: ...
+
+    @abstractmethod
+    def value(self, w: Weight, load: Load) -> torch.Tensor: ...
+
+    @abstractmethod
+    def release(self, i: int, load: Load) -> None: ...
+
+    @abstractmethod
+    def drop_in_flight(self, load: Load) -> None: ...
+
+    @abstractmethod
+    def recycles(self, i: int) -> bool: ...
+
+    @abstractmethod
+    def reuses(self, load: Load) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def write_back(self, w: Weight, load: Load) -> None:
+        """A host weight changed while its layer is loaded: bring the loaded copy up to date (in place
+        the layer computes from the host weight itself: nothing to do)."""
 
     @property
     def window_bytes(self) -> int:

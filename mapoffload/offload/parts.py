@@ -21,13 +21,12 @@ from ..pagecache.coordinator import coordinator
 from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
 from ..pagecache.stream_reads import StreamReads
-from .device_copies import DeviceCopies
-from .loads import InPlace
 from .rest import RestGuard
 from .sequencer import Sequencer
 from .slots import Slots
 from .sources import ReadAroundSource, layer_buffer_bytes
 from .steps import Steps
+from .targets import Target, load_target
 from .turn import LayerTurn, StackHooks
 
 if TYPE_CHECKING:
@@ -84,10 +83,7 @@ class Parts:
         loads = None
         try:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
-            loads = InPlace(stores, self.pages) if o.in_place else DeviceCopies(
-                stores, self.pages, o.device, copier, owns_copier=owns_copier,
-                side_stream=copier.mode != "direct",  # direct: the seed's path, on the compute stream
-                buffer_layers=o.resident_layers + 1 + o.prefetch_layers)
+            loads = load_target(o, stores, self.pages, copier, owns_copier=owns_copier)
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
                                        resident_layers=o.resident_layers, pages=self.pages, device=o.device)
@@ -113,11 +109,11 @@ class Parts:
         return self
 
     @property
-    def loads(self) -> Any:
+    def loads(self) -> Target:
         """The load path now (the sequencer's)."""
         return self.sequencer.loads
 
-    def abandon(self, loads: Any = None, owned_copier: Copier | None = None) -> None:
+    def abandon(self, loads: Target | None = None, owned_copier: Copier | None = None) -> None:
         """A start that failed: leave the coordinator, close what was opened."""
         loads = self.sequencer.loads if self.sequencer is not None else loads
         try:

@@ -9,7 +9,7 @@ hooks (``turn.py``), no policy (``steps.py``: autograd, the reads policy, once-p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .stores import MAPPED, LayerStore
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from ..pagecache.residency import ResidencyPlan
     from ..pagecache.layer_pages import LayerPages
-    from .loads import Load
+    from .loads import Load, Target
     from .slots import Slots
 
 __all__ = ["Sequencer"]
@@ -44,7 +44,7 @@ class Sequencer:
         with (:meth:`adopt_edits`).
     """
 
-    def __init__(self, stores: list[LayerStore], loads: Any, slots: Slots, *, prefetch_layers: int,
+    def __init__(self, stores: list[LayerStore], loads: Target, slots: Slots, *, prefetch_layers: int,
                  resident_layers: int, pages: LayerPages, device: torch.device) -> None:
         self.stores = stores
         self.loads = loads
