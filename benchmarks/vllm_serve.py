@@ -12,9 +12,9 @@ checkpoint warm in the page cache:
 
   dummy              load_format="dummy": vLLM's footprint with random weights (no checkpoint read)
   vllm               load_format="auto": vLLM's default loader (copies, packs for oneDNN)
-  packed 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": true}; the 2nd maps the conversion
-  mapped 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "pack": false}; the 2nd maps the conversion
-  vnni 1st / 2nd     the mapped ones with {"vnni": true}: linear weights packed for vLLM's small-GEMM kernel into
+  packed 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "linear": "packed"}; the 2nd maps the conversion
+  mapped 1st / 2nd   load_format="mapoffload", {"keep_mapping": true, "linear": "mapped"}; the 2nd maps the conversion
+  vnni 1st / 2nd     the mapped ones with {"linear": "vnni"}: linear weights packed for vLLM's small-GEMM kernel into
                      the conversion folder (AVX-512 BF16; elsewhere the same as mapped)
   mapped unstreamed  the mapped 2nd start with {"stream_layers": false} (no per-layer page-cache hooks)
 
@@ -67,9 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py, smaps.py; appended: shadows nothing
 MIB = 1 << 20
-KEEP_PACKED = {"keep_mapping": True, "pack": True}
-KEEP_MAPPED = {"keep_mapping": True, "pack": False}
-KEEP_VNNI = {**KEEP_MAPPED, "vnni": True}  # mapped, packed for vLLM's small-GEMM kernel in the folder
+KEEP_PACKED = {"keep_mapping": True, "linear": "packed"}
+KEEP_MAPPED = {"keep_mapping": True, "linear": "mapped"}
+KEEP_VNNI = {**KEEP_MAPPED, "linear": "vnni"}  # mapped, packed for vLLM's small-GEMM kernel in the folder
 # name, load_format, extra, measure decode
 CONTENDERS = [
     ("dummy", "dummy", None, False),

@@ -29,7 +29,7 @@ pytestmark = [
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
 PROMPTS = [[1, 5, 9, 22, 7, 300, 2000]]
 MAX_TOKENS = 6
-OURS = {"keep_mapping": True, "pack": False}
+OURS = {"keep_mapping": True, "linear": "mapped"}
 
 
 def _run(spec: dict, cgroup: str | None = None) -> tuple[int, dict | None, str]:

@@ -2,7 +2,7 @@
 
 ``offload_layers`` (or vLLM's ``cpu_offload_gb`` amount, in whole layers) keeps
 the first decoder layers on the mapping and streams them through the copier
-each forward; ``cpu_twin=true`` runs that pipeline on vLLM's CPU backend
+each forward; the tests' switch ``MAPOFFLOAD_VLLM_CPU_TWIN=1`` runs that pipeline on vLLM's CPU backend
 (copied into separate buffers, as to a GPU). One subprocess, five engines
 (tests/vllm_runs.py): vLLM's own loader packed and unpacked, the twin with one
 layer (first start: converts; second: maps the conversion), and the twin with
@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from mapoffload.vllm._options import ENV_CPU_TWIN
 from vllm_models import save_tiny
 
 pytestmark = [
@@ -30,7 +31,8 @@ pytestmark = [
 PROMPTS = [[1, 5, 9, 22, 7], [3, 100, 200, 300, 41, 17]]
 MAX_TOKENS = 8
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
-TWIN = {"offload_layers": 1, "cpu_twin": True}
+TWIN = {"offload_layers": 1}
+TWIN_ENV = {ENV_CPU_TWIN: "1"}  # the tests' switch: the device pipeline's CPU twin
 
 
 def _layer_bytes(folder: str, i: int) -> int:
@@ -56,12 +58,14 @@ def engines(tmp_path_factory):
     gib = (_layer_bytes(folder, 0) + 1) / (1 << 30)  # just over one layer: vLLM's UVA counting takes two
     runs = [
         {**base, "name": "vllm", "load_format": "auto"},
-        {**base, "name": "vllm_unpacked", "load_format": "mapoffload", "extra": {"keep_mapping": False, "pack": False}},
-        {**base, "name": "twin", "load_format": "mapoffload", "extra": TWIN},
-        {**base, "name": "twin_again", "load_format": "mapoffload", "extra": TWIN},
-        {**base, "name": "twin_gb", "load_format": "mapoffload", "extra": {"cpu_twin": True, "prefetch_layers": 2},
-         "engine": {"cpu_offload_gb": gib}},
-        {**base, "name": "not_eager", "load_format": "mapoffload", "extra": TWIN, "engine": {"enforce_eager": False}},
+        {**base, "name": "vllm_unpacked", "load_format": "mapoffload",
+         "extra": {"keep_mapping": False, "linear": "mapped"}},
+        {**base, "name": "twin", "load_format": "mapoffload", "extra": TWIN, "env": TWIN_ENV},
+        {**base, "name": "twin_again", "load_format": "mapoffload", "extra": TWIN, "env": TWIN_ENV},
+        {**base, "name": "twin_gb", "load_format": "mapoffload", "extra": {"prefetch_layers": 2},
+         "env": TWIN_ENV, "engine": {"cpu_offload_gb": gib}},
+        {**base, "name": "not_eager", "load_format": "mapoffload", "extra": TWIN, "env": TWIN_ENV,
+         "engine": {"enforce_eager": False}},
     ]
     proc = subprocess.run([sys.executable, RUNS_PY], input=json.dumps({"runs": runs}), capture_output=True,
                           text=True, timeout=900)

@@ -26,9 +26,9 @@ pytestmark = [
 ]
 
 PROMPTS = [[1, 5, 9, 22, 7], [3, 100, 200, 300, 41, 17]]
-KEEP_PACKED = {"keep_mapping": True, "pack": True}
-KEEP_MAPPED = {"keep_mapping": True, "pack": False}
-COPY_UNPACKED = {"keep_mapping": False, "pack": False}
+KEEP_PACKED = {"keep_mapping": True, "linear": "packed"}
+KEEP_MAPPED = {"keep_mapping": True, "linear": "mapped"}
+COPY_UNPACKED = {"keep_mapping": False, "linear": "mapped"}
 VNNI_ARCHS = ["llama", "qwen2"]  # qwen2: q/k/v biases (the kernel takes them in float32)
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
 
@@ -47,10 +47,11 @@ def _runs(folders: dict[str, str]) -> list[dict]:
     for arch in VNNI_ARCHS:
         base = {"folder": folders[arch], "prompts": PROMPTS, "max_tokens": 8}
         runs += [
-            {**base, "name": f"{arch}/vnni", "load_format": "mapoffload", "extra": {**KEEP_MAPPED, "vnni": True}},
-            {**base, "name": f"{arch}/vnni_again", "load_format": "mapoffload", "extra": {**KEEP_MAPPED, "vnni": True}},
+            {**base, "name": f"{arch}/vnni", "load_format": "mapoffload", "extra": {**KEEP_MAPPED, "linear": "vnni"}},
+            {**base, "name": f"{arch}/vnni_again", "load_format": "mapoffload",
+             "extra": {**KEEP_MAPPED, "linear": "vnni"}},
             {**base, "name": f"{arch}/vllm_vnni", "load_format": "mapoffload",
-             "extra": {**COPY_UNPACKED, "vnni": True}},
+             "extra": {**COPY_UNPACKED, "linear": "vnni"}},
         ]
     llama = {"folder": folders["llama"], "prompts": PROMPTS, "max_tokens": 8, "load_format": "mapoffload"}
     runs += [
@@ -94,12 +95,12 @@ def test_mapped_compute_equals_vllms_loader_computing_alike(engines, arch):
     assert ours["logprobs"] == theirs["logprobs"]
     # and greedy decoding picks vLLM's own (packed) tokens
     assert ours["tokens"] == _ok(results, f"{arch}/vllm")["tokens"]
-    assert ours["where"]["vnni_layers"] == 0 == theirs["where"]["vnni_layers"]  # plain unless vnni=true
+    assert ours["where"]["vnni_layers"] == 0 == theirs["where"]["vnni_layers"]  # plain unless linear="vnni"
 
 
 @pytest.mark.parametrize("arch", VNNI_ARCHS)
 def test_vnni_compute_equals_vllms_loader_computing_alike(engines, arch):
-    """vnni=true: the mapped linear weights packed for vLLM's small-GEMM kernel in the conversion folder
+    """linear="vnni": the mapped linear weights packed for vLLM's small-GEMM kernel in the conversion folder
     compute what vLLM's loader computes with the same kernel over its own copies, bit for bit; where
     the kernel does not run (no AVX-512 BF16) both compute plain, as without the option."""
     results, _ = engines

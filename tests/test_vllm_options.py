@@ -9,29 +9,79 @@ from importlib.metadata import entry_points
 import pytest
 
 from mapoffload.vllm import VllmLoadError, VllmVersionError
-from mapoffload.vllm._options import LoaderOptions
+from mapoffload.vllm._options import DEPRECATED_KEYS, ENV_CPU_TWIN, KEYS, LoaderOptions
 from mapoffload.vllm.loader import TESTED, _local_folder, _safetensors_files, check_version
 
 
 def test_defaults_and_values():
-    assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions(None, None, None, None)
-    assert LoaderOptions.parse({"keep_mapping": True, "pack": False, "cache_dir": "/x", "stream_layers": True}) == \
-        LoaderOptions(True, False, "/x", True)
-    assert LoaderOptions.parse({"vnni": True}).vnni and not LoaderOptions.parse({}).vnni
+    assert LoaderOptions.parse(None) == LoaderOptions.parse({}) == LoaderOptions()
+    assert LoaderOptions.parse({"keep_mapping": True, "linear": "mapped", "cache_dir": "/x", "stream_layers": True}) \
+        == LoaderOptions(True, "mapped", "/x", True)
+    assert LoaderOptions.parse({"linear": "vnni"}).linear == "vnni" and LoaderOptions.parse({}).linear is None
+
+
+def test_the_keys_are_six_and_the_test_switch_is_not_one():
+    assert list(KEYS) == ["keep_mapping", "linear", "stream_layers", "cache_dir", "offload_layers", "prefetch_layers"]
+    assert set(DEPRECATED_KEYS) == {"pack", "vnni", "cpu_twin"} and not set(DEPRECATED_KEYS) & set(KEYS)
+    assert ENV_CPU_TWIN in DEPRECATED_KEYS["cpu_twin"]
+
+
+@pytest.mark.parametrize("linear,keep,resolved,streams", [
+    ("packed", True, "packed", False), ("packed", False, "packed", False),
+    ("mapped", True, "mapped", True), ("mapped", False, "mapped", True),
+    ("vnni", True, "vnni", True), ("vnni", False, "vnni", True),
+    (None, True, "mapped", True), (None, False, "packed", False),  # absent: packed exactly when copied
+])
+def test_linear_values_decide_how_linear_layers_compute(linear, keep, resolved, streams):
+    options = LoaderOptions.parse({} if linear is None else {"linear": linear})
+    assert options.linear == linear
+    assert options.linear_for(keep) == resolved and options.streams(resolved) is streams
+
+
+@pytest.mark.parametrize("old,new", [
+    ({"pack": True}, {"linear": "packed"}),
+    ({"pack": False}, {"linear": "mapped"}),
+    ({"vnni": True}, {"linear": "vnni"}),
+    ({"pack": False, "vnni": True}, {"linear": "vnni"}),
+    ({"vnni": False}, {}),
+    ({"pack": True, "vnni": False}, {"linear": "packed"}),
+    ({"keep_mapping": True, "pack": False}, {"keep_mapping": True, "linear": "mapped"}),
+])
+def test_the_old_linear_keys_warn_naming_linear_and_mean_the_same(old, new, caplog):
+    with pytest.warns(DeprecationWarning, match="linear") as record:
+        options = LoaderOptions.parse(old)
+    assert len(record) == len(set(old) & set(DEPRECATED_KEYS))
+    assert all("is deprecated" in str(w.message) for w in record)
+    assert options == LoaderOptions.parse(new)
+    assert any("deprecated" in r.getMessage() and "linear" in r.getMessage()
+               for r in caplog.records if r.name == "mapoffload")  # and the log says so
+
+
+@pytest.mark.parametrize("extra,keys", [
+    ({"pack": True, "linear": "packed"}, {"pack", "linear"}),
+    ({"vnni": True, "linear": "mapped"}, {"vnni", "linear"}),
+    ({"pack": False, "vnni": True, "linear": "vnni"}, {"pack", "vnni", "linear"}),
+    ({"pack": True, "vnni": True}, {"pack", "vnni"}),
+])
+def test_an_old_key_with_linear_is_refused_naming_them_all(extra, keys):
+    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse(extra)
+    assert set(info.value.keys) == keys and all(k in str(info.value) for k in keys)
 
 
 @pytest.mark.parametrize("extra,needle", [
     ([("keep_mapping", True)], "must be a dict"),
     ({"keep_maping": True}, "unknown key(s) ['keep_maping']"),
+    ({"liner": "mapped"}, "did you mean linear?"),
     ({"keep_mapping": "yes"}, "keep_mapping"),
-    ({"pack": 1}, "'pack'"),
+    ({"linear": True}, "['linear'] must be one of ('packed', 'mapped', 'vnni')"),
+    ({"linear": "oneDNN"}, "'oneDNN'"),
     ({"cache_dir": ""}, "cache_dir"),
     ({"stream_layers": "auto"}, "stream_layers"),
-    ({"stream_layers": True, "pack": True}, "cannot go with"),
-    ({"stream_layers": True, "keep_mapping": False}, "cannot go with"),
-    ({"vnni": "yes"}, "'vnni'"),
-    ({"vnni": True, "pack": True}, "vnni=true packs the linear weights computed from the mapping"),
-    ({"vnni": True, "offload_layers": 2}, "cannot go with pack=true (oneDNN's own packing) or offload_layers"),
+    ({"stream_layers": True, "linear": "packed"}, "stream_layers=true streams mapped weights computed unpacked: it "
+                                                  "cannot go with linear='packed'"),
+    ({"stream_layers": True, "keep_mapping": False}, "keep_mapping=false loads with vLLM's own loader"),
+    ({"linear": "vnni", "offload_layers": 2}, "cannot go with linear='vnni'"),
 ])
 def test_bad_options_are_named(extra, needle):
     with pytest.raises(VllmLoadError) as info:
@@ -39,8 +89,21 @@ def test_bad_options_are_named(extra, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("extra,needle", [({"pack": 1}, "'pack'"), ({"vnni": "yes"}, "'vnni'")])
+def test_bad_values_of_the_old_keys_are_named(extra, needle):
+    with pytest.raises(VllmLoadError, match="must be true, false or absent") as info:
+        LoaderOptions.parse(extra)
+    assert needle in str(info.value)
+
+
+def test_an_old_key_in_a_conflict_is_named_as_given():
+    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse({"stream_layers": True, "pack": True})
+    assert info.value.keys == ("stream_layers", "pack") and "cannot go with pack=true" in str(info.value)
+
+
 def test_unknown_key_lists_the_known_ones():
-    with pytest.raises(VllmLoadError, match="keep_mapping: .*pack: .*cache_dir: "):
+    with pytest.raises(VllmLoadError, match="keep_mapping: .*linear: .*cache_dir: "):
         LoaderOptions.parse({"nope": 1})
 
 

@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 RUNS_PY = os.path.join(os.path.dirname(__file__), "vllm_runs.py")
-OURS = {"keep_mapping": True, "pack": False}
+OURS = {"keep_mapping": True, "linear": "mapped"}
 
 
 def _files_bytes(folder: str) -> int:

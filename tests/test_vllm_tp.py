@@ -28,8 +28,9 @@ def test_two_ranks(tmp_path):
     folder = save_tiny("llama", str(tmp_path / "llama"))
     base = {"folder": folder, "prompts": [[1, 5, 9, 22, 7]], "max_tokens": 8, "tensor_parallel_size": 2}
     runs = [{**base, "name": "vllm", "load_format": "auto"},
-            {**base, "name": "ours", "load_format": "mapoffload", "extra": {"keep_mapping": True, "pack": False}},
-            {**base, "name": "ours_packed", "load_format": "mapoffload", "extra": {"keep_mapping": True, "pack": True}}]
+            {**base, "name": "ours", "load_format": "mapoffload", "extra": {"keep_mapping": True, "linear": "mapped"}},
+            {**base, "name": "ours_packed", "load_format": "mapoffload",
+             "extra": {"keep_mapping": True, "linear": "packed"}}]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     proc = subprocess.run([sys.executable, RUNS_PY], input=json.dumps({"runs": runs}), capture_output=True,
                           text=True, timeout=1200, env=env)

@@ -4,7 +4,8 @@ Not a test module: ``tests/test_vllm_engine.py`` runs it in a subprocess (vLLM's
 import costs tens of seconds; every engine after the first a few). Input on
 stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
 "prompts", "max_tokens", "before": null | "corrupt", "engine": {more LLM(...) keywords},
-"hold": null | PATH}]}``. Output: one line ``RESULTS <json>`` with, per run, the
+"hold": null | PATH, "env": {VARIABLE: VALUE} set while the run's engine starts and runs
+(``MAPOFFLOAD_VLLM_CPU_TWIN``: the CPU twin)}]}``. Output: one line ``RESULTS <json>`` with, per run, the
 tokens and logprobs of every prompt, where each parameter's bytes live (the
 checkpoint's files, a conversion folder, anonymous memory) as the process's
 mappings say, and the page-cache coordinator's peers (other ranks and replicas
@@ -18,12 +19,14 @@ measures several at once).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -151,7 +154,27 @@ def _corrupt(folder: str) -> None:
                     f.truncate(16)  # a header that no longer fits the file
 
 
+@contextlib.contextmanager
+def _environment(env: dict) -> Iterator[None]:
+    """``env`` in ``os.environ`` inside (the engine reads it in this process, and its workers inherit it)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(spec: dict) -> dict:
+    with _environment(spec.get("env") or {}):
+        return _run(spec)
+
+
+def _run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt

@@ -5,7 +5,7 @@ library (oneDNN, or its small-GEMM kernel) that *packs* it into its own
 layout: an owned copy of the weight, the original dropped. That is faster, and
 is what happens when host copies fit. When they do not, :func:`mapped_linear`
 makes that step keep the weights on a mapping, in one of two layouts
-(``plain`` unless the load format's option ``vnni`` asks, and
+(``plain`` unless the load format's option ``linear: "vnni"`` asks, and
 :func:`mapped_layout` finds the kernel):
 
 - ``"vnni"``, where vLLM's small-GEMM kernel runs (``weight_packed_linear``,
@@ -96,7 +96,8 @@ def mapped_linear(enabled: bool, *, layout: str = PLAIN,
         if before == VNNI:
             if not remove_weight:
                 raise VllmLoadError(f"a weight packed for vLLM's small-GEMM kernel (VNNI) is also an embedding's "
-                                   f"({type(layer).__name__}), whose lookup reads plain rows: load without vnni")
+                                   f"({type(layer).__name__}), whose lookup reads plain rows: load without "
+                                   f"linear='vnni'")
             layer.cpu_linear = _vnni_linear  # already packed for its other linear
             return None
         # An embedding keeps its weight (remove_weight=False): the lookup reads the plain rows.

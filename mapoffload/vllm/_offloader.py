@@ -12,7 +12,9 @@ The loader binds those parameters to the mapping, vLLM's own loader fills the
 rest onto the device, and a :class:`~mapoffload.LayerwiseOffloadManager` per
 stack streams the offloaded layers to the device each forward through the
 copier (pinned staging ring, ``prefetch_layers`` ahead, released after use).
-On vLLM's CPU backend ``cpu_twin=true`` runs that very pipeline on the CPU.
+On vLLM's CPU backend the tests' switch ``MAPOFFLOAD_VLLM_CPU_TWIN=1`` runs that
+very pipeline on the CPU. What to offload, and every refusal, is decided in
+:mod:`._options` (:meth:`~._options.LoaderOptions.plan`).
 
 vLLM's CUDA graphs would capture one forward's slot buffers (the manager
 gives each layer buffers of its own per load), so the path needs
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,78 +32,10 @@ import torch
 from .._log import format_bytes, logger
 from ..memory.regions import tensor_bytes
 from ._errors import VllmLoadError
+from ._options import OffloadRequest
 
-
-@dataclass(frozen=True)
-class OffloadRequest:
-    """Which layers to offload: the first ``layers``, or the first layers holding ``max_bytes``."""
-
-    layers: int | None
-    max_bytes: int | None
-    prefetch: int
-    why: str
-
-
-def offload_request(options: Any, vllm_config: Any, device: torch.device, *,
-                    enforce_eager: bool) -> OffloadRequest | None:
-    """What the engine asks to offload (None: nothing); refuses what the path cannot do, by name."""
-    offload = getattr(vllm_config, "offload_config", None)
-    uva = getattr(offload, "uva", None)
-    gib = float(getattr(uva, "cpu_offload_gb", 0) or 0)
-    group = int(getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0)
-    # As vLLM's create_offloader chooses: "uva" ignores the prefetch fields, "prefetch" the UVA ones.
-    backend = getattr(offload, "offload_backend", "auto") or "auto"
-    if backend == "uva":
-        group = 0
-    if group or backend == "prefetch":
-        what = f"offload_group_size={group}" if group else "offload_backend='prefetch'"
-        raise VllmLoadError(f"vLLM's prefetch offloader ({what}) copies the layers into "
-                            f"pinned memory; with load format 'mapoffload' give offload_layers in "
-                            f"model_loader_extra_config (or --cpu-offload-gb) instead")
-    if options.offload_layers is not None and gib:
-        raise VllmLoadError(f"both offload_layers={options.offload_layers} (model_loader_extra_config) and "
-                            f"cpu_offload_gb={gib:g} are set: give one")
-    if gib and getattr(uva, "cpu_offload_params", None):
-        raise VllmLoadError("cpu_offload_params: the mapoffload load format offloads whole decoder layers; "
-                            "leave cpu_offload_params unset (or use offload_layers)")
-    if options.offload_layers is None and not gib:
-        if options.cpu_twin:
-            raise VllmLoadError("model_loader_extra_config['cpu_twin'] runs offloaded layers through the device "
-                                "pipeline's CPU twin: give offload_layers (or --cpu-offload-gb) too")
-        if options.prefetch_asked:
-            raise VllmLoadError(f"model_loader_extra_config['prefetch_layers']={options.prefetch_layers} is how many "
-                                f"offloaded layers the copier streams ahead: give offload_layers (or "
-                                f"--cpu-offload-gb) too, or leave prefetch_layers out")
-        return None
-    if device.type == "cpu" and not options.cpu_twin and options.offload_layers is None:
-        logger.info("mapoffload: cpu_offload_gb=%g on vLLM's CPU backend: nothing to offload to (as for vLLM's "
-                    "own offloader); cpu_twin=true in model_loader_extra_config runs the device pipeline's CPU twin",
-                    gib)
-        return None
-    if options.pack or options.stream_layers:
-        key = "pack" if options.pack else "stream_layers"
-        given = f"offload_layers={options.offload_layers}" if options.offload_layers is not None \
-            else f"cpu_offload_gb={gib:g}"
-        raise VllmLoadError(f"model_loader_extra_config[{key!r}]=true cannot go with {given}: offloaded layers stay "
-                            f"mapped and stream through the copier; leave {key} out")
-    if device.type not in ("cpu", "cuda"):
-        raise VllmLoadError(f"the mapoffload load format streams offloaded layers to CUDA devices (or the CPU "
-                            f"twin), not {device}; load with load_format='auto'")
-    if device.type == "cpu" and not options.cpu_twin:
-        raise VllmLoadError("offloading layers to a device on vLLM's CPU backend: there is no device (the layers "
-                            "compute from the mapping in place: stream_layers); model_loader_extra_config"
-                            "['cpu_twin']=true runs the device pipeline's CPU twin")
-    if device.type != "cpu" and options.cpu_twin:
-        raise VllmLoadError(f"model_loader_extra_config['cpu_twin'] is for vLLM's CPU backend; this engine loads "
-                            f"onto {device}")
-    if not enforce_eager:
-        raise VllmLoadError("offloaded layers are streamed into buffers made for each forward, which CUDA graphs "
-                            "(and vLLM's compiled graphs) would capture once: start the engine with "
-                            "enforce_eager=True (--enforce-eager)")
-    if options.offload_layers is not None:
-        return OffloadRequest(options.offload_layers, None, options.prefetch_layers,
-                              f"offload_layers={options.offload_layers}")
-    return OffloadRequest(None, int(gib * (1 << 30)), options.prefetch_layers, f"cpu_offload_gb={gib:g}")
+__all__ = ["LayerTaker", "OffloadRequest", "check_still_mapped", "closed_on_failure", "installed", "make_offloader",
+           "note_shortfall", "offloaded_names", "refuse_derived_weights", "start_managers"]
 
 
 class LayerTaker:
@@ -247,27 +180,29 @@ def closed_on_failure(managers: list) -> Iterator[list]:
         raise
 
 
-def start_managers(model: torch.nn.Module, taker: LayerTaker, device: torch.device) -> list:
-    """One device-path manager per offloaded stack, hooks registered; logs what streams how.
-    When one fails to start, those started before it are closed."""
+def start_managers(model: torch.nn.Module, taker: LayerTaker) -> list:
+    """One device-path manager per offloaded stack, hooks registered, each handed the request's
+    :class:`~mapoffload.OffloadOptions` whole; logs what streams how. When one fails to start,
+    those started before it are closed."""
     from ..offload import LayerwiseOffloadManager
 
-    twin = device.type == "cpu"
-    asked = taker.request.prefetch
+    options = taker.request.options
+    asked = options.prefetch_layers
     with closed_on_failure([]) as managers:
         for stack in taker.stacks:
             # A layer prefetches the ones after it in its stack: no deeper than the stack (a deeper depth
             # would only size read-around buffers for layers that are not there).
             depth = min(asked, max(0, len(stack) - 1))
-            manager = LayerwiseOffloadManager(model, stack, device=device, prefetch_layers=depth,
-                                              cpu_twin=twin, host_store="mapped")  # never a host copy of them
+            manager = LayerwiseOffloadManager(model, stack, options if depth == asked
+                                              else options.replace(prefetch_layers=depth))
             managers.append(manager)
             manager.register_forward_hooks()
             copier = manager.copier
             bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
             logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
                         "through the copier%s: %d staging slots of %s, prefetch depth %d%s", taker.request.why,
-                        len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))), device,
-                        " (the device pipeline's CPU twin)" if twin else "", copier.slots,
+                        len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))),
+                        options.device,
+                        " (the device pipeline's CPU twin)" if options.cpu_twin else "", copier.slots,
                         format_bytes(copier.staging_bytes), depth, bounded)
     return managers

@@ -11,21 +11,27 @@ Uncapped, the plan keeps every layer: the hooks only check.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._log import logger
 from ..hf.blocks import find_block_lists
 
+if TYPE_CHECKING:
+    from ..options import OffloadOptions
 
-def stream_layers(model: torch.nn.Module, *, prefetch_layers: int = 1) -> list:
-    """One in-place manager per stack of ``model`` with its forward hooks registered; returns them.
-    When one fails to start, those started before it are closed."""
+
+def stream_layers(model: torch.nn.Module, options: OffloadOptions) -> list:
+    """One in-place manager per stack of ``model`` (each handed ``options`` whole: in place on the
+    CPU, :meth:`~._options.LoaderOptions.stream_options`) with its forward hooks registered; returns
+    them. When one fails to start, those started before it are closed."""
     from ..offload import LayerwiseOffloadManager
     from ._offloader import closed_on_failure
 
     with closed_on_failure([]) as managers:
         for path, _ in find_block_lists(model):
-            manager = LayerwiseOffloadManager(model, path, device="cpu", prefetch_layers=prefetch_layers)
+            manager = LayerwiseOffloadManager(model, path, options)
             managers.append(manager)
             manager.register_forward_hooks()
             logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,

@@ -5,7 +5,7 @@
 copying every weight into memory of its own, each parameter becomes a view of
 the checkpoint file (where vLLM keeps a tensor unchanged) or of a mapped
 conversion folder (what vLLM builds: see :mod:`._convert`). Options go through
-``model_loader_extra_config`` (:mod:`._options`).
+``model_loader_extra_config``, read, checked and refused in one place, :mod:`._options`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from ..memory.regions import tensor_bytes
 from ._compute import PLAIN, VNNI, mapped_layout, mapped_linear, packed_layers
 from ._convert import Bound, bind_mapped, conversion_key, hidden
 from ._errors import VllmLoadError, VllmVersionError
-from ._offloader import check_still_mapped, installed, make_offloader, offload_request, offloaded_names, \
-    note_shortfall, refuse_derived_weights, start_managers
-from ._options import LoaderOptions
+from ._offloader import check_still_mapped, installed, make_offloader, offloaded_names, note_shortfall, \
+    refuse_derived_weights, start_managers
+from ._options import EngineFacts, EnginePlan, LoaderOptions
 from ._postprocess import PostProcessed
 from ._stream import stream_layers
 
@@ -73,25 +73,9 @@ class _Loader:
     def download_model(self, model_config) -> None:  # noqa: ANN001
         _safetensors_files(_local_folder(model_config.model))
 
-    def _refuse(self, vllm_config, model_config):  # noqa: ANN001
-        """The load device and what it offloads (None: nothing), or a :class:`VllmLoadError` saying why not."""
-        load_device = self.load_config.device or vllm_config.device_config.device
-        device = torch.device(load_device)
-        if model_config.quantization is not None:
-            raise VllmLoadError(f"quantization {model_config.quantization!r} is not kept mapped by the mapoffload "
-                                f"load format (vLLM rebuilds its weights); load with load_format='auto'")
-        if self.options.keep_mapping is False:  # vLLM's own loader, and its own offloader, as asked
-            return device, None
-        request = offload_request(self.options, vllm_config, device, enforce_eager=bool(model_config.enforce_eager))
-        if request is not None and getattr(vllm_config, "speculative_config", None) is not None:
-            raise VllmLoadError(f"{request.why} with speculative decoding (speculative_config): vLLM loads the draft "
-                                f"model with the same load format and options, so it would offload the drafter's "
-                                f"layers too; offloading with speculative decoding is not supported")
-        if device.type != "cpu" and request is None:
-            raise VllmLoadError(f"on {device} the mapoffload load format keeps only offloaded layers on the mapping "
-                                f"(offload_layers in model_loader_extra_config, or --cpu-offload-gb, with "
-                                f"--enforce-eager); nothing is offloaded here: load with load_format='auto'")
-        return device, request
+    def _plan(self, vllm_config, model_config) -> EnginePlan:  # noqa: ANN001
+        """The load device and what it offloads, as the options decide for this engine (every refusal is there)."""
+        return self.options.plan(EngineFacts.of(vllm_config, model_config, self.load_config))
 
     def _keep(self, files: list[str], architecture: str) -> tuple[bool, str]:
         keep = self.options.keep_mapping
@@ -103,25 +87,24 @@ class _Loader:
         keep = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=f"vLLM {architecture}")
         return keep, "host copies would not fit (the gate)" if keep else "host copies fit (the gate)"
 
-    def _copy(self, vllm_config, model_config, prefix: str, pack: bool):  # noqa: ANN001
+    def _copy(self, vllm_config, model_config, prefix: str, pack: bool, layout: str):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         config = dataclasses.replace(self.load_config, load_format="safetensors", model_loader_extra_config={})
-        with mapped_linear(not pack, layout=self._layout(pack, "")):  # vLLM's loader computing as ours would
+        with mapped_linear(not pack, layout=layout):  # vLLM's loader computing as ours would
             return DefaultModelLoader(config).load_model(vllm_config=vllm_config, model_config=model_config,
                                                           prefix=prefix)
 
-    def _layout(self, pack: bool, architecture: str) -> str:
-        """How linear layers computed from the mapping run (``_compute.py``): VNNI only when asked and possible."""
-        if pack or not self.options.vnni:
-            if self.options.vnni and architecture:
-                logger.warning("mapoffload: vLLM %s: vnni=true is not used: the linear weights are packed for "
-                               "oneDNN (pack resolved to true: host copies fit, or pack=true)", architecture)
+    @staticmethod
+    def _layout(linear: str, architecture: str) -> str:
+        """How linear layers computed from the weights' rows run (``_compute.py``): VNNI only when
+        ``linear="vnni"`` asks and the CPU runs vLLM's small-GEMM kernel (else plain, logged)."""
+        if linear != "vnni":
             return PLAIN
         layout = mapped_layout()
-        if layout != VNNI and architecture:
-            logger.warning("mapoffload: vLLM %s: vnni=true, but vLLM's small-GEMM kernel does not run on this CPU "
-                           "(needs AVX-512 BF16 and vLLM's weight_packed_linear): computed from the plain weights",
+        if layout != VNNI:
+            logger.warning("mapoffload: vLLM %s: linear='vnni', but vLLM's small-GEMM kernel does not run on this "
+                           "CPU (needs AVX-512 BF16 and vLLM's weight_packed_linear): computed from the plain weights",
                            architecture)
         return layout
 
@@ -157,7 +140,7 @@ class _Loader:
         if packed:
             raise VllmLoadError(f"reloading weights in place: {len(packed)} linear layers ({packed[0]}, ...) compute "
                                 f"from weights packed for vLLM's small-GEMM kernel (VNNI), which a checkpoint's plain "
-                                f"rows cannot refill; start a new engine (or load without vnni)")
+                                f"rows cannot refill; start a new engine (or load without linear='vnni')")
 
         bound, cache = self._bind(model, model_config, get_current_vllm_config(), model.__class__.__name__,
                                   pack=False)
@@ -188,20 +171,22 @@ class _Loader:
         from ._logging import share_vllm_handlers
 
         share_vllm_handlers()  # vLLM configures its logging after the plugins load
-        device, request = self._refuse(vllm_config, model_config)
+        plan = self._plan(vllm_config, model_config)
+        device, request = plan.device, plan.request
         folder = _local_folder(model_config.model)
         files = _safetensors_files(folder)
         architecture = (model_config.architectures or ["model"])[0]
         if request is not None:
             return self._load_offloaded(vllm_config, model_config, prefix, device, request, architecture)
         keep, why = self._keep(files, architecture)
-        pack = self.options.pack if self.options.pack is not None else not keep
-        layout = self._layout(pack, architecture)
+        linear = self.options.linear_for(keep)
+        pack = linear == "packed"
+        layout = self._layout(linear, architecture)
         vnni = "packed for vLLM's small-GEMM kernel (VNNI)"
         compute = ("packed for the CPU GEMM library (owned copies)" if pack else
                    "computed from the mapped weights" + (f", {vnni} in the conversion folder" if layout == VNNI else ""))
         if not keep:
-            model = self._copy(vllm_config, model_config, prefix, pack)
+            model = self._copy(vllm_config, model_config, prefix, pack, layout)
             copied = ("packed for the CPU GEMM library" if pack else
                       f"{vnni}, in memory" if layout == VNNI else "computed from the plain rows")
             logger.info("mapoffload: vLLM %s copied into memory as vLLM's loader does (%s); linear layers %s",
@@ -225,8 +210,8 @@ class _Loader:
         bound.recount(model)
         after = {name: p.numel() for name, p in model.named_parameters()}
         bound.packed = sum(n for name, n in before.items() if not after.get(name))  # handed to the GEMM library
-        stream = self.options.stream_layers if self.options.stream_layers is not None else not pack
-        model.mapoffload_managers = stream_layers(model) if stream else []
+        stream = self.options.streams(linear)
+        model.mapoffload_managers = stream_layers(model, self.options.stream_options()) if stream else []
         where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
                  else "no conversion needed")
         packed = f", {format_bytes(bound.packed)} packed into the GEMM library's own copies" if bound.packed else ""
@@ -242,9 +227,6 @@ class _Loader:
         copier, everything else loaded onto the device by vLLM's own loader."""
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-        if self.options.vnni:
-            logger.warning("mapoffload: vLLM %s: vnni=true is not used on the device path (%s): the offloaded "
-                           "layers compute from their plain rows", architecture, request.why)
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -276,7 +258,7 @@ class _Loader:
             raise
         _finish(bound, cache)
         bound.recount(model)
-        model.mapoffload_managers = start_managers(model, offloader.taker, device)
+        model.mapoffload_managers = start_managers(model, offloader.taker)
         model.mapoffload_bound = bound
         logger.info("mapoffload: vLLM %s: %d offloaded layers kept on the mapping (%s): %s mapped from the "
                     "checkpoint, %s converted (%s); the rest, %s, loaded onto %s by vLLM's loader", architecture,
