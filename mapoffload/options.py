@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from ._checks import check_bool, check_count, check_device
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "gather", "load_options", "take",
+__all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "gather", "load_options", "shows_option_keywords", "take",
            "unexpected_keyword"]
 
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
@@ -172,6 +173,29 @@ class OffloadOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+
+
+def shows_option_keywords(fn: Any) -> Any:
+    """``fn`` (an entry point taking ``**keywords``, or a class whose ``__init__`` does) with a
+    signature that shows the fields of :class:`OffloadOptions` as the keyword-only parameters
+    they are (``device`` required, the others with their defaults), for ``help()``, editors and
+    :func:`inspect.signature`. The fields stay documented once, on the class."""
+    target = fn.__init__ if isinstance(fn, type) else fn
+    params = list(inspect.signature(target).parameters.values())
+    if isinstance(fn, type):
+        params = params[1:]  # self
+    plain = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    rest = [p for p in params if p.kind is p.VAR_KEYWORD and fn.__name__ not in _OPTIONS_ONLY]
+    taken = {p.name for p in plain}
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                default=inspect.Parameter.empty if f.name == "device" else f.default)
+              for f in dataclasses.fields(OffloadOptions) if f.name not in taken]
+    fn.__signature__ = inspect.Signature(plain + fields + rest)
+    return fn
+
+
+# Entry points whose **keywords are the options' fields only (the others pass the rest on).
+_OPTIONS_ONLY = ("LayerwiseOffloadManager", "offload", "offload_pipeline")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

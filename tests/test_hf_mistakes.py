@@ -170,6 +170,15 @@ def test_in_place_there_is_no_placeholder_to_refuse_a_read(gpt2):
     model.mapoffload_handle.close()
 
 
+def test_device_is_a_required_keyword_of_every_entry_point():
+    from mapoffload.hf import offload_pipeline
+
+    for fn in (mapoffload.from_pretrained, mapoffload.offload, mapoffload.pipeline_from_pretrained,
+               offload_pipeline):
+        param = inspect.signature(fn).parameters["device"]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is inspect.Parameter.empty, fn
+
+
 def test_device_is_required_by_every_entry_point(tmp_path):
     # No device and no options: refused before anything is read, naming device= (the folder need not exist).
     calls = [lambda: mapoffload.from_pretrained(object, tmp_path),
@@ -206,7 +215,7 @@ def test_offload_devices_it_cannot_use_are_named(gpt2):
     ({"prefetch_layers": -1}, ValueError, "prefetch_layers must be a whole number >= 0, not -1"),
     ({"rest": "gpu"}, ValueError, "rest must be one of ('auto', 'device', 'stream'), not 'gpu'"),
     ({"host_store": "disk"}, ValueError, "host_store must be one of"),
-    ({"stream_reads": "fast"}, ValueError, "stream_reads must be one of"),
+    ({"stream_reads": "fast"}, ValueError, "reads must be one of"),
 ])
 def test_offload_arguments_are_checked_before_loading(gpt2, loads, kwargs, error, says):
     import transformers as tf

@@ -202,7 +202,7 @@ def test_the_exceptions_are_still_needed():
 
 def test_page_cache_policy_is_in_the_page_cache_layer():
     names = set(module_graph())
-    for policy in ("layer_pages", "stream_reads", "read_source"):
+    for policy in ("layer_pages", "read_policy", "read_source"):
         assert f"mapoffload.pagecache.{policy}" in names
         assert f"mapoffload.offload.{policy}" not in names
 

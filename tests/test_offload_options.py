@@ -63,7 +63,7 @@ def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):
             assert torch.equal(model(x), want)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=2, resident_layers=1,
                                  reads="mapping") as b:
-        assert b.options == got_a  # the same options, measured the same way
+        assert b.options.replace(available_bytes=None) == got_a.replace(available_bytes=None)  # measured apart
     assert (got_a.prefetch_layers, got_a.resident_layers, got_a.reads) == (2, 1, "mapping")
     assert got_a.available_bytes is not None and got_a.local_ranks >= 1  # filled in by the manager
     with mapoffload.offload(model, o, layers="blocks") as handle:  # keywords laid over the options

@@ -16,7 +16,7 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 from stacks import drain, layer_resident, mapped, warm_read_bytes
 
 # The stream-reads policy's module (its /proc/self/io reader is replaced here).
-offload_module = importlib.import_module("mapoffload.pagecache.stream_reads")
+offload_module = importlib.import_module("mapoffload.pagecache.read_policy")
 
 
 def _layer(model) -> int:

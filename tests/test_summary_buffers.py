@@ -110,7 +110,7 @@ def test_the_cpu_twins_device_buffers_and_staging_are_counted(ckpt):
         mgr.register_forward_hooks()
         with torch.no_grad():
             assert torch.equal(model(x), want)
-        handle = OffloadHandle(model, torch.device("cpu"))
+        handle = OffloadHandle(model, mgr.options)
         handle.managers["blocks"] = mgr
         buffers = {r.unit: r for r in handle.rows}["buffers"]
         staging = mgr.copier.slots * mgr.copier.staging_bytes

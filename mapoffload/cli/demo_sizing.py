@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # twice that and more.
 BOOKKEEPING_BYTES = 1 << 20
 BOOKKEEPING_PER_TENSOR_BYTES = 4 << 10
-# The read-around buffers (``pagecache/direct_read.py``) grow in 2 MiB steps.
+# The read-around buffers (``pagecache/uncached_read.py``) grow in 2 MiB steps.
 READ_AROUND_QUANTUM = 2 << 20
 
 

@@ -34,7 +34,7 @@ from .._log import logger
 from ..loading.report import LoadReport
 from . import _keys
 from ..offload.errors import CallNames
-from ..options import FIELDS, OffloadOptions, gather, load_options, unexpected_keyword
+from ..options import FIELDS, OffloadOptions, gather, load_options, shows_option_keywords, unexpected_keyword
 from ._args import check_flags, check_folder, check_pipeline_class, keyword_names
 from ..conversion import ConversionCache
 from ..conversion import default_root, fingerprint
@@ -123,6 +123,7 @@ def _stacks(model: torch.nn.Module) -> list[Any]:
     return [path for path, _ in find_block_lists(model)]
 
 
+@shows_option_keywords
 def offload_pipeline(pipe: Any, options: OffloadOptions | None = None, *, skip: tuple[str, ...] = (),
                      **keywords: Any) -> PipelineOffloadHandle:
     """Offload every model component of a diffusers pipeline onto the device.
@@ -337,6 +338,7 @@ def _load_pipeline(pipeline_cls: Any, folder: str | os.PathLike, *, dtype: Any, 
     return pipe, reports
 
 
+@shows_option_keywords
 def pipeline_from_pretrained(
     pipeline_cls: Any,
     folder: str | os.PathLike,

@@ -19,7 +19,7 @@ from .._log import format_bytes, logger
 from ..memory.budget import host_memory
 from ..memory.regions import tensor_bytes
 from ..offload.errors import CallNames
-from ..options import OffloadOptions, gather
+from ..options import OffloadOptions, gather, shows_option_keywords
 from ._summary import OffloadRow
 from .blocks import find_block_lists
 
@@ -167,6 +167,7 @@ def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Mod
     return list(owners.values())
 
 
+@shows_option_keywords
 def offload(model: torch.nn.Module, options: OffloadOptions | None = None, /, **keywords: Any) -> OffloadHandle:
     """Stream a model's block lists to the device and place the rest there.
 

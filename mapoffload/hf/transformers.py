@@ -9,7 +9,7 @@ lists, the generation config, quantizers, which missing weights it
 initialises — so the model computes exactly what transformers' model
 computes. mapoffload only makes sure nothing of it is an anonymous copy:
 tensors transformers *makes* on the way are converted once into mapped files
-(:mod:`._converted`, :mod:`._drive`, :mod:`._drive_transformers`).
+(:mod:`mapoffload.conversion`, :mod:`._drive`, :mod:`._drive_transformers`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from . import _keys
 from ..conversion import ConversionCache
 from ..conversion import concrete_class, default_root, fingerprint
 from ..offload.errors import CallNames
-from ..options import FIELDS, OffloadOptions, load_options, unexpected_keyword
+from ..options import FIELDS, OffloadOptions, load_options, shows_option_keywords, unexpected_keyword
 from ._args import check_flags, check_folder, check_model_class, keyword_names
 from ._drive import driving
 from ._drive_transformers import transformers_hooks
@@ -307,6 +307,7 @@ def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException
                            f"{why.strip()}", keys) from cause
 
 
+@shows_option_keywords
 def from_pretrained(
     cls: Any,
     folder: str | os.PathLike,
@@ -363,7 +364,7 @@ def from_pretrained(
         For a fine-grained FP8 checkpoint (``quant_method: fp8``): ``"keep"``
         leaves each weight's fp8 codes and block scales on the mapping (one
         byte a parameter, streamed as such) and dequantizes it as it is used
-        (:mod:`mapoffload.fp8`), wherever that gives exactly transformers'
+        (:mod:`mapoffload.loading.fp8`), wherever that gives exactly transformers'
         dequantized weight — the rest (experts stacked from many tensors) is
         dequantized once into the conversion folder; ``"dequantize"`` does
         that for every weight (transformers' dequantized model, in bf16).

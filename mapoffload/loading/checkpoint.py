@@ -100,7 +100,7 @@ def load_checkpoint(
         initialised ``torch.distributed`` group's.
     local_ranks
         Ranks sharing this host, for the gate; None detects
-        (:mod:`mapoffload.ranks`).
+        (:mod:`mapoffload.memory.ranks`).
     progress
         A tqdm progress bar over the files (when tqdm is installed): None
         shows it at once for 8 files or more, otherwise once the load has

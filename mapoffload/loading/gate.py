@@ -28,7 +28,7 @@ def keep_checkpoint_mapped(*, weight_bytes: int, component: str, local_ranks: in
     """True exactly when host copies of ``weight_bytes`` would not fit.
 
     With several ranks on the host (``local_ranks``; None detects, see
-    :mod:`mapoffload.ranks`) copies cost ``local ranks x weight_bytes`` of
+    :mod:`mapoffload.memory.ranks`) copies cost ``local ranks x weight_bytes`` of
     anonymous memory, a mapping the shared page cache once. Logs one line
     saying why, with both numbers against the host's available memory.
 

@@ -12,7 +12,7 @@
   ``device_copies`` (device buffers, ``device_pool``) - and where its bytes come from - ``sources``
   (the read-around source; the mapping is ``pagecache.read_source``); ``buffers``: what they hold on the host.
 - ``rest``: the mapped weights outside the layers. The stack's pages (``pagecache.layer_pages``) and
-  how its streamed layers are read (``pagecache.stream_reads``, the ``auto`` policy) are page-cache
+  how its streamed layers are read (``pagecache.read_policy``, the ``auto`` policy) are page-cache
   policy, in ``mapoffload.pagecache``.
 - ``host_edits``: the host weights read and replaced, by the manager's methods or by the user in the
   model (``adopt_edits``).

@@ -10,7 +10,7 @@ interface, which the sequencer drives:
   compute (raises on a failed read); ``value(w, load)`` is the tensor weight ``w`` computes with;
   ``release(i, load)`` gives its buffers back; ``drop_in_flight(load)`` forgets it in a forked child;
 - ``recycles(i)`` / ``reuses(load)``: whether autograd must not keep what it computes from;
-- ``source`` (swapped by ``stream_reads``), ``window_bytes`` / ``planned_bytes`` (its read-around
+- ``source`` (swapped by the reads policy), ``window_bytes`` / ``planned_bytes`` (its read-around
   buffers, for the page-cache plan), ``bytes`` / ``peak_bytes`` (device buffers), ``forget(i)``,
   ``close()``.
 
@@ -96,7 +96,7 @@ def wait_quietly(load: Load, i: int) -> None:
 class Target(ABC):
     """A load target: where a layer computes (:class:`InPlace`, ``device_copies.DeviceCopies``; made by
     ``targets.load_target``). Both hold a source (:data:`~mapoffload.pagecache.read_source.MAPPING`
-    until ``stream_reads`` gives them another) and answer the page-cache plan what it reads of them.
+    until the reads policy gives them another) and answer the page-cache plan what it reads of them.
 
     A load is ``start(i)`` (a :class:`Load`, maybe in flight), ``ready(i, load)`` (waited, bound),
     ``value(w, load)`` (the tensor weight ``w`` computes from), ``release(i, load)``;

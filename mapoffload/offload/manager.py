@@ -5,10 +5,10 @@ Each layer's weights are held on the host in the store the budget allows (``mapp
 compute by a load target - in place from the host stores (``device="cpu"``: nothing to copy to, and a
 second copy in anonymous memory would only cost RAM), or copied into device buffers through the native
 copier (CUDA; ``cpu_twin=True`` runs that pipeline on the CPU) - reading the streamed layers through the
-mapping or around the page cache (``stream_reads``). The page cache the layers may fill is planned for
+mapping or around the page cache (``reads``, see :class:`~mapoffload.OffloadOptions`). The page cache the layers may fill is planned for
 every manager of the process by ``pagecache/coordinator.py``: a cached set stays in memory across
 forwards, the streamed set is read once per forward at most the plan's ``depth`` ahead and let go right
-after use. The manager validates its options (``options.py``), plans the stores and holds its parts
+after use. The manager takes its options whole (``mapoffload.OffloadOptions``, completed in ``options.py``), plans the stores and holds its parts
 (``parts.py``: the pages, the load target, the slots, the sequencer, the page-cache member, the reads
 policy, the turn and the hooks); every method below is one of theirs.
 
@@ -26,7 +26,7 @@ from .._checks import check_count
 from .._log import format_bytes
 from ..pagecache.coordinator import coordinator
 from . import host_edits
-from ..options import HOST_STORES, READS, OffloadOptions, gather
+from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_keywords
 from .options import make_copier, resolve
 from .parts import Parts
 from .errors import CallNames
@@ -40,11 +40,12 @@ if TYPE_CHECKING:
     from ..pagecache.layer_pages import LayerPages
     from .rest import RestGuard
     from .sequencer import Sequencer
-    from ..pagecache.stream_reads import StreamReads
+    from ..pagecache.read_policy import ReadPolicy
 
 __all__ = ["HOST_STORES", "LayerwiseOffloadManager", "READS"]
 
 
+@shows_option_keywords
 class LayerwiseOffloadManager:
     """Keep a model's layers on the host and stream each to the device when it runs.
 
@@ -154,8 +155,8 @@ class LayerwiseOffloadManager:
         return self._parts.rest
 
     @property
-    def reads(self) -> StreamReads:
-        """The ``stream_reads`` setting and its ``auto`` policy (``pagecache/stream_reads.py``)."""
+    def reads(self) -> ReadPolicy:
+        """The ``reads`` setting and its ``auto`` policy (``pagecache/read_policy.py``)."""
         return self._reads
 
     # -- accounting ------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
 path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
 (``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``rest``), its
-page-cache member (``pagecache.member``: what the process's coordinator plans), the ``stream_reads``
-policy (``pagecache.stream_reads``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
+page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
+policy (``pagecache.read_policy``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
 """
@@ -20,7 +20,7 @@ from .._log import logger
 from ..pagecache.coordinator import coordinator
 from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
-from ..pagecache.stream_reads import StreamReads
+from ..pagecache.read_policy import ReadPolicy
 from .rest import RestGuard
 from .sequencer import Sequencer
 from .slots import Slots
@@ -52,7 +52,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _read_around(stores: list[LayerStore], pages: LayerPages, buffers: int,
                  pin_device: int | None) -> ReadAroundSource:
-    """The stack's read-around source, as :class:`~mapoffload.pagecache.stream_reads.StreamReads` asks for one."""
+    """The stack's read-around source, as :class:`~mapoffload.pagecache.read_policy.ReadPolicy` asks for one."""
     return ReadAroundSource(stores, pages, buffers, pin_device=pin_device)
 
 
@@ -64,7 +64,7 @@ class Parts:
     sequencer: Sequencer
     rest: RestGuard
     member: StackMember
-    reads: StreamReads
+    reads: ReadPolicy
     turn: LayerTurn
     hooks: StackHooks
 
@@ -93,7 +93,7 @@ class Parts:
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
                                       always_read=_plan.always_read_tensors, owner=owner)
-            self.reads = StreamReads(o.reads, loads, self.member, self.pages, cuda=o.cuda,
+            self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
                                      read_around=functools.partial(_read_around, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
             self.turn = LayerTurn()

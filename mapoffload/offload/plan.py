@@ -189,11 +189,6 @@ def lookup_tables(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list
     return [p.data for p, m in zip(tables, on_mapping) if m]
 
 
-def always_read_bytes(model: torch.nn.Module, layers: list[torch.nn.Module]) -> int:
-    """Mapped bytes of :func:`always_read_tensors`."""
-    return sum(n for _, n in always_read_tensors(model, layers))
-
-
 def _record(stores: list[LayerStore], decided: StorePlan) -> None:
     for s in stores:
         s.plan = decided

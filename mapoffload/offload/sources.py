@@ -15,7 +15,7 @@ layer (:meth:`takes`):
 
 Under a cap too tight for the streaming window, reading a streamed layer through its mapping makes the
 kernel evict pages of the layer in use and read them again (issue 18: 2.3x the checkpoint per forward
-at +6 %); reading it around the page cache reads it once. ``pagecache.stream_reads.StreamReads`` decides which
+at +6 %); reading it around the page cache reads it once. ``pagecache.read_policy.ReadPolicy`` decides which
 source a stack's target holds.
 """
 

@@ -1,7 +1,7 @@
 """The per-forward policy around the sequencer: what the hooks (``turn.py``) run.
 
 Once per forward of the model (before anything reads the mapping): follow the cap, count the forward
-for the page-cache coordinator, let the ``stream_reads`` policy choose, check the mapped weights
+for the page-cache coordinator, let the ``reads`` policy choose, check the mapped weights
 outside the layers. Per layer: autograd's rule (refused on reused device buffers; in place, a layer
 read ahead into a reused read-around buffer is read again through its mapping), the streaming window
 the plan allows, then the sequencer's step; after the layer, its release and the recorded-graph check.
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..pagecache.member import StackMember
     from .rest import RestGuard
     from .sequencer import Sequencer
-    from ..pagecache.stream_reads import StreamReads
+    from ..pagecache.read_policy import ReadPolicy
 
 __all__ = ["Steps"]
 
@@ -33,14 +33,14 @@ class Steps:
     member
         The stack's page-cache member (its plan, its forwards counted).
     reads
-        The stack's ``stream_reads`` policy.
+        The stack's ``reads`` policy.
     rest
         The mapped weights outside the layers, checked once per forward.
     in_place
         The layers compute from their host stores (``device="cpu"``).
     """
 
-    def __init__(self, sequencer: Sequencer, member: StackMember, reads: StreamReads, rest: RestGuard, *,
+    def __init__(self, sequencer: Sequencer, member: StackMember, reads: ReadPolicy, rest: RestGuard, *,
                  in_place: bool) -> None:
         self.sequencer = sequencer
         self.member = member

@@ -1,7 +1,7 @@
 """How a stack's streamed layers are read: through the mapping, or around the page cache (``O_DIRECT``).
 
 ``reads=`` of :class:`~mapoffload.OffloadOptions`: ``"mapping"``, ``"uncached"`` (``O_DIRECT``), or
-``"auto"`` - the policy here, decided at each forward's start (:meth:`StreamReads.choose`): uncached
+``"auto"`` - the policy here, decided at each forward's start (:meth:`ReadPolicy.choose`): uncached
 once the plan streams layers and their files take ``O_DIRECT`` and the plan's room holds the
 buffers (``PageCacheCoordinator.read_around_fits``); through the shared page cache while replicas map
 the same bytes; else measured with ``/proc/self/io``, and around the cache when two warm forwards in
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .member import StackMember
     from .read_source import Source
 
-__all__ = ["READS", "READ_AROUND_RATIO", "ReadTarget", "StreamReads"]
+__all__ = ["READ_AROUND_RATIO", "ReadTarget", "ReadPolicy"]
 
 
 class ReadTarget(Protocol):
@@ -35,7 +35,6 @@ class ReadTarget(Protocol):
     copies: bool  # it copies into device buffers (False: it computes in place)
     pin_device: int | None  # the CUDA device read-around buffers are page-locked for (when it copies)
 
-READS = ("auto", "mapping", "uncached")  # the read modes (``OffloadOptions.reads``)
 # A warm forward reading more than this times what the plan streams (and the
 # weights read every forward) is the kernel re-reading evicted pages.
 READ_AROUND_RATIO = 1.2
@@ -53,7 +52,7 @@ def _process_read_bytes() -> int | None:
     return None
 
 
-class StreamReads:
+class ReadPolicy:
     """The ``reads`` setting of one manager, and the ``auto`` policy's state.
 
     ``why`` says why streamed layers are read as they are (``read_mode_why``).
@@ -79,8 +78,6 @@ class StreamReads:
     def __init__(self, setting: str, target: ReadTarget, member: StackMember, pages: LayerPages, *,
                  cuda: bool, read_around: Callable[[int, int | None], Source],
                  buffer_bytes: Callable[[], int]) -> None:
-        if setting not in READS:
-            raise ValueError(f"reads must be one of {READS}, not {setting!r}")
         self._loads, self._member, self._pages, self._cuda = target, member, pages, cuda
         self._new_source, self._buffer_bytes = read_around, buffer_bytes
         self.setting = setting
