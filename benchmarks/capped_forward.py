@@ -17,31 +17,31 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
   mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
                 (its layers streamed by the layerwise manager; the handle's
                 summary() is in the JSON, handle.close() at the end;
-                stream_reads="auto": streamed layers read around the page
+                reads="auto": streamed layers read around the page
                 cache (O_DIRECT) from the first forward that streams where
                 the files take it, else through the mapping until two warm
-                forwards read > 1.2x the plan - the JSON's stream_reads says
+                forwards read > 1.2x the plan - the JSON's read_mode says
                 which)
-  mapoffload-direct  the same with stream_reads="uncached" (O_DIRECT from the
+  mapoffload-direct  the same with reads="uncached" (O_DIRECT from the
                 start; issue 18's tight caps)
   plain         the plain API (issue 25): the model built on meta (empty_weights,
                 AutoModelForCausalLM.from_config), load_checkpoint(model, folder,
                 keep_mapping=True), LayerwiseOffloadManager(model, "model.layers",
-                device="cpu", prefetch_layers=1) with its default stream_reads="auto",
+                device="cpu", prefetch_layers=1) with its default reads="auto",
                 hooks registered
-  plain-mapping (not run by default) the same with stream_reads="mapping"
+  plain-mapping (not run by default) the same with reads="mapping"
   twin-mapping, twin-direct  (not run by default) the device pipeline's CPU
                 twin over the layers (LayerwiseOffloadManager(cpu_twin=True,
                 host_store="mapped")): each layer copied through the copier
                 into CPU buffers, as a GPU run copies it - from the mapping,
                 or read around the page cache into the reader's buffers and
-                copied from them (stream_reads="uncached"); the weights outside
+                copied from them (reads="uncached"); the weights outside
                 the layers stay in place on the mapping
   cuda-mapping, cuda-direct  (not run by default; needs a GPU) the same load
                 with device="cuda": layers streamed to the GPU through the
                 copier from the mapping, or read around the page cache into
                 page-locked reader buffers and copied from them by DMA
-                (stream_reads="uncached"); the rest on the GPU. The CUDA
+                (reads="uncached"); the rest on the GPU. The CUDA
                 context is made before the baseline (its host memory is not
                 the model's); forward time is synchronised; logits are
                 compared by their max difference (GPU arithmetic differs)
@@ -301,16 +301,16 @@ def child(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
     elif args.contender == "mapoffload-direct":  # streamed layers read around the page cache from the start
-        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="uncached")
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="uncached")
     elif args.contender.startswith("twin-"):  # the device pipeline, its CPU twin, over the layers
-        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", stream_reads="mapping")
+        model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="mapping")
         model.mapoffload_handle.close()  # the model whole again, its weights on the mapping
         twin = mapoffload.LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True,
-                                                  host_store="mapped", stream_reads=args.contender[len("twin-"):])
+                                                  host_store="mapped", reads=args.contender[len("twin-"):])
         twin.register_forward_hooks()
     elif cuda:  # the device pipeline on a GPU, from the mapping or read around the page cache
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cuda",
-                                           stream_reads="auto" if args.contender == "cuda-fp8"
+                                           reads="auto" if args.contender == "cuda-fp8"
                                            else args.contender[len("cuda-"):])
     elif args.contender.startswith("plain"):  # the plain API: load_checkpoint + LayerwiseOffloadManager
         from transformers import AutoConfig
@@ -321,7 +321,7 @@ def child(args: argparse.Namespace) -> None:
         model.eval()
         plain = mapoffload.LayerwiseOffloadManager(
             model, "model.layers", device="cpu", prefetch_layers=1,
-            stream_reads="mapping" if args.contender == "plain-mapping" else "auto")
+            reads="mapping" if args.contender == "plain-mapping" else "auto")
         plain.register_forward_hooks()
     else:
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu")
@@ -357,7 +357,7 @@ def child(args: argparse.Namespace) -> None:
     if handle is not None:
         from mapoffload.pagecache.coordinator import coordinator
 
-        row["stream_reads"] = {name: [m.stream_reads, m.stream_reads_why] for name, m in handle.managers.items()}
+        row["read_mode"] = {name: [m.read_mode, m.read_mode_why] for name, m in handle.managers.items()}
         # The plan after the forwards (it may have changed: a cap hit gives the thin margin back).
         row["page_cache_after"] = coordinator().describe()
         row["thin_margin_failed"] = coordinator().thin_margin_failed
@@ -365,13 +365,13 @@ def child(args: argparse.Namespace) -> None:
                               if m.residency is not None}
         handle.close()
     if args.contender.startswith("twin-"):
-        row["stream_reads"] = {"model.layers": [twin.stream_reads, twin.stream_reads_why]}
+        row["read_mode"] = {"model.layers": [twin.read_mode, twin.read_mode_why]}
         row["twin_plan"] = twin.residency.describe()
         twin.close()
     if args.contender.startswith("plain"):
         from mapoffload.pagecache.coordinator import coordinator
 
-        row["stream_reads"] = {"model.layers": [plain.stream_reads, plain.stream_reads_why]}
+        row["read_mode"] = {"model.layers": [plain.read_mode, plain.read_mode_why]}
         row["page_cache_after"] = coordinator().describe()
         row["plans_after"] = {"model.layers": plain.residency.describe()}
         plain.close()

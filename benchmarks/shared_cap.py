@@ -32,7 +32,7 @@ install ".[bench]").
 
 Run (root, cgroups): python benchmarks/shared_cap.py [--layers 16] [--width 2048]
      [--forwards 4] [--dir /var/tmp] [--json out.json] [--figure trace.png]
-     [--stream-reads auto|mapping|uncached] [--pairs ranks,replicas] [--modes coordinated,alone]
+     [--reads auto|mapping|uncached] [--pairs ranks,replicas] [--modes coordinated,alone]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ CHILD = textwrap.dedent(
     from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint, resident_bytes
     from mapoffload.pagecache.coordinator import coordinator
 
-    path, layers, rows, cols, go, out, forwards, stream_reads = sys.argv[1:9]
+    path, layers, rows, cols, go, out, forwards, read_mode = sys.argv[1:9]
     layers, rows, cols, forwards = int(layers), int(rows), int(cols), int(forwards)
     torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ CHILD = textwrap.dedent(
     with empty_weights():
         model = Stack()
     load_checkpoint(model, path, keep_mapping=True)
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads=stream_reads)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", reads=read_mode)
     hosts = [t for _, t in sorted(mgr.iter_cpu_weights(), key=lambda kv: int(kv[0].split(".")[1]))]
     trace = []
     probes = [b.register_forward_pre_hook(lambda m, a, i=i: trace.append(
@@ -103,7 +103,7 @@ CHILD = textwrap.dedent(
     c = coordinator()
     json.dump({"pid": os.getpid(), "reads": reads, "secs": secs, "trace": trace, "plan": mgr.residency.describe(),
                "budget": mgr.residency.budget, "ranks": c.ranks, "replicas": c.replicas,
-               "page_cache": str(c.budget), "stream_reads": [mgr.stream_reads, mgr.stream_reads_why]}, open(out, "w"))
+               "page_cache": str(c.budget), "read_mode": [mgr.read_mode, mgr.read_mode_why]}, open(out, "w"))
     mgr.close()
     """
 )
@@ -152,7 +152,7 @@ def run_pair(pair: str, coordinated: bool, paths: dict, args, work: str) -> dict
             script = f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$@"'
             procs.append(subprocess.Popen(
                 ["sh", "-c", script, sys.executable, CHILD, f, str(args.layers), str(rows), str(args.width), go,
-                 os.path.join(run, f"out{k}.json"), str(args.forwards), args.stream_reads], env=env, cwd=run,
+                 os.path.join(run, f"out{k}.json"), str(args.forwards), args.read_mode], env=env, cwd=run,
                 stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + args.timeout
         while sum(n.startswith("go.ready.") for n in os.listdir(run)) < 2:
@@ -192,7 +192,7 @@ def run_pair(pair: str, coordinated: bool, paths: dict, args, work: str) -> dict
         "forward_s": [max(o["secs"][f] for o in outs) for f in range(args.forwards)],
         "trace": trace, "peak_trace_over_budget": max(trace[len(trace) // args.forwards:]) / budget,
         "plans": [o["plan"] for o in outs], "page_cache": [o["page_cache"] for o in outs],
-        "stream_reads": [o["stream_reads"] for o in outs], "peers": [{"ranks": o["ranks"], "replicas": o["replicas"]} for o in outs],
+        "read_mode": [o["read_mode"] for o in outs], "peers": [{"ranks": o["ranks"], "replicas": o["replicas"]} for o in outs],
     }
 
 
@@ -229,8 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None)
     ap.add_argument("--figure", default=None)
-    ap.add_argument("--stream-reads", default="auto", choices=["auto", "mapping", "uncached"],
-                    help="the children's stream_reads (default auto: O_DIRECT where the files take it)")
+    ap.add_argument("--reads", dest="read_mode", default="auto", choices=["auto", "mapping", "uncached"],
+                    help="the children's reads (default auto: O_DIRECT where the files take it)")
     ap.add_argument("--pairs", default="ranks,replicas", help="comma-separated: ranks, replicas")
     ap.add_argument("--modes", default="coordinated,alone", help="comma-separated: coordinated, alone")
     args = ap.parse_args(argv)

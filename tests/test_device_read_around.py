@@ -1,5 +1,5 @@
 """The device path with streamed layers read around the page cache
-(``stream_reads="uncached"``, ``DeviceCopies`` with a ``ReadAroundSource``), run through its CPU twin:
+(``reads="uncached"``, ``DeviceCopies`` with a ``ReadAroundSource``), run through its CPU twin:
 outputs bit-identical to the mapping path, the reader's buffers reused and all
 returned, the streamed layers kept out of the page cache, failures raised,
 ``close()`` with a read in flight clean. The CUDA side (pinned buffers, DMA,
@@ -27,11 +27,11 @@ def _layer(model) -> int:
     return model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
 
 
-def _twin(model, *, depth: int = 1, cached: int = 3, stream_reads: str = "uncached", **kw) -> LayerwiseOffloadManager:
+def _twin(model, *, depth: int = 1, cached: int = 3, reads: str = "uncached", **kw) -> LayerwiseOffloadManager:
     """A twin whose plan caches ``cached`` layers and streams the rest, ``depth`` read ahead."""
     room = (cached + 1 + depth) * _layer(model) + 4096
     return LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
-                                   prefetch_layers=depth, page_cache_bytes=room, stream_reads=stream_reads, **kw)
+                                   prefetch_layers=depth, page_cache_bytes=room, reads=reads, **kw)
 
 
 def _forwards(model, x, n: int) -> list[torch.Tensor]:
@@ -45,10 +45,10 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
     outs = {}
     for mode in ("mapping", "uncached"):
         model = mapped(path)
-        with _twin(model, depth=depth, stream_reads=mode) as mgr:
+        with _twin(model, depth=depth, reads=mode) as mgr:
             plan = mgr.residency
             assert plan.depth == depth and len(plan.cached) == 3 and len(plan.streamed) == LAYERS - 3
-            assert mgr.stream_reads == mode
+            assert mgr.read_mode == mode
             mgr.register_forward_hooks()
             outs[mode] = _forwards(model, x, 1)
             if mode == "uncached":
@@ -112,7 +112,7 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
     want = no_grad_forward(reference)
     model = mixed_model(tmp_path, reference)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
-                                 page_cache_bytes=0, stream_reads="uncached") as mgr:
+                                 page_cache_bytes=0, reads="uncached") as mgr:
         assert {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")} \
             == {"mapped", "consolidated", "strided"}
         assert len(mgr.residency.streamed) == 4
@@ -125,25 +125,25 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
 def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
     path, x, want = ckpt
     model = mapped(path)
-    with _twin(model, stream_reads="auto") as mgr:
-        assert mgr.stream_reads == "mapping"  # decided at the first forward
+    with _twin(model, reads="auto") as mgr:
+        assert mgr.read_mode == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         if not mgr.reads.probe_uncached()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
-        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
-        assert "O_DIRECT" in mgr.stream_reads_why
+        assert mgr.read_mode == "uncached", mgr.read_mode_why
+        assert "O_DIRECT" in mgr.read_mode_why
     # Nothing streams: nothing to decide.
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=1 << 40) as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 1)
-        assert mgr.stream_reads == "mapping"
+        assert mgr.read_mode == "mapping"
     # "mapping" keeps the device path on the mapping.
-    with _twin(model, stream_reads="mapping") as mgr:
+    with _twin(model, reads="mapping") as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 2)
-        assert mgr.stream_reads == "mapping" and not isinstance(mgr.loads.source, ReadAroundSource)
+        assert mgr.read_mode == "mapping" and not isinstance(mgr.loads.source, ReadAroundSource)
 
 
 @pytest.mark.parametrize("where", ["check", "read"])
@@ -250,13 +250,13 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     monkeypatch.setattr(DevicePool, "take", take)
     path, x, want = ckpt
     model = mapped(path)
-    with _twin(model, stream_reads="mapping", resident_layers=2) as mgr:
+    with _twin(model, reads="mapping", resident_layers=2) as mgr:
         mgr.register_forward_hooks()
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.is_loaded(0) and mgr.is_loaded(1)
         assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
         mgr.reads.read_around("a test")
-        assert isinstance(mgr.loads.source, ReadAroundSource) and mgr.stream_reads_why == "a test"
+        assert isinstance(mgr.loads.source, ReadAroundSource) and mgr.read_mode_why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
         assert not any(mgr.is_loaded(i) for i in range(LAYERS)) and mgr.loads.source.reader.leased == 0
@@ -304,7 +304,7 @@ with torch.no_grad():
 model = mapped(path)
 layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
 mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped", prefetch_layers=2,
-                              page_cache_bytes=6 * layer + 4096, stream_reads="uncached")
+                              page_cache_bytes=6 * layer + 4096, reads="uncached")
 mgr.register_forward_hooks()
 with torch.no_grad():
     assert torch.equal(model(x), want)
@@ -366,8 +366,8 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
         model.mix.cuda()  # the weights outside the blocks: on the device (the manager streams the blocks only)
         room = 6 * _layer(model) + 4096
         with LayerwiseOffloadManager(model, "blocks", device="cuda", host_store="mapped", prefetch_layers=2,
-                                     page_cache_bytes=room, stream_reads=mode) as mgr:
-            assert mgr.residency.streamed and mgr.stream_reads == mode
+                                     page_cache_bytes=room, reads=mode) as mgr:
+            assert mgr.residency.streamed and mgr.read_mode == mode
             mgr.register_forward_hooks()
             with torch.no_grad():
                 outs[mode] = [model(x.cuda()).cpu() for _ in range(3)]

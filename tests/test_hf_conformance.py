@@ -332,14 +332,14 @@ def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
     expected = _forward(ref, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", stream_reads="uncached")
+        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", reads="uncached")
     managers = list(model.mapoffload_handle.managers.values())
     for m in managers:
         m.replan(page_cache_bytes=0)
     assert torch.equal(expected, _forward(model, x))
     assert torch.equal(expected, _forward(model, x))  # the buffers reused
-    read = sum(m.loads.source.reader.stats()["reads"] for m in managers if m.stream_reads == "uncached")
-    assert read > 0, [m.stream_reads_why for m in managers]
+    read = sum(m.loads.source.reader.stats()["reads"] for m in managers if m.read_mode == "uncached")
+    assert read > 0, [m.read_mode_why for m in managers]
     model.mapoffload_handle.close()
 
 
@@ -355,13 +355,13 @@ def test_the_device_path_reading_around_the_page_cache_computes_the_same(tmp_pat
     expected = _forward(ref, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", stream_reads="mapping")
+        model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", reads="mapping")
     model.mapoffload_handle.close()  # the model whole again, its weights on the mapping
     mgr = LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True, host_store="mapped",
-                                  stream_reads="uncached", page_cache_bytes=0)
+                                  reads="uncached", page_cache_bytes=0)
     try:
         mgr.register_forward_hooks()
-        assert mgr.stream_reads == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
+        assert mgr.read_mode == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
         assert torch.equal(expected, _forward(model, x))
         assert torch.equal(expected, _forward(model, x))  # the reader's buffers reused
         assert mgr.loads.source.reader.stats()["reads"] >= 2 * len(mgr.layers)

@@ -2,7 +2,7 @@
 device="cuda")`` against transformers' own model on the same device, on every
 architecture of the zoo — with the plan's defaults, and with every layer
 streamed (a host of 0 GiB), read through the mapping and read around the page
-cache into page-locked buffers (``stream_reads="uncached"``). Needs a CUDA
+cache into page-locked buffers (``reads="uncached"``). Needs a CUDA
 device (``cuda`` marker): skipped elsewhere.
 
 The streamed runs must equal each other bit for bit (the same kernels on the
@@ -42,7 +42,7 @@ def _ours(cls, folder, x, **kwargs):
         with torch.no_grad():
             outs = [first_output(model(**x)).cpu() for _ in range(2)]  # a cold forward and a warm one
         streamed = sum(len(m.residency.streamed) for m in handle.managers.values() if m.residency is not None)
-        modes = {m.stream_reads for m in handle.managers.values()}
+        modes = {m.read_mode for m in handle.managers.values()}
     finally:
         handle.close()
     assert torch.equal(outs[0], outs[1]), f"{cls.__name__}: the warm forward differs from the cold one"
@@ -62,8 +62,8 @@ def test_every_architecture_on_the_device(tmp_path, arch, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale)
 
     monkeypatch.setenv(ENV_HOST_AVAILABLE_GIB, "0")  # no page cache to keep: every layer streams
-    mapping, streamed, modes = _ours(cls, str(tmp_path), x, stream_reads="mapping")
-    direct, streamed_direct, _ = _ours(cls, str(tmp_path), x, stream_reads="uncached")
+    mapping, streamed, modes = _ours(cls, str(tmp_path), x, reads="mapping")
+    direct, streamed_direct, _ = _ours(cls, str(tmp_path), x, reads="uncached")
     assert streamed > 0 and streamed_direct == streamed and modes == {"mapping"}
     assert torch.equal(mapping, direct), (mapping - direct).abs().max()
     torch.testing.assert_close(mapping, expected, rtol=1e-4, atol=1e-4 * scale)

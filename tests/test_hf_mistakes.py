@@ -215,7 +215,7 @@ def test_offload_devices_it_cannot_use_are_named(gpt2):
     ({"prefetch_layers": -1}, ValueError, "prefetch_layers must be a whole number >= 0, not -1"),
     ({"rest": "gpu"}, ValueError, "rest must be one of ('auto', 'device', 'stream'), not 'gpu'"),
     ({"host_store": "disk"}, ValueError, "host_store must be one of"),
-    ({"stream_reads": "fast"}, ValueError, "reads must be one of"),
+    ({"reads": "fast"}, ValueError, "reads must be one of"),
 ])
 def test_offload_arguments_are_checked_before_loading(gpt2, loads, kwargs, error, says):
     import transformers as tf

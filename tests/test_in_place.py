@@ -23,7 +23,7 @@ def _manager(model, reads: str, **kw) -> LayerwiseOffloadManager:
     """In place, every layer streamed (no page cache for them): the window is what moves."""
     layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
     return LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=2 * layer,
-                                   stream_reads=reads, **kw)
+                                   reads=reads, **kw)
 
 
 def _assert_mapped_and_whole(model, params: dict, checkpoint: dict) -> None:

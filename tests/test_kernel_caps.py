@@ -425,7 +425,7 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
         model = mapped(path)
         layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
         mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=twin, host_store="mapped",
-                                      stream_reads="mapping",
+                                      reads="mapping",
                                       page_cache_bytes=6 * layer + PAGE, kernel_caps=caps)
         assert mgr.pages.worker.caps().large_folios == (caps == "large-folios")
         mgr.register_forward_hooks()

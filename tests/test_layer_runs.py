@@ -78,7 +78,7 @@ def test_the_checkpoint_puts_a_layers_tensors_apart(ckpt):
 def test_a_layers_extents_are_its_own_runs(ckpt):
     path, _, _ = ckpt
     model = _mapped(path)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping") as mgr:
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
         for i in range(LAYERS):
             runs = mgr.pages.extents(i)
             assert len(runs) == 2, [(e.first, e.end) for e in runs]
@@ -96,7 +96,7 @@ def test_letting_a_streamed_layer_go_keeps_the_cached_ones(ckpt, caps):
     model = _mapped(path)
     layer = _layer_bytes(model, 0)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=5 * layer + 8192,
-                                 stream_reads="mapping", kernel_caps=caps) as mgr:
+                                 reads="mapping", kernel_caps=caps) as mgr:
         plan = mgr.residency
         assert plan.cached and plan.streamed
         mgr.register_forward_hooks()
@@ -115,7 +115,7 @@ def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(
     model = _mapped(path)
     layer = _layer_bytes(model, 0)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=5 * layer + 8192,
-                                 stream_reads="uncached") as mgr:
+                                 reads="uncached") as mgr:
         plan = mgr.residency
         mgr.register_forward_hooks()
         read = warm_read_bytes(model, x, want, path)

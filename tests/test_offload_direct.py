@@ -69,7 +69,7 @@ def test_a_forward_reads_the_streamed_layers_once_and_keeps_the_cached_ones(ckpt
     layer = model.blocks[0].weight.nbytes + model.blocks[0].bias.nbytes
     # Room for 6 layers: 2 for the streaming window, 4 cached.
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
-                                  stream_reads="mapping")  # the page-cache path
+                                  reads="mapping")  # the page-cache path
     plan = mgr.residency
     assert plan.readahead and plan.cached == (0, 1, 2, 3) and plan.streamed == tuple(range(4, LAYERS))
     mgr.register_forward_hooks()

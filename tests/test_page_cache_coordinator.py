@@ -349,7 +349,7 @@ def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
     path, x, want = ckpt
     cap(85)  # a few MiB of page cache for 6 layers of 1 MiB: most stream
     model = mapped(path)
-    with LayerwiseOffloadManager(model, "enc", device="cpu", page_cache_bytes=None, stream_reads="uncached") as enc:
+    with LayerwiseOffloadManager(model, "enc", device="cpu", page_cache_bytes=None, reads="uncached") as enc:
         enc.register_forward_hooks()
         coord = coordinator_module.coordinator()
         if not enc.residency.streamed:

@@ -1,4 +1,4 @@
-"""Streamed layers read around the page cache (``stream_reads="uncached"``):
+"""Streamed layers read around the page cache (``reads="uncached"``):
 outputs equal, the streamed layers never enter the page cache, a warm
 forward reads the streamed bytes once; ``"auto"`` switches after two warm
 forwards that read more than the plan streams, and not otherwise."""
@@ -28,8 +28,8 @@ def test_uncached_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
     model = mapped(path)
     layer = _layer(model)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
-                                 stream_reads="uncached") as mgr:
-        assert mgr.stream_reads == "uncached"
+                                 reads="uncached") as mgr:
+        assert mgr.read_mode == "uncached"
         plan = mgr.residency
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
@@ -53,7 +53,7 @@ def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                 stream_reads="uncached") as mgr:
+                                 reads="uncached") as mgr:
         mgr.load_all_layers()  # every layer at once: two buffers, the rest through the mapping
         with torch.no_grad():
             assert torch.equal(model(x), want)
@@ -78,7 +78,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
         for p in model.parameters():
             p.requires_grad_(False)  # frozen weights, input gradients (attribution)
         with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                     stream_reads=mode) as mgr:
+                                     reads=mode) as mgr:
             mgr.register_forward_hooks()
             xg = x.clone().requires_grad_(True)
             model(xg).sum().backward()
@@ -102,22 +102,22 @@ def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_pat
             model = mapped(p)
             with LayerwiseOffloadManager(model, "blocks", device="cpu",
                                          page_cache_bytes=6 * _layer(model) + 4096) as mgr:
-                assert mgr.stream_reads == "mapping"  # decided at the first forward
+                assert mgr.read_mode == "mapping"  # decided at the first forward
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     assert torch.equal(model(x), want)
                     assert torch.equal(model(x), want)
                 if where == "disk":
-                    assert mgr.stream_reads == "uncached", mgr.stream_reads_why
-                    assert "O_DIRECT" in mgr.stream_reads_why
+                    assert mgr.read_mode == "uncached", mgr.read_mode_why
+                    assert "O_DIRECT" in mgr.read_mode_why
                 else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
-                    assert mgr.stream_reads == "mapping", mgr.stream_reads_why
+                    assert mgr.read_mode == "mapping", mgr.read_mode_why
             # Nothing streams: nothing to decide.
             with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=1 << 40) as mgr:
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     model(x)
-                assert mgr.stream_reads == "mapping"
+                assert mgr.read_mode == "mapping"
     finally:
         if "tmpfs" in places:
             os.unlink(places["tmpfs"])
@@ -131,7 +131,7 @@ def test_a_truncated_file_is_an_exception(ckpt, tmp_path):
     shutil.copy(path, copy)
     model = mapped(copy)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=4 * _layer(model),
-                                 stream_reads="uncached") as mgr:
+                                 reads="uncached") as mgr:
         mgr.register_forward_hooks()
         last = max(mgr.residency.streamed)
         size = copy.stat().st_size
@@ -148,7 +148,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     path, x, want = ckpt
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
-        assert mgr.stream_reads == "mapping"
+        assert mgr.read_mode == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
         monkeypatch.setattr(mgr.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
@@ -158,8 +158,8 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
         with torch.no_grad():
             for _ in range(len(reads) + 1):
                 assert torch.equal(model(x), want)
-        assert mgr.stream_reads == ("uncached" if switched else "mapping"), mgr.stream_reads_why
-        assert "the plan streams" in mgr.stream_reads_why
+        assert mgr.read_mode == ("uncached" if switched else "mapping"), mgr.read_mode_why
+        assert "the plan streams" in mgr.read_mode_why
 
 
 @pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
@@ -200,7 +200,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
                 assert torch.equal(model(x), want), note
 
         forward("alone")
-        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
+        assert mgr.read_mode == "uncached", mgr.read_mode_why
         reader = mgr.loads.source.reader
         assert reader.held_bytes > 0
         replicas.append(4242)
@@ -208,13 +208,13 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
         reads = reader.stats()["reads"]
         for _ in range(2):
             forward("with a replica")
-        assert mgr.stream_reads == "mapping" and "replicas (pid 4242)" in mgr.stream_reads_why
+        assert mgr.read_mode == "mapping" and "replicas (pid 4242)" in mgr.read_mode_why
         assert reader.stats()["reads"] == reads  # nothing read around while paused
         assert reader.held_bytes == 0 and mgr.loads.window_bytes == 0  # its buffers went
         replicas.clear()
         coord.replan()
         forward("alone again")
-        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
+        assert mgr.read_mode == "uncached", mgr.read_mode_why
         assert reader.stats()["reads"] > reads
 
 
@@ -242,5 +242,5 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
                 assert torch.equal(a(x), want)
                 for _ in range(5):
                     assert torch.equal(b(x), want)
-        assert ma.stream_reads == mb.stream_reads == "mapping", (ma.stream_reads_why, mb.stream_reads_why)
-        assert "the plan streams" in ma.stream_reads_why and "(1.00x)" in ma.stream_reads_why, ma.stream_reads_why
+        assert ma.read_mode == mb.read_mode == "mapping", (ma.read_mode_why, mb.read_mode_why)
+        assert "the plan streams" in ma.read_mode_why and "(1.00x)" in ma.read_mode_why, ma.read_mode_why

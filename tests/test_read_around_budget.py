@@ -2,7 +2,7 @@
 
 Read-around buffers are anonymous memory: the plan charges them before they
 exist (``1 + depth`` of the largest layer's bytes, from its first page to its last), never
-beside the window they replace (once), and ``stream_reads="auto"`` reads
+beside the window they replace (once), and ``reads="auto"`` reads
 around the page cache only where the room the plan has for the layers holds
 them and the plan that charges them streams no more than the mapping's.
 Fake cgroup v2 trees fix the budget; the margin is pinned (no thin share).
@@ -117,8 +117,8 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
         mgr.register_forward_hooks()
         for _ in range(3):
             forward(model, x, want)
-            assert mgr.stream_reads == "mapping", mgr.stream_reads_why
-        assert "do not fit" in mgr.stream_reads_why, mgr.stream_reads_why
+            assert mgr.read_mode == "mapping", mgr.read_mode_why
+        assert "do not fit" in mgr.read_mode_why, mgr.read_mode_why
         assert coord.buffers == 0
 
 
@@ -135,7 +135,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         assert mgr.residency.cached == (0, 1, 2, 3, 4) and mgr.residency.depth == 1
         mgr.register_forward_hooks()
         forward(model, x, want)
-        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
+        assert mgr.read_mode == "uncached", mgr.read_mode_why
         # Charged from the switch on, before a buffer was made: 2 buffers of a layer.
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
@@ -146,13 +146,13 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         # reads through the mapping again.
         cap(85, in_use=10 * MIB + mgr.loads.source.reader.held_bytes)
         forward(model, x, want)
-        assert mgr.stream_reads == "mapping" and "do not fit" in mgr.stream_reads_why, mgr.stream_reads_why
+        assert mgr.read_mode == "mapping" and "do not fit" in mgr.read_mode_why, mgr.read_mode_why
         assert coord.buffers == 0 and mgr.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
         # Room again: read around again.
         cap(100)
         forward(model, x, want)
-        assert mgr.stream_reads == "uncached", mgr.stream_reads_why
+        assert mgr.read_mode == "uncached", mgr.read_mode_why
         forward(model, x, want)
 
 
@@ -160,7 +160,7 @@ def test_uncached_buffers_are_charged_before_they_are_made(ckpt, cap):
     path, x, want = ckpt
     cap(100)
     model = mapped(path)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="uncached") as mgr:
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached") as mgr:
         coord = coordinator_module.coordinator()
         assert mgr.loads.source.reader.held_bytes == 0
         assert buffers_of(2, coord.buffers), coord.buffers  # 1 + depth buffers of a layer, none made yet
@@ -179,13 +179,13 @@ def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_windo
     monkeypatch.setenv("MAPOFFLOAD_STAGING_SLOTS", "2")
     cap(100)
     coord = coordinator_module.coordinator()
-    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", stream_reads="mapping") as mgr:
+    with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", reads="mapping") as mgr:
         in_place, room = mgr.residency, coord.room
         assert mgr.loads.planned_host_bytes == 0 and coord.working_buffers == 0
     assert in_place.cached == (0, 1, 2, 3, 4) and in_place.depth == 1  # see the test above
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
-                                 stream_reads="mapping") as mgr:
+                                 reads="mapping") as mgr:
         ring = 2 * (1 << 20)
         held, charged = mgr.loads.host_bytes, mgr.loads.planned_host_bytes
         assert held == ring  # the ring is made with the copier; no layer is loaded yet

@@ -61,7 +61,7 @@ CHILD = textwrap.dedent(
     cap = int((other + 64 * 2**20 + room) * 32 / 31)
     with open(limit_file(), "w") as f:
         f.write(str(cap))
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping")
     plan = mgr.residency
     mgr.register_forward_hooks()
     reads = []

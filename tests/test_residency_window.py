@@ -50,7 +50,7 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
     # Room for 4 cached layers beside the streamed one computing and `depth` read ahead.
     budget = (5 + depth) * layer + PAGE
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=depth, page_cache_bytes=budget,
-                                  stream_reads="mapping",  # the page-cache path is what is measured here
+                                  reads="mapping",  # the page-cache path is what is measured here
                                   cpu_twin=twin, host_store="mapped")
     plan = mgr.residency
     assert plan.depth == depth and plan.cached == (0, 1, 2, 3), plan

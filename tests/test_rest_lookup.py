@@ -60,7 +60,7 @@ def _loaded(tmp_path, tied: bool = False):
 
 
 def _manager(model: nn.Module) -> LayerwiseOffloadManager:
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping")
     mgr.register_forward_hooks()
     return mgr
 
@@ -133,7 +133,7 @@ def test_two_managers_share_the_advice_until_the_last_closes(tmp_path):
         with empty_weights():
             model = TwoStacks()
         load_checkpoint(model, str(path), keep_mapping=True)
-        mgrs = [LayerwiseOffloadManager(model, name, device="cpu", stream_reads="mapping") for name in ("blocks", "more")]
+        mgrs = [LayerwiseOffloadManager(model, name, device="cpu", reads="mapping") for name in ("blocks", "more")]
         try:
             for m in mgrs:
                 m.register_forward_hooks()

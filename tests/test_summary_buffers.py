@@ -41,8 +41,8 @@ model = mapped(path).eval()
 importlib.import_module("torch._dynamo")  # the hooks import it (a fixed cost, README), not a buffer
 with torch.no_grad():
     model(x)  # torch's own first-use allocations
-handle = mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="uncached")
-# After the offload: its own bookkeeping and threads (~3 MiB here, in either stream_reads mode) are
+handle = mapoffload.offload(model, device="cpu", layers="blocks", reads="uncached")
+# After the offload: its own bookkeeping and threads (~3 MiB here, in either reads mode) are
 # not buffers; what the forwards grow is. (Buffers rounded up to 2 MiB, twice a layer here, hid them.)
 before = rss_anon_bytes()
 with torch.no_grad():
@@ -91,7 +91,7 @@ def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
 def test_without_buffers_there_is_no_buffers_row(ckpt):
     path, x, want = ckpt
     model = mapped(path)
-    with mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="mapping") as handle:
+    with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
         with torch.no_grad():
             assert torch.equal(model(x), want)
         assert "buffers" not in {r.unit for r in handle.rows}

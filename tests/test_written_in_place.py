@@ -38,10 +38,10 @@ def test_a_layer_written_in_place_is_read_through_its_mapping(ckpt, extra, caplo
         model.blocks[7].bias[:3] = 0
         want = model(x)  # the edited model, plain
     with caplog.at_level("INFO", logger="mapoffload"):
-        with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="uncached", page_cache_bytes=0,
+        with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0,
                                      **extra) as mgr:
             mgr.register_forward_hooks()
-            assert mgr.stream_reads == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
+            assert mgr.read_mode == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
             with torch.no_grad():
                 for _ in range(2):
                     assert torch.equal(model(x), want)

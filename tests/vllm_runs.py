@@ -81,7 +81,7 @@ def _where(model) -> dict:  # noqa: ANN001
             out["other"] += n
     managers = getattr(model, "mapoffload_managers", None) or []
     out["managers"] = len(managers)
-    out["streaming"] = [{"stream_reads": m.stream_reads, "resident": sum(m.resident_layer_bytes()),
+    out["streaming"] = [{"reads": m.read_mode, "resident": sum(m.resident_layer_bytes()),
                          "mapped": m.mapped_bytes, "repr": repr(m), **_device_path(m)} for m in managers]
     from mapoffload.pagecache.coordinator import coordinator
 

@@ -1,4 +1,4 @@
-"""``stream_reads=`` reaches every manager an entry point makes: the stacks, a
+"""``reads=`` reaches every manager an entry point makes: the stacks, a
 streamed rest, and each component of a pipeline (offload_pipeline,
 pipeline_from_pretrained). It was ignored for a streamed rest, and the
 pipeline entry points could not pass it."""
@@ -17,9 +17,9 @@ from stacks import mapped  # noqa: E402
 def test_offload_passes_stream_reads_to_a_streamed_rest(ckpt, reads):
     path, x, want = ckpt
     model = mapped(path).eval()
-    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", stream_reads=reads) as handle:
+    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", reads=reads) as handle:
         assert sorted(handle.managers) == ["blocks", "rest"]
-        assert {m.stream_reads for m in handle.managers.values()} == {reads}
+        assert {m.read_mode for m in handle.managers.values()} == {reads}
         with torch.no_grad():
             assert torch.equal(model(x), want)
 
@@ -34,9 +34,9 @@ class _Pipe:
 def test_offload_pipeline_passes_stream_reads_to_every_component(ckpt):
     path, x, want = ckpt
     a, b = mapped(path).eval(), mapped(path).eval()
-    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", stream_reads="uncached") as handle:
+    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", reads="uncached") as handle:
         managers = [m for h in handle.components.values() for m in h.managers.values()]
-        assert len(managers) == 2 and {m.stream_reads for m in managers} == {"uncached"}
+        assert len(managers) == 2 and {m.read_mode for m in managers} == {"uncached"}
         with torch.no_grad():
             assert torch.equal(a(x), want) and torch.equal(b(x), want)
 
@@ -50,7 +50,7 @@ def test_pipeline_from_pretrained_takes_stream_reads(tmp_path):
                                  up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8)
     diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler()).save_pretrained(tmp_path)
     pipe = mapoffload.pipeline_from_pretrained(diffusers.DDPMPipeline, tmp_path, device="cpu",
-                                               stream_reads="uncached")
+                                               reads="uncached")
     managers = [m for h in pipe.mapoffload_handle.components.values() for m in h.managers.values()]
-    assert managers and {m.stream_reads for m in managers} == {"uncached"}
+    assert managers and {m.read_mode for m in managers} == {"uncached"}
     pipe.mapoffload_handle.close()
