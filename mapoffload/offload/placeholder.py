@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import patches
 from .errors import CallNames
 
 # Properties whose value would be computed from the data.
@@ -298,7 +299,6 @@ def offloaded_by(p: torch.Tensor) -> tuple[bool, object | None]:
 # weights on their mapping; then the real parameters are put back.
 
 _APPLY_STATE = threading.local()
-_GUARDS = "_mapoffload_apply_guards"
 _STAND_IN = "_mapoffload_stand_in"
 
 
@@ -344,27 +344,17 @@ def _guarded_apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) 
 def guard_conversions(model: torch.nn.Module) -> None:
     """Make every module of ``model`` refuse a conversion its placeholders refuse, before converting.
 
-    Counted: each call needs one :func:`unguard_conversions` (several managers
+    Counted (``patches``): each call needs one :func:`unguard_conversions` (several managers
     share a model).
     """
     for m in model.modules():
-        d = m.__dict__
-        d[_GUARDS] = d.get(_GUARDS, 0) + 1
-        if d[_GUARDS] == 1:
-            d["_apply"] = functools.partial(_guarded_apply, m)
+        patches.install(m, "_apply", functools.partial(_guarded_apply, m))
 
 
 def unguard_conversions(model: torch.nn.Module) -> None:
     """Undo one :func:`guard_conversions`."""
     for m in model.modules():
-        d = m.__dict__
-        n = d.get(_GUARDS, 0) - 1
-        if n <= 0:
-            d.pop(_GUARDS, None)
-            if isinstance(d.get("_apply"), functools.partial):
-                del d["_apply"]
-        else:
-            d[_GUARDS] = n
+        patches.uninstall(m, "_apply")
 
 
 def managed(t: torch.Tensor) -> bool:

@@ -8,7 +8,8 @@ block anyone.
 
 torch runs always-call post-hooks for an ``Exception`` only: a KeyboardInterrupt (the manager's own
 interruptible wait included), SystemExit or GeneratorExit inside a layer skips them. The layer's
-forward is wrapped, and the pre-hook guards itself, so that whatever leaves the layer finishes its
+forward is wrapped (through ``patches``, the one registry of what mapoffload sets on a module), and the
+pre-hook guards itself, so that whatever leaves the layer finishes its
 turn; a per-thread record of the turns held (:meth:`LayerTurn.held`) makes finishing twice harmless.
 
 A model is not copied or pickled while its hooks are on (``copy.deepcopy``, ``pickle.dumps``,
@@ -22,6 +23,8 @@ from __future__ import annotations
 import functools
 import threading
 from typing import Any
+
+from .patches import wrap_forward
 
 __all__ = ["LayerTurn", "StackHooks"]
 
@@ -62,26 +65,6 @@ class _Hook:
 
     def __deepcopy__(self, memo):
         self._refuse("copied (copy.deepcopy)")
-
-
-class _ForwardGuard:
-    """A layer's forward replaced by a guarded one; ``remove()`` puts the previous one back (a hook handle)."""
-
-    __slots__ = ("layer", "guarded", "had", "previous")
-
-    def __init__(self, layer, guarded) -> None:
-        self.layer, self.guarded = layer, guarded
-        self.had = "forward" in layer.__dict__
-        self.previous = layer.__dict__.get("forward")
-        layer.forward = guarded
-
-    def remove(self) -> None:
-        if self.layer.__dict__.get("forward") is not self.guarded:
-            return  # replaced since by someone else: theirs stays
-        if self.had:
-            self.layer.forward = self.previous
-        else:
-            del self.layer.forward
 
 
 class LayerTurn:
@@ -157,7 +140,7 @@ class StackHooks:
         for i, layer in enumerate(layers):
             hooks.append(layer.register_forward_pre_hook(_Hook(self._pre_hook(i), self.owner)))
             hooks.append(layer.register_forward_hook(_Hook(self._post_hook(i), self.owner), always_call=True))
-            hooks.append(_ForwardGuard(layer, _Hook(self._guarded_forward(i, layer.forward), self.owner)))
+            hooks.append(wrap_forward(layer, _Hook(self._guarded_forward(i, layer.forward), self.owner)))
         # Before anything of a forward reads the mapping (the embedding first).
         hooks.append(model.register_forward_pre_hook(_Hook(_eager(self.steps.before_forward), self.owner),
                                                      prepend=True))

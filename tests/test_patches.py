@@ -1,0 +1,66 @@
+"""The instance patches torch has no hook for (a layer's forward, a module's _apply) go through one
+registry (mapoffload/offload/patches.py): shared by the managers of one model, given back whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mapoffload import LayerwiseOffloadManager
+from mapoffload.offload.patches import patched
+from stacks import mapped
+
+
+def _ours(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    return {name: patched(m) for name, m in model.named_modules() if patched(m)}
+
+
+def _instance_attrs(model: torch.nn.Module) -> set[str]:
+    return {k for m in model.modules() for k in m.__dict__ if k in ("forward", "_apply") or k.startswith("_mapoffload")}
+
+
+def test_a_model_given_back_carries_nothing_of_ours(ckpt):
+    path, x, want = ckpt
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as m:
+        m.register_forward_hooks()
+        ours = _ours(model)
+        assert ours[""] == ("_apply",) and ours["blocks.0"] == ("_apply", "forward")
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+    assert _ours(model) == {} and _instance_attrs(model) == set()
+
+
+def test_two_managers_share_the_conversion_guard_until_the_last_lets_go(ckpt):
+    path, x, want = ckpt
+    model = mapped(path).eval()
+    first = LayerwiseOffloadManager(model, model.blocks[:6], device="cpu")
+    second = LayerwiseOffloadManager(model, model.blocks[6:], device="cpu")
+    first.register_forward_hooks()
+    second.register_forward_hooks()
+    first.close()
+    assert _ours(model)[""] == ("_apply",)  # the second still guards the model
+    with pytest.raises(TypeError):
+        model.to(torch.float16)  # refused before anything converts
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    second.close()
+    assert _ours(model) == {} and _instance_attrs(model) == set()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def test_a_forward_set_by_the_user_is_kept_whichever_came_first(ckpt):
+    path, x, want = ckpt
+    model = mapped(path).eval()
+
+    def theirs(*args, **kwargs):
+        return type(model.blocks[0]).forward(model.blocks[0], *args, **kwargs)
+
+    model.blocks[0].forward = theirs  # before the offload: put back after it
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as m:
+        m.register_forward_hooks()
+        assert model.blocks[0].forward is not theirs
+        mine = model.blocks[1].forward
+        model.blocks[1].forward = theirs  # during it: theirs stays
+    assert model.blocks[0].forward is theirs and model.blocks[1].forward is theirs and mine is not theirs
+    assert _ours(model) == {}
