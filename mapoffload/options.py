@@ -255,9 +255,14 @@ def gather(what: str, options: OffloadOptions | None, keywords: dict[str, Any], 
     if keywords:
         name = next(iter(keywords))
         raise unexpected_keyword(what, name, FIELDS + tuple(_RENAMED_KEYWORDS) + others)
+    if options is None and "device" not in given:
+        raise TypeError(f"{what} needs a device: device='cuda', 'cuda:N' or 'cpu' (or options=OffloadOptions(...))")
+    return _build(what, options, given)
+
+
+def _build(what: str, options: OffloadOptions | None, given: dict[str, Any]) -> OffloadOptions:
+    """``options`` with the fields ``given`` laid over it (checked once, here), or made of them."""
     if options is None:
-        if "device" not in given:
-            raise TypeError(f"{what} needs a device: device='cuda', 'cuda:N' or 'cpu' (or options=OffloadOptions(...))")
         return OffloadOptions(**given)
     if not isinstance(options, OffloadOptions):
         raise TypeError(f"{what}: options must be a mapoffload.OffloadOptions, not {type(options).__name__}")
@@ -288,7 +293,7 @@ def load_options(what: str, options: OffloadOptions | None, keywords: dict[str, 
                 raise unexpected_keyword(what, name, ["device"])
         raise TypeError(f"{what} needs device=: 'cuda', 'cuda:N', 'cpu', or None (loaded, not offloaded); "
                         "or options=OffloadOptions(...)")
-    return gather(what, options, given)
+    return _build(what, options, given)
 
 
 def unexpected_keyword(what: str, name: str, candidates: Any, why: str = "") -> TypeError:

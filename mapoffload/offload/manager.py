@@ -92,7 +92,9 @@ class LayerwiseOffloadManager:
 
         from . import plan as _plan  # imports torch (the placeholders subclass nn.Parameter)
 
-        o = resolve(gather("LayerwiseOffloadManager", options, keywords, others=("copier",)), copier)
+        if keywords or not isinstance(options, OffloadOptions):  # else taken whole, as the entry points hand it
+            options = gather("LayerwiseOffloadManager", options, keywords, others=("copier",))
+        o = resolve(options, copier)
         self.options = o
         # What the placeholders' errors name (the entry point that made this manager names its calls).
         self.calls = CallNames()
