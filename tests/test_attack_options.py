@@ -1,0 +1,242 @@
+"""Adversarial tests of the one options object and its entry points (issue 34's redesign).
+
+The ``xfail(strict=True)`` tests are bugs found: each fails while the bug stands (the file passes)
+and turns into an XPASS, failing the run, once it is fixed - then drop the mark. The others hold
+and cover what tests/test_offload_options.py and tests/test_vllm_options.py do not.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import mapoffload
+from mapoffload import LayerwiseOffloadManager, OffloadOptions
+from mapoffload.vllm import VllmLoadError
+from mapoffload.vllm._options import LoaderOptions
+from stacks import mapped
+
+
+class _Pipe:
+    def __init__(self, **components):
+        self.components = components
+
+
+def _deprecations(call):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            call()
+        except TypeError:
+            pass  # the entry point refused something after the warning (a fake class): the warning is what counts
+    return [w for w in seen if issubclass(w.category, DeprecationWarning)]
+
+
+# --- bugs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="bug: device='cpu:0' is not normalised to 'cpu' (options.py:124 normalises "
+                                       "only CUDA), so _place_rest's `p.device != dev` (hf/offload.py:280) holds for "
+                                       "every CPU tensor and the mapped rest is copied into anonymous memory")
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_cpu_device_with_an_index_keeps_the_rest_on_the_mapping(ckpt, device):
+    model = mapped(ckpt[0]).eval()
+    before = model.mix.weight.data_ptr()
+    with mapoffload.offload(model, device=device, layers="blocks"):
+        assert model.mix.weight.data_ptr() == before  # with device="cpu" it is the mapped tensor itself
+    assert OffloadOptions(device=device) == OffloadOptions(device="cpu")
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a deprecated value given to an entry point or replace() warns from "
+                                       "options.py/dataclasses.py (options.py:36 _deprecated's fixed stacklevel=4 "
+                                       "from __post_init__ only reaches the caller of OffloadOptions(...)); outside "
+                                       "__main__ Python's default filters then hide the warning")
+@pytest.mark.parametrize("how", ["offload", "manager", "replace", "offload_pipeline"])
+@pytest.mark.parametrize("given", [{"reads": "direct"}, {"host_store": None}])
+def test_a_deprecated_value_warns_at_the_callers_line(ckpt, how, given):
+    model = mapped(ckpt[0]).eval()
+    calls = {
+        "offload": lambda: mapoffload.offload(model, device="cpu", layers="blocks", **given).close(),
+        "manager": lambda: LayerwiseOffloadManager(model, "blocks", device="cpu", **given).close(),
+        "replace": lambda: OffloadOptions(device="cpu").replace(**given),
+        "offload_pipeline": lambda: mapoffload.offload_pipeline(_Pipe(a=torch.nn.Linear(2, 2)), device="cpu",
+                                                                **given).close(),
+    }
+    (w,) = _deprecations(calls[how])
+    assert w.filename == __file__
+
+
+@pytest.mark.xfail(strict=True, reason="bug: offload's options is positional-only (hf/offload.py, `options=None, /`) "
+                                       "while every other entry point takes options=; offload(model, options=o) is "
+                                       "'an unexpected keyword argument'")
+def test_offload_takes_options_as_a_keyword(ckpt):
+    model = mapped(ckpt[0]).eval()
+    with mapoffload.offload(model, options=OffloadOptions(device="cpu", layers="blocks")) as handle:
+        assert set(handle.managers) == {"blocks"}
+
+
+@pytest.mark.xfail(strict=True, reason="bug: kernel_caps text is only type-checked when made (options.py:144); its "
+                                       "tokens are parsed by the page worker (pagecache/kernel.py parse_overrides) "
+                                       "when a manager is built - for from_pretrained after the whole load")
+def test_kernel_caps_text_is_checked_when_made():
+    with pytest.raises(ValueError, match="kernel_caps"):
+        OffloadOptions(device="cpu", kernel_caps="no-such-feature")
+
+
+@pytest.mark.xfail(strict=True, reason="bug: _check_layers (options.py:211) takes any nn.Module, but offload's "
+                                       "_resolve_layers (hf/offload.py:44) wraps only ModuleList/Sequential and "
+                                       "iterates the rest: a Linear fails deep ('not iterable'), a ModuleDict's "
+                                       "KEYS are taken as attribute paths of the model")
+@pytest.mark.parametrize("layers", [torch.nn.Linear(2, 2), torch.nn.ModuleDict({"blocks": torch.nn.Linear(2, 2)})])
+def test_a_module_that_is_no_block_list_is_refused_when_made(layers):
+    with pytest.raises(TypeError, match="layers"):
+        OffloadOptions(device="cpu", layers=layers)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a block list that is not a module of the model is streamed anyway "
+                                       "(hf/offload.py:52 names it 'layers' instead of refusing it): the other "
+                                       "model's weights become placeholders; from_pretrained accepts one too")
+def test_a_block_list_outside_the_model_is_refused(ckpt):
+    model, other = mapped(ckpt[0]).eval(), mapped(ckpt[0]).eval()
+    try:
+        with pytest.raises((TypeError, ValueError), match="layers"):
+            mapoffload.offload(model, device="cpu", layers=other.blocks)
+    finally:
+        handle = getattr(model, "mapoffload_handle", None)
+        if handle is not None:
+            handle.close()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a frozen OffloadOptions keeps the caller's list of layers (options.py:107, "
+                                       "never made a tuple): unhashable, and changed after its check by whoever holds it")
+def test_a_list_of_layers_cannot_change_after_it_is_checked():
+    given = ["blocks"]
+    o = OffloadOptions(device="cpu", layers=given)
+    given.append(5)  # would have been refused when made
+    assert 5 not in o.layers
+    hash(o)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: filled() is public and sets any field unchecked (options.py:163), and a "
+                                       "manager takes an OffloadOptions whole: prefetch_layers=1.5 runs, unrefused "
+                                       "(make it private, or check what the user can pass there)")
+def test_filled_cannot_smuggle_an_unchecked_value_into_a_manager(ckpt):
+    model = mapped(ckpt[0]).eval()
+    with pytest.raises((TypeError, AttributeError)):
+        LayerwiseOffloadManager(model, "blocks", OffloadOptions(device="cpu").filled(prefetch_layers=1.5)).close()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: LoaderOptions.parse (vllm/_options.py:217-219) sorts the keys and "
+                                       "difflib-matches the first: a non-str key raises a bare TypeError, not a "
+                                       "VllmLoadError naming it")
+@pytest.mark.parametrize("extra", [{1: True}, {None: 1}, {1: True, "foo": 2}])
+def test_a_key_that_is_no_string_is_named(extra):
+    with pytest.raises(VllmLoadError):
+        LoaderOptions.parse(extra)
+
+
+# --- what held (coverage the other tests lack) -----------------------------------------------------------
+
+
+def test_options_survive_pickle_and_copies_equal_and_hashable():
+    o = OffloadOptions(device="cpu", prefetch_layers=3, reads="mapping", layers=("blocks",), kernel_caps="no-pageout")
+    for twin in (pickle.loads(pickle.dumps(o)), copy.deepcopy(o), copy.copy(o)):
+        assert twin == o and hash(twin) == hash(o) and twin.device == torch.device("cpu")
+    assert "prefetch_layers=3" in repr(o)
+    assert o.replace() == o and o.replace(prefetch_layers=4) != o
+
+
+@pytest.mark.parametrize("field, value", [("prefetch_layers", 2.0), ("resident_layers", False),
+                                          ("local_ranks", True), ("available_bytes", "1"), ("device", None)])
+def test_a_lookalike_of_a_field_type_is_refused_at_every_door(ckpt, field, value):
+    model = mapped(ckpt[0]).eval()
+    for call in (lambda: mapoffload.offload(model, **{"device": "cpu", "layers": "blocks", field: value}),
+                 lambda: LayerwiseOffloadManager(model, "blocks", **{"device": "cpu", field: value}),
+                 lambda: OffloadOptions(device="cpu").replace(**{field: value})):
+        with pytest.raises(TypeError, match=field.split("_")[0]):
+            call()
+
+
+def test_huge_counts_are_harmless(ckpt):
+    path, x, want = ckpt
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=10**30, resident_layers=10**30,
+                                 page_cache_bytes=10**30) as m:
+        m.register_forward_hooks()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+
+
+def test_a_renamed_keyword_warns_at_the_callers_line_from_every_entry_point(ckpt):
+    model = mapped(ckpt[0]).eval()
+    for call in (lambda: mapoffload.offload(model, device="cpu", layers="blocks", stream_reads="mapping").close(),
+                 lambda: mapoffload.offload(model, OffloadOptions(device="cpu", layers="blocks"),
+                                            stream_reads="mapping").close(),
+                 lambda: LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping").close(),
+                 lambda: mapoffload.offload_pipeline(_Pipe(a=torch.nn.Linear(2, 2).eval()), device="cpu",
+                                                     stream_reads="mapping").close()):
+        (w,) = _deprecations(call)
+        assert w.filename == __file__ and "use reads=" in str(w.message)
+
+
+def test_from_pretrained_warns_at_the_callers_line_and_refuses_both_names(tmp_path):
+    (w,) = _deprecations(lambda: mapoffload.from_pretrained(object, tmp_path, device="cpu", stream_reads="mapping"))
+    assert w.filename == __file__ and "use reads=" in str(w.message)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="name one option"):
+        mapoffload.from_pretrained(object, tmp_path, device="cpu", stream_reads="mapping", reads="auto")
+
+
+def test_misspelt_keywords_of_the_other_entry_points_are_named():
+    pipe = _Pipe(a=torch.nn.Linear(2, 2))
+    for call, meant in ((lambda: mapoffload.offload_pipeline(pipe, device="cpu", skp=("a",)), "skip"),
+                        (lambda: mapoffload.offload_pipeline(pipe, device="cpu", prefech_layers=2), "prefetch_layers"),
+                        (lambda: LayerwiseOffloadManager(torch.nn.Linear(2, 2), [], device="cpu", copir=None), "copier"),
+                        (lambda: mapoffload.offload(torch.nn.Linear(2, 2), device="cpu", stream_read="auto"),
+                         "stream_reads")):
+        with pytest.raises(TypeError, match=rf"did you mean {meant}=\?"):
+            call()
+
+
+def test_offload_pipeline_checks_once_and_leaves_the_callers_options_alone(monkeypatch):
+    checks = []
+    original = OffloadOptions.__post_init__
+    monkeypatch.setattr(OffloadOptions, "__post_init__", lambda self: (checks.append(1), original(self))[1])
+    o = OffloadOptions(device="cpu", prefetch_layers=2)
+    checks.clear()
+    pipe = _Pipe(a=torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3))).eval(),
+                 b=torch.nn.Linear(4, 4).eval())
+    with mapoffload.offload_pipeline(pipe, o, resident_layers=1) as handle:
+        assert set(handle.components) == {"a", "b"}
+        for h in handle.components.values():
+            assert (h.options.prefetch_layers, h.options.resident_layers) == (2, 1)
+    assert len(checks) == 1  # the keywords laid over o, once; the components take it whole
+    assert o == OffloadOptions(device="cpu", prefetch_layers=2) and o.layers == "auto"
+
+
+def test_an_option_given_beside_options_wins_and_device_none_beside_options_is_refused(ckpt, tmp_path):
+    model = mapped(ckpt[0]).eval()
+    o = OffloadOptions(device="cpu", layers="blocks", prefetch_layers=2)
+    with mapoffload.offload(model, o, prefetch_layers=3) as handle:
+        assert handle.options.prefetch_layers == 3 and handle.managers["blocks"].options.prefetch_layers == 3
+    assert o.prefetch_layers == 2
+    with pytest.raises(TypeError, match="device"):
+        mapoffload.from_pretrained(object, tmp_path, options=o, device=None)
+
+
+def test_every_vllm_conflict_is_refused_in_one_error_naming_each_key(monkeypatch):
+    monkeypatch.delenv("MAPOFFLOAD_VLLM_CPU_TWIN", raising=False)
+    extra = {"keep_mapping": False, "offload_layers": 2, "prefetch_layers": 1, "stream_layers": True,
+             "linear": "packed", "pack": True, "vnni": True, "cpu_twin": True}
+    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
+        LoaderOptions.parse(extra)
+    assert set(info.value.keys) == set(extra) and "4 refusals" in str(info.value)
+
+
+@pytest.mark.parametrize("extra", ["{}", [], 3, {"linear": {"packed": True}}, {("linear",): "packed"}])
+def test_hostile_vllm_configs_are_named(extra):
+    with pytest.raises(VllmLoadError):
+        LoaderOptions.parse(extra)
