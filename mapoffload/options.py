@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from ._checks import check_bool, check_count, check_device
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "gather", "load_options", "shows_option_keywords", "take",
+__all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "caller_stacklevel", "gather", "load_options", "shows_option_keywords", "take",
            "unexpected_keyword"]
 
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
@@ -33,9 +34,23 @@ _RENAMED_KEYWORDS = {"stream_reads": "reads"}
 _RENAMED_READS = {"direct": "uncached"}
 
 
-def _deprecated(old: str, new: str, stacklevel: int = 4) -> None:
-    """Warn at the caller's line (``stacklevel``: frames from here to it)."""
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=stacklevel)
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` called here that names the user's line: the first frame
+    outside mapoffload and the dataclass machinery (an entry point, ``OffloadOptions(...)``, its
+    ``replace``), so that Python's default filter shows a warning a script's own call caused."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name == "mapoffload" or name.startswith("mapoffload.") or name == "dataclasses"
+                or frame.f_code.co_filename.startswith("<")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _deprecated(old: str, new: str) -> None:
+    """Warn, at the user's line, that ``old`` is now ``new``."""
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=caller_stacklevel())
 
 
 @dataclass(frozen=True)
@@ -123,8 +138,12 @@ class OffloadOptions:
         dev = check_device(self.device, "device")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type == "cpu":
+            dev = torch.device("cpu")  # "cpu:0" is the CPU: tensors on it report plain "cpu"
         object.__setattr__(self, "device", dev)
         _check_layers(self.layers)
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))  # frozen: not the caller's list
         _check_choice("rest", self.rest, RESTS)
         check_count("prefetch_layers", self.prefetch_layers)
         check_count("resident_layers", self.resident_layers)
@@ -141,8 +160,13 @@ class OffloadOptions:
             check_count(name, getattr(self, name), none=True)
         check_count("local_ranks", self.local_ranks, minimum=1, none=True)
         check_bool("cpu_twin", self.cpu_twin)
-        if self.kernel_caps is not None and not isinstance(self.kernel_caps, str):
-            raise TypeError(f"kernel_caps must be text as for MAPOFFLOAD_KERNEL_CAPS or None, not {self.kernel_caps!r}")
+        if self.kernel_caps is not None:
+            if not isinstance(self.kernel_caps, str):
+                raise TypeError(f"kernel_caps must be text as for MAPOFFLOAD_KERNEL_CAPS or None, "
+                                f"not {self.kernel_caps!r}")
+            from .pagecache.kernel import parse_overrides
+
+            parse_overrides(self.kernel_caps)  # an unknown feature is refused now, not when a manager is built
         if self.cpu_twin and dev.type != "cpu":
             raise ValueError(f"cpu_twin is for device='cpu', not {dev}")
 
@@ -161,18 +185,25 @@ class OffloadOptions:
         return dataclasses.replace(self, **changes)
 
     def filled(self, **measured: Any) -> OffloadOptions:
-        """These options with what the environment answered for fields left to it (the host budget,
-        the local ranks, the block lists found): the parts' values, not the user's, so not checked
-        again."""
+        """These options with what the environment measured for the fields left to it (None): the
+        host budget, the local ranks, or the block lists an entry point found. Only those fields,
+        each checked for its kind; the user's choices are not checked again."""
         new = copy.copy(self)
         for name, value in measured.items():
-            if name not in FIELDS:
-                raise AttributeError(f"OffloadOptions has no field {name!r}")
+            if name not in _MEASURED:
+                raise ValueError(f"filled() takes what the environment measures ({', '.join(_MEASURED)}), "
+                                 f"not {name}: use replace({name}=...)")
+            if name == "layers":
+                _check_layers(value)
+                value = tuple(value) if isinstance(value, list) else value
+            else:
+                check_count(name, value, minimum=1 if name == "local_ranks" else 0)
             object.__setattr__(new, name, value)
         return new
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+_MEASURED = ("available_bytes", "local_ranks", "layers")
 
 
 def shows_option_keywords(fn: Any) -> Any:
@@ -204,11 +235,12 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _check_layers(layers: Any) -> None:
-    """``layers`` names block lists: ``"auto"``, an attribute path, a ``ModuleList``, or a list of those."""
+    """``layers`` names block lists: ``"auto"``, an attribute path, an ``nn.ModuleList`` (or
+    ``nn.Sequential``), or a list or tuple of those."""
     import torch
 
     for item in layers if isinstance(layers, (list, tuple)) else [layers]:
-        if isinstance(item, (str, torch.nn.Module)):
+        if type(item) is str or isinstance(item, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         what = "not how many" if isinstance(item, (int, float)) else f"not a {type(item).__name__}"
         raise TypeError(f"layers={layers!r}: layers names which block lists to stream ('auto', an attribute "
@@ -222,7 +254,7 @@ def take(keywords: dict[str, Any]) -> dict[str, Any]:
     for name in list(keywords):
         new = _RENAMED_KEYWORDS.get(name)
         if new is not None:
-            _deprecated(f"{name}=", f"{new}=", stacklevel=5)  # here, take, gather, the entry point, its caller
+            _deprecated(f"{name}=", f"{new}=")
             if new in keywords:
                 raise TypeError(f"{name}= and {new}= name one option: give {new}= only")
             given[new] = keywords.pop(name)
@@ -281,6 +313,12 @@ def load_options(what: str, options: OffloadOptions | None, keywords: dict[str, 
         keywords beside ``device=None``.
     """
     given = take(keywords)
+    layers = given.get("layers", options.layers if isinstance(options, OffloadOptions) else "auto")
+    import torch
+
+    if any(isinstance(item, torch.nn.Module) for item in (layers if isinstance(layers, (list, tuple)) else [layers])):
+        raise TypeError(f"{what}: layers={layers!r}: the model is built inside {what}, so its block lists are "
+                        "named by attribute path ('model.layers') or found ('auto'), not given as modules")
     if options is None and given.get("device", 0) is None:
         others = sorted(set(given) - {"device"})
         if others:

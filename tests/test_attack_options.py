@@ -1,8 +1,11 @@
 """Adversarial tests of the one options object and its entry points (issue 34's redesign).
 
-The ``xfail(strict=True)`` tests are bugs found: each fails while the bug stands (the file passes)
-and turns into an XPASS, failing the run, once it is fixed - then drop the mark. The others hold
-and cover what tests/test_offload_options.py and tests/test_vllm_options.py do not.
+Nine of these were bugs when written (a CPU device with an index copying the rest, deprecated
+values warning at the library's line, offload's positional-only options, kernel_caps checked
+late, any module taken for a block list, a block list of another model streamed, the caller's
+list kept in frozen options, filled() setting any field unchecked, vLLM keys that are not text);
+each now passes, fixed at its cause. The others cover what tests/test_offload_options.py and
+tests/test_vllm_options.py do not.
 """
 
 from __future__ import annotations
@@ -39,9 +42,6 @@ def _deprecations(call):
 # --- bugs ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="bug: device='cpu:0' is not normalised to 'cpu' (options.py:124 normalises "
-                                       "only CUDA), so _place_rest's `p.device != dev` (hf/offload.py:280) holds for "
-                                       "every CPU tensor and the mapped rest is copied into anonymous memory")
 @pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
 def test_a_cpu_device_with_an_index_keeps_the_rest_on_the_mapping(ckpt, device):
     model = mapped(ckpt[0]).eval()
@@ -51,10 +51,6 @@ def test_a_cpu_device_with_an_index_keeps_the_rest_on_the_mapping(ckpt, device):
     assert OffloadOptions(device=device) == OffloadOptions(device="cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a deprecated value given to an entry point or replace() warns from "
-                                       "options.py/dataclasses.py (options.py:36 _deprecated's fixed stacklevel=4 "
-                                       "from __post_init__ only reaches the caller of OffloadOptions(...)); outside "
-                                       "__main__ Python's default filters then hide the warning")
 @pytest.mark.parametrize("how", ["offload", "manager", "replace", "offload_pipeline"])
 @pytest.mark.parametrize("given", [{"reads": "direct"}, {"host_store": None}])
 def test_a_deprecated_value_warns_at_the_callers_line(ckpt, how, given):
@@ -70,36 +66,23 @@ def test_a_deprecated_value_warns_at_the_callers_line(ckpt, how, given):
     assert w.filename == __file__
 
 
-@pytest.mark.xfail(strict=True, reason="bug: offload's options is positional-only (hf/offload.py, `options=None, /`) "
-                                       "while every other entry point takes options=; offload(model, options=o) is "
-                                       "'an unexpected keyword argument'")
 def test_offload_takes_options_as_a_keyword(ckpt):
     model = mapped(ckpt[0]).eval()
     with mapoffload.offload(model, options=OffloadOptions(device="cpu", layers="blocks")) as handle:
         assert set(handle.managers) == {"blocks"}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: kernel_caps text is only type-checked when made (options.py:144); its "
-                                       "tokens are parsed by the page worker (pagecache/kernel.py parse_overrides) "
-                                       "when a manager is built - for from_pretrained after the whole load")
 def test_kernel_caps_text_is_checked_when_made():
     with pytest.raises(ValueError, match="kernel_caps"):
         OffloadOptions(device="cpu", kernel_caps="no-such-feature")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _check_layers (options.py:211) takes any nn.Module, but offload's "
-                                       "_resolve_layers (hf/offload.py:44) wraps only ModuleList/Sequential and "
-                                       "iterates the rest: a Linear fails deep ('not iterable'), a ModuleDict's "
-                                       "KEYS are taken as attribute paths of the model")
 @pytest.mark.parametrize("layers", [torch.nn.Linear(2, 2), torch.nn.ModuleDict({"blocks": torch.nn.Linear(2, 2)})])
 def test_a_module_that_is_no_block_list_is_refused_when_made(layers):
     with pytest.raises(TypeError, match="layers"):
         OffloadOptions(device="cpu", layers=layers)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a block list that is not a module of the model is streamed anyway "
-                                       "(hf/offload.py:52 names it 'layers' instead of refusing it): the other "
-                                       "model's weights become placeholders; from_pretrained accepts one too")
 def test_a_block_list_outside_the_model_is_refused(ckpt):
     model, other = mapped(ckpt[0]).eval(), mapped(ckpt[0]).eval()
     try:
@@ -111,8 +94,6 @@ def test_a_block_list_outside_the_model_is_refused(ckpt):
             handle.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a frozen OffloadOptions keeps the caller's list of layers (options.py:107, "
-                                       "never made a tuple): unhashable, and changed after its check by whoever holds it")
 def test_a_list_of_layers_cannot_change_after_it_is_checked():
     given = ["blocks"]
     o = OffloadOptions(device="cpu", layers=given)
@@ -121,18 +102,14 @@ def test_a_list_of_layers_cannot_change_after_it_is_checked():
     hash(o)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: filled() is public and sets any field unchecked (options.py:163), and a "
-                                       "manager takes an OffloadOptions whole: prefetch_layers=1.5 runs, unrefused "
-                                       "(make it private, or check what the user can pass there)")
 def test_filled_cannot_smuggle_an_unchecked_value_into_a_manager(ckpt):
     model = mapped(ckpt[0]).eval()
-    with pytest.raises((TypeError, AttributeError)):
+    with pytest.raises(ValueError, match=r"filled\(\) takes what the environment measures"):
         LayerwiseOffloadManager(model, "blocks", OffloadOptions(device="cpu").filled(prefetch_layers=1.5)).close()
+    with pytest.raises(TypeError, match="available_bytes"):
+        OffloadOptions(device="cpu").filled(available_bytes=1.5)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: LoaderOptions.parse (vllm/_options.py:217-219) sorts the keys and "
-                                       "difflib-matches the first: a non-str key raises a bare TypeError, not a "
-                                       "VllmLoadError naming it")
 @pytest.mark.parametrize("extra", [{1: True}, {None: 1}, {1: True, "foo": 2}])
 def test_a_key_that_is_no_string_is_named(extra):
     with pytest.raises(VllmLoadError):

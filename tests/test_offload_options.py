@@ -117,3 +117,9 @@ def test_from_pretrained_refuses_offload_keywords_without_a_device(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(TypeError, match=r"'devcie': did you mean device=\?"):
             mapoffload.from_pretrained(object, tmp_path, devcie="cpu")
+
+
+def test_from_pretrained_names_block_lists_by_path_not_by_module(tmp_path):
+    # The model does not exist yet: a module given as layers cannot be one of its own.
+    with pytest.raises(TypeError, match="named by attribute path"):
+        mapoffload.from_pretrained(object, tmp_path, device="cpu", layers=torch.nn.ModuleList())

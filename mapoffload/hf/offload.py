@@ -19,7 +19,7 @@ from .._log import format_bytes, logger
 from ..memory.budget import host_memory
 from ..memory.regions import tensor_bytes
 from ..offload.errors import CallNames
-from ..options import OffloadOptions, gather, shows_option_keywords
+from ..options import OffloadOptions, caller_stacklevel, gather, shows_option_keywords
 from ._summary import OffloadRow
 from .blocks import find_block_lists
 
@@ -48,8 +48,12 @@ def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]
     for item in layers:
         if isinstance(item, str):
             out.append((item, item))
+        elif id(item) in names:
+            out.append((names[id(item)], item))
         else:
-            out.append((names.get(id(item), "layers"), item))
+            raise ValueError(f"layers: a {type(item).__name__} of {len(item)} modules that is not part of "
+                             f"{type(model).__name__}: name one of its own block lists (an attribute path, "
+                             "or the list itself)")
     return out
 
 
@@ -168,7 +172,7 @@ def _leaf_owners(model: torch.nn.Module, params: list[Any]) -> list[torch.nn.Mod
 
 
 @shows_option_keywords
-def offload(model: torch.nn.Module, options: OffloadOptions | None = None, /, **keywords: Any) -> OffloadHandle:
+def offload(model: torch.nn.Module, options: OffloadOptions | None = None, **keywords: Any) -> OffloadHandle:
     """Stream a model's block lists to the device and place the rest there.
 
     Parameters
@@ -207,7 +211,7 @@ def offload_with(model: torch.nn.Module, options: OffloadOptions, calls: CallNam
     if model.training:
         warnings.warn(
             f"{type(model).__name__} is in train mode: dropout changes its outputs. Call model.eval() first.",
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
     if options.available_bytes is None:  # one figure for every unit of the model
         options = options.filled(available_bytes=host_memory().available)

@@ -214,6 +214,10 @@ class LoaderOptions:
         if not isinstance(extra, dict):
             raise VllmLoadError(f"model_loader_extra_config must be a dict for load format 'mapoffload', "
                                 f"got {type(extra).__name__}")
+        odd = [k for k in extra if not isinstance(k, str)]
+        if odd:  # JSON keys are text; a dict built in Python may hold anything
+            raise VllmLoadError(f"model_loader_extra_config: keys must be text, not {odd!r} (it takes "
+                                f"{', '.join(KEYS)})", keys=tuple(map(repr, odd)))
         unknown = sorted(set(extra) - set(KEYS) - set(DEPRECATED_KEYS))
         if unknown:
             close = difflib.get_close_matches(unknown[0], list(KEYS), n=1)
