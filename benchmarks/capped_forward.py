@@ -63,6 +63,13 @@ the page cache of the libraries the imports read (~180 MiB of ~440 MiB here;
 ``cgroup_baseline_file_cache`` in the JSON): under the cap that cache is
 reclaimable, and the model gets up to that much more than its budget.
 
+With --rooms 0.5,1,2 (issue 35) the limits are the room a user has instead: each
+contender runs uncapped first, and each row's limit is that run's peak of anonymous
+memory plus the room times the largest decoder layer (benchmarks/_rooms.py); the
+column "room in layers" is what the run really had at its peak (its limit less its
+own peak of anonymous memory, over the largest layer), the bound is the checkpoint
+less that room, and --room-figure draws reads and seconds per forward against it.
+
 Then the child loads (timed) and runs --forwards forwards of a fixed batch
 (1 x --seq token ids, seed 0) under torch.inference_mode(). A child killed
 by the OOM killer (signal 9, or oom_kill in memory.oom_control /
@@ -71,6 +78,8 @@ memory.events) is a result ("OOM-killed"), not a failure of the benchmark.
 Columns:
 
   contender, cap      as above (the cap's MiB above the baseline in brackets)
+  room in layers      the limit less the run's peak anonymous memory, over the
+                      largest decoder layer (what the model's pages had at the peak)
   survived            yes / OOM-killed / timeout / exit N
   load s              wall seconds of the load call
   read MB/fwd         bytes this process read from the disk during a forward
@@ -126,6 +135,7 @@ pip install ".[bench]").
 Run (as root, on a machine with cgroups): python benchmarks/capped_forward.py
      [--hidden 1024] [--intermediate 3584] [--layers 24] [--vocab 32000]
      [--dtype float32|bfloat16] [--tie] [--baseline cgroup|vmrss] [--seq 128] [--forwards 4] [--caps none,50,10]
+     [--rooms 0.5,1,1.5,2,4 [--room-figure out.png]]
      [--contenders transformers,mapoffload] [--threads N] [--timeout 900]
      [--dir /a/disk/not/tmpfs] [--keep] [--json out.json] [--fp8 [--figure out.png]]
 """
@@ -152,6 +162,7 @@ FP8_PAIRS = (("mapoffload-fp8", "mapoffload"), ("cuda-fp8", "cuda-mapping"))  # 
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 MIB = 1 << 20
 MB = 1e6
+from _rooms import cap_fraction, figure as room_figure, largest_layer_bytes, parse_rooms, room_in_layers, room_of  # noqa: E402
 NO_LIMIT = 1 << 62  # clamped by the kernel to "no limit" (v1 and v2 alike)
 
 
@@ -456,7 +467,13 @@ def run(contender: str, cap: str, folder: str, out: str, sizes: dict, args: argp
            "--folder", folder, "--out", out, "--dtype", args.dtype, "--vocab", str(args.vocab),
            "--seq", str(args.seq), "--forwards", str(args.forwards), "--threads", str(args.threads),
            "--checkpoint-bytes", str(sizes["checkpoint_bytes"]), "--baseline", args.baseline]
-    if cap != "none":
+    room = room_of(cap)
+    if room is not None:  # the contender's own uncapped peak of anonymous memory plus the room
+        calibration = args.calibration.get(contender)
+        if calibration is None:
+            return {"contender": contender, "cap": cap, "outcome": "no uncapped run", "wall_s": 0.0}
+        cmd += ["--fraction", str(cap_fraction(calibration, room, args.layer_bytes, sizes["checkpoint_bytes"]))]
+    elif cap != "none":
         cmd += ["--fraction", str(int(cap) / 100)]
     with memory_cgroup(NO_LIMIT) as cgroup:
         cmd += ["--cgroup", cgroup]
@@ -500,13 +517,20 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
     (with --fp8: the bf16 checkpoint's); the bound is what the contender's own
     checkpoint (``r["folder_bytes"]``) cannot keep in that budget."""
     ckpt = sizes["checkpoint_bytes"]
-    budget = int(int(r["cap"]) / 100 * ckpt) if r["cap"] != "none" else None
-    cap = "none" if budget is None else f"base+{r['cap']}% ({budget / MIB:.0f} MiB)"
+    if room_of(r["cap"]) is not None:
+        # What the model may keep in memory: the limit less this run's peak of anonymous memory.
+        budget = max(0, r["cgroup_cap"] - r["anon_peak"]) if "cgroup_cap" in r and "anon_peak" in r else None
+        cap = f"room {room_of(r['cap']):g} (limit {r['cgroup_cap'] / MIB:.0f} MiB)" if budget is not None else r["cap"]
+    else:
+        budget = int(int(r["cap"]) / 100 * ckpt) if r["cap"] != "none" else None
+        cap = "none" if budget is None else f"base+{r['cap']}% ({budget / MIB:.0f} MiB)"
+    room = room_in_layers(r, sizes["layer_bytes"])
+    room = "-" if room is None else f"{room:.2f}"
     bound = max(0, r.get("folder_bytes", ckpt) - budget) if budget is not None else 0
     r["budget_bytes"], r["bound_bytes"] = budget, bound
     na = "-"
     if r["outcome"] != "yes":
-        return [r["contender"], cap, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
+        return [r["contender"], cap, room, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
                 na, na, f"{bound / MB:.0f}", na, na, na, na, na, na,
                 f"{r['anon_peak'] / MIB:.0f}" if "anon_peak" in r else na, na]
     read = _mean_rest(r["forward_read_bytes"])
@@ -514,7 +538,7 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
     disk_s = read / (disk_gb_s * 1e9)
     r["read_bytes_per_forward"], r["forward_s_mean"], r["disk_s_per_forward"] = read, fwd, disk_s
     return [
-        r["contender"], cap, "yes", f"{r['load_s']:.2f}", f"{read / MB:.0f}", f"{r['forward_read_bytes'][0] / MB:.0f}",
+        r["contender"], cap, room, "yes", f"{r['load_s']:.2f}", f"{read / MB:.0f}", f"{r['forward_read_bytes'][0] / MB:.0f}",
         f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{read / r.get('folder_bytes', ckpt):.2f}",
         f"{fwd:.3f}",
         f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
@@ -570,6 +594,11 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards", type=int, default=4)
     ap.add_argument("--caps", default="none,50,10",
                     help="comma list: none, or a percentage of the checkpoint's bytes above the baseline")
+    ap.add_argument("--rooms", default=None,
+                    help="comma list of rooms in layers (0.5,1,1.5,2,4): instead of --caps, each contender's limit is "
+                         "its own uncapped peak of anonymous memory plus that many of the largest layer")
+    ap.add_argument("--room-figure", default="capped_forward_rooms.png",
+                    help="with --rooms: the figure of reads and seconds per forward against the room (matplotlib)")
     ap.add_argument("--baseline", choices=("cgroup", "vmrss"), default="cgroup",
                     help="what the caps are above: the cgroup's usage after the imports (the libraries' page "
                          "cache included) or the process's VmRSS then (issue 25's setup: that cache is not given)")
@@ -610,6 +639,11 @@ def main(argv=None) -> int:
     caps = list(dict.fromkeys(c.strip() for c in args.caps.split(",") if c.strip()))
     if bad := [c for c in caps if c != "none" and not (c.isdigit() and 0 < int(c) <= 1000)]:
         ap.error(f"bad caps {bad}: none or a percentage")
+    if args.rooms:
+        try:
+            caps = ["none", *parse_rooms(args.rooms)]  # each contender's uncapped run calibrates its rooms
+        except ValueError as exc:
+            ap.error(str(exc))
     if not args.fp8:
         chosen = [c for c in chosen if c not in ("mapoffload-fp8", "cuda-fp8")]
     else:
@@ -654,6 +688,8 @@ def main(argv=None) -> int:
             print(f"fp8: the same model in the fine-grained FP8 layout, {fp8['checkpoint_bytes'] / MIB:.1f} MiB "
                   f"({fp8['checkpoint_bytes'] / sizes['checkpoint_bytes']:.2f} x the bf16 checkpoint); "
                   "transformers loads it (dequantizing), caps are shares of the bf16 checkpoint")
+        sizes["layer_bytes"] = args.layer_bytes = largest_layer_bytes(folder)
+        args.calibration = {}
         disk = disk_bandwidth(folder)
         print(f"disk: {disk['disk_gb_s']:.2f} GB/s sequential ({disk['disk_bytes'] / MIB:.0f} MiB, 8 MiB reads, cold)")
         results, logits = [], {}
@@ -663,6 +699,8 @@ def main(argv=None) -> int:
             r["folder_bytes"] = folder_bytes[contender]
             print(f"  {contender:12} cap {cap:5}: {r['outcome']} in {r['wall_s']:.1f} s", flush=True)
             results.append(r)
+            if cap == "none" and r["outcome"] == "yes" and "cgroup_baseline" in r:
+                args.calibration[contender] = {"anon_peak": r["anon_peak"], "cgroup_baseline": r["cgroup_baseline"]}
             if r["outcome"] == "yes":
                 logits[(contender, cap)] = torch.load(out)
     finally:
@@ -682,10 +720,13 @@ def main(argv=None) -> int:
               if r["contender"] == "transformers" and r["outcome"] == "yes"}
     rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"])) for r in results]
     print()
-    print_table(["contender", "cap", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
+    print_table(["contender", "cap", "room in layers", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
                  "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
     if args.fp8:
         _fp8_targets(results, sizes, args)
+    if args.rooms:
+        made = room_figure(results, sizes["layer_bytes"], sizes["checkpoint_bytes"], args.room_figure)
+        print(f"figure: {made}" if made else "figure: matplotlib is not installed (pip install matplotlib)")
     emit_json("capped_forward", {
         "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
         "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "tie": args.tie, "seq": args.seq,
