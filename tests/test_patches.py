@@ -64,3 +64,27 @@ def test_a_forward_set_by_the_user_is_kept_whichever_came_first(ckpt):
         model.blocks[1].forward = theirs  # during it: theirs stays
     assert model.blocks[0].forward is theirs and model.blocks[1].forward is theirs and mine is not theirs
     assert _ours(model) == {}
+
+
+def test_a_child_forked_while_the_registry_is_locked_can_still_patch():
+    # Only the registry runs in the child: torch's OpenMP pool hangs in a forked child that computes.
+    import os
+    import signal
+
+    from mapoffload.offload import patches
+
+    layer = torch.nn.Linear(2, 2)
+    with patches._LOCK:  # another thread inside install() at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: its lock is a fresh one
+            code = 1
+            try:
+                signal.alarm(20)  # a deadlock ends the child, failing the test
+                patches.install(layer, "forward", print)
+                code = 0 if patches.patched(layer) == ("forward",) else 2
+                patches.uninstall(layer, "forward")
+                code = code or (0 if "forward" not in layer.__dict__ else 3)
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -17,6 +17,7 @@ answers :func:`patched`: a model given back carries nothing of mapoffload's.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -39,6 +40,16 @@ class Patch:
 
 _LOCK = threading.Lock()
 _REGISTRY: weakref.WeakKeyDictionary[Any, dict[str, Patch]] = weakref.WeakKeyDictionary()
+
+
+def _after_fork_in_child() -> None:
+    """A fork() while another thread held the lock leaves it held in the child: the child starts
+    with a fresh one (the registry itself was consistent: every change is made under the lock)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install(module: Any, name: str, value: Any) -> Patch:
