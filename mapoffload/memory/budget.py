@@ -27,13 +27,16 @@ from .._env import env_number
 from .._log import format_bytes
 
 __all__ = [
+    "CapRoom",
     "CgroupLevel",
     "ENV_HOST_AVAILABLE_GIB",
     "ENV_PAGE_CACHE_MARGIN_MIB",
     "GIB_BYTES",
     "HOST_COPY_RESERVE_BYTES",
     "HostMemory",
+    "NoRoomError",
     "PageCacheBudget",
+    "cap_room",
     "cgroup_levels",
     "cgroup_memory_limit_bytes",
     "describe_host",
@@ -258,6 +261,44 @@ def host_copies_would_not_fit(
 # --- page cache for a mapped checkpoint ----------------------------------------------------
 
 
+class NoRoomError(MemoryError):
+    """The memory cap leaves no room for the least a stack streams in (its largest part, or layer).
+
+    Raised before any forward reads a weight, naming the cap, what the process holds, the room
+    left and what is needed (attributes ``cap``, ``held``, ``room``, ``need``): under that cap the
+    forward could only be killed by the OOM killer or re-read its weights without end.
+    """
+
+    def __init__(self, message: str, *, cap: int, held: int, room: int, need: int) -> None:
+        super().__init__(message)
+        self.cap, self.held, self.room, self.need = cap, held, room, need
+
+
+@dataclass(frozen=True)
+class CapRoom:
+    """The room under the tightest cgroup cap beside what the process cannot give back: the cap less
+    its anonymous and kernel memory (its files' cache is reclaimable) and the thin margin."""
+
+    cap: int
+    held: int  # anonymous and kernel memory charged there (usage less file cache)
+    margin: int  # 8 MiB + 1/1024 of the cap
+
+    @property
+    def room(self) -> int:
+        return self.cap - self.held - self.margin
+
+
+def cap_room(*, root: str = "/") -> CapRoom | None:
+    """:class:`CapRoom` of the cgroup cap with the least of it on this process's path (None: uncapped)."""
+    best: CapRoom | None = None
+    for lv in cgroup_levels(root=root):
+        held = lv.usage - min(lv.active_file + lv.inactive_file, lv.usage)
+        found = CapRoom(lv.cap, held, 8 * (1 << 20) + lv.cap // 1024)
+        if best is None or found.room < best.room:
+            best = found
+    return best
+
+
 @dataclass(frozen=True)
 class PageCacheBudget:
     """How many bytes of a mapped checkpoint's pages can stay in the page cache.
@@ -332,7 +373,17 @@ def _cache_margin(limit: int) -> int | None:
     return 8 * (1 << 20) + limit // 1024
 
 
-def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None:
+def _measured_margin(limit: int, forward_bytes: int | None) -> tuple[int, int | None]:
+    """``(margin, cache_margin)`` under ``limit``: the defaults, or where a forward's growth of anonymous
+    memory was measured (``forward_bytes``), that growth over the thin margin (the user's
+    ``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` wins over both)."""
+    if forward_bytes is None or _margin_override() is not None:
+        return _margin(limit), _cache_margin(limit)
+    thin = 8 * (1 << 20) + limit // 1024
+    return thin + max(0, int(forward_bytes)), thin
+
+
+def _cgroup_page_cache(weights_cached: int, root: str, forward_bytes: int | None = None) -> PageCacheBudget | None:
     """The tightest page-cache budget of the capped cgroups on this process's path (None: uncapped)."""
     best: PageCacheBudget | None = None
     for lv in cgroup_levels(root=root):
@@ -341,15 +392,15 @@ def _cgroup_page_cache(weights_cached: int, root: str) -> PageCacheBudget | None
         # of ``files``) or to the cgroup that first read them (then they
         # cost this one nothing): either way they are not "other".
         other = (lv.usage - files) + max(0, files - weights_cached)
-        margin = _margin(lv.cap)
-        found = PageCacheBudget(max(0, lv.cap - other - margin), lv.cap, other, weights_cached, margin, "cgroup",
-                                _cache_margin(lv.cap))
+        margin, thin = _measured_margin(lv.cap, forward_bytes)
+        found = PageCacheBudget(max(0, lv.cap - other - margin), lv.cap, other, weights_cached, margin, "cgroup", thin)
         if best is None or found.usable < best.usable:
             best = found
     return best
 
 
-def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheBudget:
+def page_cache_budget(weights_cached: int = 0, *, root: str = "/", forward_bytes: int | None = None
+                      ) -> PageCacheBudget:
     """The page cache a mapped checkpoint's weights may fill without thrashing.
 
     The tightest of: every memory cgroup cap on the path from this process's
@@ -369,6 +420,13 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
         their spans): left out of "other memory".
     root
         Prefix of every ``/proc`` and ``/sys`` path read (tests).
+    forward_bytes
+        The most anonymous memory a forward was seen to add above what the
+        process held at its start (its activations, first uses of torch).
+        Where known, a cgroup's margin is that plus 8 MiB + 1/1024 of the
+        limit instead of the default, which is a guess made before any
+        forward ran: what the process holds now is measured as "other"
+        memory, the forward's growth above it is what the margin keeps.
     """
     import psutil
 
@@ -386,7 +444,7 @@ def page_cache_budget(weights_cached: int = 0, *, root: str = "/") -> PageCacheB
         max(0, int(vm.available) - margin), int(vm.total), max(0, int(vm.total) - int(vm.available)),
         weights_cached, margin, "machine",
     )
-    cg = _cgroup_page_cache(weights_cached, root)
+    cg = _cgroup_page_cache(weights_cached, root, forward_bytes)
     if cg is not None and cg.usable < machine.usable:
         return cg
     return machine

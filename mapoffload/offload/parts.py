@@ -87,12 +87,13 @@ class Parts:
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
                                        resident_layers=o.resident_layers, pages=self.pages, device=o.device)
-            self.rest = RestGuard(model, layers, self.pages.files)  # the mapped weights outside the layers
+            self.rest = RestGuard(model, layers, self.pages.files, self.pages.worker)  # the mapped weights outside the layers
             # The page-cache plan is the process's (every stack under one budget): this stack's
             # part of it is its member.
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
-                                      always_read=_plan.always_read_tensors, owner=owner)
+                                      always_read=_plan.always_read_tensors, owner=owner,
+                                      parts=self.pages.largest_part if o.in_place else None)
             self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
                                      read_around=functools.partial(_read_around, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .._log import logger
 from .._progress import byte_bar
 from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
-from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, PinChoice, StorePlan, StoreRule, Weight
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Part, PinChoice, StorePlan, StoreRule, Weight
 from .stores import build_consolidated, build_strided
 from .stores import describe, layout, log_plan
 from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
@@ -125,6 +125,7 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
                                                 device=device)
                 by_id[id(p)] = w
                 store.weights.append(w)
+        store.parts = _parts(store, base, prefix)
         stores.append(store)
     if unmanaged:
         logger.info(
@@ -154,6 +155,18 @@ def _is_lookup(module: torch.nn.Module) -> bool:
     import torch
 
     return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+
+
+def _parts(store: LayerStore, base: str, prefix: dict[int, str]) -> list[Part]:
+    """A layer's weights grouped by the submodule that holds each (its first slot), in module order."""
+    parts: dict[int, Part] = {}
+    for w in store.weights:
+        module = w.slots[0][0]
+        part = parts.get(id(module))
+        if part is None:
+            part = parts[id(module)] = Part(prefix.get(id(module), base), module)
+        part.weights.append(w)
+    return list(parts.values())
 
 
 def always_read_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[tuple[torch.Tensor, int]]:

@@ -9,6 +9,12 @@ read a SIGBUS that kills the process; a check of the mapped file's size
 into a :class:`~mapoffload.MappingFaultError` naming the file. The spans are
 found again only when the rest's tensors change (moved to a device, replaced).
 
+Where the page-cache plan finds no room for the weights every forward reads whole (a head, norms)
+beside the streaming window (``ResidencyPlan.rest_streamed``), they are streamed like a layer: each
+module holding them reads them in before it runs (where they fit the room; else its own faults read
+them, 2 MiB folios at a time under ``MADV_HUGEPAGE`` + ``MADV_RANDOM``) and lets them go after it ran,
+so that they never push the layers' pages out, nor stay in the way of the next forward's.
+
 The rest's lookup tables (embeddings no head shares) are set ``MADV_RANDOM``:
 a lookup faults a few rows, and a fault's read-around (the disk's
 ``read_ahead_kb``: 8 MiB on this project's machine) read 131-216 MiB of a
@@ -20,10 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._log import logger
+from .._log import format_bytes, logger
 from .._native import _core
 from ..pagecache.mapped_file import MappedFiles
-from ..pagecache.pages import Extent, check_extents, file_extents, layer_spans
+from ..pagecache.pages import Extent, PageWorker, check_extents, file_extents, layer_spans
 
 if TYPE_CHECKING:
     import torch
@@ -58,10 +64,15 @@ def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
 class RestGuard:
     """Checks, before a forward, that the rest's mapped files still reach the bytes mapped from them."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], files: MappedFiles) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], files: MappedFiles,
+                 worker: PageWorker | None = None) -> None:
         self._model = model
         self._layers = layers
         self._files = files
+        self._worker = worker  # the stack's page worker: streams the always-read weights (stream())
+        self._streamed: list = []  # what puts each streamed module back (its hooks, its chunked forward)
+        self._stream_key: tuple | None = None  # (the rest's key, the unit) it was streamed for
+        self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
         self._extents: list[Extent] = []
         self._advised = None  # the lookup tables' spans, MADV_RANDOM while the guard is open
@@ -91,8 +102,46 @@ class RestGuard:
             self._advised, self.table_bytes = None, 0
 
     def close(self) -> None:
-        """Set the lookup tables' advice back. Idempotent."""
+        """Set the lookup tables' advice back, stop streaming the always-read weights. Idempotent."""
         self._unadvise()
+        self.stream(False)
+
+    # -- the always-read weights streamed --------------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        """Whether the always-read weights are streamed now (see :meth:`stream`)."""
+        return bool(self._streamed)
+
+    def stream(self, on: bool, unit: int = 0) -> None:
+        """Stream the weights outside the layers that every forward reads whole (``on``), or keep them
+        cached as the kernel does (``off``): each module holding them reads them in before it runs and
+        lets them go after; a linear layer whose weight exceeds ``unit`` bytes (the plan's streaming
+        window: a layer, or a part) is computed ``unit`` bytes of its rows at a time, each read in and
+        let go in turn. Idempotent; hooks, forwards and advice are put back when it stops."""
+        if not on:
+            for undo in self._streamed:
+                undo()
+            self._streamed, self.streamed_bytes = [], 0
+            return
+        if self._streamed and (self._key, unit) != self._stream_key:
+            self.stream(False)  # the rest's tensors or the plan's unit changed since: streamed afresh
+        if self._streamed or self._worker is None:
+            return
+        self._stream_key = (self._key, unit)
+        from ..pagecache.file_places import MapsView
+        from .plan import always_read_tensors, modules_outside
+
+        whole = {t.data_ptr() for t, _ in always_read_tensors(self._model, self._layers)}
+        maps = MapsView()
+        for module in modules_outside(self._model, self._layers):
+            mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
+            if mine:
+                job = _StreamedModule(module, mine, self._worker, self._files, maps, unit)
+                self._streamed.append(job.remove)
+                self.streamed_bytes += job.bytes
+        if self._streamed:
+            logger.info("%s: %s read every forward are streamed (read in as their modules run, let go after)",
+                        WHAT, format_bytes(self.streamed_bytes))
 
     def _refresh(self) -> None:
         from ..memory.regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
@@ -110,3 +159,89 @@ class RestGuard:
         """Raise MappingFaultError when a mapped file of the rest was truncated under it."""
         self._refresh()
         check_extents(self._extents, WHAT)
+
+
+class _StreamedModule:
+    """One module's always-read weights streamed: read in before it runs, let go after; a linear layer
+    larger than ``unit`` computed a chunk of its rows at a time (each chunk read in, then let go)."""
+
+    def __init__(self, module, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
+        import torch
+
+        from ..memory.regions import tensor_extent
+        from ..pagecache.pages import folio_edges
+        from .patches import install
+        from .turn import _eager
+
+        self.module, self.worker, self.files, self.maps = module, worker, files, maps
+        self.spans = layer_spans([tensor_extent(t) for t in tensors])
+        self.extents = file_extents(self.spans, files, maps)
+        self.edges = folio_edges(self.spans, maps)
+        self.bytes = self.spans.total_bytes
+        worker.advise(self.spans, self.extents)
+        weight = getattr(module, "weight", None)
+        self.rows = 0  # rows of a chunk: 0, read whole
+        if (type(module).forward is torch.nn.Linear.forward and weight is not None and weight.dim() == 2
+                and weight.is_contiguous() and unit > 0 and self.bytes > unit):
+            row = weight.shape[1] * weight.element_size()
+            self.rows = max(CHUNK_ROWS, unit // row // CHUNK_ROWS * CHUNK_ROWS)
+            if self.rows >= weight.shape[0]:
+                self.rows = 0
+        self._undo = []
+        self.chunks = []  # (first row, end row, spans, extents, edges) of each chunk
+        if self.rows:
+            for first in range(0, weight.shape[0], self.rows):
+                w = weight[first:first + self.rows]
+                spans = layer_spans([(w.data_ptr(), w.numel() * w.element_size())])
+                self.chunks.append((first, first + w.shape[0], spans, file_extents(spans, files, maps),
+                                    folio_edges(spans, maps)))
+        if self.rows:
+            install(module, "forward", _eager(self.chunked_forward))
+            self._undo.append(lambda: _uninstall_forward(module))
+            logger.info("%s (%s) does not fit the %s the page-cache plan streams in: computed %d rows at a "
+                        "time, each chunk read in and let go after", type(module).__name__,
+                        format_bytes(self.bytes), format_bytes(unit), self.rows)
+        else:
+            self._undo.append(module.register_forward_pre_hook(_eager(self.before)).remove)
+            self._undo.append(module.register_forward_hook(_eager(self.after), always_call=True).remove)
+
+    def remove(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        _core.advise_random(self.spans, False)
+
+    def before(self, module, args) -> None:
+        self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
+
+    def after(self, module, args, output) -> None:
+        self.worker.let_go(self.spans, self.extents)
+
+    def chunked_forward(self, x):
+        """``nn.Linear.forward`` over chunks of the weight's rows, each read in before its matmul and let
+        go after: the room the weight takes is one chunk's. (The matmul library may reduce in another
+        order for a narrower output: measured bit-equal for float32 with chunks of 512 rows and more.)"""
+        import torch.nn.functional as F
+
+        weight, bias = self.module.weight, self.module.bias
+        n = weight.shape[0]
+        out = None
+        for first, end, spans, extents, edges in self.chunks:
+            self.worker.read_in(spans, WHAT, edges, extents).result()
+            try:
+                piece = F.linear(x, weight[first:end], None if bias is None else bias[first:end])
+            finally:
+                self.worker.let_go(spans, extents)
+            if out is None:
+                out = piece.new_empty((*piece.shape[:-1], n))
+            out[..., first:end] = piece
+        return out
+
+
+CHUNK_ROWS = 512  # a chunk of a streamed linear layer's rows: a multiple of this
+
+
+def _uninstall_forward(module) -> None:
+    from .patches import uninstall
+
+    uninstall(module, "forward")

@@ -133,7 +133,8 @@ class ReadAroundSource:
     def takes(self, i: int) -> bool:
         """Whether layer ``i`` is read around the page cache now (streamed, a buffer free, its files
         held open, its pages the file's)."""
-        return not (self.paused or not self._pages.streams(i) or self.outstanding >= self.reader.buffers
+        return not (self.paused or not self._pages.streams(i) or getattr(self._pages, "in_parts", False)
+                    or self.outstanding >= self.reader.buffers
                     or not self.places(i) or written_in_place(self._stores[i], self._written))
 
     def read(self, i: int) -> Future:

@@ -101,6 +101,19 @@ class Weight:
 
 
 @dataclass
+class Part:
+    """One part of a layer: a submodule that holds weights itself (a projection, a norm), and those weights.
+
+    Where the room does not hold a whole layer, a streamed layer is read in part by part as its parts
+    run (``pagecache.residency.PART``); ``module`` is where a part's hooks go.
+    """
+
+    name: str
+    module: Any
+    weights: list[Weight] = field(default_factory=list)
+
+
+@dataclass
 class LayerStore:
     """Host side of one layer: its weights, buffers and prefetch spans."""
 
@@ -112,6 +125,7 @@ class LayerStore:
     pinned: bool = False
     plan: StorePlan | None = None  # the rule that chose its weights' stores (set by plan.plan)
     pin: PinChoice = PinChoice.NONE  # why its consolidated buffers are pinned or pageable
+    parts: list[Part] = field(default_factory=list)  # its weights by the submodule that holds them, in module order
     _spans: list[tuple[Any, int, int, int, bool]] | None = None
 
     @property

@@ -125,6 +125,7 @@ class StackHooks:
         self.steps = steps
         self.owner = owner  # a weak reference to the manager (named when a copy is refused)
         self.handles: list = []  # each with remove()
+        self.part_handles: list = []  # the layers' parts' hooks, while streamed layers are read part by part
 
     @property
     def active(self) -> bool:
@@ -142,14 +143,60 @@ class StackHooks:
             hooks.append(layer.register_forward_hook(_Hook(self._post_hook(i), self.owner), always_call=True))
             hooks.append(wrap_forward(layer, _Hook(self._guarded_forward(i, layer.forward), self.owner)))
         # Before anything of a forward reads the mapping (the embedding first).
-        hooks.append(model.register_forward_pre_hook(_Hook(_eager(self.steps.before_forward), self.owner),
+        hooks.append(model.register_forward_pre_hook(_Hook(_eager(self._before_forward), self.owner),
                                                      prepend=True))
+        hooks.append(model.register_forward_hook(_Hook(_eager(self._after_forward), self.owner), always_call=True))
         self.handles = hooks
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self._remove_parts()
+        self.steps.rest.stream(False)
+
+    # -- part by part ------------------------------------------------------------------------
+    def _before_forward(self, module: Any, args: Any) -> None:
+        self.steps.before_forward(module, args)
+        if self.steps.wants_parts:
+            self._register_parts()
+        else:
+            self._remove_parts()
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        self.steps.after_forward()
+
+    def _register_parts(self) -> None:
+        """Hook each layer's parts (the submodules holding its weights): read in before each runs, let
+        go after, while the plan reads streamed layers part by part. No-op when registered."""
+        if self.part_handles or not self.handles:
+            return
+        hooks: list = []
+        for i, store in enumerate(self.steps.sequencer.stores):
+            for k, part in enumerate(store.parts):
+                hooks.append(part.module.register_forward_pre_hook(_Hook(self._part_pre_hook(i, k), self.owner)))
+                hooks.append(part.module.register_forward_hook(_Hook(self._part_post_hook(i, k), self.owner),
+                                                               always_call=True))
+        self.part_handles = hooks
+
+    def _remove_parts(self) -> None:
+        for h in self.part_handles:
+            h.remove()
+        self.part_handles = []
+
+    def _part_pre_hook(self, i: int, k: int):
+        def pre_hook(module, args):
+            if i in self.turn.held():  # inside layer i's turn (a part called on its own is no layer's)
+                self.steps.start_part(i, k)
+
+        return _eager(pre_hook)
+
+    def _part_post_hook(self, i: int, k: int):
+        def post_hook(module, args, output):
+            if i in self.turn.held():
+                self.steps.finish_part(i, k)
+
+        return _eager(post_hook)
 
     def finish_layer(self, i: int) -> None:
         """Finish layer ``i`` and leave its turn, once, if this thread holds it."""

@@ -39,14 +39,15 @@ import atexit
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
 from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
 from .peers import PeerRegistry, share_room
 from .read_around_fit import read_around_fits
-from .residency import ResidencyPlan, plan_residency, plan_shared
+from .residency import ResidencyPlan, plan_residency, plan_shared, smallest_window
+from .room import ForwardMemory, LastMeasure, anon_now, cap_text as _cap_text, read_cap, refuse_without_room
 
 if TYPE_CHECKING:
     from ..memory.budget import PageCacheBudget
@@ -55,32 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["CGROUP_ROOT", "PageCacheCoordinator", "coordinator"]
 
 CGROUP_ROOT = "/"  # prefix of the /proc and /sys paths the plan reads (tests point it at fake trees)
-
-
-def read_cap() -> int | None:
-    """The tightest cgroup memory cap on this process now (None: uncapped)."""
-    from ..memory.budget import cgroup_memory_limit_bytes
-
-    found = cgroup_memory_limit_bytes(root=CGROUP_ROOT)
-    return None if found is None else found[0]
-
-
-def _cap_text(cap: int | None) -> str:
-    return "uncapped" if cap is None else format_bytes(cap)
-
-
-@dataclass(frozen=True)
-class LastMeasure:
-    """The last measured plan's inputs, placed again without measuring (``_place_last``)."""
-
-    members: tuple = ()  # weak references to the measured members, in plan order
-    sizes: list = field(default_factory=list)  # each member's layer sizes
-    windows: int = 1  # streaming windows kept (1 + replicas)
-    cached: int = 0  # bytes of cached layers resident at the measure
-    why: str = ""  # the budget, in words
-
-    def measured(self) -> list:
-        return [r() for r in self.members]
 
 
 class PageCacheCoordinator:
@@ -119,6 +94,10 @@ class PageCacheCoordinator:
         self.cache_extra = 0
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
+        # The weights every forward reads outside the stacks do not fit beside the streaming window:
+        # read as they run and let go after (the plans say so: ResidencyPlan.rest_streamed).
+        self.rest_streamed = False
+        self.memory = ForwardMemory()  # what forwards add at their peak, what the process held at the measure
         self._last = LastMeasure()  # the last measured plan's inputs (see _place_last)
         # Forwards each registered manager began (note_forward), for streamed_since.
         self._forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -143,6 +122,7 @@ class PageCacheCoordinator:
             self._members.append(weakref.ref(member, self._collected))
             try:
                 self._plan()
+                refuse_without_room(member, CGROUP_ROOT)
             except BaseException:
                 self._members = [r for r in self._members if r() is not None and r() is not member]
                 raise
@@ -200,6 +180,24 @@ class PageCacheCoordinator:
             most = max(most, ran)
         return expected + most * self.always_bytes, now
 
+    # -- what a forward holds -------------------------------------------------------------------
+    @property
+    def forward_bytes(self) -> int | None:
+        """The anonymous memory a forward adds at its peak, as measured (:class:`.room.ForwardMemory`)."""
+        return self.memory.forward_bytes
+
+    @property
+    def samples_anon(self) -> bool:
+        """Whether the stacks sample their forwards' anonymous memory: under a cgroup's cap, where the
+        plan's margin is measured (``page_cache_budget(forward_bytes=...)``)."""
+        return self._cap is not None
+
+    def note_forward_growth(self, grown: int) -> None:
+        """A forward ended having added ``grown`` bytes of anonymous memory at its peak (sampled at each
+        layer and at its end); the next forward measures the budget again when that moved the margin."""
+        with self._lock:
+            self.memory.note(grown, self._cap)
+
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> None:
         """Measure and plan again for every registered manager."""
@@ -215,10 +213,11 @@ class PageCacheCoordinator:
         """
         if not any(m.given is None for m in self.members()):
             return
-        cap, stamp = read_cap(), self._peers_stamp_now()
+        cap, stamp = read_cap(CGROUP_ROOT), self._peers_stamp_now()
         lost = cached_lost(self.members()) if self.cache_extra else 0
         thin_failed = lost > 0
-        if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed:
+        moved = self.memory.grown or self.memory.moved(self._cap, CGROUP_ROOT)
+        if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed and not moved:
             return
         with self._lock:
             if thin_failed and cap == self._cap:
@@ -237,6 +236,10 @@ class PageCacheCoordinator:
             elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
+            elif moved and stamp == self._peers_stamp:
+                logger.info("the process holds %s of anonymous memory (%s at the last plan; a forward adds %s at "
+                            "its peak): planning the page cache again", format_bytes(anon_now(CGROUP_ROOT)),
+                            format_bytes(self.memory.at_measure), format_bytes(self.forward_bytes or 0))
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan()
@@ -284,13 +287,15 @@ class PageCacheCoordinator:
         self.always_bytes = sum(n for _, n in always)
         cached = sum(sum(m.resident_bytes()) for m in measured)
         cached += sum(resident_bytes([t for t, _ in always])) if always else 0
-        cap = read_cap()
+        cap = read_cap(CGROUP_ROOT)
         if cap != self._cap:
             self.thin_margin_failed = False  # a new cap: the thin margin is tried again
         self._cap = cap
-        budget = page_cache_budget(cached, root=CGROUP_ROOT)
+        budget = page_cache_budget(cached, root=CGROUP_ROOT, forward_bytes=self.forward_bytes)
         self.budget = budget
-        room = budget.usable - sum(m.given for m in given) - self.always_bytes
+        self.memory.measured(CGROUP_ROOT)
+        # Unclamped (the budget's usable is never below 0): what is over the limit is not room for anyone.
+        room = budget.limit - budget.other_bytes - budget.margin - sum(m.given for m in given) - self.always_bytes
         # Read-around buffers hold the streaming window in anonymous memory, which
         # the measure counted as "other"; the plan reserves that window itself -
         # every buffer a reader may make, made yet or not (_planned_buffers).
@@ -305,11 +310,19 @@ class PageCacheCoordinator:
         sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
         room, windows = self._share_with_peers(measured, room, mine)
-        self.room = max(0, room)
         extra = 0 if self.thin_margin_failed else budget.cache_extra
         if extra and self.ranks:
             extra = extra * mine // (mine + self._others)  # split as the room is
-        self._last = LastMeasure(tuple(weakref.ref(m) for m in measured), sizes, windows, cached, str(budget))
+        # The weights every forward reads outside the stacks (a head) stay cached only where they fit
+        # beside the smallest streaming window; else they are read as they run and let go after
+        # (RestGuard), and take no room from the layers.
+        need = smallest_window(sizes, [m.part_bytes for m in measured]) * windows
+        self.rest_streamed = bool(self.always_bytes) and mine > room + extra and room < need
+        if self.rest_streamed:
+            room += self.always_bytes
+        self.room = max(0, room)
+        self._last = LastMeasure(tuple(weakref.ref(m) for m in measured), sizes, windows, cached, str(budget),
+                                 [m.part_bytes for m in measured])
         self._place(measured, sizes, windows, cached, extra, str(budget))
 
     def place_buffers(self) -> None:
@@ -340,9 +353,9 @@ class PageCacheCoordinator:
         self.cache_extra = extra
         self.buffers = planned_buffers(measured)
         plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
-                            cache_only=extra, buffers=self.buffers)
+                            cache_only=extra, buffers=self.buffers, parts=self._last.parts or None)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
-        plans = [_with_always(p, self.always_bytes) for p in plans]
+        plans = [replace(p, always_bytes=self.always_bytes, rest_streamed=self.rest_streamed) for p in plans]
         for m, plan in zip(measured, plans):
             m.apply(plan, why)
             m.watch(bool(extra))
@@ -360,7 +373,8 @@ class PageCacheCoordinator:
                 return True, ""
             where = f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}"
             return read_around_fits(last.measured(), last.sizes, last.windows, room=self.room,
-                                    cache_extra=self.cache_extra, member=member, need=need, where=where)
+                                    cache_extra=self.cache_extra, member=member, need=need, where=where,
+                                    parts=last.parts or None)
 
     def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
         """This process's room among its peers', and how many streaming windows to keep."""
@@ -407,12 +421,6 @@ class PageCacheCoordinator:
         if self.replicas:
             text += f"; cached set shared with {len(self.replicas)} replica{'s' if len(self.replicas) != 1 else ''}"
         return text
-
-
-def _with_always(plan: ResidencyPlan, always: int) -> ResidencyPlan:
-    from dataclasses import replace
-
-    return replace(plan, always_bytes=always)
 
 
 _COORDINATOR = PageCacheCoordinator()

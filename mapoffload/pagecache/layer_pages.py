@@ -22,7 +22,7 @@ from .mapped_file import MappedFiles
 from .pages import PageWorker, check_extents, file_extents, folio_edges, layer_spans
 from .residency import ResidencyPlan
 
-__all__ = ["MAPPED", "LayerPages", "PagedLayer", "PagedWeight"]
+__all__ = ["MAPPED", "LayerPages", "PagedLayer", "PagedPart", "PagedWeight"]
 
 MAPPED = "mapped"  # the host store of a weight kept on its file mapping (``offload.stores.MAPPED``)
 
@@ -35,11 +35,19 @@ class PagedWeight(Protocol):
     nbytes: int  # the byte extent its strides reach
 
 
+class PagedPart(Protocol):
+    """What the page cache reads of one part of a layer (``offload.stores.Part``): a submodule's weights."""
+
+    name: str
+    weights: Sequence[PagedWeight]
+
+
 class PagedLayer(Protocol):
     """What the page cache reads of one layer (``offload.stores.LayerStore``)."""
 
     name: str
     weights: Sequence[PagedWeight]
+    parts: Sequence[PagedPart]  # its weights by the submodule that holds them (read part by part)
 
     def bytes_in(self, store: str) -> int: ...
 
@@ -63,6 +71,7 @@ class LayerPages:
         self._spans: dict[int, Any] = {}
         self._extents: dict[int, list] = {}  # layer -> Extents (file, first, end) its mapped weights read
         self._edges: dict[int, Any] = {}  # layer -> its bytes in 2 MiB file windows shared with a neighbour
+        self._parts: dict[int, list] = {}  # layer -> (spans, extents, edges) of each part (read part by part)
         self._warm: set[int] = set()  # cached layers read in once
         # The coordinator's check of the cached set's thin margin: a cached layer
         # used before under this plan must find its pages resident at its next use.
@@ -105,6 +114,50 @@ class LayerPages:
         self._spans.pop(i, None)
         self._extents.pop(i, None)
         self._edges.pop(i, None)
+        self._parts.pop(i, None)
+
+    # -- part by part ----------------------------------------------------------------------
+    def part_sizes(self, i: int) -> list[int]:
+        """Mapped bytes of each part of layer ``i`` (``PagedLayer.parts``)."""
+        return [sum(w.nbytes for w in p.weights if w.store == MAPPED) for p in getattr(self._stores[i], "parts", ())]
+
+    def largest_part(self) -> int:
+        """Mapped bytes of the largest part of any layer: the room a stack read part by part needs."""
+        return max((max(self.part_sizes(i), default=0) for i in range(len(self._stores))), default=0)
+
+    @property
+    def in_parts(self) -> bool:
+        """The plan reads streamed layers part by part (the room does not hold one layer)."""
+        return self.plan is not None and self.plan.parts
+
+    def _part(self, i: int, k: int):
+        """``(spans, extents, edges)`` of part ``k`` of layer ``i`` (its mapped weights), found once."""
+        parts = self._parts.get(i)
+        if parts is None:
+            self.spans(i)  # the layer's files opened and advised first (the parts' bytes are among them)
+            maps = MapsView()
+            parts = []
+            for part in self._stores[i].parts:
+                spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in part.weights if w.store == MAPPED])
+                parts.append((spans, file_extents(spans, self.files, maps), folio_edges(spans, maps)))
+            self._parts[i] = parts
+        return parts[k]
+
+    def read_part(self, i: int, k: int) -> Future | None:
+        """Start reading part ``k`` of streamed layer ``i`` in (None: nothing of it is mapped)."""
+        spans, extents, edges = self._part(i, k)
+        if not len(spans):
+            return None
+        what = f"layer {i} ({self._stores[i].parts[k].name})"
+        return self.worker.read_in(spans, what, edges, extents)
+
+    def let_go_part(self, i: int, k: int) -> Future | None:
+        """Let part ``k`` of streamed layer ``i`` go (checked there; None: nothing of it is mapped)."""
+        spans, extents, _ = self._part(i, k)
+        if not len(spans):
+            return None
+        self._letting_go = self.worker.let_go(spans, extents)
+        return self._letting_go
 
     def mapped_sizes(self) -> list[int]:
         """Mapped bytes of each layer: what the plan places."""
@@ -167,6 +220,8 @@ class LayerPages:
         """Whether layer ``i``'s pages are to be read in before it runs (and note the cached ones)."""
         if not self._stores[i].bytes_in(MAPPED):
             return False
+        if self.streams(i) and self.in_parts:
+            return False  # read part by part as its parts run (read_part)
         if not self.streams(i):
             self._before_cached_use(i)
             if i in self._warm:

@@ -72,11 +72,15 @@ class StackMember:
         forward reads.
     owner
         Who registered it (kept weakly; :meth:`PageCacheCoordinator.managers`).
+    parts
+        ``() -> bytes`` of the largest part of a layer, where the stack can read its streamed layers
+        part by part (in place); None: a layer at a time only.
     """
 
     def __init__(self, *, name: str, model: Any, layers: Sequence[Any], pages: StackPages, loads: StackBuffers,
                  prefetch_layers: int, given: int | None,
-                 always_read: Callable[[Any, list], list[tuple[Any, int]]], owner: object) -> None:
+                 always_read: Callable[[Any, list], list[tuple[Any, int]]], owner: object,
+                 parts: Callable[[], int] | None = None) -> None:
         self.name = name
         self.model = model
         self.layers = layers
@@ -85,6 +89,7 @@ class StackMember:
         self.prefetch_layers = prefetch_layers
         self.given = given
         self.always_read = always_read
+        self._parts = parts
         self.residency: ResidencyPlan | None = None
         self._owner = weakref.ref(owner)
 
@@ -96,6 +101,11 @@ class StackMember:
     def sizes(self) -> list[int]:
         """Mapped bytes of each layer."""
         return self.pages.mapped_sizes()
+
+    @property
+    def part_bytes(self) -> int:
+        """Mapped bytes of the largest part of a layer (0: the stack is read a layer at a time only)."""
+        return self._parts() if self._parts is not None else 0
 
     def resident_bytes(self) -> list[int]:
         """Bytes of each layer's mapped weights resident now (``mincore``)."""

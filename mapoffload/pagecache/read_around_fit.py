@@ -24,12 +24,14 @@ __all__ = ["read_around_fits"]
 
 
 def read_around_fits(measured: Sequence[StackMember | None], sizes: list, windows: int, *, room: int,
-                     cache_extra: int, member: StackMember, need: int, where: str) -> tuple[bool, str]:
+                     cache_extra: int, member: StackMember, need: int, where: str,
+                     parts: list[int] | None = None) -> tuple[bool, str]:
     """``(fits, why not)`` for ``member`` reading around into ``need`` bytes of buffers.
 
     ``measured``, ``sizes`` and ``windows`` are the last measured plan's stacks (None: collected
     since), their layers' mapped sizes and the streaming windows it keeps; ``room`` what it had for
-    the layers, ``cache_extra`` the cached set's share of the margin; ``where`` names the cap.
+    the layers, ``cache_extra`` the cached set's share of the margin; ``where`` names the cap;
+    ``parts`` each stack's largest part (read part by part where a layer does not fit).
     A stack outside that plan (or a plan with a stack gone) is not refused here.
     """
     if not any(m is member for m in measured) or any(m is None for m in measured):
@@ -40,7 +42,8 @@ def read_around_fits(measured: Sequence[StackMember | None], sizes: list, window
         return False, (f"its read-around buffers ({format_bytes(need)}{besides}) do not fit the "
                        f"{format_bytes(room)} the page-cache plan has for the layers under {where}: "
                        "streamed layers are read through the mapping")
-    kw = dict(prefetch_layers=[m.prefetch_layers for m in measured], windows=windows, cache_only=cache_extra)
+    kw = dict(prefetch_layers=[m.prefetch_layers for m in measured], windows=windows, cache_only=cache_extra,
+              parts=parts)
     mine = planned_buffers([member])
     mapping = plan_shared(sizes, room, buffers=others, **kw)
     around = plan_shared(sizes, room, buffers=others + max(need, mine), **kw)

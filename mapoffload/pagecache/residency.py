@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 from .._log import format_bytes
 
-__all__ = ["ResidencyPlan", "plan_residency", "plan_shared", "window_bytes"]
+__all__ = ["LAYER", "PART", "ResidencyPlan", "plan_residency", "plan_shared", "smallest_window", "window_bytes"]
+
+LAYER, PART = "layer", "part"  # what a streamed layer is read in as: whole, or part by part (its submodules)
 
 
 def window_bytes(depth: int, largest: int) -> int:
@@ -33,6 +35,16 @@ def window_bytes(depth: int, largest: int) -> int:
     buffers hold it instead of the page cache (``1 + depth`` of them: :attr:`ResidencyPlan.window_layers`).
     """
     return (1 + depth) * largest
+
+
+def smallest_window(members: list[list[int]], parts: list[int]) -> int:
+    """The least room any of the stacks streams in: its largest part where it can be read part by part
+    (``parts``: each stack's largest part, 0 where it cannot), else its largest layer; the most of those."""
+    need = 0
+    for sizes, part in zip(members, parts):
+        largest = max(sizes, default=0)
+        need = max(need, part if 0 < part < largest else largest)
+    return need
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,22 @@ class ResidencyPlan:
         ``always_bytes``).
     always_bytes
         Mapped bytes outside the layers that every forward reads (a head,
-        norms): kept out of the layers' budget.
+        norms): kept out of the layers' budget, unless ``rest_streamed``.
+    unit
+        :data:`LAYER`: a streamed layer is read in whole before it runs and let
+        go after. :data:`PART`: the room does not hold one layer, so a
+        streamed layer's parts (the submodules that hold its weights: each
+        projection, each norm) are read in one after another as they run and
+        each let go after it ran; the window is then the largest part, and
+        nothing is read ahead (``depth`` 0).
+    part_bytes
+        Mapped bytes of the largest part of any layer (0: not known, the
+        stack cannot be read part by part).
+    rest_streamed
+        The weights every forward reads outside the layers (``always_bytes``)
+        do not fit beside the streaming window: they are read as their
+        modules run and let go after, like a streamed layer, instead of
+        staying cached; the layers' budget keeps them out no longer.
     """
 
     cached: tuple[int, ...]
@@ -71,6 +98,14 @@ class ResidencyPlan:
     budget: int
     always_bytes: int = 0
     depth: int = 0
+    unit: str = LAYER
+    part_bytes: int = 0
+    rest_streamed: bool = False
+
+    @property
+    def parts(self) -> bool:
+        """Streamed layers are read part by part (``unit`` is :data:`PART`)."""
+        return self.unit == PART
 
     @property
     def cached_bytes(self) -> int:
@@ -88,8 +123,9 @@ class ResidencyPlan:
 
     @property
     def window_bytes(self) -> int:
-        """The streaming window's bytes (:func:`window_bytes`), each layer counted as the largest."""
-        return window_bytes(self.depth, max(self.layer_bytes, default=0))
+        """The streaming window's bytes (:func:`window_bytes`), each layer counted as the largest (each part,
+        read part by part)."""
+        return window_bytes(self.depth, self.part_bytes if self.parts else max(self.layer_bytes, default=0))
 
     def is_streamed(self, i: int) -> bool:
         return i in self._streamed_set
@@ -106,11 +142,14 @@ class ResidencyPlan:
         n = len(self.layer_bytes)
         if not self.streamed:
             return f"all {n} layers stay cached ({format_bytes(self.cached_bytes)} mapped)"
+        how = (f"part by part, largest part {format_bytes(self.part_bytes)}, no readahead" if self.parts
+               else f"{self.depth} read ahead" if self.readahead else "no readahead")
+        always = (f"{format_bytes(self.always_bytes)} read every forward and let go after"
+                  if self.rest_streamed else f"{format_bytes(self.always_bytes)} read every forward")
         return (
             f"{len(self.cached)} of {n} layers stay cached ({format_bytes(self.cached_bytes)}), "
             f"{len(self.streamed)} streamed ({format_bytes(self.streamed_bytes)} read per forward, "
-            f"{f'{self.depth} read ahead' if self.readahead else 'no readahead'}), page cache budget "
-            f"{format_bytes(self.budget)} beside {format_bytes(self.always_bytes)} read every forward"
+            f"{how}), page cache budget {format_bytes(self.budget)} beside {always}"
         )
 
 
@@ -149,7 +188,7 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
 
 def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
                 prefetch_layers: list[int] | None = None, windows: int = 1,
-                cache_only: int = 0, buffers: int = 0) -> list[ResidencyPlan]:
+                cache_only: int = 0, buffers: int = 0, parts: list[int] | None = None) -> list[ResidencyPlan]:
     """One plan for several stacks that share a page cache of ``budget`` bytes.
 
     ``members`` holds each stack's layer sizes, in the order their layers
@@ -175,6 +214,13 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     the window: what is kept beside the cached layers is the larger of the
     two, never the sum (the buffers *are* the window of a stack that reads
     around) and never less than the buffers.
+
+    ``parts`` holds each stack's largest part (the submodule of a layer with
+    the most mapped bytes; 0: the stack is read a layer at a time only). A
+    streaming stack whose largest layer does not fit the room even without
+    reading ahead is read part by part (:data:`PART`): its window is its
+    largest part, read ahead never. So the room a stack needs is its largest
+    part, not its largest layer.
     """
     n = len(members)
     prefetch = list(prefetch_layers) if prefetch_layers is not None else [1] * n
@@ -188,21 +234,26 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         raise ValueError(f"cache_only must be >= 0, not {cache_only}")
     if buffers < 0:
         raise ValueError(f"buffers must be >= 0, not {buffers}")
+    part_sizes = [int(b) for b in parts] if parts is not None else [0] * n
+    if len(part_sizes) != n or any(b < 0 for b in part_sizes):
+        raise ValueError(f"{n} members need {n} part sizes >= 0, not {parts}")
     sizes = [tuple(int(b) for b in m) for m in members]
     if any(b < 0 for m in sizes for b in m):
         raise ValueError("layer sizes must be >= 0")
     room = max(0, int(budget) - int(always_bytes))
     total = room + int(cache_only)
     if sum(map(sum, sizes)) <= total - int(buffers):
-        return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p)
-                for s, p in zip(sizes, prefetch)]
-    depths = []
-    for s, p in zip(sizes, prefetch):
+        return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p, LAYER, part)
+                for s, p, part in zip(sizes, prefetch, part_sizes)]
+    depths, units = [], []
+    for s, p, part in zip(sizes, prefetch, part_sizes):
         largest = max(s, default=0)
-        depths.append(min(p, max(0, room // (largest * windows) - 1)) if largest else p)
+        split = largest > 0 and 0 < part < largest and room < largest * windows
+        units.append(part if split else largest)
+        depths.append(0 if split else min(p, max(0, room // (largest * windows) - 1)) if largest else p)
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
-        window = max((window_bytes(depths[k], max(sizes[k])) for k in streaming), default=0) * windows
+        window = max((window_bytes(depths[k], units[k]) for k in streaming), default=0) * windows
         window = max(window, int(buffers))
         left = total - window
         cached: list[list[int]] = []
@@ -223,5 +274,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         kept = set(cached[k])
         streamed = tuple(i for i in range(len(s)) if i not in kept)
         depth = depths[k] if streamed else prefetch[k]
-        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, total, always_bytes, depth))
+        unit = PART if streamed and units[k] < max(s, default=0) else LAYER
+        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, total, always_bytes, depth, unit,
+                                   part_sizes[k]))
     return plans
