@@ -132,11 +132,13 @@ class RestGuard:
         from .plan import always_read_tensors, modules_outside
 
         whole = {t.data_ptr() for t, _ in always_read_tensors(self._model, self._layers)}
+        names = {id(m): n for n, m in self._model.named_modules()}
         maps = MapsView()
         for module in modules_outside(self._model, self._layers):
             mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
             if mine:
-                job = _StreamedModule(module, mine, self._worker, self._files, maps, unit)
+                name = names.get(id(module)) or type(module).__name__
+                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit)
                 self._streamed.append(job.remove)
                 self.streamed_bytes += job.bytes
         if self._streamed:
@@ -165,7 +167,7 @@ class _StreamedModule:
     """One module's always-read weights streamed: read in before it runs, let go after; a linear layer
     larger than ``unit`` computed a chunk of its rows at a time (each chunk read in, then let go)."""
 
-    def __init__(self, module, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
+    def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
         import torch
 
         from ..memory.regions import tensor_extent
@@ -199,7 +201,7 @@ class _StreamedModule:
             install(module, "forward", _eager(self.chunked_forward))
             self._undo.append(lambda: _uninstall_forward(module))
             logger.info("%s (%s) does not fit the %s the page-cache plan streams in: computed %d rows at a "
-                        "time, each chunk read in and let go after", type(module).__name__,
+                        "time, each chunk read in and let go after", name,
                         format_bytes(self.bytes), format_bytes(unit), self.rows)
         else:
             self._undo.append(module.register_forward_pre_hook(_eager(self.before)).remove)

@@ -1,0 +1,240 @@
+"""The plan fits the room (issue 35): one read of each byte per forward, whatever the memory limit.
+
+A stack of 8 blocks of three parts (a norm, an up and a down projection of 2 MiB each) and a 16 MiB
+head outside them, under fake cgroup v2 caps that leave the layers 0.5, 1, 1.5, 2 and 4 layers of
+room: the plan's granularity (part by part below one layer), its depth (no read-ahead below two) and
+its cached set; a warm forward reads at most 1.1x what the plan streams (``/proc/self/io``), and the
+output is the plain model's. Then the head streamed where it does not fit beside the smallest window
+(computed a window of its rows at a time), the margin measured from the forwards, and the refusal
+where even the largest part does not fit beside what the process holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache, empty_weights, load_checkpoint
+from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB
+from mapoffload.offload.patches import patched
+from mapoffload.pagecache import coordinator as coordinator_module
+from mapoffload.pagecache.layer_pages import LayerPages
+from mapoffload.pagecache.residency import LAYER, PART, plan_shared, smallest_window
+
+from fake_cgroups import v2_cap, write
+from stacks import io_read_bytes, save_reference
+
+MIB, KIB = 1 << 20, 1 << 10
+W, BLOCKS, HEAD = 512, 8, 8192
+PART_BYTES = W * 2 * W * 4  # each projection: 2 MiB
+LAYER_BYTES = 2 * PART_BYTES + 2 * W * 4  # and the norm's weight and bias
+HEAD_BYTES = W * HEAD * 4  # 16 MiB, read whole every forward
+IN_USE, MARGIN = 10 * MIB, 4 * MIB
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.up = nn.Linear(W, 2 * W, bias=False)
+        self.down = nn.Linear(2 * W, W, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(W, HEAD, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def ckpt(tmp_file_dir):
+    torch.manual_seed(0)
+    return save_reference(Model(), torch.randn(3, W), tmp_file_dir / "model.safetensors")
+
+
+def mapped(path) -> Model:
+    with empty_weights():
+        model = Model()
+    load_checkpoint(model, path, keep_mapping=True)
+    return model
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    """``cap(bytes)``: a fake cgroup v2 cap with 10 MiB in use and a 4 MiB margin (the user's)."""
+    assert not coordinator_module.coordinator().managers()
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, str(MARGIN // MIB))
+    return lambda limit, in_use=IN_USE: v2_cap(tmp_path, int(limit), in_use, 0, 0)
+
+
+def room_cap(layers: float) -> int:
+    """The cap that leaves the layers ``layers`` layers of room beside the head."""
+    return IN_USE + MARGIN + HEAD_BYTES + int(layers * LAYER_BYTES)
+
+
+# --- the plan, pure ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers, unit, depth, cached", [
+    (0.5, PART, 0, 0),  # one layer does not fit: part by part, nothing read ahead
+    (1, LAYER, 0, 0),  # one layer fits, two do not: no read-ahead (it would evict the layer in use)
+    (1.5, LAYER, 0, 0),
+    (2, LAYER, 1, 0),
+    (4, LAYER, 1, 2),
+])
+def test_the_plan_takes_its_depth_and_granularity_from_the_room(layers, unit, depth, cached):
+    sizes = [LAYER_BYTES] * BLOCKS
+    plan = plan_shared([sizes], int(layers * LAYER_BYTES), prefetch_layers=[1], parts=[PART_BYTES])[0]
+    assert (plan.unit, plan.depth, len(plan.cached)) == (unit, depth, cached), plan
+    assert plan.window_bytes <= max(int(layers * LAYER_BYTES), PART_BYTES)
+    assert plan.parts == (unit == PART) and (plan.window_bytes == PART_BYTES) == (unit == PART)
+    assert ("part by part" in plan.describe()) == (unit == PART)
+
+
+def test_a_stack_that_cannot_be_split_streams_whole_layers():
+    sizes = [LAYER_BYTES] * BLOCKS
+    for parts in (None, [0], [LAYER_BYTES]):  # unknown, none, or one part that is the whole layer
+        plan = plan_shared([sizes], LAYER_BYTES // 2, parts=parts)[0]
+        assert plan.unit == LAYER and plan.depth == 0 and len(plan.streamed) == BLOCKS
+    assert smallest_window([sizes], [PART_BYTES]) == PART_BYTES
+    assert smallest_window([sizes, [3 * PART_BYTES]], [PART_BYTES, 0]) == 3 * PART_BYTES
+    with pytest.raises(ValueError, match="part sizes"):
+        plan_shared([sizes], LAYER_BYTES, parts=[-1])
+    with pytest.raises(ValueError, match="part sizes"):
+        plan_shared([sizes], LAYER_BYTES, parts=[1, 2])
+
+
+# --- forwards under a fake room ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [0.5, 1, 1.5, 2, 4])
+def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, layers):
+    path, x, want = ckpt
+    cap(room_cap(layers))
+    parts_read: list[tuple[int, int]] = []
+    real = LayerPages.read_part
+    monkeypatch.setattr(LayerPages, "read_part", lambda self, i, k: (parts_read.append((i, k)), real(self, i, k))[1])
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
+        plan = mgr.residency
+        assert not plan.rest_streamed and plan.streamed, plan
+        assert plan.parts == (layers < 1) and plan.depth == (1 if layers >= 2 else 0), plan
+        mgr.register_forward_hooks()
+        drop_page_cache(str(path))
+        with torch.no_grad():
+            for _ in range(2):  # cold: the cached set and the head read in (the first's let-gos may lag)
+                assert torch.equal(model(x), want)
+            mgr.pages.worker.drain()
+            parts_read.clear()
+            before = io_read_bytes()
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+            mgr.pages.worker.drain()
+            read = (io_read_bytes() - before) / 2
+        streamed = mgr.residency.streamed_bytes
+        assert read <= 1.1 * streamed + 2 * 4 * KIB * BLOCKS, (read, streamed, mgr.residency.describe())
+        assert read >= 0.9 * streamed, (read, streamed)  # the streamed layers were let go, and read again
+        # Part by part: each part of each streamed layer read in once a forward (norm, up, down).
+        assert len(parts_read) == (2 * 3 * len(mgr.residency.streamed) if plan.parts else 0), parts_read
+    assert not any(patched(m) for m in model.modules())  # the parts' hooks and patches went with the manager
+
+
+def test_the_head_streams_where_it_does_not_fit_beside_the_smallest_window(ckpt, cap, caplog):
+    path, x, want = ckpt
+    # The head (16 MiB) leaves the layers 1 MiB, less than a part: it is read as it runs and let go
+    # after, and the layers get its room (17 MiB: two layers of window and two cached).
+    cap(IN_USE + MARGIN + HEAD_BYTES + 1 * MIB)
+    model = mapped(path)
+    with caplog.at_level(logging.INFO, logger="mapoffload"), \
+            LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
+        plan = mgr.residency
+        assert plan.rest_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
+        assert coordinator_module.coordinator().room == HEAD_BYTES + 1 * MIB
+        mgr.register_forward_hooks()
+        drop_page_cache(str(path))
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), want)  # a window of its rows at a time: the same numbers
+        assert "forward" in patched(model.head)  # computed in chunks of the plan's window
+        assert any("head (16.00 MiB)" in r.getMessage() and "4096 rows at a time" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        mgr.pages.worker.drain()
+        head = model.head.weight
+        assert sum(mgr_resident(head)) < HEAD_BYTES // 4  # let go after it ran
+    assert patched(model.head) == () and "forward" not in vars(model.head)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
+def mgr_resident(t: torch.Tensor) -> list[int]:
+    from mapoffload import resident_bytes
+
+    return resident_bytes([t])
+
+
+# --- the margin measured, the refusal --------------------------------------------------------------
+
+
+def test_the_plan_is_made_again_from_what_the_forwards_add(ckpt, cap, tmp_path, monkeypatch):
+    path, x, want = ckpt
+    monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB)  # the margin is measured: not the user's
+    status = lambda rss_anon: write(tmp_path, "proc/self/status", f"Name:\tpython\nRssAnon:\t{rss_anon // KIB} kB\n")
+    status(100 * MIB)
+    cap(200 * MIB)
+    coord = coordinator_module.coordinator()
+    plans = []
+    real = coord._plan
+    monkeypatch.setattr(coord, "_plan", lambda: (plans.append(1), real())[1])
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        assert coord.forward_bytes is None and coord.budget.margin == 64 * MIB + 200 * MIB // 32  # a guess
+        mgr.register_forward_hooks()
+        plans.clear()
+        with torch.no_grad():
+            model(x)
+            assert plans == [] and coord.forward_bytes == 0  # measured: this fake process never grows
+            model(x)
+            assert len(plans) == 1  # measured again with the forward's growth as the margin
+            assert coord.budget.margin == 8 * MIB + 200 * MIB // 1024
+            model(x)
+            assert len(plans) == 1  # nothing moved
+            status(130 * MIB)  # the process holds 30 MiB more (a first use of torch, say)
+            assert torch.equal(model(x), want)
+            assert len(plans) == 2
+            status(100 * MIB)
+            coord.note_forward_growth(20 * MIB)  # a later forward added 20 MiB at its peak
+            model(x)
+            assert len(plans) == 3 and coord.budget.margin == 8 * MIB + 200 * MIB // 1024 + 20 * MIB
+
+
+def test_a_cap_without_room_for_the_largest_part_is_refused_before_a_forward(ckpt, cap):
+    path, x, want = ckpt
+    cap(20 * MIB, in_use=10 * MIB)  # 20 MiB - 10 held - 8.02 margin: under 2 MiB for 2 MiB parts
+    model = mapped(path)
+    with pytest.raises(NoRoomError, match=r"needs at least 2\.00 MiB \(the largest part") as got:
+        LayerwiseOffloadManager(model, "blocks", device="cpu")
+    assert got.value.need == PART_BYTES and got.value.cap == 20 * MIB and got.value.room < PART_BYTES
+    assert isinstance(got.value, MemoryError)
+    assert not coordinator_module.coordinator().managers()  # nothing left registered
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # the model is as it was
+    # A share of its own is the caller's business: not refused.
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=0) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
