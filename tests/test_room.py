@@ -238,3 +238,27 @@ def test_a_cap_without_room_for_the_largest_part_is_refused_before_a_forward(ckp
         mgr.register_forward_hooks()
         with torch.no_grad():
             assert torch.equal(model(x), want)
+
+
+def test_the_entry_points_plan_the_same_and_say_so(ckpt, cap):
+    """``mapoffload.offload`` (and so from_pretrained and the pipelines, which end in it) streams through
+    the same manager and coordinator: the same plan, and its summary says what it does."""
+    import mapoffload
+
+    path, x, want = ckpt
+    cap(IN_USE + MARGIN + HEAD_BYTES + 1 * MIB)  # the head does not fit beside a part: it streams
+    model = mapped(path).eval()
+    with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
+        plan = handle.managers["blocks"].residency
+        assert plan.rest_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
+        text = " ".join(str(handle.summary()).split())  # one line (the summary wraps its sentences)
+        assert "read as they run and let go after" in text, text
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+    cap(IN_USE + MARGIN + HEAD_BYTES + LAYER_BYTES // 2)  # half a layer beside the head
+    with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
+        plan = handle.managers["blocks"].residency
+        assert plan.parts and not plan.rest_streamed, plan
+        assert "part by part (the largest part 2.00 MiB" in " ".join(str(handle.summary()).split())
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
