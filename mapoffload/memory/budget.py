@@ -262,12 +262,9 @@ def host_copies_would_not_fit(
 
 
 class NoRoomError(MemoryError):
-    """The memory cap leaves no room for the least a stack streams in (its largest part, or layer).
-
-    Raised before any forward reads a weight, naming the cap, what the process holds, the room
-    left and what is needed (attributes ``cap``, ``held``, ``room``, ``need``): under that cap the
-    forward could only be killed by the OOM killer or re-read its weights without end.
-    """
+    """The memory cap leaves no room for the least a stack streams in (its largest part, or layer):
+    raised before any forward reads a weight, naming the cap, what the process holds, the room left and
+    what is needed (``cap``, ``held``, ``room``, ``need``); under it a forward would thrash or be killed."""
 
     def __init__(self, message: str, *, cap: int, held: int, room: int, need: int) -> None:
         super().__init__(message)
@@ -281,7 +278,7 @@ class CapRoom:
 
     cap: int
     held: int  # anonymous and kernel memory charged there (usage less file cache)
-    margin: int  # 8 MiB + 1/1024 of the cap
+    margin: int  # 8 MiB + 1/1024 of the cap (the user's margin where set)
 
     @property
     def room(self) -> int:
@@ -289,11 +286,13 @@ class CapRoom:
 
 
 def cap_room(*, root: str = "/") -> CapRoom | None:
-    """:class:`CapRoom` of the cgroup cap with the least of it on this process's path (None: uncapped)."""
+    """:class:`CapRoom` of the cgroup cap with the least of it on this process's path (None: uncapped);
+    the margin is the user's ``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` where set."""
     best: CapRoom | None = None
+    users = _margin_override()
     for lv in cgroup_levels(root=root):
         held = lv.usage - min(lv.active_file + lv.inactive_file, lv.usage)
-        found = CapRoom(lv.cap, held, 8 * (1 << 20) + lv.cap // 1024)
+        found = CapRoom(lv.cap, held, 8 * (1 << 20) + lv.cap // 1024 if users is None else users)
         if best is None or found.room < best.room:
             best = found
     return best
