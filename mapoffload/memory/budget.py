@@ -278,7 +278,7 @@ class CapRoom:
 
     cap: int
     held: int  # anonymous and kernel memory charged there (usage less file cache)
-    margin: int  # 8 MiB + 1/1024 of the cap (the user's margin where set)
+    margin: int  # 8 MiB + 1/1024 of the cap (the user's margin where less)
 
     @property
     def room(self) -> int:
@@ -287,12 +287,13 @@ class CapRoom:
 
 def cap_room(*, root: str = "/") -> CapRoom | None:
     """:class:`CapRoom` of the cgroup cap with the least of it on this process's path (None: uncapped);
-    the margin is the user's ``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` where set."""
+    the margin is the thin one, or the user's ``MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB`` where that is less."""
     best: CapRoom | None = None
     users = _margin_override()
     for lv in cgroup_levels(root=root):
         held = lv.usage - min(lv.active_file + lv.inactive_file, lv.usage)
-        found = CapRoom(lv.cap, held, 8 * (1 << 20) + lv.cap // 1024 if users is None else users)
+        thin = 8 * (1 << 20) + lv.cap // 1024
+        found = CapRoom(lv.cap, held, thin if users is None else min(users, thin))
         if best is None or found.room < best.room:
             best = found
     return best
