@@ -55,6 +55,9 @@ CHILD = textwrap.dedent(
     with torch.no_grad():
         want = model(x)
     drop_page_cache(path)
+    # The first call through torch.compiler.disable (the hooks run eagerly) sets TorchDynamo up, about
+    # 75 MiB held from then on: the manager pays it before its first plan, so the cap is set after it.
+    torch.compiler.disable(lambda: None)()
     # Cap = what the process holds besides the weights + the budget's margin + room for 7 layers.
     other = page_cache_budget(0).other_bytes
     room = 7 * {WIDTH * WIDTH * 4}
@@ -63,6 +66,8 @@ CHILD = textwrap.dedent(
         f.write(str(cap))
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping")
     plan = mgr.residency
+    from mapoffload.pagecache.coordinator import coordinator
+    first_extra = coordinator().cache_extra
     mgr.register_forward_hooks()
     reads = []
     with torch.no_grad():
@@ -70,11 +75,13 @@ CHILD = textwrap.dedent(
             before = read_bytes()
             assert torch.equal(model(x), want)
             reads.append(read_bytes() - before)
-    from mapoffload.pagecache.coordinator import coordinator
     c = coordinator()
+    after = mgr.residency
     print(json.dumps({{"cached": plan.cached, "streamed": plan.streamed, "streamed_bytes": plan.streamed_bytes,
                       "reads": reads, "cap": cap, "other": other, "cache_extra": c.cache_extra,
-                      "thin_failed": c.thin_margin_failed}}))
+                      "thin_failed": c.thin_margin_failed, "cached_after": after.cached, "first_extra": first_extra,
+                      "streamed_bytes_after": after.streamed_bytes, "forward_bytes": c.forward_bytes,
+                      "budget": str(c.budget)}}))
     """
 )
 
@@ -111,13 +118,16 @@ def test_under_a_real_cap_a_forward_reads_only_the_streamed_share(checkpoint):
     # cache leaves mapped pages alone); the later ones are the steady state.
     if max(out["reads"]) < layer:
         pytest.skip(f"the checkpoint's folder reads nothing from a disk here: {out}")
-    # The plan found room for a cached set (about 7 layers less the 2 streaming, and where the
-    # cgroup counts the hits of its cap, the margin's share the cached set may take) and streams the rest.
-    thin = (64 * MIB + out["cap"] // 32) - (8 * MIB + out["cap"] // 1024) if out["cache_extra"] else 0
-    assert 0 <= out["cache_extra"] <= thin, out
-    more = -(-out["cache_extra"] // layer)
+    # The first plan found room for a cached set (about 7 layers less the 2 streaming, and the
+    # margin's share the cached set may take) and streams the rest.
+    thin = (64 * MIB + out["cap"] // 32) - (8 * MIB + out["cap"] // 1024)
+    assert 0 <= out["first_extra"] <= thin, out
+    more = -(-out["first_extra"] // layer)
     assert 2 <= len(out["cached"]) <= 7 + more and len(out["streamed"]) >= LAYERS - 7 - more, out
     assert not out["thin_failed"], out  # the cap was never hit: the thin margin held
-    for r in out["reads"][1:]:
-        assert r <= 1.15 * out["streamed_bytes"] + 2 * MIB, out  # not the whole checkpoint again
-        assert r >= 0.85 * out["streamed_bytes"], out  # and the streamed share really is read
+    # From the second forward the margin is the forwards' measured growth (issue 35): planned again
+    # once, and the forwards after it read the streamed share of that plan, no more.
+    assert out["forward_bytes"] is not None and len(out["cached_after"]) >= len(out["cached"]) - 1, out
+    for r in out["reads"][2:]:
+        assert r <= 1.15 * out["streamed_bytes_after"] + 2 * MIB, out  # not the whole checkpoint again
+        assert r >= 0.85 * out["streamed_bytes_after"], out  # and the streamed share really is read

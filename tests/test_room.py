@@ -199,7 +199,7 @@ def test_the_plan_is_made_again_from_what_the_forwards_add(ckpt, cap, tmp_path, 
     coord = coordinator_module.coordinator()
     plans = []
     real = coord._plan
-    monkeypatch.setattr(coord, "_plan", lambda: (plans.append(1), real())[1])
+    monkeypatch.setattr(coord, "_plan", lambda **kw: (plans.append(1), real(**kw))[1])
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         assert coord.forward_bytes is None and coord.budget.margin == 64 * MIB + 200 * MIB // 32  # a guess

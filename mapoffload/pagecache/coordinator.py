@@ -7,13 +7,10 @@ leaves when it closes; the coordinator talks to members only; each registration,
 and each change of the cgroup's cap (checked at most once per forward) makes
 one plan for all of them (:func:`~mapoffload.pagecache.residency.plan_shared`):
 
-- the budget is measured once, with every registered layer's resident bytes
-  and the mapped weights outside the stacks that every forward reads (a
-  head) counted as the weights' own - not as "other memory" - and those
-  always-read weights counted once, whichever stacks share a model;
-- stacks run one after another, so one streaming window (the largest a
-  streaming stack needs, its ``prefetch_layers`` deep) is kept, not one per
-  stack;
+- the budget is measured with every registered layer's resident bytes and the always-read
+  weights outside the stacks (a head; once, whichever stacks share a model) as the weights' own,
+  and again when what the process holds or a forward adds moved (``room.py``, issue 35);
+- stacks run one after another: one streaming window (the largest a stack needs) is kept;
 - a manager given ``page_cache_bytes`` keeps that share and the others plan
   around it;
 - under a cgroup's cap, the cached set may fill most of the budget's margin
@@ -219,6 +216,7 @@ class PageCacheCoordinator:
         moved = self.memory.grown or self.memory.moved(self._cap, CGROUP_ROOT)
         if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed and not moved:
             return
+        held_moved = False
         with self._lock:
             if thin_failed and cap == self._cap:
                 self.thin_margin_failed = True
@@ -237,12 +235,13 @@ class PageCacheCoordinator:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
             elif moved and stamp == self._peers_stamp:
+                held_moved = True  # only what the process holds moved: the last full measure, adjusted
                 logger.info("the process holds %s of anonymous memory (%s at the last plan; a forward adds %s at "
                             "its peak): planning the page cache again", format_bytes(anon_now(CGROUP_ROOT)),
                             format_bytes(self.memory.at_measure), format_bytes(self.forward_bytes or 0))
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
-            self._plan()
+            self._plan(held_moved=held_moved)
 
     def _withdraw(self) -> None:
         """Remove this process's record, if one was published: a registry is made only to publish
@@ -258,15 +257,15 @@ class PageCacheCoordinator:
     def _peers_stamp_now(self) -> tuple:
         return self._peers().stamp()
 
-    def _plan(self) -> None:
+    def _plan(self, *, held_moved: bool = False) -> None:
         self._stale = False
         try:
-            self._plan_all()
+            self._plan_all(held_moved)
         except BaseException:
             self._stale = True  # cut short (Ctrl-C, a failure): the next forward plans again
             raise
 
-    def _plan_all(self) -> None:
+    def _plan_all(self, held_moved: bool = False) -> None:
         from ..memory.budget import page_cache_budget
         from ..memory.regions import resident_bytes
 
@@ -292,8 +291,8 @@ class PageCacheCoordinator:
             self.thin_margin_failed = False  # a new cap: the thin margin is tried again
         self._cap = cap
         budget = page_cache_budget(cached, root=CGROUP_ROOT, forward_bytes=self.forward_bytes)
+        budget = self.memory.measure(budget, CGROUP_ROOT, adjust=held_moved)
         self.budget = budget
-        self.memory.measured(CGROUP_ROOT)
         # Unclamped (the budget's usable is never below 0): what is over the limit is not room for anyone.
         room = budget.limit - budget.other_bytes - budget.margin - sum(m.given for m in given) - self.always_bytes
         # Read-around buffers hold the streaming window in anonymous memory, which

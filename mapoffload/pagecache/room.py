@@ -23,6 +23,7 @@ from .._log import format_bytes
 from .residency import smallest_window
 
 if TYPE_CHECKING:
+    from ..memory.budget import PageCacheBudget
     from .member import StackMember
 
 __all__ = ["ForwardMemory", "LastMeasure", "cap_text", "margin_is_measured", "moved_enough", "read_cap",
@@ -85,6 +86,7 @@ class ForwardMemory:
         self._growths: list[int] = []
         self.at_measure = 0  # RssAnon when the budget was last measured
         self.grown = False  # a forward's growth moved since the last measure: measure again
+        self._full: tuple[int, int] | None = None  # (other bytes, RssAnon) of the last full measure
 
     @property
     def forward_bytes(self) -> int | None:
@@ -110,10 +112,21 @@ class ForwardMemory:
             return False
         return abs(anon_now(root) - self.at_measure) > moved_enough(cap)
 
-    def measured(self, root: str) -> None:
-        """The budget was measured now."""
-        self.at_measure = anon_now(root)
-        self.grown = False
+    def measure(self, budget: PageCacheBudget, root: str, *, adjust: bool) -> PageCacheBudget:
+        """The budget to plan with, measured now: as measured, or - where only what the process holds
+        moved (``adjust``) - the last full measure's other memory moved by as much as the process's
+        anonymous memory did. (The cgroup's other file cache, the libraries' pages, comes and goes
+        with the cap's pressure between two reads: at a forward's start it held 115 MiB more in a
+        test than when the plan was first made, which is not room the process lost.)"""
+        from dataclasses import replace
+
+        now = anon_now(root)
+        self.at_measure, self.grown = now, False
+        if not adjust or self._full is None:
+            self._full = (budget.other_bytes, now)
+            return budget
+        other = max(0, self._full[0] + now - self._full[1])
+        return replace(budget, other_bytes=other, usable=max(0, budget.limit - other - budget.margin))
 
 
 def refuse_without_room(member: StackMember, root: str) -> None:
