@@ -57,3 +57,17 @@ def pin_whole_margin(monkeypatch, cap: int) -> None:
     other rules; test_thin_margin tests that share)."""
     assert cap % MIB == 0 and cap // MIB in DEFAULT_MARGIN_MIB, f"work out the margin of a {cap / MIB} MiB cap"
     monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, DEFAULT_MARGIN_MIB[cap // MIB])
+
+
+def fake_cap(tmp_path, monkeypatch, *, margin: int, in_use: int):
+    """Point the page-cache coordinator at a fake cgroup v2 tree under ``tmp_path`` (peers there too) with
+    the user's margin of ``margin`` bytes; returns ``cap(limit, in_use=in_use)``, which writes the cap."""
+    from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
+    from mapoffload.pagecache import coordinator as coordinator_module
+
+    assert not coordinator_module.coordinator().managers()
+    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
+    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, str(margin / MIB))
+    return lambda limit, in_use=in_use: v2_cap(tmp_path, int(limit), in_use, 0, 0)

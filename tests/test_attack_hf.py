@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
-from kernels import host_weights, seat_like  # noqa: E402
+from same_kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
 from mapoffload.conversion import cache as _converted  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained  # noqa: E402
@@ -27,7 +27,7 @@ IDS = torch.tensor([[1, 2, 3]])
 
 def _same_as_transformers(cls, folder, model) -> bool:
     ref = cls.from_pretrained(folder).eval()
-    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/kernels.py)
+    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/same_kernels.py)
     with torch.no_grad():
         return torch.equal(ref(IDS).logits, model(IDS).logits)
 

@@ -9,52 +9,33 @@ layers are read part by part and the head computed 1024 rows at a time (its wind
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 
 import pytest
 import torch
 from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, NoRoomError, empty_weights, load_checkpoint
-from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB
+from mapoffload import LayerwiseOffloadManager, NoRoomError
+from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
 from mapoffload.offload.patches import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import LAYER, PART
 
-from fake_cgroups import v2_cap
+from fake_cgroups import fake_cap
+from room_stack import LAYER_BYTES, PART_BYTES, W, Block, Stack
+from room_stack import mapped as mapped_from
 from stacks import save_reference
 
 MIB, KIB = 1 << 20, 1 << 10
-W, BLOCKS = 512, 3
+BLOCKS = 3
 HEAD = 1536  # 3 MiB: larger than a part (2 MiB), smaller than a layer (4 MiB)
-PART_BYTES = W * 2 * W * 4
-LAYER_BYTES = 2 * PART_BYTES + 2 * W * 4
 HEAD_BYTES = W * HEAD * 4
 IN_USE, MARGIN = 10 * MIB, 8 * MIB
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(W)
-        self.up = nn.Linear(W, 2 * W, bias=False)
-        self.down = nn.Linear(2 * W, W, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
+class Model(Stack):
     def __init__(self, head_bias: bool = False, head_cls=nn.Linear, block_cls=Block) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(block_cls() for _ in range(BLOCKS))
-        self.head = head_cls(W, HEAD, bias=head_bias)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+        super().__init__(BLOCKS, HEAD, head_bias, head_cls, block_cls)
 
 
 def checkpoint(tmp_file_dir, make=Model, dtype=torch.float32, name="model.safetensors"):
@@ -65,10 +46,7 @@ def checkpoint(tmp_file_dir, make=Model, dtype=torch.float32, name="model.safete
 
 
 def mapped(path, make=Model) -> nn.Module:
-    with empty_weights():
-        model = make()
-    load_checkpoint(model, path, keep_mapping=True)
-    return model
+    return mapped_from(path, make)
 
 
 def plain(path, make=Model, dtype=torch.float32) -> nn.Module:
@@ -82,12 +60,7 @@ def plain(path, make=Model, dtype=torch.float32) -> nn.Module:
 @pytest.fixture
 def cap(tmp_path, monkeypatch):
     """``cap(bytes)``: a fake cgroup v2 cap with 10 MiB in use and an 8 MiB margin (the user's)."""
-    assert not coordinator_module.coordinator().managers()
-    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
-    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
-    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, str(MARGIN // MIB))
-    return lambda limit, in_use=IN_USE: v2_cap(tmp_path, int(limit), in_use, 0, 0)
+    return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
 
 
 def tight(head_bytes: int = HEAD_BYTES) -> int:

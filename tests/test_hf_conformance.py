@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
 from conformance_zoo import build, first_output, inputs, zoo  # noqa: E402
-from kernels import host_weights, same_threads, seat_like  # noqa: E402
+from same_kernels import host_weights, same_threads, seat_like  # noqa: E402
 from mapoffload import CheckpointError, MappedRegions  # noqa: E402
 
 # What a LoadReport may name as anonymous after a load that kept the mapping.
@@ -59,7 +59,7 @@ def _check(cls, kind, folder, **kwargs):
     report, handle = model.mapoffload_report, model.mapoffload_handle
     assert not model.training
     assert not any(p.device.type == "meta" for p in ref.parameters())
-    # The same kernels on both sides: transformers' weights at our weights' 64-byte offsets (tests/kernels.py).
+    # The same kernels on both sides: transformers' weights at our weights' 64-byte offsets (tests/same_kernels.py).
     seat_like(ref, host_weights(model))
     with same_threads():
         expected = _forward(ref, x)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
-from kernels import host_weights, seat_like  # noqa: E402
+from same_kernels import host_weights, seat_like  # noqa: E402
 from conformance_zoo import build  # noqa: E402
 from mapoffload.conversion import cache as _converted, naming as _fingerprint, marks as _sweep  # noqa: E402
 from mapoffload.hf.convert import convert_pretrained, model_class_for  # noqa: E402
@@ -63,7 +63,7 @@ def test_a_damaged_conversion_folder_is_converted_again(tmp_path, damage):
     model = mapoffload.from_pretrained(cls, str(tmp_path), device=None)
     assert not model.mapoffload_report.conversion_reused and model.mapoffload_report.converted_tensors == 4
     ref = cls.from_pretrained(str(tmp_path)).eval()
-    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/kernels.py)
+    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/same_kernels.py)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, model(ids).logits)

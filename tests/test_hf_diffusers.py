@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 
 import mapoffload  # noqa: E402
-from kernels import host_weights, seat_like  # noqa: E402
+from same_kernels import host_weights, seat_like  # noqa: E402
 
 MODELS = ["text_encoder", "text_encoder_2", "transformer", "vae"]
 
@@ -64,7 +64,7 @@ def _run(pipe, dtype):
 
 def _align_like(ref, pipe):
     """Re-seat the reference's weights at the 64-byte offsets of ours
-    (tests/kernels.py says why): a mapped tensor sits where the safetensors
+    (tests/same_kernels.py says why): a mapped tensor sits where the safetensors
     file put it (8-byte aligned), a copy where the allocator did; streamed
     weights compute from their host stores on the CPU, so their addresses
     count too."""

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
 from hf_models import save  # noqa: E402
-from kernels import host_weights, same_threads, seat_like  # noqa: E402
+from same_kernels import host_weights, same_threads, seat_like  # noqa: E402
 
 IDS = [[3, 17, 42, 5, 88, 9, 61]]
 ENTRIES = ["from_pretrained", "offload"]

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
-from kernels import host_weights, seat_like  # noqa: E402
+from same_kernels import host_weights, seat_like  # noqa: E402
 from hf_models import save  # noqa: E402
 from mapoffload.hf import KeyMismatchError, find_block_lists  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_same_outputs_and_tokens_as_transformers(folders, kind, dtype):
     assert not model.training
     assert next(iter(handle.managers.values())).mapped_bytes > 0
     assert {p.dtype for p in ref.parameters()} == {getattr(torch, dtype)}
-    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/kernels.py)
+    seat_like(ref, host_weights(model))  # the same kernels on both sides (tests/same_kernels.py)
     assert torch.equal(_forward(ref, kind), _forward(model, kind))
     if kind != "bert":  # generate() with a KV cache
         ids = torch.tensor(IDS)

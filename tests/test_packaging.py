@@ -25,3 +25,19 @@ def test_import_mapoffload_does_not_import_torch():
 
     proc = run_python("import sys, mapoffload; print('torch' in sys.modules)")
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+def test_no_test_helper_module_shadows_an_installed_module():
+    """pytest puts tests/ first on sys.path, so a helper module named like an installed package replaces it
+    for everything the tests import: tests/kernels.py did so for the ``kernels`` package that transformers
+    5.20+ imports (164 failures on the README's install, none where an older transformers was pinned)."""
+    import importlib.machinery
+    import sys
+
+    tests = pathlib.Path(__file__).resolve().parent
+    others = [p for p in sys.path if p and pathlib.Path(p).resolve() != tests]
+    helpers = sorted(p.stem for p in tests.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest")
+    assert helpers, "no helper modules found: the test looks in the wrong place"
+    shadowing = [name for name in helpers
+                 if name in sys.stdlib_module_names or importlib.machinery.PathFinder.find_spec(name, others)]
+    assert not shadowing, f"tests/ modules named like installed or standard modules: {shadowing}"

@@ -15,47 +15,28 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache, empty_weights, load_checkpoint
-from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB, ENV_PAGE_CACHE_MARGIN_MIB
+from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache
+from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
 from mapoffload.offload.patches import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.layer_pages import LayerPages
 from mapoffload.pagecache.residency import LAYER, PART, plan_shared, smallest_window
 
-from fake_cgroups import v2_cap, write
+from fake_cgroups import fake_cap, write
+from room_stack import LAYER_BYTES, PART_BYTES, W, Stack
+from room_stack import mapped as mapped_from
 from stacks import io_read_bytes, save_reference
 
 MIB, KIB = 1 << 20, 1 << 10
-W, BLOCKS, HEAD = 512, 8, 8192
-PART_BYTES = W * 2 * W * 4  # each projection: 2 MiB
-LAYER_BYTES = 2 * PART_BYTES + 2 * W * 4  # and the norm's weight and bias
+BLOCKS, HEAD = 8, 8192
 HEAD_BYTES = W * HEAD * 4  # 16 MiB, read whole every forward
 IN_USE, MARGIN = 10 * MIB, 4 * MIB
 
 
-class Block(nn.Module):
+class Model(Stack):
     def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(W)
-        self.up = nn.Linear(W, 2 * W, bias=False)
-        self.down = nn.Linear(2 * W, W, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(W, HEAD, bias=False)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+        super().__init__(BLOCKS, HEAD)
 
 
 @pytest.fixture
@@ -65,21 +46,13 @@ def ckpt(tmp_file_dir):
 
 
 def mapped(path) -> Model:
-    with empty_weights():
-        model = Model()
-    load_checkpoint(model, path, keep_mapping=True)
-    return model
+    return mapped_from(path, Model)
 
 
 @pytest.fixture
 def cap(tmp_path, monkeypatch):
     """``cap(bytes)``: a fake cgroup v2 cap with 10 MiB in use and a 4 MiB margin (the user's)."""
-    assert not coordinator_module.coordinator().managers()
-    monkeypatch.delenv(ENV_HOST_AVAILABLE_GIB, raising=False)
-    monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "peers"))
-    monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, str(MARGIN // MIB))
-    return lambda limit, in_use=IN_USE: v2_cap(tmp_path, int(limit), in_use, 0, 0)
+    return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
 
 
 def room_cap(layers: float) -> int:

@@ -1,4 +1,4 @@
-"""tests/kernels.py, the control the output comparisons rely on: seat_like moves
+"""tests/same_kernels.py, the control the output comparisons rely on: seat_like moves
 the reference's weights to the other side's 64-byte offsets, bytes unchanged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernels import CACHE_LINE, same_threads, seat_like  # noqa: E402
+from same_kernels import CACHE_LINE, same_threads, seat_like  # noqa: E402
 
 
 @pytest.mark.parametrize("offset", [0, 8, 32, 56])
