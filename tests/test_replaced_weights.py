@@ -232,3 +232,60 @@ def test_refused_new_data_is_given_back_as_the_user_left_it(stack):
         with pytest.raises(ReplacedWeightError, match=r"blocks\.8\.weight.*shape"), torch.no_grad():
             model(x)
     assert model.blocks[8].weight.data_ptr() == odd.data_ptr()  # close() did not undo it either
+
+
+WRITES = {
+    "load_state_dict": lambda model, name, new: model.load_state_dict({name: new}, strict=False),
+    "mul_": lambda model, name, new: model.get_parameter(name).copy_(new),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("then", ["release_all", "hooks_again", "close", "forward"])
+def test_a_loaded_layer_written_in_place_on_the_twin_keeps_the_write(stack, write, then):
+    """Issue 41: on the device path (its CPU twin), a weight of a loaded layer written in place - an
+    ordinary ``load_state_dict(sd)`` (not ``assign``) or ``w.copy_`` / ``w.mul_`` under ``no_grad`` -
+    computed at first, and the next release, the hooks registered again or ``close()`` brought the
+    checkpoint's weight back without a word. The write is the weight from then on."""
+    path, x, ref = stack
+    model = mapped(path)
+    new = torch.randn_like(ref.blocks[2].weight)
+    want = _plain_with(ref, {"blocks.2.weight": new})
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped")
+    mgr.register_forward_hooks()
+    mgr.load_all_layers()
+    with torch.no_grad():
+        WRITES[write](model, "blocks.2.weight", new)
+        assert torch.equal(model(x), want(x))
+        if then == "release_all":
+            mgr.release_all()
+        elif then == "hooks_again":
+            mgr.remove_forward_hooks()
+            mgr.register_forward_hooks()
+        elif then == "close":
+            mgr.close()
+            assert torch.equal(model.blocks[2].weight.detach(), new)
+        for _ in range(2):
+            assert torch.equal(model(x), want(x))
+    if then != "close":
+        assert mgr.store_of("blocks.2.weight") == "strided"  # an owned copy now, counted as such
+        mgr.close()
+    assert torch.equal(model.blocks[2].weight.detach(), new)
+
+
+def test_a_resident_layer_written_in_place_on_the_twin_keeps_the_write(stack):
+    path, x, ref = stack
+    model = mapped(path)
+    new = torch.randn_like(ref.blocks[0].weight)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
+                                 resident_layers=3) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+            assert mgr.is_loaded(0)
+            model.blocks[0].weight.mul_(0).add_(new)
+            for _ in range(2):
+                assert torch.equal(model(x), _plain_with(ref, {"blocks.0.weight": new})(x))
+            mgr.release_layer(0)
+            assert torch.equal(model(x), _plain_with(ref, {"blocks.0.weight": new})(x))
+    assert torch.equal(model.blocks[0].weight.detach(), new)

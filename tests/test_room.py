@@ -214,6 +214,45 @@ def test_a_cap_without_room_for_the_largest_part_is_refused_before_a_forward(ckp
             assert torch.equal(model(x), want)
 
 
+@pytest.mark.parametrize("margin", [None, "8"])
+def test_one_cap_without_room_one_refusal_whatever_the_margin(ckpt, cap, monkeypatch, margin):
+    """Issue 41: a cap leaving about 1 MiB beside what the process holds (parts of 2 MiB) was refused with
+    the user's 8 MiB margin, and planned "all layers stay cached" with the default one (the room clamped
+    to 0 before the cached set's thin share of the default margin, ~56 MiB here, was added on top; the
+    refusal looked only at plans that stream). The first forward then thrashed. One cap, one answer."""
+    path, x, want = ckpt
+    if margin is None:
+        monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB)
+    else:
+        monkeypatch.setenv(ENV_PAGE_CACHE_MARGIN_MIB, margin)
+    limit = 19 * MIB * 1024 // 1023  # - 10 MiB held - the thin margin (8 MiB + limit / 1024): 1 MiB
+    cap(limit, in_use=10 * MIB)
+    model = mapped(path)
+    with pytest.raises(NoRoomError, match=r"needs at least 2\.00 MiB") as got:
+        LayerwiseOffloadManager(model, "blocks", device="cpu")
+    assert got.value.need == PART_BYTES and got.value.room < PART_BYTES, got.value
+    assert not coordinator_module.coordinator().managers()
+
+
+def test_the_cached_set_takes_its_thin_share_only_of_room_there_is(ckpt, cap, monkeypatch):
+    """Where the default margin leaves less than nothing, the thin share of it is not room on top of 0:
+    a cap with 3 layers of room under the thin margin plans at most 3 layers' worth (cached and window)."""
+    path, x, want = ckpt
+    monkeypatch.delenv(ENV_PAGE_CACHE_MARGIN_MIB)
+    room = 3 * LAYER_BYTES + HEAD_BYTES
+    limit = (IN_USE + 8 * MIB + room) * 1024 // 1023
+    cap(limit)
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
+        plan = mgr.residency
+        held = len(plan.cached) * LAYER_BYTES + plan.window_bytes
+        assert held <= room, plan.describe()
+        assert len(plan.cached) < BLOCKS, plan.describe()
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+
+
 def test_the_entry_points_plan_the_same_and_say_so(ckpt, cap):
     """``mapoffload.offload`` (and so from_pretrained and the pipelines, which end in it) streams through
     the same manager and coordinator: the same plan, and its summary says what it does."""

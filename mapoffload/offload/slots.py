@@ -31,6 +31,15 @@ def data_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (each in-place write through it bumps it; writes through ``.data``
+    do not); None for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class Slots:
     """The parameter slots of a stack's managed weights.
 
@@ -65,9 +74,11 @@ class Slots:
         self.note(w, target)
 
     def note(self, w: Weight, held: Any) -> None:
-        """Record what ``w``'s slots hold now (``held``) and where its parameter's data is."""
+        """Record what ``w``'s slots hold now (``held``), where its parameter's data is and the parameter's
+        version (its in-place writes: see :meth:`edits`)."""
         w.held = held
         w.bound = data_key(w.param)
+        w.version = _version(w.param)
 
     def edits(self, store: LayerStore) -> list[tuple[Weight, list[Any]]]:
         """The weights of ``store`` the user changed since they were bound: ``(weight, what each of its
@@ -79,7 +90,11 @@ class Slots:
             now = [module._parameters.get(attr) for module, attr in w.slots]
             if any(p is not w.held for p in now):
                 out.append((w, now))
-            elif data_key(w.param) != w.bound:
+            elif data_key(w.param) != w.bound or (not self.in_place and _version(w.param) != w.version):
+                # On the device path a write into the parameter (load_state_dict without assign, an
+                # in-place op under no_grad) lands in a device buffer the next release recycles: it is
+                # taken into the host store like a replacement. In place the parameter's data is the host
+                # store itself, so the write is already the weight.
                 out.append((w, [w.param] * len(now)))
         return out
 

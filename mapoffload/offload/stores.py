@@ -98,6 +98,7 @@ class Weight:
     # (``Slots.bind``): anything else found there later is the user's edit (``Slots.edits``).
     held: Any = None
     bound: tuple | None = None
+    version: int | None = None  # the parameter's version counter then: a write in place moves it
 
 
 @dataclass

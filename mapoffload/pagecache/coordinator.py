@@ -319,6 +319,8 @@ class PageCacheCoordinator:
         self.rest_streamed = bool(self.always_bytes) and mine > room + extra and room < need
         if self.rest_streamed:
             room += self.always_bytes
+        if room < 0:  # the thin share is of the room there is: over the full margin's deficit, not on top of 0
+            extra = max(0, extra + room)
         self.room = max(0, room)
         self._last = LastMeasure(tuple(weakref.ref(m) for m in measured), sizes, windows, cached, str(budget),
                                  [m.part_bytes for m in measured])

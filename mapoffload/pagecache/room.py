@@ -140,9 +140,10 @@ def refuse_without_room(member: StackMember, root: str) -> None:
     """
     from ..memory.budget import NoRoomError, cap_room
 
-    plan = member.residency
-    if member.given is not None or plan is None or not plan.streamed or not member.part_bytes:
-        return  # a share of its own, nothing streamed, or the device path (its copier reads in pieces)
+    # Whatever the plan says (a plan made with a margin too wide for the cap may even cache it all):
+    # the room under the thin margin is what the cap physically leaves.
+    if member.given is not None or member.residency is None or not member.part_bytes:
+        return  # a share of its own, or the device path (its copier reads in pieces)
     found = cap_room(root=root)
     if found is None:
         return
