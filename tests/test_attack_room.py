@@ -1,9 +1,11 @@
 """Adversarial tests of issue 35's change (the plan fits the room): part-by-part streaming, the rest
-(head) streamed and computed in chunks of rows, the measured margin and NoRoomError.
+(head) streamed, the measured margin and NoRoomError.
 
 A small stack (3 blocks of a norm and two 2 MiB projections) and a 3 MiB head under a fake cgroup v2
 cap that leaves the layers less than a layer and the head no room beside the smallest window: the
-layers are read part by part and the head computed 1024 rows at a time (its window: a part).
+layers are read part by part and the head, larger than its window (a part), read by its own faults
+as it computes (one matmul: until issue 41 it was computed 1024 rows at a time, not bit-equal with
+more than one thread on some CPUs).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def cap(tmp_path, monkeypatch):
     return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
 
 
+def streamed_head(head: nn.Module) -> bool:
+    """The head is streamed by hooks around its own forward (never a chunked forward of ours)."""
+    return bool(head._forward_pre_hooks) and "forward" not in patched(head)
+
+
 def tight(head_bytes: int = HEAD_BYTES) -> int:
     """A cap that leaves half a MiB beside the head: the head streamed, the layers part by part."""
     return IN_USE + MARGIN + head_bytes + MIB // 2
@@ -88,7 +95,7 @@ def part_hooks(model: nn.Module) -> int:
 # --- the baseline ------------------------------------------------------------------------------------
 
 
-def test_part_mode_and_chunked_head_give_the_plain_output(tmp_file_dir, cap):
+def test_part_mode_and_streamed_head_give_the_plain_output(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     cap(tight())
     model = mapped(path)
@@ -99,7 +106,7 @@ def test_part_mode_and_chunked_head_give_the_plain_output(tmp_file_dir, cap):
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)  # chunked: 3 MiB over a 2 MiB window
+        assert streamed_head(model.head)  # streamed: 3 MiB over a 2 MiB window, by its faults
         assert part_hooks(model) == BLOCKS
     given_back(model)
     with torch.no_grad():
@@ -279,13 +286,13 @@ def test_a_part_weight_written_in_place_between_forwards(tmp_file_dir, cap):
         assert torch.equal(model(x), ref(x))
 
 
-def test_the_head_weight_replaced_while_it_is_chunked(tmp_file_dir, cap):
+def test_the_head_weight_replaced_while_it_is_streamed(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
     ref = plain(path)
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
         new = torch.randn(HEAD, W)
         model.head.weight = nn.Parameter(new.clone())
         ref.head.weight = nn.Parameter(new.clone())
@@ -299,7 +306,7 @@ def test_the_head_weight_replaced_while_it_is_chunked(tmp_file_dir, cap):
     given_back(model)
 
 
-def test_the_head_weight_data_swapped_while_it_is_chunked(tmp_file_dir, cap):
+def test_the_head_weight_data_swapped_while_it_is_streamed(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
     ref = plain(path)
@@ -315,7 +322,7 @@ def test_the_head_weight_data_swapped_while_it_is_chunked(tmp_file_dir, cap):
     given_back(model)
 
 
-def test_the_head_weight_written_in_place_while_it_is_chunked(tmp_file_dir, cap):
+def test_the_head_weight_written_in_place_while_it_is_streamed(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
     ref = plain(path)
@@ -363,7 +370,7 @@ def test_the_head_weight_grown_then_the_head_called_on_its_own(tmp_file_dir, cap
     h = torch.randn(3, W)
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
         model.head.weight = nn.Parameter(big.clone())
         ref.head.weight = nn.Parameter(big.clone())
         got = model.head(h)
@@ -406,7 +413,7 @@ def test_a_head_with_a_bias(tmp_file_dir, cap):
     with mgr, torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
     given_back(model)
 
 
@@ -504,7 +511,7 @@ def test_a_head_tied_to_the_embedding(tmp_file_dir, cap):
         assert mgr.residency.rest_streamed
         for _ in range(2):
             assert torch.equal(model(ids), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
     given_back(model)
     with torch.no_grad():
         assert torch.equal(model(ids), want)
@@ -537,7 +544,7 @@ def test_a_non_contiguous_head_weight(tmp_file_dir, cap):
 # --- gradients, dtypes -------------------------------------------------------------------------------
 
 
-def test_gradients_through_the_chunked_head_equal_the_plain_models(tmp_file_dir, cap):
+def test_gradients_through_the_streamed_head_equal_the_plain_models(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     ref = plain(path)
     for p in ref.blocks.parameters():
@@ -550,7 +557,7 @@ def test_gradients_through_the_chunked_head_equal_the_plain_models(tmp_file_dir,
     with mgr:
         xm = x.clone().requires_grad_(True)
         out = model(xm)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
         assert torch.equal(out.detach(), want)
         out.pow(2).sum().backward()
         assert torch.allclose(xm.grad, xr.grad, rtol=0, atol=1e-6 * xr.grad.abs().max().item())
@@ -559,7 +566,7 @@ def test_gradients_through_the_chunked_head_equal_the_plain_models(tmp_file_dir,
     given_back(model)
 
 
-def test_the_input_gradient_through_the_chunked_head_is_bit_equal(tmp_file_dir, cap):
+def test_the_input_gradient_through_the_streamed_head_is_bit_equal(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     ref = plain(path).requires_grad_(False)
     xr = x.clone().requires_grad_(True)
@@ -569,7 +576,7 @@ def test_the_input_gradient_through_the_chunked_head_is_bit_equal(tmp_file_dir, 
     with mgr:
         xm = x.clone().requires_grad_(True)
         out = model(xm)
-        assert "forward" in patched(model.head) and torch.equal(out.detach(), want)
+        assert streamed_head(model.head) and torch.equal(out.detach(), want)
         out.pow(2).sum().backward()
         diff = (xm.grad - xr.grad).abs().max().item()
         assert torch.equal(xm.grad, xr.grad), f"the input's gradient differs by up to {diff}"
@@ -635,7 +642,7 @@ def test_an_error_inside_a_part(tmp_file_dir, cap, error):
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
-def test_an_error_inside_the_chunked_head(tmp_file_dir, cap, error):
+def test_an_error_inside_the_streamed_head(tmp_file_dir, cap, error):
     from torch.overrides import TorchFunctionMode
 
     path, x, want = checkpoint(tmp_file_dir)
@@ -682,7 +689,7 @@ def test_remove_and_register_again_in_part_mode(tmp_file_dir, cap):
         mgr.register_forward_hooks()
         for _ in range(2):
             assert torch.equal(model(x), want)
-        assert part_hooks(model) == BLOCKS and "forward" in patched(model.head)
+        assert part_hooks(model) == BLOCKS and streamed_head(model.head)
         mgr.close()
         given_back(model)
         mgr.close()
@@ -709,7 +716,7 @@ def test_close_from_inside_a_part(tmp_file_dir, cap):
         assert torch.equal(model(x), want)
 
 
-def test_remove_from_inside_the_chunked_head(tmp_file_dir, cap):
+def test_remove_from_inside_the_streamed_head(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
 
@@ -742,7 +749,7 @@ def test_the_plan_switches_between_parts_layers_and_whole(tmp_file_dir, cap):
             plan = mgr.residency
             seen.append((plan.unit, plan.rest_streamed))
             assert part_hooks(model) == (BLOCKS if plan.unit == PART and plan.streamed else 0), plan.describe()
-            assert ("forward" in patched(model.head)) == plan.rest_streamed, plan.describe()
+            assert (streamed_head(model.head)) == plan.rest_streamed, plan.describe()
         assert (PART, True) in seen and (LAYER, False) in seen, seen
     given_back(model)
 
@@ -792,7 +799,7 @@ def test_two_managers_over_one_model_one_closed(tmp_file_dir, cap, first_closed)
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(x), want)
-            assert enc.residency.rest_streamed and "forward" in patched(model.head), enc.residency.describe()
+            assert enc.residency.rest_streamed and streamed_head(model.head), enc.residency.describe()
             mgrs[first_closed].close()
             for _ in range(2):
                 assert torch.equal(model(x), want)
@@ -852,7 +859,7 @@ mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
 mgr.register_forward_hooks()
 with torch.no_grad():
     assert torch.equal(model(x), want)
-assert mgr.residency.unit == PART and "forward" in patched(model.head), mgr.residency.describe()
+assert mgr.residency.unit == PART and model.head._forward_pre_hooks and "forward" not in patched(model.head), mgr.residency.describe()
 pid = os.fork()
 if pid == 0:
     code = 0
@@ -924,7 +931,7 @@ def test_no_room_for_a_second_manager_leaves_the_first_working(tmp_file_dir, cap
 # --- more: copies, autocast, a tied table's reads, the user's margin, recomputed layers ----------------
 
 
-def test_the_chunked_head_copied_or_pickled_is_refused_or_plain(tmp_file_dir, cap):
+def test_the_streamed_head_copied_or_pickled_is_refused_or_plain(tmp_file_dir, cap):
     """The layers refuse copy.deepcopy and pickle while hooked (OffloadedCopyError); the streamed
     head's chunked forward is the manager's too: a copy must not carry it (nor a pickle fail obscurely)."""
     from mapoffload.offload.placeholder import OffloadedCopyError
@@ -933,7 +940,7 @@ def test_the_chunked_head_copied_or_pickled_is_refused_or_plain(tmp_file_dir, ca
     model, mgr = engaged(path, cap)
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
         try:
             c = copy.deepcopy(model.head)
         except OffloadedCopyError:
@@ -961,14 +968,14 @@ def test_the_streamed_head_pickled_is_refused_clearly(tmp_file_dir, cap):
             pass
 
 
-def test_the_chunked_head_under_bf16_autocast(tmp_file_dir, cap):
+def test_the_streamed_head_under_bf16_autocast(tmp_file_dir, cap):
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
     ref = plain(path)
     torch.manual_seed(3)
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
-        assert "forward" in patched(model.head)
+        assert streamed_head(model.head)
         for n in (3, 64, 300, 1000):
             h = torch.randn(n, W)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -1026,7 +1033,8 @@ def test_a_table_tied_to_the_head_is_read_once_a_forward_and_within_the_window(t
         assert torch.equal(model(ids), want)
         window = mgr.residency.window_bytes
         assert mgr.residency.rest_streamed and HEAD_BYTES > window
-        assert max(reads) <= window, (reads, window)
+        # Larger than the window: read by the head's own faults, never in one read of the table.
+        assert all(r <= window for r in reads), (reads, window)
         assert sum(reads) <= 1.1 * HEAD_BYTES, (reads, HEAD_BYTES)
 
 

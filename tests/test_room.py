@@ -5,7 +5,7 @@ head outside them, under fake cgroup v2 caps that leave the layers 0.5, 1, 1.5, 
 room: the plan's granularity (part by part below one layer), its depth (no read-ahead below two) and
 its cached set; a warm forward reads at most 1.1x what the plan streams (``/proc/self/io``), and the
 output is the plain model's. Then the head streamed where it does not fit beside the smallest window
-(computed a window of its rows at a time), the margin measured from the forwards, and the refusal
+(read by its own faults where it does not fit the window, one matmul), the margin measured from the forwards, and the refusal
 where even the largest part does not fit beside what the process holds.
 """
 
@@ -142,9 +142,9 @@ def test_the_head_streams_where_it_does_not_fit_beside_the_smallest_window(ckpt,
         drop_page_cache(str(path))
         with torch.no_grad():
             for _ in range(2):
-                assert torch.equal(model(x), want)  # a window of its rows at a time: the same numbers
-        assert "forward" in patched(model.head)  # computed in chunks of the plan's window
-        assert any("head (16.00 MiB)" in r.getMessage() and "4096 rows at a time" in r.getMessage()
+                assert torch.equal(model(x), want)  # the whole matmul: the same numbers
+        assert "forward" not in patched(model.head)  # hooks around its own forward, never a chunked one
+        assert any("head (16.00 MiB)" in r.getMessage() and "read by its own faults" in r.getMessage()
                    for r in caplog.records), caplog.text
         mgr.pages.worker.drain()
         head = model.head.weight
@@ -152,6 +152,34 @@ def test_the_head_streams_where_it_does_not_fit_beside_the_smallest_window(ckpt,
     assert patched(model.head) == () and "forward" not in vars(model.head)
     with torch.no_grad():
         assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_streamed_head_computes_what_the_plain_model_does(ckpt, cap, threads):
+    """Issue 41: the head computed a window of its rows at a time was not bit-equal to the whole matmul
+    with more than one thread (1e-7 to 2e-6 off for inputs of 1, 5 and 2 x 7 rows: the matmul library
+    reduces in another order for a narrower output). The head streamed is the whole matmul."""
+    path, x, want = ckpt
+    cap(IN_USE + MARGIN + HEAD_BYTES + 1 * MIB)  # the head does not fit beside a part: it streams
+    plain = mapped(path)
+    model = mapped(path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
+            assert mgr.residency.rest_streamed
+            mgr.register_forward_hooks()
+            torch.manual_seed(3)
+            with torch.no_grad():
+                for shape in [(1, W), (5, W), (2, 7, W), (1, 1, W), (3, 1, W)]:
+                    x = torch.randn(shape)
+                    assert torch.equal(model(x), plain(x)), shape
+            # One matmul, whatever this CPU's library does with a narrower output (AMD EPYC gave equal
+            # chunks, the Intel Xeon kind did not): streamed by hooks, its own forward untouched.
+            assert model.head._forward_pre_hooks and "forward" not in patched(model.head), patched(model.head)
+            assert "forward" not in vars(model.head)
+    finally:
+        torch.set_num_threads(before)
 
 
 def mgr_resident(t: torch.Tensor) -> list[int]:

@@ -70,7 +70,7 @@ class RestGuard:
         self._layers = layers
         self._files = files
         self._worker = worker  # the stack's page worker: streams the always-read weights (stream())
-        self._streamed: list = []  # what puts each streamed module back (its hooks, its chunked forward)
+        self._streamed: list = []  # what puts each streamed module back (its hooks)
         self._stream_key: tuple | None = None  # (the rest's key, the unit) it was streamed for
         self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
@@ -115,9 +115,9 @@ class RestGuard:
     def stream(self, on: bool, unit: int = 0) -> None:
         """Stream the weights outside the layers that every forward reads whole (``on``), or keep them
         cached as the kernel does (``off``): each module holding them reads them in before it runs and
-        lets them go after; a linear layer whose weight exceeds ``unit`` bytes (the plan's streaming
-        window: a layer, or a part) is computed ``unit`` bytes of its rows at a time, each read in and
-        let go in turn. Idempotent; hooks, forwards and advice are put back when it stops."""
+        lets them go after; one whose weights exceed ``unit`` bytes (the plan's streaming window: a layer,
+        or a part) is read by its own faults instead of in one read. Idempotent; hooks and advice are
+        put back when it stops."""
         if not on:
             for undo in self._streamed:
                 undo()
@@ -166,19 +166,19 @@ class RestGuard:
 
 
 class _StreamedModule:
-    """One module's always-read weights streamed: read in before it runs, let go after; a linear layer
-    larger than ``unit`` computed a chunk of its rows at a time (each chunk read in, then let go).
+    """One module's always-read weights streamed: read in before it runs, let go after.
 
-    Its hooks and chunked forward are :class:`~.turn._Hook` s: a model is not copied or pickled while
-    they are on (as the layers' hooks). A weight replaced since (another shape, another tensor) is
-    chunked afresh at the next call: the chunks are always the weight's that computes."""
+    Where they are larger than ``unit`` (the plan's streaming window), reading them in whole would push
+    out the pages the plan keeps: the module's own faults read them as it computes (advised by the page
+    worker), and they are let go after. The module computes as it would without a manager (one matmul:
+    a matmul over chunks of a head's rows was not bit-equal to the whole one with more than one thread).
+
+    Its hooks are :class:`~.turn._Hook` s: a model is not copied or pickled while they are on (as the
+    layers' hooks)."""
 
     def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
-        import torch
-
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
-        from .patches import install
         from .turn import _eager, _Hook
 
         self.module, self.worker, self.files, self.unit = module, worker, files, unit
@@ -186,55 +186,13 @@ class _StreamedModule:
         self.extents = file_extents(self.spans, files, maps)
         self.edges = folio_edges(self.spans, maps)
         self.bytes = self.spans.total_bytes
+        self.read_whole = not unit or self.bytes <= unit
         worker.advise(self.spans, self.extents)
-        weight = getattr(module, "weight", None)
-        # Chunked: a plain nn.Linear (no forward of its own, on the class or the instance) larger than unit.
-        chunked = (type(module).forward is torch.nn.Linear.forward and "forward" not in vars(module)
-                   and unit > 0 and self.bytes > unit and self._rows(weight) > 0)
-        if not chunked and weight is not None and self.bytes > unit and weight.dtype != torch.float32:
-            logger.info("%s (%s, %s) does not fit the %s the page-cache plan streams in, but is read whole: a "
-                        "matmul over chunks of its rows is bit-equal to the whole one for float32 only", name,
-                        format_bytes(self.bytes), str(weight.dtype).replace("torch.", ""), format_bytes(unit))
-        self.chunks: list = []  # (first row, end row, spans, extents, edges) of each chunk
-        self._chunked_for: tuple | None = None  # the weight the chunks are of (address, shape, stride)
-        self._undo = []
-        if chunked:
-            self._chunk(weight, maps)
-            install(module, "forward", _Hook(_eager(self.chunked_forward), None))
-            self._undo.append(lambda: _uninstall_forward(module))
-            logger.info("%s (%s) does not fit the %s the page-cache plan streams in: computed %d rows at a "
-                        "time, each chunk read in and let go after", name,
-                        format_bytes(self.bytes), format_bytes(unit), self._rows(weight))
-        else:
-            self._undo.append(module.register_forward_pre_hook(_Hook(_eager(self.before), None)).remove)
-            self._undo.append(module.register_forward_hook(_Hook(_eager(self.after), None), always_call=True).remove)
-
-    def _rows(self, weight) -> int:
-        """Rows of a chunk of ``weight`` (a multiple of ``CHUNK_ROWS``); 0: not chunked (not a contiguous
-        matrix, or one chunk would hold it all)."""
-        import torch
-
-        if (weight is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu"
-                or weight.dtype != torch.float32):
-            return 0
-        row = max(1, weight.shape[1] * weight.element_size())
-        rows = max(CHUNK_ROWS, self.unit // row // CHUNK_ROWS * CHUNK_ROWS)
-        return rows if rows < weight.shape[0] else 0
-
-    def _chunk(self, weight, maps=None) -> None:
-        """The chunks of ``weight``'s rows and their pages (``maps``: the snapshot to find them in)."""
-        from ..pagecache.file_places import MapsView
-        from ..pagecache.pages import folio_edges
-
-        maps = MapsView() if maps is None else maps
-        rows = self._rows(weight)
-        self.chunks = []
-        for first in range(0, weight.shape[0], rows or weight.shape[0]):
-            w = weight[first:first + rows] if rows else weight
-            spans = layer_spans([(w.data_ptr(), w.numel() * w.element_size())])
-            self.chunks.append((first, first + w.shape[0], spans, file_extents(spans, self.files, maps),
-                                folio_edges(spans, maps)))
-        self._chunked_for = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+        if not self.read_whole:
+            logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
+                        "it computes, let go after", name, format_bytes(self.bytes), format_bytes(unit))
+        self._undo = [module.register_forward_pre_hook(_Hook(_eager(self.before), None)).remove,
+                      module.register_forward_hook(_Hook(_eager(self.after), None), always_call=True).remove]
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -243,57 +201,8 @@ class _StreamedModule:
         _core.advise_random(self.spans, False)
 
     def before(self, module, args) -> None:
-        self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
+        if self.read_whole:
+            self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
 
     def after(self, module, args, output) -> None:
         self.worker.let_go(self.spans, self.extents)
-
-    def chunked_forward(self, x):
-        """``nn.Linear.forward`` over chunks of the weight's rows, each read in before its matmul and let
-        go after: the room the weight takes is one chunk's.
-
-        The matmul library may reduce in another order for a narrower output: bit-equal for float32 with
-        chunks of 512 rows and more (measured), not for bfloat16 nor under autocast; and autograd would
-        sum the input's gradient over the chunks. So the whole matmul runs (read by its own faults) for
-        another dtype, under autocast, while autograd records, or once the weight was replaced by one
-        that is not chunked (small, strided, elsewhere)."""
-        import torch
-        import torch.nn.functional as F
-
-        weight, bias = self.module.weight, self.module.bias
-        if (not self._rows(weight) or x.dtype != torch.float32 or _autocast()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                 or (bias is not None and bias.requires_grad)))):
-            return F.linear(x, weight, bias)
-        if self._chunked_for != (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype):
-            self._chunk(weight)  # replaced since: the chunks are the new weight's
-        out = None
-        for first, end, spans, extents, edges in self.chunks:
-            self.worker.read_in(spans, WHAT, edges, extents).result()
-            try:
-                piece = F.linear(x, weight[first:end], None if bias is None else bias[first:end])
-            finally:
-                self.worker.let_go(spans, extents)
-            if out is None:
-                out = piece.new_empty((*piece.shape[:-1], weight.shape[0]))
-            out[..., first:end] = piece
-        return out
-
-
-CHUNK_ROWS = 512  # a chunk of a streamed linear layer's rows: a multiple of this
-
-
-def _uninstall_forward(module) -> None:
-    from .patches import uninstall
-
-    uninstall(module, "forward")
-
-
-def _autocast() -> bool:
-    """Whether autocast is on for the CPU (torch >= 2.4 ``is_autocast_enabled("cpu")``, older ``is_autocast_cpu_enabled``)."""
-    import torch
-
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:
-        return torch.is_autocast_cpu_enabled()
