@@ -39,6 +39,39 @@ def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
         mapoffload.from_pretrained(object, tmp_path, device="cpu")
 
 
+@pytest.mark.parametrize("found, refused", [
+    ("5.10.0", True), ("5.18.2", True), ("5.19.0", False), ("5.25.0", False), ("5.99.1.dev0", False),
+    ("6.0.0", True), ("6.0.0rc1", True),
+])
+def test_a_transformers_outside_the_supported_range_is_refused_by_name(monkeypatch, tmp_path, found, refused):
+    """The load drives transformers' own loader, whose internals move between minor versions: outside the
+    range CI runs (pyproject.toml's), a load is refused, naming the range, never possibly wrong."""
+    pytest.importorskip("transformers")
+    import importlib.metadata
+
+    from mapoffload.hf import MissingExtraError
+    from mapoffload.hf._extras import require
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda n: found if n == "transformers" else real(n))
+    if refused:
+        with pytest.raises(MissingExtraError, match=rf"supports transformers>=5\.19,<6; transformers {found} is"):
+            require("transformers", "mapoffload.from_pretrained")
+    else:
+        assert require("transformers", "mapoffload.from_pretrained").__name__ == "transformers"
+
+
+def test_the_supported_transformers_range_is_the_one_pyproject_states():
+    tomllib = pytest.importorskip("tomllib")
+    from conftest import SOURCE_ROOT
+    from mapoffload.hf._extras import TRANSFORMERS_SPEC
+
+    with open(SOURCE_ROOT / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    for name in ("hf", "diffusers", "test"):
+        assert TRANSFORMERS_SPEC in extras[name], (name, extras[name])
+
+
 @pytest.mark.parametrize("first", [
     "import mapoffload.offload",
     "from mapoffload.offload import LayerwiseOffloadManager",
