@@ -61,3 +61,39 @@ def test_a_conversion_with_foreign_aliases_is_replaced(tmp_path):
     _, bound = _bind(tmp_path)
     assert bound.reused  # the rebuilt folder took the broken one's place
     assert [n for n in os.listdir(tmp_path / "conv") if not n.startswith(".")] == [KEY]
+
+
+def _digests(folder) -> dict[str, str]:
+    import hashlib
+
+    return {name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(folder))}
+
+
+def _shared_writable_maps(folder) -> list[str]:
+    """This process's mappings of files under ``folder`` that are shared and writable (a write lands in the file)."""
+    real = os.path.realpath(folder)
+    with open("/proc/self/maps") as f:
+        rows = [line.split(maxsplit=5) for line in f]
+    return [r[5].strip() for r in rows if len(r) > 5 and r[5].startswith(real) and r[1][1] == "w" and r[1][3] == "s"]
+
+
+def test_a_write_into_a_converted_parameter_stays_in_the_process(tmp_path):
+    """The start that converts binds the converted parameters to a private (copy-on-write) mapping of the
+    finished files, as a reusing start does: a weight update written into them (RLHF weight syncing,
+    any in-place write) changes neither the conversion folder nor what the next start maps."""
+    torch.manual_seed(0)
+    src = {"w": torch.randn(8, 4), "q": torch.randn(8, 4), "k": torch.randn(8, 4)}
+    save_file(src, str(tmp_path / "ckpt.safetensors"))
+    model, bound = _bind(tmp_path)
+    assert not bound.reused and bound.converted
+    folder = os.path.join(tmp_path, "conv", KEY)
+    before = _digests(folder)
+    assert _shared_writable_maps(tmp_path / "conv") == []
+    with torch.no_grad():
+        model.qkv.add_(1.0)  # an update made in this process
+        model.w.add_(1.0)  # a view of the checkpoint, privately mapped already
+    assert _digests(folder) == before
+    again, bound = _bind(tmp_path)
+    assert bound.reused
+    assert torch.equal(again.qkv, torch.cat([src["q"], src["k"]])) and torch.equal(again.w, src["w"])

@@ -5,7 +5,11 @@ import costs tens of seconds; every engine after the first a few). Input on
 stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
 "prompts", "max_tokens", "before": null | "corrupt", "engine": {more LLM(...) keywords},
 "hold": null | PATH, "env": {VARIABLE: VALUE} set while the run's engine starts and runs
-(``MAPOFFLOAD_VLLM_CPU_TWIN``: the CPU twin)}]}``. Output: one line ``RESULTS <json>`` with, per run, the
+(``MAPOFFLOAD_VLLM_CPU_TWIN``: the CPU twin), "update": null | [NAME PART, ...]}]}``. With ``update``, once
+it has generated, a run updates its weights as RLHF weight syncing does (the model's ``load_weights`` in the
+worker, given the negated checkpoint tensors whose names hold one of the parts), generates again
+(``tokens_after_update``), and reports the digests of the conversion folders' files before and after
+(``conversion_digests``). Output: one line ``RESULTS <json>`` with, per run, the
 tokens and logprobs of every prompt, where each parameter's bytes live (the
 checkpoint's files, a conversion folder, anonymous memory) as the process's
 mappings say, and the page-cache coordinator's peers (other ranks and replicas
@@ -169,6 +173,48 @@ def _environment(env: dict) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _digests(folder: str) -> dict[str, str]:
+    """sha256 of every file under the checkpoint ``folder``'s conversion root."""
+    import hashlib
+
+    root = os.path.join(folder, ".mapoffload-converted")
+    out = {}
+    for where, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(where, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _update(folder: str, parts: list[str], model) -> int:  # noqa: ANN001
+    """Load the negated checkpoint tensors whose names hold one of ``parts`` into ``model`` (in the worker)."""
+    import torch
+    from safetensors.torch import load_file
+
+    new = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            new.update({k: -t for k, t in load_file(os.path.join(folder, name)).items() if any(p in k for p in parts)})
+    with torch.no_grad():
+        model.load_weights(iter(new.items()))
+    return len(new)
+
+
+def _updated(llm, spec: dict, sampling) -> dict:  # noqa: ANN001
+    """What :func:`_update` changed: tokens generated after it, the conversion folders' files before and after."""
+    import functools
+
+    from vllm.inputs import TokensPrompt
+
+    before = _digests(spec["folder"])
+    count = llm.apply_model(functools.partial(_update, spec["folder"], spec["update"]))[0]
+    after = _digests(spec["folder"])
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sampling, use_tqdm=False)
+    return {"updated": count, "conversion_digests": [before, after],
+            "tokens_after_update": [list(o.outputs[0].token_ids) for o in outs]}
+
+
 def run(spec: dict) -> dict:
     with _environment(spec.get("env") or {}):
         return _run(spec)
@@ -204,6 +250,8 @@ def _run(spec: dict) -> dict:
         ranks = llm.apply_model(_where)
         result["where"] = ranks[0]
         result["ranks"] = ranks
+        if spec.get("update"):
+            result.update(_updated(llm, spec, sp))
         if spec.get("hold"):  # a file path: say so, and keep the engine up until the file exists
             sys.stdout.write("HOLD " + json.dumps(result) + "\n")
             sys.stdout.flush()

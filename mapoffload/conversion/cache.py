@@ -78,6 +78,7 @@ class ConversionCache:
     _written: int = 0  # bytes of the parts on disk so far
     meta: dict[str, Any] = field(default_factory=dict)  # what a caller stores beside the tensors (the manifest's "meta")
     _reserved: list[str] = field(default_factory=list)  # parts written through a shared mapping: synced at commit
+    _shared: list[tuple[str, Any]] = field(default_factory=list)  # (path, storage): reserved parts' shared mappings, until sealed
 
     def __post_init__(self) -> None:
         # The one place a conversion folder's root is taken (from_pretrained's and the pipelines'
@@ -223,7 +224,8 @@ class ConversionCache:
         """A part laid out for ``specs`` (name -> (shape, dtype)), returned as writable views of a
         shared mapping of it (:func:`reserve_safetensors`): a caller that computes into them
         converts with no anonymous copy at all. Every name counts as converted until
-        :meth:`forget` takes it back; the part is synced to disk at :meth:`commit`.
+        :meth:`forget` takes it back; the part is synced to disk at :meth:`commit`. Once written,
+        :meth:`seal` turns the views private: the caller keeps none of the shared ones.
 
         Raises :class:`ConversionWriteError` (the unfinished conversion removed) when it cannot.
         """
@@ -239,9 +241,38 @@ class ConversionCache:
             raise self._failed(f"creating {path} for {format_bytes(payload)} of converted weights", err,
                                self._written + payload, whole=False) from exc
         self._reserved.append(path)
+        if views:
+            self._shared.append((path, next(iter(views.values())).untyped_storage()))
         for k, v in views.items():
             self.tensors[k] = {"file": name, "sources": [], "bytes": tensor_bytes(v)}
         return views
+
+    def seal(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The reserved parts are written: each of ``tensors`` that is a view of one's shared mapping,
+        as the same view of a private (copy-on-write) mapping of that part -- what a load reusing the
+        conversion maps -- the others unchanged. This cache drops the shared mappings: once the caller
+        drops its own views of them too, whatever a process writes into its weights stays in that
+        process, never in the conversion folder (an RLHF weight update, any in-place write).
+
+        Raises :class:`ConversionWriteError` (the unfinished conversion removed) when a part cannot be mapped.
+        """
+        import torch
+
+        private: dict[int, torch.UntypedStorage] = {}
+        for path, shared in self._shared:
+            try:
+                private[shared.data_ptr()] = torch.UntypedStorage.from_file(path, shared=False, nbytes=shared.nbytes())
+            except (OSError, RuntimeError) as exc:
+                err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+                raise self._failed(f"mapping the written part {path} privately", err, self._written,
+                                   whole=False) from exc
+        self._shared.clear()
+        out = {}
+        for k, t in tensors.items():
+            storage = private.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+            out[k] = t if storage is None else \
+                torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+        return out
 
     def forget(self, names: Any) -> None:
         """Take ``names`` back out of the conversion (they were not converted after all)."""
@@ -345,6 +376,7 @@ class ConversionCache:
 
     def abandon(self) -> None:
         """Drop an unfinished conversion's files (mapped views stay valid)."""
+        self._shared.clear()
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)  # under its lock: no sweep takes it meanwhile
             self._work = None

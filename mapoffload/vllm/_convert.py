@@ -5,7 +5,9 @@ The first start runs vLLM's own ``model.load_weights`` over mapped checkpoint
 tensors, every parameter bound to a shared mapping of a conversion part (see
 :mod:`._aliases`): what vLLM builds (stacked q/k/v, gate/up, padded
 vocabularies, shards, expert stacks) is written straight into the file, and
-what it would only copy becomes a view of the checkpoint. The folder is keyed
+what it would only copy becomes a view of the checkpoint. Once written, the
+converted parameters are private (copy-on-write) views of the part, as on a
+start that reuses it: a weight update stays in its process. The folder is keyed
 by everything that decides those bytes; every later start maps it and skips
 the load entirely.
 """
@@ -163,6 +165,9 @@ def _convert(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], cach
         else:
             bound.copied += tensor_bytes(p)
             bound.copied_names.append(name)
+    # Written: the converted parameters become private views of it, as on a start that reuses it.
+    for name, t in cache.seal({name: p.data for name, p in params.items()}).items():
+        params[name].data = t
     cache.forget(aliases)
     cache.meta = {"vllm": {"format": FORMAT, "aliases": aliases}}
     if bound.copied_names:
