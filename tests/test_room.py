@@ -174,6 +174,9 @@ def test_the_streamed_head_computes_what_the_plain_model_does(ckpt, cap, threads
                 for shape in [(1, W), (5, W), (2, 7, W), (1, 1, W), (3, 1, W)]:
                     x = torch.randn(shape)
                     assert torch.equal(model(x), plain(x)), shape
+                # nn.Linear.forward's own keyword (a chunked forward of ours once refused it: TypeError)
+                h = torch.randn(2, W)
+                assert torch.equal(model.head(input=h), plain.head(input=h))
             # One matmul, whatever this CPU's library does with a narrower output (AMD EPYC gave equal
             # chunks, the Intel Xeon kind did not): streamed by hooks, its own forward untouched.
             assert model.head._forward_pre_hooks and "forward" not in patched(model.head), patched(model.head)
