@@ -26,10 +26,6 @@ def test_computes_from_the_mapping_without_a_copy(ckpt):
     ptrs = [p.data_ptr() for p in hosts]
     with torch.no_grad():
         model(x)  # warm up torch's own allocations
-    # The hooks run eagerly under torch.compile (torch.compiler.disable), which
-    # imports TorchDynamo once per process (~66 MiB, README): not the weights.
-    importlib.import_module("torch._dynamo")
-
     anon0 = rss_anon_bytes()
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=2) as mgr:
         assert mgr.copier is None and mgr.mapped_bytes == sum(p.nbytes for p in hosts)

@@ -55,9 +55,6 @@ CHILD = textwrap.dedent(
     with torch.no_grad():
         want = model(x)
     drop_page_cache(path)
-    # The first call through torch.compiler.disable (the hooks run eagerly) sets TorchDynamo up, about
-    # 75 MiB held from then on: the manager pays it before its first plan, so the cap is set after it.
-    torch.compiler.disable(lambda: None)()
     # Cap = what the process holds besides the weights + the budget's margin + room for 7 layers.
     other = page_cache_budget(0).other_bytes
     room = 7 * {WIDTH * WIDTH * 4}

@@ -5,7 +5,6 @@ in the table and its totals, checked against the process's own RssAnon."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ MIB = 1 << 20
 
 
 GROWTH = """
-import importlib, json, os, sys
+import json, os, sys
 import torch
 torch.set_num_threads(1)
 import mapoffload
@@ -38,7 +37,6 @@ coordinator_module.CGROUP_ROOT = sys.argv[4]
 v2_cap(sys.argv[4], 100 << 20, 10 << 20, 0, 0)  # 100 MiB cap, 10 MiB in use: room for ~11 of 24 MiB of layers
 os.environ["MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB"] = "67.125"  # 64 MiB + 100 MiB / 32, no thin share
 model = mapped(path).eval()
-importlib.import_module("torch._dynamo")  # the hooks import it (a fixed cost, README), not a buffer
 with torch.no_grad():
     model(x)  # torch's own first-use allocations
 handle = mapoffload.offload(model, device="cpu", layers="blocks", reads="uncached")
@@ -105,7 +103,6 @@ def test_the_cpu_twins_device_buffers_and_staging_are_counted(ckpt):
 
     path, x, want = ckpt
     model = mapped(path)
-    importlib.import_module("torch._dynamo")
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped") as mgr:
         mgr.register_forward_hooks()
         with torch.no_grad():

@@ -27,7 +27,7 @@ from .slots import Slots
 from .sources import ReadAroundSource, layer_buffer_bytes
 from .steps import Steps
 from .targets import Target, load_target
-from .turn import LayerTurn, StackHooks, _eager
+from .turn import LayerTurn, StackHooks
 
 if TYPE_CHECKING:
     from ..copier import Copier
@@ -48,10 +48,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _nothing() -> None:
-    """Called once through ``torch.compiler.disable`` before the first plan (see :meth:`Parts.build`)."""
 
 
 def _read_around(stores: list[LayerStore], pages: LayerPages, buffers: int,
@@ -104,10 +100,6 @@ class Parts:
             self.turn = LayerTurn()
             self.hooks = StackHooks(self.turn, Steps(self.sequencer, self.member, self.reads, self.rest,
                                                      in_place=o.in_place), owner=weakref.ref(owner))
-            # The hooks run eagerly (torch.compiler.disable): the first call of such a function sets
-            # TorchDynamo up, 75 MiB of anonymous memory a process holds from then on (measured, torch
-            # 2.13). Paid here, before the plan's first measure, not at the first forward's first layer.
-            _eager(_nothing)()
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
                 self.reads.read_around("reads='uncached'")
