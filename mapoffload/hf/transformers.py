@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..loading.files import CheckpointError, checkpoint_files
+from ..loading.files import CheckpointError, pretrained_files
 from ..loading.report import LoadReport
 from . import _keys
 from ..conversion import ConversionCache
@@ -264,7 +264,7 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
         _check_folder_config(cls, folder)
     # transformers refuses custom code here
     config, model_kwargs = _config(cls, folder, config, model_kwargs, own, what)
-    files = checkpoint_files(folder)
+    files = _weight_files(folder, config, model_kwargs)
     keep_fp8 = _check_quantization(config, folder, fp8)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
     key = fingerprint(files, model_class=concrete_class(cls, config), dtype=dtype, config=config,
@@ -272,7 +272,7 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     cache = ConversionCache.open(root, key)
     session = None
     try:
-        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8) as session:
+        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8, files=files) as session:
             model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
                                               **model_kwargs)
     except RuntimeError as exc:  # transformers raises once its report lists conversion errors
@@ -296,6 +296,17 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
         warnings.warn(message, stacklevel=4)
     model.eval()
     return Unsettled(model, files, info, session.cache, time.perf_counter() - start, "transformers", folder)
+
+
+def _weight_files(folder: str, config: Any, model_kwargs: dict[str, Any]) -> list[str]:
+    """The files transformers' ``from_pretrained`` reads for these arguments
+    (:func:`~mapoffload.loading.files.pretrained_files`): the load's conversion key and report
+    are made from them, and the load checks that transformers resolved no other
+    (:mod:`._drive_transformers`)."""
+    return pretrained_files(
+        folder, variant=model_kwargs.get("variant"), use_safetensors=model_kwargs.get("use_safetensors"),
+        subfolder=model_kwargs.get("subfolder") or "", gguf_file=model_kwargs.get("gguf_file"),
+        explicit=getattr(config, "transformers_weights", None), extra=tuple(getattr(type(config), "extra_files", ())))
 
 
 def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException | None) -> None:

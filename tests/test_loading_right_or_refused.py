@@ -1,0 +1,145 @@
+"""Loading and conversions, right or refused (issue 41): a load reads the files transformers'
+own ``from_pretrained`` reads and its conversion key is made from those; a checkpoint on a
+memory filesystem is a file; a conversion made ahead of time is reused from a read-only
+folder; a shared cache works for more than one user; the CLI's refusals are one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mapoffload  # noqa: E402
+from hf_models import save  # noqa: E402
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _theirs(folder, **kwargs):
+    """transformers' own load of ``folder``: what a mapoffload load must equal."""
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, **kwargs)
+    return _state(model)
+
+
+def _ours(folder, tmp_path, **kwargs):
+    model = mapoffload.from_pretrained(transformers.LlamaForCausalLM, folder, device=None,
+                                       cache_dir=str(tmp_path / "cache"), **kwargs)
+    return model, _state(model)
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} of {len(a)} weights differ from transformers': {different[:3]}"
+
+
+def _unsharded(tmp_path, seed, name="model.safetensors", dtype=torch.bfloat16):
+    """A model saved whole with ``seed``; returns its weights file."""
+    other = tmp_path / f"whole-{seed}"
+    save("llama", dtype, other, shard=None, seed=seed)
+    return other / name
+
+
+# --- 1. the files transformers reads, and the conversion key made from them ----------------------
+
+
+def test_model_safetensors_beside_an_index_is_what_loads_and_keys_the_conversion(tmp_path):
+    """transformers loads ``model.safetensors`` where it lies beside an index and its shards:
+    a conversion must be keyed on it, so replacing it converts again."""
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, seed=0)  # sharded: index + shards
+    assert (folder / "model.safetensors.index.json").exists()
+    shutil.copy(_unsharded(tmp_path, 1), folder / "model.safetensors")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32)
+    assert not model.mapoffload_report.conversion_reused
+    _equal(ours, _theirs(folder, dtype=torch.float32))
+    assert [os.path.basename(f) for f in model.mapoffload_report.files] == ["model.safetensors"]
+    del model
+    shutil.copy(_unsharded(tmp_path, 2), folder / "model.safetensors.new")
+    os.replace(folder / "model.safetensors.new", folder / "model.safetensors")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32)
+    assert not model.mapoffload_report.conversion_reused
+    _equal(ours, _theirs(folder, dtype=torch.float32))
+
+
+def test_a_folder_resaved_whole_over_a_sharded_save_loads(tmp_path):
+    """save_pretrained unsharded over a sharded save leaves the old index (its shards gone):
+    transformers loads model.safetensors, and so must mapoffload."""
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, seed=0)
+    for shard in folder.glob("model-0000*-of-*.safetensors"):
+        shard.unlink()
+    shutil.copy(_unsharded(tmp_path, 1), folder / "model.safetensors")
+    model, ours = _ours(str(folder), tmp_path)
+    _equal(ours, _theirs(folder))
+
+
+def test_variant_loads_and_keys_the_variant(tmp_path):
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, seed=0)
+    shutil.copy(_unsharded(tmp_path, 1), folder / "model.v2.safetensors")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32, variant="v2")
+    _equal(ours, _theirs(folder, dtype=torch.float32, variant="v2"))
+    assert [os.path.basename(f) for f in model.mapoffload_report.files] == ["model.v2.safetensors"]
+    del model
+    shutil.copy(_unsharded(tmp_path, 2), folder / "model.v2.safetensors")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32, variant="v2")
+    assert not model.mapoffload_report.conversion_reused
+    _equal(ours, _theirs(folder, dtype=torch.float32, variant="v2"))
+
+
+def test_use_safetensors_false_loads_and_keys_the_torch_file(tmp_path):
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, shard=None, seed=0)
+    one = transformers.LlamaForCausalLM.from_pretrained(_unsharded(tmp_path, 1).parent)
+    torch.save(_state(one), folder / "pytorch_model.bin")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32, use_safetensors=False)
+    _equal(ours, _theirs(folder, dtype=torch.float32, use_safetensors=False))
+    assert [os.path.basename(f) for f in model.mapoffload_report.files] == ["pytorch_model.bin"]
+    del model
+    other = transformers.LlamaForCausalLM.from_pretrained(_unsharded(tmp_path, 2).parent)
+    torch.save(_state(other), folder / "pytorch_model.bin")
+    model, ours = _ours(str(folder), tmp_path, dtype=torch.float32, use_safetensors=False)
+    assert not model.mapoffload_report.conversion_reused
+    _equal(ours, _theirs(folder, dtype=torch.float32, use_safetensors=False))
+
+
+def test_pretrained_files_follows_transformers_rule(tmp_path):
+    """The one rule, on names alone: what transformers' local-folder resolution picks."""
+    from mapoffload.loading.files import pretrained_files
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("model.safetensors", "model.v2.safetensors", "pytorch_model.bin"):
+        (folder / name).write_bytes(b"x")
+    f = str(folder)
+    assert pretrained_files(f) == [f"{f}/model.safetensors"]
+    assert pretrained_files(f, variant="v2") == [f"{f}/model.v2.safetensors"]
+    assert pretrained_files(f, use_safetensors=False) == [f"{f}/pytorch_model.bin"]
+    with pytest.raises(FileNotFoundError, match="model.v3.safetensors"):
+        pretrained_files(f, variant="v3")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")  # not a file to transformers (os.path.isfile) either
+    assert pretrained_files(f) == [f"{f}/pytorch_model.bin"]
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        pretrained_files(f, use_safetensors=True)
+
+
+def test_a_load_reading_other_files_than_its_key_is_refused(tmp_path, monkeypatch):
+    """The safety net under the rule: should transformers ever resolve other files than those
+    the conversion is keyed on, the load is refused before a weight is read, naming them."""
+    from mapoffload.hf import transformers as hf
+
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, seed=0)
+    shutil.copy(_unsharded(tmp_path, 1), folder / "model.safetensors")
+    shards = sorted(str(p) for p in folder.glob("model-0000*.safetensors"))
+    monkeypatch.setattr(hf, "pretrained_files", lambda *a, **k: shards)
+    with pytest.raises(mapoffload.CheckpointError, match=r"transformers reads .*model\.safetensors"):
+        _ours(str(folder), tmp_path, dtype=torch.float32)
