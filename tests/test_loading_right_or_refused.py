@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -14,7 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mapoffload  # noqa: E402
+from conftest import MEMORY_FILESYSTEMS, filesystem_type  # noqa: E402
 from hf_models import save  # noqa: E402
+from mapoffload.pagecache.file_places import MapsView  # noqa: E402
 
 
 def _state(model):
@@ -143,3 +146,80 @@ def test_a_load_reading_other_files_than_its_key_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(hf, "pretrained_files", lambda *a, **k: shards)
     with pytest.raises(mapoffload.CheckpointError, match=r"transformers reads .*model\.safetensors"):
         _ours(str(folder), tmp_path, dtype=torch.float32)
+
+
+# --- 2. a checkpoint on a memory filesystem is a file --------------------------------------------
+
+
+@pytest.fixture
+def memory_dir():
+    """A fresh folder on tmpfs (``/dev/shm``), removed afterwards; skipped where there is none."""
+    base = "/dev/shm"
+    if not os.path.isdir(base) or filesystem_type(base) not in MEMORY_FILESYSTEMS or not os.access(base, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    folder = tempfile.mkdtemp(prefix="mapoffload-test-", dir=base)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _places(model):
+    """The file each weight lies in (None: not in a file mapping), from one maps snapshot."""
+    view = MapsView()
+    out = {}
+    for name, t in model.state_dict().items():
+        place = view.place(t.data_ptr())
+        out[name] = None if place is None else place.path
+    return out
+
+
+def test_a_checkpoint_on_tmpfs_loads_as_views_of_its_file(memory_dir, tmp_path):
+    """In its own dtype nothing is converted: every weight is a view of the checkpoint on tmpfs,
+    and the report says so (not "0 B left on the file mapping")."""
+    save("llama", torch.float32, memory_dir, shard=None)
+    model, ours = _ours(memory_dir, tmp_path)
+    report = model.mapoffload_report
+    assert report.converted_tensors == 0 and report.bytes_copied == 0
+    weights = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}  # tied ones once
+    assert report.bytes_mapped == sum(weights.values()) > 0
+    checkpoint = os.path.join(memory_dir, "model.safetensors")
+    assert set(_places(model).values()) == {checkpoint}
+    _equal(ours, _theirs(memory_dir))
+
+
+def test_a_conversion_on_tmpfs_is_reused_in_place(memory_dir, tmp_path):
+    """With cache_dir on tmpfs, a later load maps the finished conversion itself: no work folder
+    written again, no deleted copy mapped."""
+    folder = tmp_path / "model"
+    save("llama", torch.float32, folder, shard=None)
+    cache = os.path.join(memory_dir, "cache")
+    for round in range(2):
+        model = mapoffload.from_pretrained(transformers.LlamaForCausalLM, str(folder), device=None,
+                                           cache_dir=cache, dtype=torch.bfloat16)
+        report = model.mapoffload_report
+        assert report.conversion_reused == (round == 1)
+        assert report.bytes_copied == 0, report.copied
+        part = os.path.join(report.conversion_dir, "part-00000.safetensors")
+        assert set(_places(model).values()) == {part}
+        assert os.listdir(cache) == [os.path.basename(report.conversion_dir)]
+    _equal(_state(model), _theirs(folder, dtype=torch.bfloat16))
+
+
+def test_mapped_regions_counts_the_named_files_on_tmpfs(memory_dir):
+    """``MappedRegions(files=...)``: a view of a named tmpfs file is held; another tmpfs file's
+    (shared memory someone made) is not."""
+    from safetensors.torch import save_file
+
+    from mapoffload.loading.read import read_file
+
+    paths = [os.path.join(memory_dir, f"{n}.safetensors") for n in ("ours", "other")]
+    for p in paths:
+        save_file({"w": torch.arange(4096, dtype=torch.float32)}, p)
+    ours, other = (read_file(p)["w"] for p in paths)
+    plain = mapoffload.MappedRegions()
+    assert plain.span_classes([ours, other]) == ["shmem", "shmem"]
+    assert plain.classify([ours, other]) == [False, False]
+    named = mapoffload.MappedRegions(files=[paths[0]])
+    assert named.classify([ours, other]) == [True, False]
+    assert named.holds(ours[1:]) and named.mapped_bytes([ours, other]) == ours.nbytes

@@ -161,6 +161,14 @@ class ConversionCache:
         shutil.rmtree(aside, ignore_errors=True)
         self.tensors, self.meta, self.reused = {}, {}, False
 
+    def part_files(self) -> list[str]:
+        """The parts this conversion's views are mapped from: those written so far while it is
+        being written (in the work folder), else the finished folder's."""
+        folder = self._work if self._work is not None else self.path
+        if not self.tensors:
+            return []
+        return [os.path.join(folder, f) for f in sorted({e["file"] for e in self.tensors.values()})]
+
     def consumed_sources(self) -> set[str]:
         """Checkpoint keys the cached targets were made from."""
         return {s for e in self.tensors.values() for s in e["sources"]}

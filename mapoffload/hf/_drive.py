@@ -99,6 +99,14 @@ class Session:
     files: list[str] | None = None  # the files the conversion is keyed on: transformers must read no other
     resolved: list[str] | None = None  # the files transformers resolved for this load
 
+    def snapshot(self) -> Any:
+        """A :class:`~mapoffload.MappedRegions` in which views of the load's own files (the
+        checkpoint's, the conversion's parts) count as mapped on any filesystem: a checkpoint on
+        tmpfs is the file transformers read, not a tensor it made."""
+        from ..memory.regions import MappedRegions
+
+        return MappedRegions(files=[*(self.files or ()), *self.cache.part_files()])
+
     # -- per tensor ---------------------------------------------------------------
 
     def start_group(self, sources: set[str]) -> None:

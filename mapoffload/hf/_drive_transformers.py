@@ -148,8 +148,6 @@ def _wrap_load(original):
         s = _session()
         if s is None:
             return original(model, state_dict, load_config, *args, **kwargs)
-        from ..memory.regions import MappedRegions
-
         s.loads += 1
         if s.files is not None and s.resolved is None:  # weights from elsewhere (a distributed checkpoint)
             check_resolved(None, s.files)
@@ -163,7 +161,7 @@ def _wrap_load(original):
                     fp8.setdefault(target, {})[part] = tensor
                 else:
                     state_dict[name] = tensor
-        s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
+        s.regions = s.snapshot()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
         # transformers' loader threads would make every cast or dequantized tensor ahead of the
         # loop that sets them (the whole model in anonymous memory): made one by one instead.
