@@ -223,3 +223,37 @@ def test_mapped_regions_counts_the_named_files_on_tmpfs(memory_dir):
     named = mapoffload.MappedRegions(files=[paths[0]])
     assert named.classify([ours, other]) == [True, False]
     assert named.holds(ours[1:]) and named.mapped_bytes([ours, other]) == ours.nbytes
+
+
+# --- 5. inspect never blocks on a FIFO ------------------------------------------------------------
+
+
+def _alarm(seconds):
+    """SIGALRM raising in this thread: a blocked open() is interrupted, the test fails, never hangs."""
+    import signal
+
+    def ring(signum, frame):  # not an OSError: no "cannot be read" handler takes it for one
+        raise RuntimeError("blocked (a FIFO opened for reading waits for a writer that never comes)")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    return lambda: (signal.alarm(0), signal.signal(signal.SIGALRM, previous))
+
+
+def test_inspect_does_not_block_on_a_fifo_named_manifest(tmp_path, capsys):
+    import json
+
+    from mapoffload.cli import main
+
+    folder = tmp_path / "model"
+    save("llama", torch.float32, folder, shard=None)
+    conversion = folder / ".mapoffload-converted" / ("0" * 24)
+    conversion.mkdir(parents=True)
+    os.mkfifo(conversion / "manifest.json")
+    stop = _alarm(20)
+    try:
+        assert main(["inspect", str(folder), "--json"]) == 0
+    finally:
+        stop()
+    found = json.loads(capsys.readouterr().out)["conversions"]
+    assert [(c["key"], c["finished"]) for c in found] == [("0" * 24, False)]

@@ -64,6 +64,24 @@ def _is_plain_file(path: str) -> bool:
         return False
 
 
+def read_manifest(folder: str) -> Any:
+    """The parsed ``manifest.json`` of the conversion folder ``folder`` (unchecked JSON), read as
+    the loader reads checkpoint files: a FIFO or a device under its name is refused at once,
+    never waited on.
+
+    Raises
+    ------
+    FileNotFoundError
+        No manifest (an unfinished conversion).
+    OSError, ValueError, RecursionError
+        Not a regular file (``CheckpointError``), unreadable, or not JSON.
+    """
+    from ..loading.files import open_regular
+
+    with open_regular(os.path.join(folder, MANIFEST)) as (f, _):
+        return json.loads(f.read())
+
+
 @dataclass
 class ConversionCache:
     """One conversion folder: parts written so far, what each target consumed."""
@@ -102,12 +120,11 @@ class ConversionCache:
         cache = cls(root, key)
         sweep(cache.root)
         manifest = os.path.join(cache.path, MANIFEST)
-        from ..loading.files import CheckpointError, open_regular
+        from ..loading.files import CheckpointError
         from ..loading.header import read_safetensors_header
 
         try:
-            with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
-                data = json.loads(f.read())
+            data = read_manifest(cache.path)
         except FileNotFoundError:
             return cache
         except (OSError, ValueError, RecursionError) as exc:  # CheckpointError: not a regular file
