@@ -257,3 +257,45 @@ def test_inspect_does_not_block_on_a_fifo_named_manifest(tmp_path, capsys):
         stop()
     found = json.loads(capsys.readouterr().out)["conversions"]
     assert [(c["key"], c["finished"]) for c in found] == [("0" * 24, False)]
+
+
+# --- 6. mapoffload convert: a wrong class or architectures is one line, exit 2 ---------------------
+
+
+def _convert_refused(capsys, *argv):
+    from mapoffload.cli import main
+
+    capsys.readouterr()
+    assert main(["convert", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("mapoffload convert: error: ")
+    return captured.err
+
+
+def test_convert_with_a_class_of_another_model_type_is_refused(tmp_path, capsys):
+    from conformance_zoo import build
+
+    build("mixtral", str(tmp_path / "m"))
+    err = _convert_refused(capsys, str(tmp_path / "m"), "--class", "LlamaForCausalLM",
+                           "--cache-dir", str(tmp_path / "c"))
+    assert "'llama' model class" in err and "'mixtral' model" in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_convert_with_pretrainedmodel_is_refused(tmp_path, capsys):
+    save("llama", torch.float32, tmp_path / "m", shard=None)
+    err = _convert_refused(capsys, str(tmp_path / "m"), "--class", "PreTrainedModel")
+    assert "'PreTrainedModel' is not a transformers model class" in err
+    with pytest.raises(TypeError, match="PreTrainedModel is the base of every model class"):
+        mapoffload.from_pretrained(transformers.PreTrainedModel, tmp_path / "m", device=None)
+
+
+def test_convert_with_null_architectures_is_refused(tmp_path, capsys):
+    import json
+
+    save("llama", torch.float32, tmp_path / "m", shard=None)
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"architectures": [None]}))
+    err = _convert_refused(capsys, str(tmp_path / "m"))
+    assert '"architectures" holds null' in err and "config.json" in err

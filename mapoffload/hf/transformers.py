@@ -99,6 +99,26 @@ def _model_types(data: Any) -> set[str]:
     return out
 
 
+def folder_model_mismatch(cls: Any, folder: str) -> str | None:
+    """Why ``cls`` is not the model ``folder``'s ``config.json`` describes (a sentence naming both
+    model types), or None: the same model, a composite config holding this model's (CLIP's
+    ``text_config``), an ``AutoModel*`` class (it picks from the folder), or a config that cannot
+    be read (transformers' own error says what is wrong with it)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):
+        return None
+    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
+    found = data.get("model_type")
+    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
+        return None
+    return f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model"
+
+
 def _check_folder_config(cls: Any, folder: str) -> None:
     """The folder's ``config.json`` is there and describes a model ``cls`` is for.
 
@@ -111,20 +131,10 @@ def _check_folder_config(cls: Any, folder: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {folder}: mapoffload.from_pretrained takes the folder "
                                 "save_pretrained wrote (config.json beside the weights), or config= for one without")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return  # transformers' own error says what is wrong with it
-    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):  # an AutoModel* class picks from the folder
-        return
-    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
-    found = data.get("model_type")
-    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
-        return  # the same model, or a composite config holding this model's (CLIP's text_config)
-    raise TypeError(f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model: pass "
-                    "its class (transformers.AutoModelForCausalLM or another AutoModel* picks it from the folder), "
-                    f"or config= to load it into {cls.__name__} anyway")
+    mismatch = folder_model_mismatch(cls, folder)
+    if mismatch is not None:
+        raise TypeError(f"{mismatch}: pass its class (transformers.AutoModelForCausalLM or another AutoModel* picks "
+                        f"it from the folder), or config= to load it into {cls.__name__} anyway")
 
 
 def _transformers_keywords() -> tuple[str, ...]:
