@@ -299,3 +299,128 @@ def test_convert_with_null_architectures_is_refused(tmp_path, capsys):
     path.write_text(json.dumps(json.loads(path.read_text()) | {"architectures": [None]}))
     err = _convert_refused(capsys, str(tmp_path / "m"))
     assert '"architectures" holds null' in err and "config.json" in err
+
+
+# --- 3, 4. a conversion made ahead of time, a read-only folder, a cache shared by users ------------
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh folder other users can reach (``0755``, outside pytest's own ``0700`` folders), removed
+    afterwards; skipped where this process cannot run a child as another user."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run a child as another user")
+    folder = tempfile.mkdtemp(prefix="mapoffload-test-shared-")
+    os.chmod(folder, 0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _as_nobody(code: str, folder: str):
+    """Run ``code`` as user 65534 in a fresh interpreter, with this mapoffload and an empty cache home
+    of its own under ``folder``; returns its last stdout line (a failure fails the test)."""
+    from child import describe, run_python
+
+    home = os.path.join(folder, "nobody-home")
+    os.makedirs(home, exist_ok=True)
+    os.chown(home, NOBODY, NOBODY)
+    source = os.path.dirname(os.path.dirname(mapoffload.__file__))
+    # Everything imported before the switch: the interpreter's own files may be unreadable to that user.
+    prelude = f"""
+import os, sys
+sys.path.insert(0, {source!r})
+import torch, transformers, mapoffload, mapoffload.hf.transformers, mapoffload.hf.convert, mapoffload.cli.inspect
+transformers.MixtralForCausalLM, transformers.MixtralConfig, transformers.AutoConfig
+try:
+    os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+except OSError as exc:
+    print("SKIP", exc); sys.exit(0)
+"""
+    proc = run_python(prelude + code, timeout=300, env={"HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+                                                        "MAPOFFLOAD_CONVERT_DIR": "", "TRANSFORMERS_VERBOSITY": "error"})
+    assert proc.returncode == 0, describe(proc)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if last.startswith("SKIP"):
+        pytest.skip(f"cannot switch to user {NOBODY}: {last}")
+    return last, home
+
+
+_LOAD = """
+import torch, transformers, mapoffload
+kwargs = {kwargs}
+m = mapoffload.from_pretrained(transformers.MixtralForCausalLM, {folder!r}, device=None, **kwargs)
+r = m.mapoffload_report
+print(r.conversion_reused, r.converted_tensors, r.conversion_dir)
+"""
+
+
+def _built(shared_dir, mode=0o755):
+    from conformance_zoo import build
+
+    folder = os.path.join(shared_dir, "m")
+    cls, _ = build("mixtral", folder)
+    for name in os.listdir(folder):  # readable by all, as a download is (save_pretrained writes 0600)
+        os.chmod(os.path.join(folder, name), 0o644)
+    os.chmod(folder, mode)
+    return cls, folder
+
+
+def test_a_conversion_made_ahead_is_reused_from_a_read_only_folder(shared_dir):
+    """`mapoffload convert` beside the checkpoint, then a load by a user who cannot write that
+    folder: the conversion is reused (as inspect says), nothing converted again elsewhere."""
+    from mapoffload.cli.inspect import conversions
+    from mapoffload.hf.convert import convert_pretrained
+
+    _, folder = _built(shared_dir)
+    made = convert_pretrained(folder)
+    assert made.converted_tensors == 4 and made.conversion_dir.startswith(folder)
+    assert [c["finished"] for c in conversions(folder)] == [True]
+    line, home = _as_nobody(_LOAD.format(kwargs={}, folder=folder), shared_dir)
+    assert line == f"True 4 {made.conversion_dir}"
+    assert not os.path.exists(os.path.join(home, ".cache", "mapoffload"))
+
+
+def test_a_shared_cache_dir_serves_a_second_user(shared_dir):
+    """A cache_dir shared by users (sticky and world-writable, as /tmp): the second user reuses the
+    first's conversion; nothing is left behind (no ``.old.*``)."""
+    _, folder = _built(shared_dir)
+    cache = os.path.join(shared_dir, "cache")
+    os.mkdir(cache)
+    os.chmod(cache, 0o1777)
+    first = mapoffload.from_pretrained(transformers.MixtralForCausalLM, folder, device=None, cache_dir=cache)
+    made = first.mapoffload_report
+    assert made.converted_tensors == 4 and not made.conversion_reused
+    line, _ = _as_nobody(_LOAD.format(kwargs={"cache_dir": cache}, folder=folder), shared_dir)
+    assert line == f"True 4 {made.conversion_dir}"
+    assert os.listdir(cache) == [os.path.basename(made.conversion_dir)]
+
+
+def test_a_writable_folder_with_another_users_conversions_falls_back(shared_dir):
+    """A user who can write the model folder but not another user's ``.mapoffload-converted``:
+    the conversion goes to the user's own cache, the load works."""
+    _, folder = _built(shared_dir, mode=0o777)
+    mapoffload.from_pretrained(transformers.MixtralForCausalLM, folder, device=None)  # root's, beside it
+    assert os.path.isdir(os.path.join(folder, ".mapoffload-converted"))
+    line, home = _as_nobody(_LOAD.format(kwargs={"dtype": "float32"}, folder=folder), shared_dir)
+    reused, count, where = line.split()
+    assert reused == "False" and int(count) > 0
+    assert where.startswith(os.path.join(home, ".cache", "mapoffload", "converted"))
+
+
+def test_another_users_damaged_conversion_is_stepped_around_without_leftovers(shared_dir):
+    """A damaged conversion another user owns, in a sticky shared cache: this user's load converts,
+    cannot replace it, and says so; it loads, and leaves no ``.old.*`` or work folder behind."""
+    _, folder = _built(shared_dir)
+    cache = os.path.join(shared_dir, "cache")
+    os.mkdir(cache)
+    os.chmod(cache, 0o1777)
+    first = mapoffload.from_pretrained(transformers.MixtralForCausalLM, folder, device=None, cache_dir=cache)
+    made = first.mapoffload_report.conversion_dir
+    os.remove(os.path.join(made, "manifest.json"))  # unfinished: converted again by the next load
+    line, _ = _as_nobody(_LOAD.format(kwargs={"cache_dir": cache}, folder=folder), shared_dir)
+    assert line.split()[:2] == ["False", "4"]
+    assert os.listdir(cache) == [os.path.basename(made)]

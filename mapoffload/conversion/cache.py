@@ -57,6 +57,44 @@ class ConversionWriteError(OSError):
         self.bytes_needed = bytes_needed
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``, Linux 4.7+; else
+    set and set back)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _make_folder(prefix: str, root: str) -> str:
+    """A fresh folder under ``root`` with the mode any folder this user makes gets (``0777`` less
+    the umask): ``mkdtemp``'s ``0700`` would keep a conversion in a shared cache folder (or beside
+    a shared checkpoint) from every other user, who would then convert again and fail to put
+    theirs in place."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def _remove_aside(path: str, aside: str) -> None:
+    """Move the folder ``path`` into the fresh folder ``aside`` and remove both, or, where it
+    cannot be moved (another user's, in a sticky folder), remove ``aside`` and raise."""
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        os.rmdir(aside)  # never left behind
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _is_plain_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
@@ -170,12 +208,10 @@ class ConversionCache:
         take its place (:meth:`commit` otherwise keeps a finished folder of the same key). Views
         already mapped from it stay valid."""
         try:
-            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-            os.rename(self.path, aside)
+            _remove_aside(self.path, tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root))
         except OSError as exc:
             logger.warning("conversion %s cannot be removed (%s)", self.path, exc)
             return
-        shutil.rmtree(aside, ignore_errors=True)
         self.tensors, self.meta, self.reused = {}, {}, False
 
     def part_files(self) -> list[str]:
@@ -209,7 +245,7 @@ class ConversionCache:
             return
         try:
             os.makedirs(self.root, exist_ok=True)
-            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            self._work = _make_folder(f".{self.key}.", self.root)
             self._mark = mark_writer(self._work)
         except OSError as exc:
             not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
@@ -335,18 +371,20 @@ class ConversionCache:
             st = os.lstat(self.path)
         except FileNotFoundError:
             st = None
-        if st is not None and stat.S_ISDIR(st.st_mode):
-            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-            try:
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(aside, ignore_errors=True)
-        elif st is not None:  # a file or a link (dangling or not) under a conversion's name
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        try:
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                _remove_aside(self.path, tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root))
+            elif st is not None:  # a file or a link (dangling or not) under a conversion's name
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        except PermissionError as exc:  # another user's, in a sticky folder: this load's stays unkept
+            logger.warning("the conversion %s cannot replace %s (%s): this load uses it, the next one converts "
+                           "again; remove that folder, or pass cache_dir= for a folder of your own", self.key,
+                           self.path, exc.strerror or exc)
+            shutil.rmtree(self._work, ignore_errors=True)
+            return
         try:
             os.rename(self._work, self.path)
         except OSError:
