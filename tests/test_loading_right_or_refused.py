@@ -424,3 +424,37 @@ def test_another_users_damaged_conversion_is_stepped_around_without_leftovers(sh
     line, _ = _as_nobody(_LOAD.format(kwargs={"cache_dir": cache}, folder=folder), shared_dir)
     assert line.split()[:2] == ["False", "4"]
     assert os.listdir(cache) == [os.path.basename(made)]
+
+
+# --- 7. shards linked elsewhere; a relative MAPOFFLOAD_CONVERT_DIR --------------------------------
+
+
+def test_shards_that_are_links_elsewhere_load_as_transformers_loads_them(tmp_path):
+    """An older hub ``local_dir`` download: the shards are links into a cache elsewhere."""
+    staging = tmp_path / "staging"
+    save("llama", torch.bfloat16, staging, seed=0)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for entry in staging.iterdir():
+        if entry.name.startswith("model-"):
+            os.replace(entry, blobs / entry.name)
+            os.symlink(blobs / entry.name, folder / entry.name)
+        else:
+            os.replace(entry, folder / entry.name)
+    model, ours = _ours(str(folder), tmp_path)
+    assert model.mapoffload_report.converted_tensors == 0 and model.mapoffload_report.bytes_copied == 0
+    assert {os.path.dirname(p) for p in _places(model).values()} == {str(blobs)}
+    _equal(ours, _theirs(folder))
+
+
+def test_a_relative_convert_dir_is_refused(tmp_path, monkeypatch):
+    from mapoffload._env import EnvSettingError
+    from mapoffload.conversion import default_root
+
+    monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", "conversions")
+    with pytest.raises(EnvSettingError, match="MAPOFFLOAD_CONVERT_DIR='conversions'.*absolute"):
+        default_root(str(tmp_path))
+    monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", "~/conversions")
+    assert default_root(str(tmp_path)) == os.path.expanduser("~/conversions")

@@ -29,14 +29,21 @@ def default_root(folder: str, key: str | None = None) -> str:
     ``<folder>/.mapoffload-converted`` where it holds the finished conversion ``key`` (made
     ahead of time: reused even where this user cannot write there, a read-only folder or another
     user's), else where this user can write it (the folder made if missing); else the user's
-    cache. ``$MAPOFFLOAD_CONVERT_DIR`` overrides all of it.
+    cache. ``$MAPOFFLOAD_CONVERT_DIR`` overrides all of it (an absolute path, ``~`` expanded;
+    a relative one is refused with an :class:`~mapoffload._env.EnvSettingError`).
     """
     from ..loading.files import _hub_blobs
     from .cache import MANIFEST
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:  # "~/conv" in a unit file or a quoted assignment: no shell expanded it
-        return os.path.expanduser(env)
+        root = os.path.expanduser(env)
+        if not os.path.isabs(root):  # it would follow each process's current folder
+            from .._env import EnvSettingError
+
+            raise EnvSettingError("MAPOFFLOAD_CONVERT_DIR", env, "an absolute path (or one starting with ~/): a "
+                                  "relative one would name another folder in each process's current directory")
+        return root
     # Never inside a hub cache snapshot: the hub manages those folders.
     # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
     local = os.path.join(folder, ".mapoffload-converted")
