@@ -458,3 +458,13 @@ def test_a_relative_convert_dir_is_refused(tmp_path, monkeypatch):
         default_root(str(tmp_path))
     monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", "~/conversions")
     assert default_root(str(tmp_path)) == os.path.expanduser("~/conversions")
+
+
+def test_a_state_dict_in_place_of_the_files_is_refused(tmp_path):
+    """transformers takes ``state_dict=`` over the folder's files; the conversion key is made from
+    the files: refused, before anything loads."""
+    folder = tmp_path / "model"
+    save("llama", torch.bfloat16, folder, shard=None, seed=0)
+    other = _state(transformers.LlamaForCausalLM.from_pretrained(_unsharded(tmp_path, 1).parent))
+    with pytest.raises(TypeError, match="does not take state_dict="):
+        _ours(str(folder), tmp_path, dtype=torch.float32, state_dict=other)

@@ -59,6 +59,9 @@ _TRANSFORMERS_HABITS = {
                            "would make an anonymous copy of the model",
     "output_loading_info": "mapoffload asks for it itself: model.mapoffload_report lists the missing and "
                            "unexpected keys",
+    "state_dict": "mapoffload loads the folder's own files (a state dict in memory is on no file mapping, and "
+                  "a conversion keyed on the files would be reused for other values): save it with "
+                  "save_pretrained and load that folder",
 }
 
 # transformers' from_pretrained keywords it reads from its **kwargs (those of its signature are read from
@@ -66,7 +69,7 @@ _TRANSFORMERS_HABITS = {
 _TRANSFORMERS_KEYWORDS = (
     "attn_implementation", "experts_implementation", "trust_remote_code", "code_revision", "variant",
     "generation_config", "key_mapping", "use_kernels", "kernel_config", "allow_all_kernels", "adapter_kwargs",
-    "adapter_name", "proxies", "subfolder", "state_dict", "gguf_file", "distributed_config", "device_mesh",
+    "adapter_name", "proxies", "subfolder", "gguf_file", "distributed_config", "device_mesh",
     "tp_plan", "tp_size", "tqdm_class", "offload_buffers",
 )
 _HUB_KEYWORDS = ("force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
