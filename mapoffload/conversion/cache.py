@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checks import user_path
 from .._log import format_bytes, logger
-from .naming import FORMAT
+from .naming import FORMAT, MANIFEST
 from .writer import reserve_safetensors, write_safetensors
 from .marks import WRITER, mark_writer, release_writer, sweep
 from ..memory.regions import tensor_bytes
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     import torch
 
 PART_BYTES = 256 << 20  # pending converted bytes written out as one part
-MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
 
 

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
+MANIFEST = "manifest.json"  # written last in a conversion folder: a folder without it is unfinished
 
 
 def default_root(folder: str, key: str | None = None) -> str:
@@ -33,7 +34,6 @@ def default_root(folder: str, key: str | None = None) -> str:
     a relative one is refused with an :class:`~mapoffload._env.EnvSettingError`).
     """
     from ..loading.files import _hub_blobs
-    from .cache import MANIFEST
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:  # "~/conv" in a unit file or a quoted assignment: no shell expanded it
