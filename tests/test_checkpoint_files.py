@@ -183,7 +183,9 @@ def test_index_naming_a_file_outside_the_folder(tmp_path, state, where):
             call(index)
 
 
-def test_index_escaping_through_symlinks(tmp_path, state):
+def test_index_naming_symlinks_elsewhere_loads_their_targets(tmp_path, state):
+    """Shards that are links out of the folder (older hub ``local_dir`` downloads) load, as
+    transformers loads them (issue 41; they were refused): the link's target is mapped."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     save_file(state, elsewhere / "x.safetensors")
@@ -193,10 +195,14 @@ def test_index_escaping_through_symlinks(tmp_path, state):
     os.symlink(elsewhere / "x.safetensors", folder / "link.safetensors")  # a file link
     for name in ("sub/x.safetensors", "link.safetensors"):
         index = write_index(folder, {"weight_map": {k: name for k in state}})
-        with pytest.raises(CheckpointError, match="outside"):
-            checkpoint_files(index)
-        with pytest.raises(CheckpointError, match="outside"):
-            load_checkpoint(TinyModel(), folder)
+        assert checkpoint_files(index) == [str(folder / name)]
+        with empty_weights():
+            model = TinyModel()
+        report = load_checkpoint(model, folder, keep_mapping=True)
+        assert report.files == [str(folder / name)] and report.bytes_copied == 0
+        loaded = model.state_dict()
+        for k, v in state.items():
+            assert torch.equal(loaded[k], v)
 
 
 def test_relative_paths_stay_relative(tmp_path, state, monkeypatch):

@@ -153,7 +153,7 @@ def conversions(folder: str) -> list[dict]:
     Which one a later load reuses depends on what it asks for (class, dtype,
     config, versions), which a folder alone does not say: each is listed.
     """
-    from ..conversion import MANIFEST
+    from ..conversion.cache import read_manifest
 
     root = os.path.join(folder, CONVERTED_DIR)
     out: list[dict] = []
@@ -167,14 +167,13 @@ def conversions(folder: str) -> list[dict]:
             continue
         tensors, finished, made_for = 0, False, None
         if not name.startswith("."):  # ".<key>.<random>": a conversion being written, or one that died
-            try:
-                with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-                    manifest = json.load(f)
+            try:  # the loader's own read: a FIFO under the manifest's name is not waited on
+                manifest = read_manifest(path)
                 tensors = len(manifest["tensors"])
                 meta = manifest.get("meta") or {}
                 made_for = "vllm" if isinstance(meta, dict) and "vllm" in meta else "transformers"
                 finished = True
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
                 pass
         try:
             nbytes = _dir_bytes(path)

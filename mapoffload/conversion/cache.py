@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checks import user_path
 from .._log import format_bytes, logger
-from .naming import FORMAT
+from .naming import FORMAT, MANIFEST
 from .writer import reserve_safetensors, write_safetensors
 from .marks import WRITER, mark_writer, release_writer, sweep
 from ..memory.regions import tensor_bytes
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     import torch
 
 PART_BYTES = 256 << 20  # pending converted bytes written out as one part
-MANIFEST = "manifest.json"
 _PART = re.compile(r"part-\d{5}\.safetensors")
 
 
@@ -57,11 +56,67 @@ class ConversionWriteError(OSError):
         self.bytes_needed = bytes_needed
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``, Linux 4.7+; else
+    set and set back)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _make_folder(prefix: str, root: str) -> str:
+    """A fresh folder under ``root`` with the mode any folder this user makes gets (``0777`` less
+    the umask): ``mkdtemp``'s ``0700`` would keep a conversion in a shared cache folder (or beside
+    a shared checkpoint) from every other user, who would then convert again and fail to put
+    theirs in place."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def _remove_aside(path: str, aside: str) -> None:
+    """Move the folder ``path`` into the fresh folder ``aside`` and remove both, or, where it
+    cannot be moved (another user's, in a sticky folder), remove ``aside`` and raise."""
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        os.rmdir(aside)  # never left behind
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _is_plain_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def read_manifest(folder: str) -> Any:
+    """The parsed ``manifest.json`` of the conversion folder ``folder`` (unchecked JSON), read as
+    the loader reads checkpoint files: a FIFO or a device under its name is refused at once,
+    never waited on.
+
+    Raises
+    ------
+    FileNotFoundError
+        No manifest (an unfinished conversion).
+    OSError, ValueError, RecursionError
+        Not a regular file (``CheckpointError``), unreadable, or not JSON.
+    """
+    from ..loading.files import open_regular
+
+    with open_regular(os.path.join(folder, MANIFEST)) as (f, _):
+        return json.loads(f.read())
 
 
 @dataclass
@@ -103,12 +158,11 @@ class ConversionCache:
         cache = cls(root, key)
         sweep(cache.root)
         manifest = os.path.join(cache.path, MANIFEST)
-        from ..loading.files import CheckpointError, open_regular
+        from ..loading.files import CheckpointError
         from ..loading.header import read_safetensors_header
 
         try:
-            with open_regular(manifest) as (f, _):  # a FIFO or a device under its name never blocks the load
-                data = json.loads(f.read())
+            data = read_manifest(cache.path)
         except FileNotFoundError:
             return cache
         except (OSError, ValueError, RecursionError) as exc:  # CheckpointError: not a regular file
@@ -154,13 +208,19 @@ class ConversionCache:
         take its place (:meth:`commit` otherwise keeps a finished folder of the same key). Views
         already mapped from it stay valid."""
         try:
-            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-            os.rename(self.path, aside)
+            _remove_aside(self.path, tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root))
         except OSError as exc:
             logger.warning("conversion %s cannot be removed (%s)", self.path, exc)
             return
-        shutil.rmtree(aside, ignore_errors=True)
         self.tensors, self.meta, self.reused = {}, {}, False
+
+    def part_files(self) -> list[str]:
+        """The parts this conversion's views are mapped from: those written so far while it is
+        being written (in the work folder), else the finished folder's."""
+        folder = self._work if self._work is not None else self.path
+        if not self.tensors:
+            return []
+        return [os.path.join(folder, f) for f in sorted({e["file"] for e in self.tensors.values()})]
 
     def consumed_sources(self) -> set[str]:
         """Checkpoint keys the cached targets were made from."""
@@ -185,7 +245,7 @@ class ConversionCache:
             return
         try:
             os.makedirs(self.root, exist_ok=True)
-            self._work = tempfile.mkdtemp(prefix=f".{self.key}.", dir=self.root)
+            self._work = _make_folder(f".{self.key}.", self.root)
             self._mark = mark_writer(self._work)
         except OSError as exc:
             not_a_folder = os.path.lexists(self.root) and not os.path.isdir(self.root)
@@ -341,18 +401,20 @@ class ConversionCache:
             st = os.lstat(self.path)
         except FileNotFoundError:
             st = None
-        if st is not None and stat.S_ISDIR(st.st_mode):
-            aside = tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root)
-            try:
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                pass
-            shutil.rmtree(aside, ignore_errors=True)
-        elif st is not None:  # a file or a link (dangling or not) under a conversion's name
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        try:
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                _remove_aside(self.path, tempfile.mkdtemp(prefix=f".{self.key}.old.", dir=self.root))
+            elif st is not None:  # a file or a link (dangling or not) under a conversion's name
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        except PermissionError as exc:  # another user's, in a sticky folder: this load's stays unkept
+            logger.warning("the conversion %s cannot replace %s (%s): this load uses it, the next one converts "
+                           "again; remove that folder, or pass cache_dir= for a folder of your own", self.key,
+                           self.path, exc.strerror or exc)
+            shutil.rmtree(self._work, ignore_errors=True)
+            return
         try:
             os.rename(self._work, self.path)
         except OSError:

@@ -7,8 +7,9 @@ it resolves to), the requested dtype (however it is spelled), the config or the
 transformers/torch versions: :func:`fingerprint` names the folder they live in
 (:mod:`.cache`). Its root (:func:`default_root`) is, in order: the
 ``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR`` (``~`` expanded in both), ``<checkpoint
-folder>/.mapoffload-converted`` when that folder is writable and not a hub
-cache snapshot (and no file has that name), ``$XDG_CACHE_HOME/mapoffload/converted``
+folder>/.mapoffload-converted`` when it holds the finished conversion (a conversion made
+ahead of time is reused from a read-only folder) or this user can write it, and the folder is
+not a hub cache snapshot (and no file has that name), ``$XDG_CACHE_HOME/mapoffload/converted``
 (``~/.cache/mapoffload/converted``).
 """
 
@@ -20,21 +21,40 @@ import os
 from typing import Any
 
 FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
+MANIFEST = "manifest.json"  # written last in a conversion folder: a folder without it is unfinished
 
 
-def default_root(folder: str) -> str:
-    """Where converted files go for ``folder`` when no ``cache_dir`` is given."""
+def default_root(folder: str, key: str | None = None) -> str:
+    """Where converted files go for ``folder`` when no ``cache_dir`` is given.
+
+    ``<folder>/.mapoffload-converted`` where it holds the finished conversion ``key`` (made
+    ahead of time: reused even where this user cannot write there, a read-only folder or another
+    user's), else where this user can write it (the folder made if missing); else the user's
+    cache. ``$MAPOFFLOAD_CONVERT_DIR`` overrides all of it (an absolute path, ``~`` expanded;
+    a relative one is refused with an :class:`~mapoffload._env.EnvSettingError`).
+    """
     from ..loading.files import _hub_blobs
 
     env = os.environ.get("MAPOFFLOAD_CONVERT_DIR")
     if env:  # "~/conv" in a unit file or a quoted assignment: no shell expanded it
-        return os.path.expanduser(env)
+        root = os.path.expanduser(env)
+        if not os.path.isabs(root):  # it would follow each process's current folder
+            from .._env import EnvSettingError
+
+            raise EnvSettingError("MAPOFFLOAD_CONVERT_DIR", env, "an absolute path (or one starting with ~/): a "
+                                  "relative one would name another folder in each process's current directory")
+        return root
     # Never inside a hub cache snapshot: the hub manages those folders.
     # Nor over a file of that name (someone's): it is stepped around as a folder that cannot be written is.
     local = os.path.join(folder, ".mapoffload-converted")
-    if os.access(folder, os.W_OK) and _hub_blobs(os.path.realpath(folder)) is None \
-            and (os.path.isdir(local) or not os.path.lexists(local)):
-        return local
+    if _hub_blobs(os.path.realpath(folder)) is None:
+        if os.path.isdir(local):
+            if key is not None and os.path.isfile(os.path.join(local, key, MANIFEST)):
+                return local
+            if os.access(local, os.W_OK | os.X_OK):
+                return local
+        elif not os.path.lexists(local) and os.access(folder, os.W_OK | os.X_OK):
+            return local
     base = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"))
     return os.path.join(base, "mapoffload", "converted")
 

@@ -91,6 +91,9 @@ def check_model_class(cls: Any, what: str) -> None:
     if issubclass(cls, transformers.PretrainedConfig) or cls is transformers.AutoConfig:
         raise TypeError(f"{cls.__name__} is a configuration class: pass a model class (such as "
                         "transformers.AutoModelForCausalLM), and the configuration as config=")
+    if cls is transformers.PreTrainedModel:
+        raise TypeError("transformers.PreTrainedModel is the base of every model class, not a model: pass the "
+                        "folder's class (such as transformers.LlamaForCausalLM) or an AutoModel* class")
     if not (issubclass(cls, transformers.PreTrainedModel) or hasattr(cls, "_model_mapping")):
         raise TypeError(f"{cls.__module__}.{cls.__qualname__} is not a transformers model class (a PreTrainedModel "
                         "subclass or an AutoModel* class): for another nn.Module build it under "

@@ -96,6 +96,16 @@ class Session:
     sources: Any = None  # the state dict transformers reads (checkpoint key -> slice or tensor)
     fp8_fused: Any = None  # (codes, scales) the last conversion's ops made of its fp8 inputs
     made_since_trim: int = 0
+    files: list[str] | None = None  # the files the conversion is keyed on: transformers must read no other
+    resolved: list[str] | None = None  # the files transformers resolved for this load
+
+    def snapshot(self) -> Any:
+        """A :class:`~mapoffload.MappedRegions` in which views of the load's own files (the
+        checkpoint's, the conversion's parts) count as mapped on any filesystem: a checkpoint on
+        tmpfs is the file transformers read, not a tensor it made."""
+        from ..memory.regions import MappedRegions
+
+        return MappedRegions(files=[*(self.files or ()), *self.cache.part_files()])
 
     # -- per tensor ---------------------------------------------------------------
 
@@ -221,15 +231,19 @@ def _session() -> Session | None:
 
 @contextlib.contextmanager
 def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]], *,
-            part_bytes: int | None = None, keep_fp8: bool = False) -> Iterator[Session]:
+            part_bytes: int | None = None, keep_fp8: bool = False,
+            files: list[str] | None = None) -> Iterator[Session]:
     """``hooks`` (transformers': :func:`._drive_transformers.transformers_hooks`; diffusers':
     :func:`._drive_diffusers.diffusers_hooks`) installed for one load in this thread;
     yields its :class:`Session`.
 
+    ``files`` are the checkpoint files ``cache`` is keyed on: a load that reads any other is
+    refused before a weight is read (see :func:`._drive_transformers.check_resolved`).
     On success the cache is committed (when its conversions can be reused);
     on failure its unfinished files are dropped.
     """
-    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes, keep_fp8=keep_fp8)
+    session = Session(cache, part_bytes=PART_BYTES if part_bytes is None else part_bytes, keep_fp8=keep_fp8,
+                      files=files)
     with _LOCK:
         saved = []
         ok = False

@@ -38,13 +38,11 @@ def _wrap_load_dict(original):
         s = _session()
         if s is None:
             return original(model, state_dict, *args, **kwargs)
-        from ..memory.regions import MappedRegions
-
         s.loads += 1
         if s.cache.reused:
             cached = s.cache.mapped()
             state_dict = type(state_dict)((k, cached.get(k, v)) for k, v in state_dict.items())
-        s.regions = MappedRegions()
+        s.regions = s.snapshot()
         result = original(model, state_dict, *args, **kwargs)
         s.finish()
         return result

@@ -1,6 +1,8 @@
 """The hooks that drive transformers' own loader (:mod:`._drive`).
 
-Three places of transformers' loading are wrapped for one load:
+Four places of transformers' loading are wrapped for one load:
+``modeling_utils._get_resolved_checkpoint_files`` (the files it reads: checked against
+those the conversion is keyed on, :func:`check_resolved`),
 ``WeightConverter.convert`` / ``WeightRenaming.convert`` (a conversion is about
 to make its outputs: the session closes the previous one, and keeps the fp8
 codes and scales of a dequantizing converter's inputs to run its later ops on
@@ -75,6 +77,37 @@ def _fused_fp8(converter: Any, inputs: dict[str, list[Any]], layer_name: str, kw
     return tuple(out)
 
 
+def check_resolved(files: list[str] | None, expected: list[str]) -> None:
+    """Refuse a load whose checkpoint files (as transformers resolved them) are not among
+    ``expected``, those its conversion is keyed on
+    (:func:`~mapoffload.loading.files.pretrained_files`): a conversion made from other files
+    would be reused for changed ones. Compared by real path."""
+    from ..loading.files import CheckpointError
+
+    want = {os.path.realpath(f) for f in expected}
+    other = sorted(f for f in (files or []) if os.path.realpath(f) not in want)
+    if files is None or other:
+        where = os.path.dirname(expected[0]) if expected else "?"
+        read = ", ".join(other) if files is not None else "files of its own (not its checkpoint resolution)"
+        raise CheckpointError(where, f"transformers reads {read}, where mapoffload expected "
+                                     f"{', '.join(os.path.basename(f) for f in expected)}: refused, since a "
+                                     "conversion keyed on other files could be reused stale (please report it)")
+
+
+def _wrap_resolve(original):
+    def _get_resolved_checkpoint_files(*args, **kwargs):
+        result = original(*args, **kwargs)
+        s = _session()
+        if s is not None and s.files is not None:
+            files = result[0] if isinstance(result, tuple) else None
+            check_resolved(files, s.files)
+            s.resolved = list(files or [])
+        return result
+
+    _get_resolved_checkpoint_files.__wrapped__ = original
+    return _get_resolved_checkpoint_files
+
+
 def _wrap_convert(original):
     def convert(self, *args, **kwargs):
         s = _session()
@@ -115,9 +148,9 @@ def _wrap_load(original):
         s = _session()
         if s is None:
             return original(model, state_dict, load_config, *args, **kwargs)
-        from ..memory.regions import MappedRegions
-
         s.loads += 1
+        if s.files is not None and s.resolved is None:  # weights from elsewhere (a distributed checkpoint)
+            check_resolved(None, s.files)
         fp8: dict[str, dict[str, Any]] = {}
         if s.cache.reused:
             consumed = s.cache.consumed_sources()
@@ -128,7 +161,7 @@ def _wrap_load(original):
                     fp8.setdefault(target, {})[part] = tensor
                 else:
                     state_dict[name] = tensor
-        s.regions = MappedRegions()  # the checkpoint's files are open (mapped) by now
+        s.regions = s.snapshot()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
         # transformers' loader threads would make every cast or dequantized tensor ahead of the
         # loop that sets them (the whole model in anonymous memory): made one by one instead.
@@ -182,6 +215,7 @@ def transformers_hooks() -> list[tuple[Any, str, Any]]:
     from transformers import modeling_utils as mu
 
     return [
+        (mu, "_get_resolved_checkpoint_files", _wrap_resolve),
         (cml, "set_param_for_module", _wrap_set_param),
         (mu, "convert_and_load_state_dict_in_model", _wrap_load),
         (cml.WeightConverter, "convert", _wrap_convert),

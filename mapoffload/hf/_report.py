@@ -115,7 +115,7 @@ def settle(loaded: list[Unsettled], keep_mapping: bool | None, *, component: str
 
     if not loaded:
         return []
-    regions = MappedRegions()
+    regions = MappedRegions(files=[f for u in loaded for f in (*u.files, *u.cache.part_files())])
     decided_by = "caller"
     if keep_mapping is None:
         decided_by = "gate"
@@ -144,7 +144,7 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
     from ..memory.regions import MappedRegions
 
     tensors = _storages(model)
-    held = MappedRegions().classify([t for _, t in tensors])
+    held = MappedRegions(files=[*files, *cache.part_files()]).classify([t for _, t in tensors])
     missing = set(info.get("missing_keys") or ())
     report = LoadReport(files=list(files), keep_mapping=keep_mapping, tensors=len(tensors),
                         missing_keys=sorted(missing), unexpected_keys=sorted(info.get("unexpected_keys") or ()))

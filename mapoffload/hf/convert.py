@@ -81,6 +81,10 @@ def model_class_for(folder: str | os.PathLike, config: Any = None) -> Any:
     if config is None:
         config = transformers.AutoConfig.from_pretrained(os.fspath(folder))
     for name in getattr(config, "architectures", None) or ():
+        if not isinstance(name, str):
+            raise CheckpointError(os.path.join(os.fspath(folder), "config.json"),
+                                  f"\"architectures\" holds {json.dumps(name)}, not a class name: correct it, or "
+                                  "name the class (--class, cls=)")
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
@@ -94,8 +98,8 @@ def named_class(name: str) -> Any:
     """
     transformers = require("transformers", "mapoffload convert")
     found = getattr(transformers, name, None) if name.isidentifier() else None
-    if not isinstance(found, type) or not (hasattr(found, "_model_mapping")
-                                           or issubclass(found, transformers.PreTrainedModel)):
+    if not isinstance(found, type) or found is transformers.PreTrainedModel or not (
+            hasattr(found, "_model_mapping") or issubclass(found, transformers.PreTrainedModel)):
         raise ValueError(f"{name!r} is not a transformers model class: name one such as LlamaForCausalLM, "
                          "or an Auto class such as AutoModelForCausalLM (default: config.json's architectures)")
     return found
@@ -114,11 +118,13 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     ------
     ValueError
         Before anything loads, for a dtype not in :data:`DTYPE_NAMES`, a class name transformers
-        has no model class by, an empty ``cache_dir``, or a hub id.
+        has no model class by (or ``PreTrainedModel``, the base of them all), a class of another
+        model type than the folder's, an empty ``cache_dir``, or a hub id.
     FileNotFoundError
         For a missing local path.
     CheckpointError
-        For a file, a diffusers pipeline or model folder, a folder without config.json.
+        For a file, a diffusers pipeline or model folder, a folder without config.json, a
+        config.json whose ``architectures`` holds something else than class names.
     ConversionWriteError
         When the conversion cannot be written (:mod:`mapoffload.conversion`).
     """
@@ -134,6 +140,10 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     if isinstance(cls, str):
         cls = named_class(cls)
     cls = cls or model_class_for(folder)
+    mismatch = hf_transformers.folder_model_mismatch(cls, folder)
+    if mismatch is not None:  # from_pretrained's TypeError, said for this command
+        raise ValueError(f"{mismatch}: name its own class (config.json's architectures, the default) or an "
+                         "Auto class such as AutoModelForCausalLM")
     model, report = hf_transformers.load_pretrained(cls, folder, dtype=dtype, cache_dir=cache_dir)
     del model
     return report

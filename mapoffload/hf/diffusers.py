@@ -207,10 +207,10 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
     files = checkpoint_files(folder)
     torch_dtype = _resolve(dtype, _keys.read_keys(files))
     config = cls.load_config(folder)
-    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
     key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=torch_dtype, config=config)
+    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key)
-    with driving(cache, diffusers_hooks()), warnings.catch_warnings():
+    with driving(cache, diffusers_hooks(), files=files), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated")
         model, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, low_cpu_mem_usage=True,
                                           output_loading_info=True)

@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..loading.files import CheckpointError, checkpoint_files
+from ..loading.files import CheckpointError, pretrained_files
 from ..loading.report import LoadReport
 from . import _keys
 from ..conversion import ConversionCache
@@ -59,6 +59,9 @@ _TRANSFORMERS_HABITS = {
                            "would make an anonymous copy of the model",
     "output_loading_info": "mapoffload asks for it itself: model.mapoffload_report lists the missing and "
                            "unexpected keys",
+    "state_dict": "mapoffload loads the folder's own files (a state dict in memory is on no file mapping, and "
+                  "a conversion keyed on the files would be reused for other values): save it with "
+                  "save_pretrained and load that folder",
 }
 
 # transformers' from_pretrained keywords it reads from its **kwargs (those of its signature are read from
@@ -66,7 +69,7 @@ _TRANSFORMERS_HABITS = {
 _TRANSFORMERS_KEYWORDS = (
     "attn_implementation", "experts_implementation", "trust_remote_code", "code_revision", "variant",
     "generation_config", "key_mapping", "use_kernels", "kernel_config", "allow_all_kernels", "adapter_kwargs",
-    "adapter_name", "proxies", "subfolder", "state_dict", "gguf_file", "distributed_config", "device_mesh",
+    "adapter_name", "proxies", "subfolder", "gguf_file", "distributed_config", "device_mesh",
     "tp_plan", "tp_size", "tqdm_class", "offload_buffers",
 )
 _HUB_KEYWORDS = ("force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
@@ -99,6 +102,26 @@ def _model_types(data: Any) -> set[str]:
     return out
 
 
+def folder_model_mismatch(cls: Any, folder: str) -> str | None:
+    """Why ``cls`` is not the model ``folder``'s ``config.json`` describes (a sentence naming both
+    model types), or None: the same model, a composite config holding this model's (CLIP's
+    ``text_config``), an ``AutoModel*`` class (it picks from the folder), or a config that cannot
+    be read (transformers' own error says what is wrong with it)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):
+        return None
+    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
+    found = data.get("model_type")
+    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
+        return None
+    return f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model"
+
+
 def _check_folder_config(cls: Any, folder: str) -> None:
     """The folder's ``config.json`` is there and describes a model ``cls`` is for.
 
@@ -111,20 +134,10 @@ def _check_folder_config(cls: Any, folder: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {folder}: mapoffload.from_pretrained takes the folder "
                                 "save_pretrained wrote (config.json beside the weights), or config= for one without")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return  # transformers' own error says what is wrong with it
-    if not isinstance(data, dict) or hasattr(cls, "_model_mapping"):  # an AutoModel* class picks from the folder
-        return
-    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
-    found = data.get("model_type")
-    if not expected or not isinstance(found, str) or found == expected or expected in _model_types(data):
-        return  # the same model, or a composite config holding this model's (CLIP's text_config)
-    raise TypeError(f"{cls.__name__} is a {expected!r} model class, and {path} describes a {found!r} model: pass "
-                    "its class (transformers.AutoModelForCausalLM or another AutoModel* picks it from the folder), "
-                    f"or config= to load it into {cls.__name__} anyway")
+    mismatch = folder_model_mismatch(cls, folder)
+    if mismatch is not None:
+        raise TypeError(f"{mismatch}: pass its class (transformers.AutoModelForCausalLM or another AutoModel* picks "
+                        f"it from the folder), or config= to load it into {cls.__name__} anyway")
 
 
 def _transformers_keywords() -> tuple[str, ...]:
@@ -264,15 +277,15 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
         _check_folder_config(cls, folder)
     # transformers refuses custom code here
     config, model_kwargs = _config(cls, folder, config, model_kwargs, own, what)
-    files = checkpoint_files(folder)
+    files = _weight_files(folder, config, model_kwargs)
     keep_fp8 = _check_quantization(config, folder, fp8)
-    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder)
     key = fingerprint(files, model_class=concrete_class(cls, config), dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
+    root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key)
     session = None
     try:
-        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8) as session:
+        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8, files=files) as session:
             model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
                                               **model_kwargs)
     except RuntimeError as exc:  # transformers raises once its report lists conversion errors
@@ -296,6 +309,17 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
         warnings.warn(message, stacklevel=4)
     model.eval()
     return Unsettled(model, files, info, session.cache, time.perf_counter() - start, "transformers", folder)
+
+
+def _weight_files(folder: str, config: Any, model_kwargs: dict[str, Any]) -> list[str]:
+    """The files transformers' ``from_pretrained`` reads for these arguments
+    (:func:`~mapoffload.loading.files.pretrained_files`): the load's conversion key and report
+    are made from them, and the load checks that transformers resolved no other
+    (:mod:`._drive_transformers`)."""
+    return pretrained_files(
+        folder, variant=model_kwargs.get("variant"), use_safetensors=model_kwargs.get("use_safetensors"),
+        subfolder=model_kwargs.get("subfolder") or "", gguf_file=model_kwargs.get("gguf_file"),
+        explicit=getattr(config, "transformers_weights", None), extra=tuple(getattr(type(config), "extra_files", ())))
 
 
 def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException | None) -> None:

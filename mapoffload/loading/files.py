@@ -11,9 +11,12 @@ shards, say).
 
 Every file in the set is a regular file, checked with ``stat`` before anything
 opens it: opening a FIFO blocks until a writer comes, which may be never.
-Shards an index names stay inside the index's folder, symlinks resolved; the
-one exception is the Hugging Face hub cache, whose ``snapshots/<rev>/`` files
-are links into the repository's own ``blobs/`` folder.
+Shards an index names stay inside the index's folder by name (no ``..``, no
+absolute path: an index is data, read from wherever it came). A shard that is
+a symlink is followed wherever it points, as transformers follows it: a link
+is made by whoever can write the folder, as the shards themselves are (the hub
+cache's ``snapshots/<rev>/`` files link into ``blobs/``; older hub ``local_dir``
+downloads link into the cache). Its target is what is mapped.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "checkpoint_components",
     "checkpoint_files",
     "open_regular",
+    "pretrained_files",
 ]
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -126,7 +130,7 @@ def _hub_blobs(real_folder: str) -> str | None:
 
 def _index_shards(index_path: str) -> list[str]:
     """The shards an index names, in natural order (``-00002-`` before
-    ``-00010-``), each checked to lie in the index's folder (see the module
+    ``-00010-``), each named inside the index's folder (see the module
     docstring)."""
     with open_regular(index_path) as (f, _):
         try:
@@ -148,8 +152,6 @@ def _index_shards(index_path: str) -> list[str]:
     if not weight_map:
         raise CheckpointError(index_path, "the weight_map names no shard")
     folder = os.path.dirname(os.path.abspath(index_path))
-    real_folder = os.path.realpath(folder)
-    blobs = _hub_blobs(real_folder)
     shards: dict[str, None] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name or "\0" in name:
@@ -157,12 +159,6 @@ def _index_shards(index_path: str) -> list[str]:
         path = os.path.normpath(os.path.join(folder, name))
         if os.path.isabs(name) or not _inside(path, folder):
             raise CheckpointError(index_path, f"weight_map[{key!r}] = {name!r} is outside the checkpoint folder")
-        real = os.path.realpath(path)
-        if not _inside(real, real_folder) and not (blobs is not None and _inside(real, blobs)):
-            raise CheckpointError(
-                index_path,
-                f"weight_map[{key!r}] = {name!r} resolves to {real}, outside the checkpoint folder (a symlink)",
-            )
         # Named as the caller named the index (relative stays relative).
         shards[os.path.normpath(os.path.join(os.path.dirname(index_path), name))] = None
     return sorted(shards, key=_natural_key)
@@ -308,3 +304,91 @@ def checkpoint_bytes(path: str | os.PathLike) -> int:
     if not os.path.exists(p):
         return 0
     return sum(st.st_size for _, st in _file_set(p))
+
+
+# --- transformers' rule -------------------------------------------------------------
+
+# transformers' own names (its utils/constants: SAFE_WEIGHTS_NAME, ...), in the order it tries them.
+_PRETRAINED_NAMES = (
+    ("model.safetensors", True), ("model.safetensors.index.json", True),
+    ("pytorch_model.bin", False), ("pytorch_model.bin.index.json", False),
+)
+
+
+def _add_variant(name: str, variant: str | None) -> str:
+    """``model.safetensors`` with ``variant="fp16"``: ``model.fp16.safetensors`` (transformers'
+    ``_add_variant``; an index: ``model.safetensors.index.fp16.json``)."""
+    if variant is None:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def _pretrained_archive(base: str, variant: str | None, use_safetensors: bool | None,
+                        explicit: str | None) -> str:
+    """The one weights file (or index) transformers' ``from_pretrained`` picks in the local folder
+    ``base`` (its ``_get_resolved_checkpoint_files``, the same in every transformers 5 release):
+    the config's ``transformers_weights`` where set, else the first existing regular file of
+    ``model.safetensors``, its index, ``pytorch_model.bin``, its index (each with ``variant``), the
+    safetensors ones unless ``use_safetensors=False``, the PyTorch ones unless it is True."""
+    if explicit is not None:
+        path = os.path.normpath(os.path.join(base, explicit))
+        if os.path.isabs(explicit) or not _inside(os.path.abspath(path), os.path.abspath(base)):
+            raise CheckpointError(base, f"transformers_weights {explicit!r} is outside the model folder")
+        return path
+    for name, safetensors in _PRETRAINED_NAMES:
+        if use_safetensors is (not safetensors):  # False skips safetensors, True skips the rest
+            continue
+        path = os.path.join(base, _add_variant(name, variant))
+        if os.path.isfile(path):  # transformers' own test: a FIFO or a folder of that name is passed over
+            return path
+    tried = [_add_variant(n, variant) for n, s in _PRETRAINED_NAMES if use_safetensors is not (not s)]
+    raise FileNotFoundError(f"no {' or '.join(tried)} in {base} (what transformers' from_pretrained reads"
+                            f"{'' if use_safetensors is None else f' with use_safetensors={use_safetensors}'})")
+
+
+def pretrained_files(folder: str | os.PathLike, *, variant: str | None = None, use_safetensors: bool | None = None,
+                     subfolder: str = "", explicit: str | None = None, gguf_file: str | None = None,
+                     extra: tuple[str, ...] = ()) -> list[str]:
+    """The weight files transformers' own ``from_pretrained(folder, ...)`` reads from a local
+    folder, for the same arguments: what a Hugging Face load is keyed on (its conversion's
+    fingerprint) and reports.
+
+    Not :func:`checkpoint_files`' rule: transformers takes ``model.safetensors`` over an index
+    beside it (a folder saved whole over a sharded save keeps the old index), takes
+    ``variant``'s files and, with ``use_safetensors=False``, ``pytorch_model.bin``.
+
+    Parameters
+    ----------
+    folder
+        The local model folder (``~`` expanded).
+    variant, use_safetensors, subfolder, gguf_file
+        transformers' arguments of the same names.
+    explicit
+        The config's ``transformers_weights`` (a file or index inside the folder), if any.
+    extra
+        The config class's ``extra_files`` (weights some models keep beside the checkpoint):
+        those that exist are read too.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file transformers would read (the names tried are listed), or a shard its index
+        names is missing.
+    CheckpointError
+        A malformed index, a name outside the folder, or a file that is not a regular file.
+    """
+    base = os.path.join(user_path(folder), subfolder)
+    if gguf_file is not None:  # transformers: the path itself when it is a file, else inside the folder
+        archive = gguf_file if os.path.isfile(gguf_file) else os.path.join(base, gguf_file)
+        files = [archive]
+    else:
+        archive = _pretrained_archive(base, variant, use_safetensors, explicit)
+        files = _index_shards(archive) if archive.endswith(".index.json") else [archive]
+    files += [p for p in (os.path.join(base, name) for name in extra) if os.path.isfile(p) and p not in files]
+    for f in files:
+        try:
+            _regular(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{f} is missing (named by {archive})") from None
+    return files

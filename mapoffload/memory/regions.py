@@ -153,15 +153,23 @@ class MappedRegions:
         Where to read the snapshot from (tests point these at fixtures or at a
         missing path). A missing mount table only loses the tmpfs-vs-disk
         refinement; a missing maps file makes the snapshot unavailable.
+    files
+        Files whose mappings count as file-backed whatever their class: a
+        loader's own checkpoint and conversion files. A checkpoint on tmpfs
+        (``/dev/shm``) is ``shmem`` by its pages, yet a view of its mapping is
+        the checkpoint, not memory someone made (matched by device and inode,
+        so a file renamed or deleted since it was mapped still matches).
     """
 
-    def __init__(self, *, maps_path: str = PROC_MAPS, mountinfo_path: str = PROC_MOUNTINFO) -> None:
+    def __init__(self, *, maps_path: str = PROC_MAPS, mountinfo_path: str = PROC_MOUNTINFO,
+                 files: Iterable[str | os.PathLike] = ()) -> None:
         self._table: _core.MapsTable | None
         try:
             self._table = _core.snapshot(maps_path, mountinfo_path)
         except OSError as exc:
             logger.debug("no maps snapshot (%s): every tensor reads as not mapped", exc)
             self._table = None
+        self._files = _file_ids(files)
 
     @property
     def available(self) -> bool:
@@ -196,13 +204,37 @@ class MappedRegions:
         if self._table is None:
             tensor_spans(tensors)  # same TypeError as when available
             return [False] * len(tensors)
-        return self._table.classify_tensors(tensors, _tensor_type(), _devices_in_use())
+        held = self._table.classify_tensors(tensors, _tensor_type(), _devices_in_use())
+        if self._files and not all(held):
+            held = self._of_files(tensor_spans(tensors), held)
+        return held
 
     def classify_spans(self, spans: _core.SpanArray) -> list[bool]:
         """:meth:`holds` for raw spans (``_core.SpanArray``)."""
         if self._table is None:
             return [False] * len(spans)
-        return self._table.holds_spans(spans)
+        held = self._table.holds_spans(spans)
+        if self._files and not all(held):
+            held = self._of_files(spans, held)
+        return held
+
+    def _of_files(self, spans: _core.SpanArray, held: list[bool]) -> list[bool]:
+        """``held``, with the spans that lie wholly in mappings of :attr:`_files` (adjacent VMAs
+        of one of them, without a gap) held too."""
+        t = self._table
+        starts, ends, devs, inodes = t.starts, t.ends, t.devs, t.inodes
+        out = list(held)
+        for i, (addr, size) in enumerate(zip(spans.addrs, spans.sizes)):
+            if out[i] or size == 0 or addr == 0:
+                continue
+            k, at, end = t.find(addr), addr, addr + size
+            while 0 <= k < len(starts) and starts[k] <= at and (devs[k], inodes[k]) in self._files:
+                at = ends[k]
+                if at >= end:
+                    out[i] = True
+                    break
+                k += 1
+        return out
 
     def span_classes(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Class of each tensor's extent: ``file``, ``shmem``, ``anonymous``,
@@ -229,6 +261,18 @@ class MappedRegions:
         classes = self._table.classes
         counts = {c: classes.count(c) for c in sorted(set(classes))}
         return f"MappedRegions({len(classes)} VMAs, {counts})"
+
+
+def _file_ids(files: Iterable[str | os.PathLike]) -> frozenset[tuple[tuple[int, int], int]]:
+    """((major, minor), inode) of each file, as ``/proc/self/maps`` prints them (missing ones left out)."""
+    ids = set()
+    for f in files:
+        try:
+            st = os.stat(f)
+        except (OSError, ValueError):
+            continue
+        ids.add(((os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino))
+    return frozenset(ids)
 
 
 def resident_bytes(tensors: Sequence[torch.Tensor]) -> list[int]:

@@ -192,7 +192,7 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
     params = every if only is None else {n: p for n, p in every.items() if n in only}
     tensors = read_files(files)
     sources = SourceIndex(tensors)  # one index of the checkpoint's addresses for the whole load
-    root = cache_dir or default_root(folder)
+    root = cache_dir or default_root(folder, key)
     cache = ConversionCache.open(root, key)
     if cache.reused:
         bound = _rebind(params, cache, tensors)
