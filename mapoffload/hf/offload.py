@@ -76,7 +76,7 @@ class OffloadHandle:
     @property
     def rows(self) -> list[OffloadRow]:
         """One :class:`OffloadRow` per unit, measured now (empty once closed)."""
-        from ._summary import buffers_row, placed_row, stack_row
+        from ._summary import buffers_row, placed_row, rest_streamed_bytes, stack_row
 
         if self._closed:
             return []
@@ -91,7 +91,8 @@ class OffloadHandle:
             params, buffers = _rest_tensors(self.model)
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]
-            rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed]))
+            rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed],
+                                   streamed=rest_streamed_bytes(self.managers.values()) if placed == "rest" else 0))
         buffers = buffers_row(self.managers.values(), self.model)
         if buffers is not None:
             rows.append(buffers)
