@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import sys
 import warnings
@@ -116,6 +117,14 @@ class OffloadOptions:
 
     Deprecated: ``reads="direct"`` (now ``"uncached"``), ``host_store=None`` (now
     ``"auto"``); as keywords of the entry points, ``stream_reads=`` (now ``reads=``).
+
+    Notes
+    -----
+    Every entry point takes ``options=`` and the fields as keywords; given both, each
+    keyword replaces that field of ``options`` (``options.replace(**keywords)``: the
+    keyword wins, ``options`` itself is left as it is). The one exception:
+    ``from_pretrained``'s ``device=None`` (load without offloading) beside ``options=``
+    is refused, the two asking opposite things.
     """
 
     device: torch.device
@@ -204,6 +213,22 @@ class OffloadOptions:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 _MEASURED = ("available_bytes", "local_ranks", "layers")
+
+
+def _named_fields_only(init: Any) -> Any:
+    """The dataclass's ``__init__`` with a misspelt field named with the one meant (the entry points'
+    :func:`unexpected_keyword`), where Python's own message names only the misspelling."""
+    @functools.wraps(init)
+    def __init__(self: OffloadOptions, *args: Any, **fields: Any) -> None:
+        for name in fields:
+            if name not in FIELDS:
+                raise unexpected_keyword("OffloadOptions", name, FIELDS)
+        init(self, *args, **fields)
+
+    return __init__
+
+
+OffloadOptions.__init__ = _named_fields_only(OffloadOptions.__init__)  # type: ignore[method-assign]
 
 
 def shows_option_keywords(fn: Any) -> Any:
@@ -319,6 +344,9 @@ def load_options(what: str, options: OffloadOptions | None, keywords: dict[str, 
     if any(isinstance(item, torch.nn.Module) for item in (layers if isinstance(layers, (list, tuple)) else [layers])):
         raise TypeError(f"{what}: layers={layers!r}: the model is built inside {what}, so its block lists are "
                         "named by attribute path ('model.layers') or found ('auto'), not given as modules")
+    if options is not None and "device" in given and given["device"] is None:
+        raise TypeError(f"{what}: device=None loads the model without offloading it, and options= offloads it: "
+                        "give one of them (the device options= offloads to is its own device field)")
     if options is None and given.get("device", 0) is None:
         others = sorted(set(given) - {"device"})
         if others:

@@ -123,3 +123,28 @@ def test_from_pretrained_names_block_lists_by_path_not_by_module(tmp_path):
     # The model does not exist yet: a module given as layers cannot be one of its own.
     with pytest.raises(TypeError, match="named by attribute path"):
         mapoffload.from_pretrained(object, tmp_path, device="cpu", layers=torch.nn.ModuleList())
+
+
+def test_the_class_names_a_misspelt_field_with_the_one_meant():
+    # The entry points named the field meant; OffloadOptions itself said only "unexpected keyword".
+    with pytest.raises(TypeError, match=r"OffloadOptions got an unexpected keyword argument 'devise': did you mean "
+                                        r"device=\?"):
+        OffloadOptions(devise="cpu")
+    with pytest.raises(TypeError, match=r"'prefech_layers': did you mean prefetch_layers=\?"):
+        OffloadOptions(device="cpu").replace(prefech_layers=2)
+
+
+@pytest.mark.parametrize("device", ["cpu:1", torch.device("cpu", 3)])
+def test_a_cpu_index_other_than_0_is_refused(device):
+    # There is one CPU device: "cpu:1" was taken for it.
+    with pytest.raises(ValueError, match=r"one CPU device"):
+        OffloadOptions(device=device)
+    assert OffloadOptions(device="cpu:0").device == torch.device("cpu")
+
+
+def test_device_none_beside_options_says_which_two_meanings_meet(tmp_path):
+    # device=None is documented as "loaded, not offloaded"; beside options= it said None is no device.
+    o = OffloadOptions(device="cpu")
+    with pytest.raises(TypeError, match=r"device=None loads the model without offloading it, and options= "
+                                        r"offloads it: give one of them"):
+        mapoffload.from_pretrained(object, tmp_path, options=o, device=None)
