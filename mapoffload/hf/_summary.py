@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..offload import LayerwiseOffloadManager
     from ..offload.stores import StorePlan
 
-__all__ = ["OffloadRow", "format_rows", "placed_row", "rest_streamed_bytes", "stack_row"]
+__all__ = ["OffloadRow", "format_rows", "placed_row", "stack_row"]
 
 WIDTH = 100  # columns the summary fits in
 
@@ -266,24 +266,12 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
                       residency, reason, written_bytes=written)
 
 
-def rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
-    """Bytes of the weights outside the stacks (a head) that each forward reads in as their modules
-    run and lets go after, because the page-cache plan leaves them no room beside the streaming window
-    (``ResidencyPlan.rest_streamed``): what the stack's guard streams once a forward set it up
-    (:attr:`~mapoffload.offload.rest.RestGuard.streamed_bytes`), the plan's always-read bytes before."""
-    for m in managers:
-        plan = m.residency
-        if plan is not None and plan.rest_streamed:
-            return m.rest.streamed_bytes if m.rest.streaming else plan.always_bytes
-    return 0
-
-
 def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[torch.Tensor],
                device: torch.device, why: str, streamed: int = 0) -> OffloadRow:
     """The row of the tensors placed whole: on the device (``originals``: their
     host data, kept for ``close()``), or on the CPU left where they are.
     ``streamed``: of their mapped bytes, those each forward reads and lets go
-    (:func:`rest_streamed_bytes`; on the CPU only)."""
+    (on the CPU only)."""
     mapped, anonymous, pinned, on_device, total, written = measure(tensors)
     read = 0
     if device.type != "cpu":
