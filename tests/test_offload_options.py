@@ -37,20 +37,19 @@ def test_options_are_frozen_and_compare_by_value():
     assert not OffloadOptions(device="cpu", cpu_twin=True).in_place
 
 
-def test_renamed_values_and_keywords_warn_naming_the_new_one(ckpt):
-    with pytest.warns(DeprecationWarning, match="reads='uncached'"):
-        assert OffloadOptions(device="cpu", reads="direct").reads == "uncached"
-    with pytest.warns(DeprecationWarning, match="host_store='auto'"):
-        assert OffloadOptions(device="cpu", host_store=None).host_store == "auto"
+def test_old_names_are_refused_as_unknown_naming_the_current_ones(ckpt):
+    # Never released: no old name is kept (it was accepted with a DeprecationWarning).
+    with pytest.raises(ValueError, match=r"reads must be one of \('auto', 'mapping', 'uncached'\), not 'direct'"):
+        OffloadOptions(device="cpu", reads="direct")
+    with pytest.raises(ValueError, match=r"host_store must be one of \('auto', .*\), not None"):
+        OffloadOptions(device="cpu", host_store=None)
     path, x, want = ckpt
     model = mapped(path).eval()
-    with pytest.warns(DeprecationWarning, match="use reads="):
-        with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping") as m:
-            assert m.options.reads == "mapping"
-            with pytest.warns(DeprecationWarning, match="read_mode"):
-                assert m.stream_reads == m.read_mode
-    with pytest.raises(TypeError, match="name one option"):
-        LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="auto", reads="auto")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stream_reads': the offload options are "
+                                        r"device, .*reads"):
+        LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as m:
+        assert not hasattr(m, "stream_reads") and m.read_mode == "mapping"
 
 
 def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):
