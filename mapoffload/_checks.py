@@ -101,7 +101,8 @@ def check_device(device: Any, what: str = "device", *, flag: str | None = None,
     TypeError
         Not a str, an int (a CUDA index) or a ``torch.device`` (``1.5``, None).
     ValueError
-        Not a device, or not one mapoffload runs on, or a CUDA index torch does not see.
+        Not a device, or not one mapoffload runs on, a CUDA index torch does not see, or a
+        CPU index other than 0 (there is one CPU device).
     NoCudaDeviceError
         CUDA where torch sees none.
     """
@@ -119,6 +120,9 @@ def check_device(device: Any, what: str = "device", *, flag: str | None = None,
         raise ValueError(f"{flag} {device!r}: {program} runs on cuda, cuda:N or cpu" if flag
                          else f"{what} must be 'cuda', 'cuda:N' or 'cpu', not {device!r}")
     if dev.type == "cpu":
+        if dev.index not in (None, 0):  # torch takes "cpu:1", yet there is one CPU device
+            raise ValueError(f"{flag} {device}: there is one CPU device: cpu" if flag
+                             else f"{what}={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
         return dev
     said = f"{flag} {device}:" if flag else f"{what}={device!r}, but"
     if not torch.cuda.is_available():

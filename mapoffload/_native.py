@@ -23,10 +23,11 @@ def _missing_core_message() -> str:
     if os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.isdir(os.path.join(root, "csrc")):
         return (
             f"mapoffload's native extension (mapoffload._core) is missing: Python imported the source folder "
-            f"{here}, not the installed package. Run from the repository root, the current directory comes first "
-            f"on sys.path and its mapoffload/ folder shadows what `pip install .` installed. Run from another "
-            f"directory (e.g. `cd tests` or `cd ..`), use the `pytest` or `mapoffload` scripts (they do not put "
-            f"the current directory on sys.path), or install in place: `pip install --no-build-isolation -e .`"
+            f"{here}, not the installed package. Python was started in the repository root, so the current "
+            f"directory comes first on sys.path and its mapoffload/ folder shadows what `pip install .` installed. "
+            f"Run it from another directory (e.g. `cd tests` or `cd ..`), use the `pytest` or `mapoffload` scripts "
+            f"(they do not put the current directory on sys.path), or install in place: "
+            f"`pip install --no-build-isolation -e .`"
         )
     return f"mapoffload's native extension (mapoffload._core) is missing from {here}: reinstall with `pip install .`"
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,13 +142,6 @@ class CopyStats:
     submit_seconds: float
     slot_wait_seconds: float
     unstaged_bytes: int  # copied without a staging slot (pinned sources, DMA straight from them)
-
-    @property
-    def direct_bytes(self) -> int:
-        """Deprecated: :attr:`unstaged_bytes`."""
-        warnings.warn("CopyStats.direct_bytes is deprecated: use CopyStats.unstaged_bytes", DeprecationWarning,
-                      stacklevel=2)
-        return self.unstaged_bytes
 
 
 class CopyHandle:
@@ -313,13 +305,12 @@ class Copier:
         *,
         unstaged: Sequence[bool] | None = None,
         wait_for: object | None = None,
-        direct: Sequence[bool] | None = None,
     ) -> CopyHandle:
         """Copy raw ``(dst, src, nbytes)`` spans.
 
         ``keepalive`` (whatever owns the memory) is held by the copier until
         the copy is done. ``unstaged`` flags spans whose source is pinned: DMA
-        straight from it, no staging (``direct=``, its old name, is deprecated).
+        straight from it, no staging.
         ``wait_for``: a CUDA stream whose work
         already queued must finish before these copies start (a destination
         recycled from it); torch's default stream (handle 0) included.
@@ -336,12 +327,6 @@ class Copier:
             A null address, or a destination overlapping another destination
             or a source (the pair is named).
         """
-        if direct is not None:
-            warnings.warn("copy_spans(direct=...) is deprecated: use copy_spans(unstaged=...)", DeprecationWarning,
-                          stacklevel=2)
-            if unstaged is not None:
-                raise TypeError("copy_spans() takes unstaged= or its deprecated name direct=, not both")
-            unstaged = direct
         job = self._native.submit(
             dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=unstaged,
             # None: no wait. A handle of 0 is torch's default stream (the

@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +29,6 @@ __all__ = ["FIELDS", "HOST_STORES", "OffloadOptions", "READS", "RESTS", "caller_
 HOST_STORES = ("auto", "mapped", "pinned", "pageable")
 READS = ("auto", "mapping", "uncached")
 RESTS = ("auto", "device", "stream")
-# Names and values given up, still accepted with a DeprecationWarning naming the new one.
-_RENAMED_KEYWORDS = {"stream_reads": "reads"}
-_RENAMED_READS = {"direct": "uncached"}
 
 
 def caller_stacklevel() -> int:
@@ -40,17 +37,13 @@ def caller_stacklevel() -> int:
     ``replace``), so that Python's default filter shows a warning a script's own call caused."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
+        # A frame's module, not its file: code typed in ``python -c`` or at the prompt is ``<string>``
+        # or ``<stdin>``, and the dataclass's generated methods run in this module's globals.
         name = frame.f_globals.get("__name__", "")
-        if not (name == "mapoffload" or name.startswith("mapoffload.") or name == "dataclasses"
-                or frame.f_code.co_filename.startswith("<")):
+        if not (name == "mapoffload" or name.startswith("mapoffload.") or name == "dataclasses"):
             return level
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _deprecated(old: str, new: str) -> None:
-    """Warn, at the user's line, that ``old`` is now ``new``."""
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=caller_stacklevel())
 
 
 @dataclass(frozen=True)
@@ -114,8 +107,13 @@ class OffloadOptions:
     NoCudaDeviceError
         ``device="cuda"`` where torch sees no CUDA device.
 
-    Deprecated: ``reads="direct"`` (now ``"uncached"``), ``host_store=None`` (now
-    ``"auto"``); as keywords of the entry points, ``stream_reads=`` (now ``reads=``).
+    Notes
+    -----
+    Every entry point takes ``options=`` and the fields as keywords; given both, each
+    keyword replaces that field of ``options`` (``options.replace(**keywords)``: the
+    keyword wins, ``options`` itself is left as it is). The one exception:
+    ``from_pretrained``'s ``device=None`` (load without offloading) beside ``options=``
+    is refused, the two asking opposite things.
     """
 
     device: torch.device
@@ -147,14 +145,7 @@ class OffloadOptions:
         _check_choice("rest", self.rest, RESTS)
         check_count("prefetch_layers", self.prefetch_layers)
         check_count("resident_layers", self.resident_layers)
-        if self.host_store is None:
-            _deprecated("host_store=None", "host_store='auto'")
-            object.__setattr__(self, "host_store", "auto")
         _check_choice("host_store", self.host_store, HOST_STORES)
-        if self.reads in _RENAMED_READS:
-            new = _RENAMED_READS[self.reads]
-            _deprecated(f"reads={self.reads!r}", f"reads={new!r}")
-            object.__setattr__(self, "reads", new)
         _check_choice("reads", self.reads, READS)
         for name in ("available_bytes", "device_free_bytes", "page_cache_bytes"):
             check_count(name, getattr(self, name), none=True)
@@ -206,6 +197,22 @@ FIELDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 _MEASURED = ("available_bytes", "local_ranks", "layers")
 
 
+def _named_fields_only(init: Any) -> Any:
+    """The dataclass's ``__init__`` with a misspelt field named with the one meant (the entry points'
+    :func:`unexpected_keyword`), where Python's own message names only the misspelling."""
+    @functools.wraps(init)
+    def __init__(self: OffloadOptions, *args: Any, **fields: Any) -> None:
+        for name in fields:
+            if name not in FIELDS:
+                raise unexpected_keyword("OffloadOptions", name, FIELDS, why=f"its fields are {', '.join(FIELDS)}")
+        init(self, *args, **fields)
+
+    return __init__
+
+
+OffloadOptions.__init__ = _named_fields_only(OffloadOptions.__init__)  # type: ignore[method-assign]
+
+
 def shows_option_keywords(fn: Any) -> Any:
     """``fn`` (an entry point taking ``**keywords``, or a class whose ``__init__`` does) with a
     signature that shows the fields of :class:`OffloadOptions` as the keyword-only parameters
@@ -249,26 +256,16 @@ def _check_layers(layers: Any) -> None:
 
 
 def take(keywords: dict[str, Any]) -> dict[str, Any]:
-    """Remove the offload options (and their deprecated names) from ``keywords``; return them."""
-    given = {}
-    for name in list(keywords):
-        new = _RENAMED_KEYWORDS.get(name)
-        if new is not None:
-            _deprecated(f"{name}=", f"{new}=")
-            if new in keywords:
-                raise TypeError(f"{name}= and {new}= name one option: give {new}= only")
-            given[new] = keywords.pop(name)
-        elif name in FIELDS:
-            given[name] = keywords.pop(name)
-    return given
+    """Remove the offload options from ``keywords``; return them."""
+    return {name: keywords.pop(name) for name in list(keywords) if name in FIELDS}
 
 
 def gather(what: str, options: OffloadOptions | None, keywords: dict[str, Any], *,
            others: tuple[str, ...] = ()) -> OffloadOptions:
     """The options an entry point runs with: ``options`` with the keyword arguments laid over it.
 
-    ``keywords`` must hold only offload options (their deprecated names included); a
-    misspelt one is named with the one meant.
+    ``keywords`` must hold only offload options; a misspelt one is named with the one
+    meant, any other unknown one with the options there are.
 
     Parameters
     ----------
@@ -286,7 +283,7 @@ def gather(what: str, options: OffloadOptions | None, keywords: dict[str, Any], 
     given = take(keywords)
     if keywords:
         name = next(iter(keywords))
-        raise unexpected_keyword(what, name, FIELDS + tuple(_RENAMED_KEYWORDS) + others)
+        raise unexpected_keyword(what, name, FIELDS + others, why=f"the offload options are {', '.join(FIELDS)}")
     if options is None and "device" not in given:
         raise TypeError(f"{what} needs a device: device='cuda', 'cuda:N' or 'cpu' (or options=OffloadOptions(...))")
     return _build(what, options, given)
@@ -319,6 +316,9 @@ def load_options(what: str, options: OffloadOptions | None, keywords: dict[str, 
     if any(isinstance(item, torch.nn.Module) for item in (layers if isinstance(layers, (list, tuple)) else [layers])):
         raise TypeError(f"{what}: layers={layers!r}: the model is built inside {what}, so its block lists are "
                         "named by attribute path ('model.layers') or found ('auto'), not given as modules")
+    if options is not None and "device" in given and given["device"] is None:
+        raise TypeError(f"{what}: device=None loads the model without offloading it, and options= offloads it: "
+                        "give one of them (the device options= offloads to is its own device field)")
     if options is None and given.get("device", 0) is None:
         others = sorted(set(given) - {"device"})
         if others:

@@ -100,7 +100,7 @@ def _garbage(pid: int, start: str, mine: int) -> dict[str, str]:
 @pytest.mark.parametrize("kind", sorted(_garbage(1, "1", 1)))
 def test_a_garbage_record_never_breaks_a_plan(ckpt, cap, live_pid, kind):
     path, x, want = ckpt
-    folder = PeerRegistry().folder
+    folder = PeerRegistry(root=coordinator_module.CGROUP_ROOT).folder  # the coordinator's (the fixture's cap)
     os.makedirs(folder, mode=0o700)
     start = peers_module._start_time(live_pid)
     with open(os.path.join(folder, f"{live_pid}.json"), "w") as f:
@@ -169,6 +169,12 @@ def test_a_record_that_is_not_a_regular_file_is_skipped(tmp_path, live_pid, kind
 
 # -- the folder: this user's alone ---------------------------------------------------------------
 
+def _capped(tmp_path) -> str:
+    """A fake cgroup v2 tree capping this process at 1 GiB (processes under no cap have no peers)."""
+    v2_cap(tmp_path / "cg", 1 << 30, 10 * MIB, 0, 0)
+    return str(tmp_path / "cg")
+
+
 def _planted(folder, pid: int) -> str:
     """A well-formed record of a live process (a rank that would take half the budget)."""
     os.makedirs(folder, exist_ok=True)
@@ -185,7 +191,8 @@ def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeyp
     base.mkdir()
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(base))
     top = base / f"mapoffload-peers-{os.getuid()}"
-    key = os.path.basename(PeerRegistry().folder)
+    root = _capped(tmp_path)
+    key = os.path.basename(PeerRegistry(root=root).folder)
     if how == "a-link":  # pointing where we would write files and remove "stale" ones
         elsewhere = tmp_path / "elsewhere"
         planted = _planted(elsewhere / key, live_pid)
@@ -205,7 +212,7 @@ def test_a_folder_others_can_write_is_neither_read_nor_written(tmp_path, monkeyp
             os.chown(p, 12345, 12345)
     there = os.path.dirname(planted)
     before = sorted(os.listdir(there))
-    reg = PeerRegistry()
+    reg = PeerRegistry(root=root)
     assert reg.peers() == []
     reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
     reg.withdraw()
@@ -220,7 +227,7 @@ def test_our_folder_that_others_could_write_is_closed_and_their_records_not_read
     base = tmp_path / "shm"
     base.mkdir()
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(base))
-    reg = PeerRegistry()
+    reg = PeerRegistry(root=_capped(tmp_path))
     top = os.path.dirname(reg.folder)
     os.makedirs(reg.folder)
     for level in (top, reg.folder):
@@ -243,7 +250,7 @@ IN_NAMESPACE = textwrap.dedent(
     """
     import os, sys
     from mapoffload.pagecache.peers import PeerRegistry
-    reg = PeerRegistry()
+    reg = PeerRegistry(root=sys.argv[1])
     reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
     print(os.getpid(), reg.folder, flush=True)
     sys.stdin.readline()
@@ -259,10 +266,11 @@ def test_a_peer_in_another_pid_namespace_is_neither_removed_nor_counted(tmp_path
     if unshare is None:
         pytest.skip("no unshare")
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path))
+    root = _capped(tmp_path)
     child = None
     for flags in (["--pid", "--fork", "--mount-proc"], ["--user", "--map-root-user", "--pid", "--fork",
                                                          "--mount-proc"]):
-        proc = subprocess.Popen([unshare, *flags, sys.executable, "-c", IN_NAMESPACE], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([unshare, *flags, sys.executable, "-c", IN_NAMESPACE, root], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
         line = proc.stdout.readline().split()
         if line:
@@ -275,7 +283,7 @@ def test_a_peer_in_another_pid_namespace_is_neither_removed_nor_counted(tmp_path
         pid, folder = int(line[0]), line[1]
         record = os.path.join(folder, f"{pid}.json")
         assert os.path.exists(record)
-        reg = PeerRegistry()
+        reg = PeerRegistry(root=root)
         assert all(p.pid != pid for p in reg.peers())
         assert os.path.exists(record)  # its owner lives: nobody here may take it for stale
     finally:
@@ -328,10 +336,12 @@ FORKED = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     from stacks import SQUARE_WIDTH as WIDTH, SquareStack as Stack, mapped_square as mapped
     from mapoffload import LayerwiseOffloadManager
+    from mapoffload.pagecache import coordinator as coordinator_module
     from mapoffload.pagecache.coordinator import coordinator
 
     from safetensors.torch import load_file
 
+    coordinator_module.CGROUP_ROOT = sys.argv[3]  # a cap: processes under none have no peers
     x = torch.ones(1, WIDTH)
     ref = Stack()  # the outputs of the checkpoint's weights, without the library
     ref.load_state_dict(load_file(sys.argv[1]))
@@ -366,7 +376,8 @@ FORKED = textwrap.dedent(
 def test_a_forked_child_that_forwards_publishes_its_own_record(ckpt, tmp_path):
     path, _, _ = ckpt
     env = dict(os.environ, **{peers_module.ENV_PEERS_DIR: str(tmp_path / "peers"), ENV_HOST_AVAILABLE_GIB: "1.2"})
-    out = subprocess.run([sys.executable, "-c", FORKED, str(path), os.path.dirname(__file__)], env=env,
+    out = subprocess.run([sys.executable, "-c", FORKED, str(path), os.path.dirname(__file__), _capped(tmp_path)],
+                         env=env,
                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

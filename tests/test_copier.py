@@ -281,19 +281,13 @@ def test_cuda_requested_without_a_device_is_a_clear_error():
         Copier("meta")
 
 
-def test_copy_spans_direct_is_the_deprecated_name_of_unstaged():
+def test_copy_spans_takes_unstaged_and_no_old_name():
+    # Never released: direct= (unstaged='s old name) and CopyStats.direct_bytes are gone, not kept.
     src = torch.randint(0, 256, (4096,), dtype=torch.uint8)
     with Copier("cpu", "staged", threads=1, staging_bytes=SLOT, slots=2) as c:
         dst = torch.zeros_like(src)
         c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], keepalive=(src, dst), unstaged=[False]).wait()
         assert torch.equal(dst, src)
-        dst.zero_()
-        with pytest.warns(DeprecationWarning, match="unstaged="):
-            h = c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], keepalive=(src, dst), direct=[False])
-        h.wait()
-        assert torch.equal(dst, src)
-        with pytest.raises(TypeError, match="not both"):
-            c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], unstaged=[False], direct=[False])
-        stats = c.stats()
-        with pytest.warns(DeprecationWarning, match="unstaged_bytes"):
-            assert stats.direct_bytes == stats.unstaged_bytes
+        with pytest.raises(TypeError, match="unexpected keyword argument 'direct'"):
+            c.copy_spans([dst.data_ptr()], [src.data_ptr()], [src.nbytes], keepalive=(src, dst), direct=[False])
+        assert not hasattr(c.stats(), "direct_bytes")

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import mapoffload  # noqa: E402
 from hf_models import save  # noqa: E402
 from mapoffload import LayerwiseOffloadManager  # noqa: E402
+from mapoffload.offload.placeholder import OffloadedCopyError  # noqa: E402
 from stacks import mapped  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 42, 5, 88, 9, 61]])
@@ -91,3 +92,28 @@ def test_the_handle_attribute_names_the_live_handle(llama):
     assert model.mapoffload_handle is None
     with LayerwiseOffloadManager(model, "model.layers", device="cpu"):
         assert model.mapoffload_handle is None  # a manager made directly is its own handle
+
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["released", "all-loaded"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
+def test_share_memory_is_refused_with_true_words(ckpt, twin, loaded):
+    # In place every layer is loaded, yet share_memory() said "layer 0 is not loaded ... prefetch_layer(0,
+    # non_blocking=False)", which changed nothing: moving a weight into shared memory copies it (a mapped
+    # weight is the file's private pages), where the offload keeps it on its mapping.
+    path, x, want = ckpt
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=twin, host_store="mapped") as mgr:
+        mgr.register_forward_hooks()
+        if loaded:
+            mgr.load_all_layers()
+        with pytest.raises(OffloadedCopyError, match=r"share_memory\(\).*Call manager\.close\(\) first") \
+                as err:
+            model.share_memory()
+        assert "not loaded" not in str(err.value) and "prefetch_layer" not in str(err.value)
+        mgr.release_all()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # the refusal left nothing half done
+        assert not model.blocks[0].weight.is_shared()
+    model.share_memory()  # closed: a plain model, its own weights copied into shared memory
+    with torch.no_grad():
+        assert torch.equal(model(x), want)

@@ -37,20 +37,19 @@ def test_options_are_frozen_and_compare_by_value():
     assert not OffloadOptions(device="cpu", cpu_twin=True).in_place
 
 
-def test_renamed_values_and_keywords_warn_naming_the_new_one(ckpt):
-    with pytest.warns(DeprecationWarning, match="reads='uncached'"):
-        assert OffloadOptions(device="cpu", reads="direct").reads == "uncached"
-    with pytest.warns(DeprecationWarning, match="host_store='auto'"):
-        assert OffloadOptions(device="cpu", host_store=None).host_store == "auto"
+def test_old_names_are_refused_as_unknown_naming_the_current_ones(ckpt):
+    # Never released: no old name is kept (it was accepted with a DeprecationWarning).
+    with pytest.raises(ValueError, match=r"reads must be one of \('auto', 'mapping', 'uncached'\), not 'direct'"):
+        OffloadOptions(device="cpu", reads="direct")
+    with pytest.raises(ValueError, match=r"host_store must be one of \('auto', .*\), not None"):
+        OffloadOptions(device="cpu", host_store=None)
     path, x, want = ckpt
     model = mapped(path).eval()
-    with pytest.warns(DeprecationWarning, match="use reads="):
-        with LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping") as m:
-            assert m.options.reads == "mapping"
-            with pytest.warns(DeprecationWarning, match="read_mode"):
-                assert m.stream_reads == m.read_mode
-    with pytest.raises(TypeError, match="name one option"):
-        LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="auto", reads="auto")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stream_reads': the offload options are "
+                                        r"device, .*reads"):
+        LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as m:
+        assert not hasattr(m, "stream_reads") and m.read_mode == "mapping"
 
 
 def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):
@@ -123,3 +122,28 @@ def test_from_pretrained_names_block_lists_by_path_not_by_module(tmp_path):
     # The model does not exist yet: a module given as layers cannot be one of its own.
     with pytest.raises(TypeError, match="named by attribute path"):
         mapoffload.from_pretrained(object, tmp_path, device="cpu", layers=torch.nn.ModuleList())
+
+
+def test_the_class_names_a_misspelt_field_with_the_one_meant():
+    # The entry points named the field meant; OffloadOptions itself said only "unexpected keyword".
+    with pytest.raises(TypeError, match=r"OffloadOptions got an unexpected keyword argument 'devise': did you mean "
+                                        r"device=\?"):
+        OffloadOptions(devise="cpu")
+    with pytest.raises(TypeError, match=r"'prefech_layers': did you mean prefetch_layers=\?"):
+        OffloadOptions(device="cpu").replace(prefech_layers=2)
+
+
+@pytest.mark.parametrize("device", ["cpu:1", torch.device("cpu", 3)])
+def test_a_cpu_index_other_than_0_is_refused(device):
+    # There is one CPU device: "cpu:1" was taken for it.
+    with pytest.raises(ValueError, match=r"one CPU device"):
+        OffloadOptions(device=device)
+    assert OffloadOptions(device="cpu:0").device == torch.device("cpu")
+
+
+def test_device_none_beside_options_says_which_two_meanings_meet(tmp_path):
+    # device=None is documented as "loaded, not offloaded"; beside options= it said None is no device.
+    o = OffloadOptions(device="cpu")
+    with pytest.raises(TypeError, match=r"device=None loads the model without offloading it, and options= "
+                                        r"offloads it: give one of them"):
+        mapoffload.from_pretrained(object, tmp_path, options=o, device=None)

@@ -41,3 +41,39 @@ def test_no_test_helper_module_shadows_an_installed_module():
     shadowing = [name for name in helpers
                  if name in sys.stdlib_module_names or importlib.machinery.PathFinder.find_spec(name, others)]
     assert not shadowing, f"tests/ modules named like installed or standard modules: {shadowing}"
+
+
+def test_the_readme_installs_cpu_torch_first_and_links_the_options_fields():
+    """The CPU-only torch line said "first" after `pip install .` (which had already installed torch), and
+    "documented on the class ([docs/usage.md])" linked a page that never named OffloadOptions."""
+    import dataclasses
+    import re
+
+    from mapoffload import OffloadOptions
+
+    readme = (SOURCE_ROOT / "README.md").read_text()
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    cpu = next(i for i, line in enumerate(lines) if "download.pytorch.org/whl/cpu" in line)
+    install = next(i for i, line in enumerate(lines) if line.startswith("pip install . "))
+    assert cpu < install, block
+    link = re.search(r"Its fields are documented on the class \(\[docs/usage\.md[^\]]*\]\(docs/usage\.md#([a-z-]+)\)",
+                     readme)
+    assert link, "the README links the options' fields to a section of docs/usage.md"
+    usage = (SOURCE_ROOT / "docs" / "usage.md").read_text()
+    heading = next(h for h in re.findall(r"^#+ (.+)$", usage, re.M)
+                   if re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") == link.group(1))
+    section = usage.split(heading, 1)[1].split("\n## ", 1)[0]
+    assert "OffloadOptions" in heading
+    for f in dataclasses.fields(OffloadOptions):
+        assert f"`{f.name}`" in section, f.name
+
+
+def test_the_missing_extension_message_says_where_python_was_started():
+    """'Run from the repository root, the current directory comes first' read as an instruction to run
+    from the repository root, the opposite of what it meant."""
+    from mapoffload._native import _missing_core_message
+
+    text = _missing_core_message()
+    assert "Run from the repository root" not in text
+    assert "Python was started in the repository root" in text and "Run it from another directory" in text

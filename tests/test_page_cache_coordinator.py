@@ -181,6 +181,8 @@ PEER = textwrap.dedent(
     from mapoffload.pagecache.coordinator import coordinator
 
     path, go, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    import mapoffload.pagecache.coordinator as coordinator_module
+    coordinator_module.CGROUP_ROOT = sys.argv[4]  # one cap for all: processes under none have no peers
 
     class Stack(nn.Module):
         def __init__(self):
@@ -223,7 +225,9 @@ def _stack_file(path, seed: int) -> None:
 def _run_peers(tmp_path, files: list) -> list[dict]:
     env = dict(os.environ, MAPOFFLOAD_PEERS_DIR=str(tmp_path / "peers"), **{ENV_HOST_AVAILABLE_GIB: "1.2"})
     go = str(tmp_path / "go")
-    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(f), go, str(tmp_path / f"out{k}.json")], env=env,
+    v2_cap(tmp_path / "cg", 2 << 30, 10 << 20, 0, 0)
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(f), go, str(tmp_path / f"out{k}.json"),
+                               str(tmp_path / "cg")], env=env,
                               cwd=str(tmp_path),  # not the source folder: it would shadow the installed package
                               stderr=subprocess.PIPE, text=True) for k, f in enumerate(files)]
     try:

@@ -161,3 +161,50 @@ def test_processes_in_sibling_cgroups_under_one_real_cap_split_its_budget(tmp_pa
                 except OSError:
                     time.sleep(0.1)
         cm.__exit__(None, None, None)
+
+
+# -- no cap, no peers; the folder's name ----------------------------------------------------------
+
+def test_processes_under_no_cap_are_no_peers(tmp_path, monkeypatch):
+    # Uncapped, another process of this user on the host (an unrelated one) was counted as a rank
+    # and the plan said "split with 1 other rank under this cap" where no cap applied.
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(base))
+    uncapped = _tree(tmp_path / "u", "/app", {})
+    assert tightest_cgroup(root=uncapped) is None
+    reg = PeerRegistry(root=uncapped)
+    assert reg.folder is None
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    assert os.listdir(base) == []  # no record to be found by anyone
+    assert reg.peers() == [] and reg.stamp() == ()
+    reg.withdraw()
+    # Under a cap, the same calls publish.
+    reg = PeerRegistry(root=_tree(tmp_path / "c", "/app", {"/app": GIB}))
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    assert os.listdir(reg.folder) == [f"{os.getpid()}.json"]
+    reg.withdraw()
+
+
+def test_the_peers_folder_expands_the_home_and_says_when_it_cannot_be_made(tmp_path, monkeypatch, caplog):
+    import logging
+
+    capped = _tree(tmp_path / "c", "/app", {"/app": GIB})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", "~/peers")
+    reg = PeerRegistry(root=capped)
+    assert reg.folder.startswith(str(tmp_path / "home" / "peers") + os.sep)
+    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    assert not os.path.lexists(tmp_path / "~") and os.listdir(reg.folder) == [f"{os.getpid()}.json"]
+    reg.withdraw()
+    # A folder that cannot be made (under a file): said at WARNING, once.
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(tmp_path / "a-file" / "peers"))
+    caplog.set_level(logging.DEBUG, logger="mapoffload")
+    reg = PeerRegistry(root=capped)
+    for _ in range(2):
+        reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
+    said = [r for r in caplog.records if "peers' folder" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said
+    assert "a-file" in said[0].getMessage() and "MAPOFFLOAD_PEERS_DIR" in said[0].getMessage()

@@ -14,7 +14,7 @@ from stacks import mapped  # noqa: E402
 
 
 @pytest.mark.parametrize("reads", ["uncached", "mapping"])
-def test_offload_passes_stream_reads_to_a_streamed_rest(ckpt, reads):
+def test_offload_passes_reads_to_a_streamed_rest(ckpt, reads):
     path, x, want = ckpt
     model = mapped(path).eval()
     with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", reads=reads) as handle:
@@ -31,7 +31,7 @@ class _Pipe:
         self.components = components
 
 
-def test_offload_pipeline_passes_stream_reads_to_every_component(ckpt):
+def test_offload_pipeline_passes_reads_to_every_component(ckpt):
     path, x, want = ckpt
     a, b = mapped(path).eval(), mapped(path).eval()
     with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", reads="uncached") as handle:
@@ -41,7 +41,7 @@ def test_offload_pipeline_passes_stream_reads_to_every_component(ckpt):
             assert torch.equal(a(x), want) and torch.equal(b(x), want)
 
 
-def test_pipeline_from_pretrained_takes_stream_reads(tmp_path):
+def test_pipeline_from_pretrained_takes_reads(tmp_path):
     diffusers = pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
     torch.manual_seed(0)

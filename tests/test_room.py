@@ -306,3 +306,28 @@ def test_the_entry_points_plan_the_same_and_say_so(ckpt, cap):
         assert "part by part (the largest part 2.00 MiB" in " ".join(str(handle.summary()).split())
         with torch.no_grad():
             assert torch.equal(model(x), want)
+
+
+def test_the_rest_row_says_the_head_streamed_is_read_every_forward(ckpt, cap):
+    """With the head streamed, the stack's paragraph said the other weights are read and let go while
+    the rest row said 0 B read per forward and "stay cached": the row now follows the plan (before the
+    first forward) and the guard (after it)."""
+    import mapoffload
+
+    path, x, want = ckpt
+    cap(IN_USE + MARGIN + HEAD_BYTES + 1 * MIB)  # the head does not fit beside a part: it streams
+    model = mapped(path).eval()
+    with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
+        assert handle.managers["blocks"].residency.rest_streamed
+        for forwarded in (False, True):
+            if forwarded:
+                with torch.no_grad():
+                    assert torch.equal(model(x), want)
+            rest = next(r for r in handle.rows if r.unit == "rest")
+            assert (rest.read_per_forward, rest.cached_bytes) == (HEAD_BYTES, rest.mapped_bytes - HEAD_BYTES), rest
+            assert "stay cached" not in rest.residency and "let go after" in rest.residency, rest.residency
+    cap(IN_USE + MARGIN + HEAD_BYTES + 4 * LAYER_BYTES)  # room for the head: it stays cached
+    with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
+        assert not handle.managers["blocks"].residency.rest_streamed
+        rest = next(r for r in handle.rows if r.unit == "rest")
+        assert (rest.read_per_forward, rest.cached_bytes) == (0, rest.mapped_bytes) and "stay cached" in rest.residency

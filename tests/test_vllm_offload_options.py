@@ -66,11 +66,11 @@ def test_offload_options_parse():
     assert not _parse({}).cpu_twin
 
 
-def test_the_twin_is_the_variable_and_the_old_key_warns_naming_it(monkeypatch):
-    monkeypatch.delenv(ENV_CPU_TWIN, raising=False)
-    with pytest.warns(DeprecationWarning, match=ENV_CPU_TWIN):
-        old = LoaderOptions.parse({"offload_layers": 1, "cpu_twin": True})
-    assert old == _parse({"offload_layers": 1}, twin=True) and old.cpu_twin
+def test_the_twin_is_the_variable_and_the_old_key_is_refused(monkeypatch):
+    monkeypatch.setenv(ENV_CPU_TWIN, "1")
+    assert LoaderOptions.parse({"offload_layers": 1}) == _parse({"offload_layers": 1}, twin=True)
+    with pytest.raises(VllmLoadError, match=r"unknown key\(s\) \['cpu_twin'\]"):
+        LoaderOptions.parse({"offload_layers": 1, "cpu_twin": True})
     monkeypatch.setenv(ENV_CPU_TWIN, "0")
     assert not LoaderOptions.parse({}).cpu_twin
     monkeypatch.setenv(ENV_CPU_TWIN, "maybe")
@@ -94,7 +94,6 @@ def test_the_options_the_manager_is_handed_are_what_the_keys_and_the_engine_say(
     ({"offload_layers": True}, "offload_layers"),
     ({"offload_layers": 1.5}, "offload_layers"),
     ({"prefetch_layers": -1}, "['prefetch_layers'] must be a whole number >= 0"),
-    ({"cpu_twin": "yes"}, "['cpu_twin'] must be true, false or absent"),
     ({"offload_layers": 1, "keep_mapping": False}, "keep_mapping=false loads with vLLM's own loader and offloader: "
                                                    "offload_layers=1 is for"),
     ({"offload_layers": 1, "linear": "packed"}, "cannot go with linear='packed'"),
@@ -175,12 +174,6 @@ def test_what_the_engine_refuses_is_refused_together_naming_every_setting(extra,
         _request(extra, **kwargs)
     assert set(info.value.keys) == keys
     assert all(k in str(info.value) for k in keys)
-
-
-def test_the_old_twin_key_in_a_refusal_is_named_as_given():
-    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
-        LoaderOptions.parse({"cpu_twin": True, "keep_mapping": False})
-    assert info.value.keys == ("keep_mapping", "cpu_twin") and "cpu_twin=true" in str(info.value)
 
 
 def _loader(extra: dict) -> _Loader:

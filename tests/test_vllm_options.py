@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from mapoffload.vllm import VllmLoadError, VllmVersionError
-from mapoffload.vllm._options import DEPRECATED_KEYS, ENV_CPU_TWIN, KEYS, LoaderOptions
+from mapoffload.vllm._options import KEYS, LoaderOptions
 from mapoffload.vllm.loader import TESTED, _local_folder, _safetensors_files, check_version
 
 
@@ -22,8 +22,6 @@ def test_defaults_and_values():
 
 def test_the_keys_are_six_and_the_test_switch_is_not_one():
     assert list(KEYS) == ["keep_mapping", "linear", "stream_layers", "cache_dir", "offload_layers", "prefetch_layers"]
-    assert set(DEPRECATED_KEYS) == {"pack", "vnni", "cpu_twin"} and not set(DEPRECATED_KEYS) & set(KEYS)
-    assert ENV_CPU_TWIN in DEPRECATED_KEYS["cpu_twin"]
 
 
 @pytest.mark.parametrize("linear,keep,resolved,streams", [
@@ -38,35 +36,14 @@ def test_linear_values_decide_how_linear_layers_compute(linear, keep, resolved, 
     assert options.linear_for(keep) == resolved and options.streams(resolved) is streams
 
 
-@pytest.mark.parametrize("old,new", [
-    ({"pack": True}, {"linear": "packed"}),
-    ({"pack": False}, {"linear": "mapped"}),
-    ({"vnni": True}, {"linear": "vnni"}),
-    ({"pack": False, "vnni": True}, {"linear": "vnni"}),
-    ({"vnni": False}, {}),
-    ({"pack": True, "vnni": False}, {"linear": "packed"}),
-    ({"keep_mapping": True, "pack": False}, {"keep_mapping": True, "linear": "mapped"}),
-])
-def test_the_old_linear_keys_warn_naming_linear_and_mean_the_same(old, new, caplog):
-    with pytest.warns(DeprecationWarning, match="linear") as record:
-        options = LoaderOptions.parse(old)
-    assert len(record) == len(set(old) & set(DEPRECATED_KEYS))
-    assert all("is deprecated" in str(w.message) for w in record)
-    assert options == LoaderOptions.parse(new)
-    assert any("deprecated" in r.getMessage() and "linear" in r.getMessage()
-               for r in caplog.records if r.name == "mapoffload")  # and the log says so
-
-
-@pytest.mark.parametrize("extra,keys", [
-    ({"pack": True, "linear": "packed"}, {"pack", "linear"}),
-    ({"vnni": True, "linear": "mapped"}, {"vnni", "linear"}),
-    ({"pack": False, "vnni": True, "linear": "vnni"}, {"pack", "vnni", "linear"}),
-    ({"pack": True, "vnni": True}, {"pack", "vnni"}),
-])
-def test_an_old_key_with_linear_is_refused_naming_them_all(extra, keys):
-    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
-        LoaderOptions.parse(extra)
-    assert set(info.value.keys) == keys and all(k in str(info.value) for k in keys)
+@pytest.mark.parametrize("old", [{"pack": True}, {"vnni": True}, {"pack": False, "linear": "mapped"},
+                                 {"cpu_twin": True}])
+def test_the_old_keys_are_refused_as_unknown_listing_the_current_ones(old):
+    # Never released: no old key is kept (pack, vnni and cpu_twin were read with a DeprecationWarning).
+    with pytest.raises(VllmLoadError, match=r"unknown key\(s\) \['(pack|vnni|cpu_twin)'\]") as info:
+        LoaderOptions.parse(old)
+    assert info.value.keys == tuple(k for k in old if k != "linear")
+    assert "linear: how linear layers compute: 'packed'" in str(info.value) and "'vnni'" in str(info.value)
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -87,19 +64,6 @@ def test_bad_options_are_named(extra, needle):
     with pytest.raises(VllmLoadError) as info:
         LoaderOptions.parse(extra)
     assert needle in str(info.value)
-
-
-@pytest.mark.parametrize("extra,needle", [({"pack": 1}, "'pack'"), ({"vnni": "yes"}, "'vnni'")])
-def test_bad_values_of_the_old_keys_are_named(extra, needle):
-    with pytest.raises(VllmLoadError, match="must be true, false or absent") as info:
-        LoaderOptions.parse(extra)
-    assert needle in str(info.value)
-
-
-def test_an_old_key_in_a_conflict_is_named_as_given():
-    with pytest.warns(DeprecationWarning), pytest.raises(VllmLoadError) as info:
-        LoaderOptions.parse({"stream_layers": True, "pack": True})
-    assert info.value.keys == ("stream_layers", "pack") and "cannot go with pack=true" in str(info.value)
 
 
 def test_unknown_key_lists_the_known_ones():

@@ -49,7 +49,9 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
         return "cpu twin", ("CPU twin of the device pipeline: each layer copied through the copier into separate "
                             "CPU buffers, as a GPU run copies it (those buffers are host memory here)")
     return "in place", ("in place on the CPU: layers compute where the load left them (the file mapping, unless "
-                        "copies fit and the gate copies); no copy is made to run them")
+                        "copies fit and the gate copies); no copy of the weights is kept to run them, but the "
+                        "layers the page-cache plan streams may be read from the file into reused read-around "
+                        "buffers (anonymous memory: the growth the report shows)")
 
 
 def resolve_device(name: str | None):
@@ -128,12 +130,17 @@ def _judge_gate(kept: bool, keep: bool, size: int, available: int, say) -> list[
     The line it says is in terms of the host budget step 1 stated, not a second figure; a failure
     gives the bytes the rule was asked with."""
     reserve = f"less the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve"
-    if kept:
-        say(f"      the gate kept the checkpoint on the file mapping: host copies would not fit "
-            f"({format_bytes(size)} against the host budget {reserve})")
+    room = available - HOST_COPY_RESERVE_BYTES
+    if room <= 0:  # the budget less the reserve is no amount of room: say so, not a negative number
+        why = (f"the host budget is smaller than the {format_bytes(HOST_COPY_RESERVE_BYTES)} reserve the gate "
+               f"keeps for the rest of the process: no room for {format_bytes(size)} of copies")
     else:
-        say(f"      the gate copied the checkpoint into host memory: host copies fit "
-            f"({format_bytes(size)} against the host budget {reserve})")
+        why = (f"{format_bytes(size)} {'is more than' if kept else 'within'} the {format_bytes(room)} the host "
+               f"budget leaves {reserve}")
+    if kept:
+        say(f"      the gate kept the checkpoint on the file mapping: host copies would not fit ({why})")
+    else:
+        say(f"      the gate copied the checkpoint into host memory: host copies fit ({why})")
     against = f"{format_bytes(size)} against {format_bytes(available)} of host budget available {reserve}"
     if kept and not keep:
         return [f"the gate kept the checkpoint mapped where host copies fit ({against})"]

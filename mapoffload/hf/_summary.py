@@ -267,10 +267,13 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
 
 
 def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[torch.Tensor],
-               device: torch.device, why: str) -> OffloadRow:
+               device: torch.device, why: str, streamed: int = 0) -> OffloadRow:
     """The row of the tensors placed whole: on the device (``originals``: their
-    host data, kept for ``close()``), or on the CPU left where they are."""
+    host data, kept for ``close()``), or on the CPU left where they are.
+    ``streamed``: of their mapped bytes, those each forward reads and lets go
+    (on the CPU only)."""
     mapped, anonymous, pinned, on_device, total, written = measure(tensors)
+    read = 0
     if device.type != "cpu":
         kept = measure(originals)
         mapped, anonymous, pinned, written = kept.mapped, kept.anonymous, kept.pinned, kept.written
@@ -278,11 +281,18 @@ def placed_row(unit: str, tensors: Sequence[torch.Tensor], originals: Sequence[t
         residency = "no file pages read by forwards" if not mapped else "host originals only read by close()"
     else:
         where = "left where it is (the device is the CPU)"
-        residency = ("its file pages are read every forward and stay cached" if mapped
-                     else "no file pages to keep cached or re-read")
+        read = min(streamed, mapped)
+        if read:
+            kept = "" if read == mapped else f"; the other {format_bytes(mapped - read)} of its file pages stay cached"
+            residency = (f"{format_bytes(read)} of its file pages (the weights every forward reads whole) are read "
+                         f"from the file every forward as their modules run and let go after: the page-cache "
+                         f"plan leaves them no room beside the streaming window{kept}")
+        else:
+            residency = ("its file pages are read every forward and stay cached" if mapped
+                         else "no file pages to keep cached or re-read")
     return OffloadRow(unit, PLACED, None, mapped, anonymous, pinned, on_device, total,
-                      mapped if device.type == "cpu" else 0, 0, where, residency, why + _written_words(written),
-                      written_bytes=written)
+                      mapped - read if device.type == "cpu" else 0, read, where, residency,
+                      why + _written_words(written), written_bytes=written)
 
 
 # --- the table ------------------------------------------------------------------------------

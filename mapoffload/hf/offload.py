@@ -13,6 +13,7 @@ put the layers' real weights back, and placed tensors get their host data back
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes, logger
@@ -57,6 +58,18 @@ def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]
     return out
 
 
+def _rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
+    """Bytes of the weights outside the stacks (a head) that each forward reads in as their modules
+    run and lets go after, because the page-cache plan leaves them no room beside the streaming window
+    (``ResidencyPlan.rest_streamed``): what the stack's guard streams once a forward set it up
+    (:attr:`~mapoffload.offload.rest.RestGuard.streamed_bytes`), the plan's always-read bytes before."""
+    for m in managers:
+        plan = m.residency
+        if plan is not None and plan.rest_streamed:
+            return m.rest.streamed_bytes if m.rest.streaming else plan.always_bytes
+    return 0
+
+
 class OffloadHandle:
     """What :func:`offload` set up: its managers and the placed tensors.
 
@@ -91,7 +104,8 @@ class OffloadHandle:
             params, buffers = _rest_tensors(self.model)
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]
-            rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed]))
+            rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed],
+                                   streamed=_rest_streamed_bytes(self.managers.values()) if placed == "rest" else 0))
         buffers = buffers_row(self.managers.values(), self.model)
         if buffers is not None:
             rows.append(buffers)

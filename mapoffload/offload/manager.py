@@ -290,18 +290,6 @@ class LayerwiseOffloadManager:
         """Why streamed layers are read as they are."""
         return self._reads.why
 
-    @property
-    def stream_reads(self) -> str:
-        """Deprecated: :attr:`read_mode`."""
-        _deprecated("manager.stream_reads", "manager.read_mode")
-        return self.read_mode
-
-    @property
-    def stream_reads_why(self) -> str:
-        """Deprecated: :attr:`read_mode_why`."""
-        _deprecated("manager.stream_reads_why", "manager.read_mode_why")
-        return self.read_mode_why
-
     # -- host weights (host_edits.py) ------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
         try:
@@ -381,8 +369,3 @@ class LayerwiseOffloadManager:
             f"{format_bytes(self.pageable_bytes)} pageable)"
         )
 
-
-def _deprecated(old: str, new: str) -> None:
-    import warnings
-
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=3)

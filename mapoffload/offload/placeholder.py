@@ -119,6 +119,8 @@ class OffloadedWeight(torch.nn.Parameter):
             return out
         elif name in _MOVES and args and isinstance(args[0], OffloadedWeight):
             return _move(args[0], name, args[1:], kwargs)
+        elif name == "share_memory_" and args and isinstance(args[0], OffloadedWeight):
+            raise OffloadedCopyError(share_refusal(owner_of(args[0]), args[0]._mo_name))
         else:
             what = f"used by {what}"
         raise RuntimeError(_message(_first(args, kwargs), what))
@@ -222,9 +224,9 @@ def _conversion_message(w: OffloadedWeight, dtype: torch.dtype) -> str:
 
 
 class OffloadedCopyError(RuntimeError, TypeError):
-    """An offloaded model (or one of its layers or placeholders) copied or pickled: refused, naming the call
-    that gives the model back first. A ``TypeError`` (what ``pickle`` raises for what it cannot pickle) and
-    a ``RuntimeError``."""
+    """An offloaded model (or one of its layers or placeholders) copied, pickled or moved into shared
+    memory (``share_memory()``): refused, naming the call that gives the model back first. A
+    ``TypeError`` (what ``pickle`` raises for what it cannot pickle) and a ``RuntimeError``."""
 
 
 def copy_refusal(manager: object | None, what: str, w: OffloadedWeight | None = None) -> str:
@@ -349,12 +351,37 @@ def guard_conversions(model: torch.nn.Module) -> None:
     """
     for m in model.modules():
         patches.install(m, "_apply", functools.partial(_guarded_apply, m))
+        patches.install(m, "share_memory", functools.partial(_guarded_share_memory, m))
 
 
 def unguard_conversions(model: torch.nn.Module) -> None:
     """Undo one :func:`guard_conversions`."""
     for m in model.modules():
         patches.uninstall(m, "_apply")
+        patches.uninstall(m, "share_memory")
+
+
+def share_refusal(manager: object | None, name: str | None) -> str:
+    """The one message for ``share_memory()`` of an offloaded model, a layer or a weight."""
+    close = (manager.calls.close if manager is not None else None) or "manager.close()"
+    where = f" ({name} is one of its offloaded weights)" if name else ""
+    return (f"share_memory() of an offloaded model{where} is refused: it would move each weight into a "
+            "shared-memory copy of it. A weight on the checkpoint's file mapping is the file's private pages, "
+            "which cannot become shared memory without that copy (and the offload keeps the weights where it "
+            "placed them); processes that map the same checkpoint already share its page cache: load it mapped "
+            f"in each. Call {close} first to share the plain model's weights (copied).")
+
+
+def _guarded_share_memory(module: torch.nn.Module) -> torch.nn.Module:
+    """``Module.share_memory()`` refused before anything moves when an offloaded weight is below
+    ``module`` (the real parameters in place, or a loaded device layer's, would be copied into
+    shared memory, the placeholders would raise half way); a module holding none is shared."""
+    for p in module.parameters():
+        held, manager = offloaded_by(p)
+        if held:
+            w = p if isinstance(p, OffloadedWeight) else p.__dict__.get(_STAND_IN)
+            raise OffloadedCopyError(share_refusal(manager, getattr(w, "_mo_name", None)))
+    return type(module).share_memory(module)
 
 
 def managed(t: torch.Tensor) -> bool:

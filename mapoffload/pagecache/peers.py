@@ -8,10 +8,12 @@ waits for anybody: each process reads the others' latest records when it
 plans. A record whose process is gone (or whose pid was reused: the start
 time differs) is ignored and removed.
 
-Processes are peers when they share the tightest memory cgroup, the one
-the budget plans against (they draw on one cap; uncapped, on the machine) -
-the record folder is named after it - and a pid namespace (where a record's
-pid names its writer).
+Processes are peers when they share the tightest capped memory cgroup, the
+one the budget plans against (they draw on one cap) - the record folder is
+named after it - and a pid namespace (where a record's pid names its writer).
+A process under no cap has no peers: there is no cap to split, and any other
+process of this user on the host (an unrelated one included) would otherwise
+be taken for a rank.
 """
 
 from __future__ import annotations
@@ -46,15 +48,15 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _cgroup_key(root: str = "/") -> str:
+def _cgroup_key(root: str = "/") -> str | None:
     """The folder's name: the cgroup whose cap the budget plans against, and this process's namespaces.
 
     That cgroup is the tightest capped one on this process's path
-    (:func:`~mapoffload._cgroup.tightest_cgroup`, the one the budget reads),
-    not the leaf: processes in sibling cgroups under one capped parent draw
-    on one cap and must split it. Uncapped, every process draws on the
-    machine: they are all peers. It is read once, when the registry is made
-    (a record folder that changed under a running plan would lose its peers).
+    (:func:`~mapoffload.memory.cgroup.tightest_cgroup`, the one the budget
+    reads), not the leaf: processes in sibling cgroups under one capped
+    parent draw on one cap and must split it. None when no cap applies: no
+    cap, no peers. It is read once, when the registry is made (a record
+    folder that changed under a running plan would lose its peers).
 
     A record's pid and start time mean something only to processes of the
     same pid namespace (elsewhere the pid is another process, or none, and a
@@ -63,7 +65,9 @@ def _cgroup_key(root: str = "/") -> str:
     its own reads ``0::/``): both namespaces are part of the key.
     """
     level = tightest_cgroup(root=root)
-    text = "uncapped" if level is None else f"{level.version}:{level.path}"
+    if level is None:
+        return None
+    text = f"{level.version}:{level.path}"
     for ns in ("pid", "cgroup"):
         try:
             text += "\n" + os.readlink(f"/proc/self/ns/{ns}")
@@ -217,22 +221,34 @@ class PeerRegistry:
     ``/dev/shm`` is writable by everyone, and a folder made there beforehand
     by another user (or a link to somewhere else) would let them feed this
     process records, or make it write and remove files where they point.
+
+    Under no cap, ``folder`` is None: nothing is published nor read.
+    ``MAPOFFLOAD_PEERS_DIR`` has ``~`` expanded (a unit file or a quoted
+    assignment leaves it to the program, as ``MAPOFFLOAD_CONVERT_DIR``'s).
     """
 
     def __init__(self, folder: str | None = None, *, root: str = "/") -> None:
+        self._levels: tuple[str, ...] = ()
         if folder is None:
-            base = os.environ.get(ENV_PEERS_DIR) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
-            folder = os.path.join(top, _cgroup_key(root))
-            self._levels = (top, folder)
+            key = _cgroup_key(root)
+            if key is not None:
+                base = os.path.expanduser(os.environ.get(ENV_PEERS_DIR) or "") \
+                    or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+                top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
+                folder = os.path.join(top, key)
+                self._levels = (top, folder)
         else:
             self._levels = (folder,)
         self.folder = folder
         self._mine: str | None = None
         self._refused = False
+        self._unmade = False
 
     def _safe(self, make: bool = False) -> bool:
-        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``."""
+        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``.
+        False under no cap (no folder)."""
+        if not self._levels:
+            return False
         if make:
             try:
                 os.makedirs(os.path.dirname(self._levels[0]), exist_ok=True)
@@ -242,7 +258,11 @@ class PeerRegistry:
                     except FileExistsError:
                         pass
             except OSError as e:
-                logger.debug("could not make the page-cache peers' folder %s: %s", self.folder, e)
+                if not self._unmade:  # once: a plan publishes at every change
+                    self._unmade = True
+                    logger.warning("could not make the page-cache peers' folder %s (%s): other processes under "
+                                   "this cap are not planned with; set %s to a folder this user can write",
+                                   self.folder, e, ENV_PEERS_DIR)
                 return False
         for level in self._levels:
             if not _private(level):
@@ -300,6 +320,8 @@ class PeerRegistry:
         """
         mine = f"{os.getpid()}.json"
         out = []
+        if self.folder is None:
+            return ()
         try:
             with os.scandir(self.folder) as entries:
                 for e in entries:

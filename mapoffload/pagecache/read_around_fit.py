@@ -4,7 +4,7 @@ Read-around buffers (``O_DIRECT``) are anonymous memory: with the other stacks' 
 room the page-cache plan has for the layers (never in the cached set's thin share of the margin,
 which the kernel may need back), and the plan that charges them must stream no more than the one
 through the mapping (buffers that push cached layers out read more). The coordinator asks this for
-``stream_reads="auto"`` (:meth:`~mapoffload.pagecache.coordinator.PageCacheCoordinator.read_around_fits`);
+``reads="auto"`` (:meth:`~mapoffload.pagecache.coordinator.PageCacheCoordinator.read_around_fits`);
 a manager with a share of its own (``page_cache_bytes``) is not weighed here.
 """
 

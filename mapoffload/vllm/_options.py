@@ -1,8 +1,8 @@
 """The mapoffload load format's options: read from vLLM's ``model_loader_extra_config``, checked
 and refused here, and only here.
 
-:meth:`LoaderOptions.parse` reads the extra config (every key's value, the deprecated keys, the
-keys that cannot go together); :meth:`LoaderOptions.plan` adds what the engine's configuration
+:meth:`LoaderOptions.parse` reads the extra config (every key's value, the keys that cannot go
+together); :meth:`LoaderOptions.plan` adds what the engine's configuration
 says (:class:`EngineFacts`: the device, ``--cpu-offload-gb``, ``--enforce-eager``, ...) and
 returns what to load, with the :class:`~mapoffload.OffloadOptions` the device path hands its
 managers whole. Each refuses everything it finds at once: one :class:`VllmLoadError` naming
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from .._log import logger
 from ..options import OffloadOptions
 from ._errors import VllmLoadError
 
-__all__ = ["DEPRECATED_KEYS", "ENV_CPU_TWIN", "EngineFacts", "EnginePlan", "KEYS", "LINEAR", "LoaderOptions",
+__all__ = ["ENV_CPU_TWIN", "EngineFacts", "EnginePlan", "KEYS", "LINEAR", "LoaderOptions",
            "OffloadRequest"]
 
 KEYS = {
@@ -50,10 +49,7 @@ LINEAR = ("packed", "mapped", "vnni")
 # The tests' switch: on vLLM's CPU backend, the offloaded layers run through the device pipeline's CPU twin
 # (copied through the copier into separate buffers each forward, as on a GPU). Read by LoaderOptions.parse.
 ENV_CPU_TWIN = "MAPOFFLOAD_VLLM_CPU_TWIN"
-# Keys given up, still read with a DeprecationWarning (and a log line) naming what replaces them.
-DEPRECATED_KEYS = {"pack": "linear ('packed' for true, 'mapped' for false)", "vnni": "linear='vnni'",
-                   "cpu_twin": f"the environment variable {ENV_CPU_TWIN}=1 (a test switch)"}
-_FLAGS = ("keep_mapping", "stream_layers", "pack", "vnni", "cpu_twin")
+_FLAGS = ("keep_mapping", "stream_layers")
 
 
 @dataclass(frozen=True)
@@ -150,19 +146,11 @@ def _env_twin() -> bool:
                                                    "pipeline's CPU twin on vLLM's CPU backend), 0 or unset")
 
 
-def _deprecated(key: str, value: Any) -> None:
-    message = (f"model_loader_extra_config[{key!r}] is deprecated (given {value!r}): use "
-               f"{DEPRECATED_KEYS[key]}")
-    warnings.warn(message, DeprecationWarning, stacklevel=3)  # here, parse, parse's caller
-    logger.warning("mapoffload: %s", message)
-
-
 @dataclass(frozen=True)
 class LoaderOptions:
     """What ``model_loader_extra_config`` asked for (each value checked once, in :meth:`parse`).
 
-    ``prefetch_layers`` None: not given (1 ahead); ``cpu_twin``: :data:`ENV_CPU_TWIN` (or the
-    deprecated key). ``spelled`` says how each option was given, for the messages.
+    ``prefetch_layers`` None: not given (1 ahead); ``cpu_twin``: :data:`ENV_CPU_TWIN`.
     """
 
     keep_mapping: bool | None = None
@@ -172,15 +160,12 @@ class LoaderOptions:
     offload_layers: int | None = None
     prefetch_layers: int | None = None
     cpu_twin: bool = False
-    spelled: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
-    # -- how an option was given: (the key as given, the key and its value as shown) --------------------------
+    # -- how an option was given: the key (the variable, for cpu_twin), the key and its value as shown --------
     def _key(self, name: str) -> str:
-        return self.spelled.get(name, (ENV_CPU_TWIN if name == "cpu_twin" else name, ""))[0]
+        return ENV_CPU_TWIN if name == "cpu_twin" else name
 
     def _shown(self, name: str) -> str:
-        if name in self.spelled:
-            return self.spelled[name][1]
         if name == "cpu_twin":
             return f"{ENV_CPU_TWIN}=1"
         value = getattr(self, name)
@@ -218,7 +203,7 @@ class LoaderOptions:
         if odd:  # JSON keys are text; a dict built in Python may hold anything
             raise VllmLoadError(f"model_loader_extra_config: keys must be text, not {odd!r} (it takes "
                                 f"{', '.join(KEYS)})", keys=tuple(map(repr, odd)))
-        unknown = sorted(set(extra) - set(KEYS) - set(DEPRECATED_KEYS))
+        unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             close = difflib.get_close_matches(unknown[0], list(KEYS), n=1)
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
@@ -239,32 +224,9 @@ class LoaderOptions:
             if value is not None and (type(value) is not int or value < low):
                 raise VllmLoadError(f"model_loader_extra_config[{key!r}] must be a whole number >= {low} or absent, "
                                     f"got {value!r}", keys=(key,))
-        for key in DEPRECATED_KEYS:
-            if key in extra:
-                _deprecated(key, extra[key])
-
         refusals = _Refusals("model_loader_extra_config: ")
-        spelled: dict[str, tuple[str, str]] = {}
-        old = [k for k in ("pack", "vnni") if extra.get(k) is not None]
-        if old and linear is not None:
-            refusals.add(old + ["linear"], f"{_listed(old)} {'is' if len(old) == 1 else 'are'} the deprecated "
-                                           f"spelling of linear: give linear={linear!r} only")
-        elif extra.get("pack") is True and extra.get("vnni") is True:
-            refusals.add(["pack", "vnni"], "pack=true (linear='packed': oneDNN's own packing) and vnni=true "
-                                           "(linear='vnni') ask two ways for the linear layers: give one of them "
-                                           "as linear")
-        elif extra.get("vnni") is True:
-            linear = "vnni"
-            spelled["linear"] = ("vnni", "vnni=true")
-        elif extra.get("pack") is not None:
-            linear = "packed" if extra["pack"] else "mapped"
-            spelled["linear"] = ("pack", f"pack={str(extra['pack']).lower()}")
-        twin = _env_twin()
-        if extra.get("cpu_twin") is not None:
-            twin = extra["cpu_twin"]  # the deprecated key, where given, over the variable
-            spelled["cpu_twin"] = ("cpu_twin", f"cpu_twin={str(twin).lower()}")
         options = cls(extra.get("keep_mapping"), linear, cache_dir, extra.get("stream_layers"),
-                      extra.get("offload_layers"), extra.get("prefetch_layers"), twin, spelled)
+                      extra.get("offload_layers"), extra.get("prefetch_layers"), _env_twin())
         options._refuse_keys(refusals)
         refusals.raise_any()
         return options
