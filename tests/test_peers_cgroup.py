@@ -165,25 +165,23 @@ def test_processes_in_sibling_cgroups_under_one_real_cap_split_its_budget(tmp_pa
 
 # -- no cap, no peers; the folder's name ----------------------------------------------------------
 
-def test_processes_under_no_cap_are_no_peers(tmp_path, monkeypatch):
-    # Uncapped, another process of this user on the host (an unrelated one) was counted as a rank
-    # and the plan said "split with 1 other rank under this cap" where no cap applied.
+def test_processes_under_no_cap_are_peers_on_this_host_and_said_so(tmp_path, monkeypatch):
+    """Issue 41: uncapped, the plan said "split with 1 other rank under this cap" where no cap applied.
+    Uncapped processes of this user still draw on one machine (two ranks of one job would otherwise
+    each plan the whole of it): they are peers, keyed apart from any cap, and the words say where."""
+    from mapoffload.pagecache.coordinator import PageCacheCoordinator
+
     base = tmp_path / "shm"
     base.mkdir()
     monkeypatch.setenv("MAPOFFLOAD_PEERS_DIR", str(base))
-    uncapped = _tree(tmp_path / "u", "/app", {})
-    assert tightest_cgroup(root=uncapped) is None
-    reg = PeerRegistry(root=uncapped)
-    assert reg.folder is None
-    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
-    assert os.listdir(base) == []  # no record to be found by anyone
-    assert reg.peers() == [] and reg.stamp() == ()
-    reg.withdraw()
-    # Under a cap, the same calls publish.
-    reg = PeerRegistry(root=_tree(tmp_path / "c", "/app", {"/app": GIB}))
-    reg.publish([(1, 2, 0, 4096)], 4096, 0, 0)
-    assert os.listdir(reg.folder) == [f"{os.getpid()}.json"]
-    reg.withdraw()
+    uncapped = PeerRegistry(root=_tree(tmp_path / "u", "/app", {}))
+    capped = PeerRegistry(root=_tree(tmp_path / "c", "/app", {"/app": GIB}))
+    assert uncapped.folder != capped.folder
+    coord = PageCacheCoordinator()
+    coord.ranks = [object()]
+    assert "split with 1 other rank on this host (no cgroup cap)" in coord.describe()
+    coord._cap = GIB
+    assert "split with 1 other rank under this cap" in coord.describe()
 
 
 def test_the_peers_folder_expands_the_home_and_says_when_it_cannot_be_made(tmp_path, monkeypatch, caplog):

@@ -418,7 +418,8 @@ class PageCacheCoordinator:
                 + (f"; {format_bytes(self.working_buffers)} of staging and CPU-twin buffers charged"
                    if self.working_buffers else ""))
         if self.ranks:
-            text += f"; split with {len(self.ranks)} other rank{'s' if len(self.ranks) != 1 else ''} under this cap"
+            where = "under this cap" if self._cap is not None else "on this host (no cgroup cap)"
+            text += f"; split with {len(self.ranks)} other rank{'s' if len(self.ranks) != 1 else ''} {where}"
         if self.replicas:
             text += f"; cached set shared with {len(self.replicas)} replica{'s' if len(self.replicas) != 1 else ''}"
         return text

@@ -8,12 +8,12 @@ waits for anybody: each process reads the others' latest records when it
 plans. A record whose process is gone (or whose pid was reused: the start
 time differs) is ignored and removed.
 
-Processes are peers when they share the tightest capped memory cgroup, the
-one the budget plans against (they draw on one cap) - the record folder is
-named after it - and a pid namespace (where a record's pid names its writer).
-A process under no cap has no peers: there is no cap to split, and any other
-process of this user on the host (an unrelated one included) would otherwise
-be taken for a rank.
+Processes are peers when they share the tightest memory cgroup, the one
+the budget plans against (they draw on one cap; uncapped, on the machine:
+two ranks of one job on a host without a cap would otherwise each plan the
+whole machine's memory) - the record folder is named after it - and a pid
+namespace (where a record's pid names its writer). The plan's words say
+which: "under this cap", or "on this host (no cgroup cap)".
 """
 
 from __future__ import annotations
@@ -48,15 +48,16 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _cgroup_key(root: str = "/") -> str | None:
+def _cgroup_key(root: str = "/") -> str:
     """The folder's name: the cgroup whose cap the budget plans against, and this process's namespaces.
 
     That cgroup is the tightest capped one on this process's path
     (:func:`~mapoffload.memory.cgroup.tightest_cgroup`, the one the budget
     reads), not the leaf: processes in sibling cgroups under one capped
-    parent draw on one cap and must split it. None when no cap applies: no
-    cap, no peers. It is read once, when the registry is made (a record
-    folder that changed under a running plan would lose its peers).
+    parent draw on one cap and must split it. Uncapped, every process of
+    this user draws on the machine: they are all peers. It is read once,
+    when the registry is made (a record folder that changed under a running
+    plan would lose its peers).
 
     A record's pid and start time mean something only to processes of the
     same pid namespace (elsewhere the pid is another process, or none, and a
@@ -65,9 +66,7 @@ def _cgroup_key(root: str = "/") -> str | None:
     its own reads ``0::/``): both namespaces are part of the key.
     """
     level = tightest_cgroup(root=root)
-    if level is None:
-        return None
-    text = f"{level.version}:{level.path}"
+    text = "uncapped" if level is None else f"{level.version}:{level.path}"
     for ns in ("pid", "cgroup"):
         try:
             text += "\n" + os.readlink(f"/proc/self/ns/{ns}")
@@ -222,21 +221,17 @@ class PeerRegistry:
     by another user (or a link to somewhere else) would let them feed this
     process records, or make it write and remove files where they point.
 
-    Under no cap, ``folder`` is None: nothing is published nor read.
     ``MAPOFFLOAD_PEERS_DIR`` has ``~`` expanded (a unit file or a quoted
     assignment leaves it to the program, as ``MAPOFFLOAD_CONVERT_DIR``'s).
     """
 
     def __init__(self, folder: str | None = None, *, root: str = "/") -> None:
-        self._levels: tuple[str, ...] = ()
         if folder is None:
-            key = _cgroup_key(root)
-            if key is not None:
-                base = os.path.expanduser(os.environ.get(ENV_PEERS_DIR) or "") \
-                    or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-                top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
-                folder = os.path.join(top, key)
-                self._levels = (top, folder)
+            base = os.path.expanduser(os.environ.get(ENV_PEERS_DIR) or "") \
+                or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
+            folder = os.path.join(top, _cgroup_key(root))
+            self._levels = (top, folder)
         else:
             self._levels = (folder,)
         self.folder = folder
@@ -245,10 +240,7 @@ class PeerRegistry:
         self._unmade = False
 
     def _safe(self, make: bool = False) -> bool:
-        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``.
-        False under no cap (no folder)."""
-        if not self._levels:
-            return False
+        """Whether the folder (and the per-user one above it) is this user's alone; made first when ``make``."""
         if make:
             try:
                 os.makedirs(os.path.dirname(self._levels[0]), exist_ok=True)
@@ -320,8 +312,6 @@ class PeerRegistry:
         """
         mine = f"{os.getpid()}.json"
         out = []
-        if self.folder is None:
-            return ()
         try:
             with os.scandir(self.folder) as entries:
                 for e in entries:
