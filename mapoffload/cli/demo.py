@@ -81,9 +81,8 @@ def _warm_up(Model, folder: str, device, cpu_twin: bool, copies: bool) -> None:
     """One forward of a one-layer model through the same pipeline, before the baseline.
 
     A process pays once for the library's first use, whatever the model:
-    TorchDynamo (imported by the hooks, so that ``torch.compile`` works on
-    offloaded models; ~66 MiB), the library's own modules, the worker threads'
-    stacks and malloc arenas (which glibc keeps for the threads that follow).
+    the library's own modules, the worker threads' stacks and malloc arenas
+    (which glibc keeps for the threads that follow).
     The demo measures it here and says it, apart from the budget.
     """
     import torch
@@ -269,12 +268,10 @@ def _load(cfg: DemoConfig, run: _Setup, w: _Written, tmp: str, say, failures: li
 
     say("[3/5] load_checkpoint under empty_weights(), the gate deciding")
     before = _held_anon_bytes()
-    import torch._dynamo  # noqa: F401  (counted in the first use: the hooks import it)
-
     _warm_up(run.Model, tmp, run.device, cfg.cpu_twin, run.copies)
     first_use = _held_anon_bytes() - before
     say(f"      first use of the library, measured on a one-layer warm-up and not counted in the budget: "
-        f"{format_bytes(first_use)} (TorchDynamo, imported by the hooks; the library's modules; "
+        f"{format_bytes(first_use)} (the library's modules; "
         "worker threads' stacks and arenas)")
     with empty_weights():
         model = run.Model(cfg.layers, cfg.width)
