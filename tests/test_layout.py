@@ -1,8 +1,8 @@
 """The package's layout: one-way imports and small modules (issue 25).
 
 Every ``import`` of ``mapoffload``'s own modules, at any depth in a module (a function's lazy import
-too, not those under ``if TYPE_CHECKING:``), is an edge of the module graph. The graph has no
-circle; the layers import downward only (running -> page cache -> memory, and loading -> memory):
+too), is an edge of the module graph. The graph has no circle, counting the imports under
+``if TYPE_CHECKING:`` too (issue 42: two modules that name each other's types are one concept split); the layers import downward only (running -> page cache -> memory, and loading -> memory):
 ``mapoffload.memory`` imports neither ``loading``, ``pagecache`` nor ``offload``,
 ``mapoffload.pagecache`` does not import ``offload``, ``mapoffload.loading`` imports none of
 ``pagecache``, ``offload``, ``hf``, ``vllm``; ``mapoffload.conversion`` (the conversion cache ``hf``
@@ -47,12 +47,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def _imports(tree: ast.AST, typing: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import in ``tree``, at any depth; those under ``if TYPE_CHECKING:`` only when ``typing``."""
     found: list = []
 
     def walk(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if not typing and isinstance(child, ast.If) and _is_type_checking(child):
                 for other in child.orelse:
                     walk_one(other)
                 continue
@@ -67,8 +68,8 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def module_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports."""
+def module_graph(typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``typing``: those it imports for its annotations too)."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -77,7 +78,7 @@ def module_graph() -> dict[str, set[str]]:
             package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
             with open(path) as f:
                 tree = ast.parse(f.read(), path)
-            for node in _imports(tree):
+            for node in _imports(tree, typing):
                 if isinstance(node, ast.Import):
                     edges.update(a.name for a in node.names if a.name in modules)
                     continue
@@ -148,6 +149,14 @@ def test_the_graph_sees_the_imports():
 
 def test_no_import_circle():
     assert _circles(module_graph()) == []
+
+
+def test_no_import_circle_counting_annotations():
+    assert _circles(module_graph(typing=True)) == []
+
+
+def test_the_annotations_graph_sees_type_checking_imports():
+    assert "mapoffload.offload.sequencer" in module_graph(typing=True)["mapoffload.offload.manager"]
 
 
 def test_a_circle_is_found():

@@ -7,15 +7,14 @@
   ``grads``: autograd through managed layers.
 - ``parts``: one stack's parts, made and closed together.
 - ``sequencer``: loaded, kept, the streaming window; enter / exit / prefetch / release (no hooks, no
-  policy). ``steps``: the per-forward policy the hooks run; ``turn``: the layer turn and the hooks.
+  policy); the host weights read and replaced, by the manager's methods or by the user in the model
+  (``adopt_edits``). ``steps``: the per-forward policy the hooks run; ``turn``: the layer turn and the hooks.
 - targets x sources: where a layer computes - ``loads`` (the ``Load`` record; in place) or
   ``device_copies`` (device buffers, ``device_pool``) - and where its bytes come from - ``sources``
   (the read-around source; the mapping is ``pagecache.read_source``); ``buffers``: what they hold on the host.
 - ``rest``: the mapped weights outside the layers. The stack's pages (``pagecache.layer_pages``) and
   how its streamed layers are read (``pagecache.read_policy``, the ``auto`` policy) are page-cache
   policy, in ``mapoffload.pagecache``.
-- ``host_edits``: the host weights read and replaced, by the manager's methods or by the user in the
-  model (``adopt_edits``).
 
 ``mapoffload.offload`` is also the Hugging Face entry point's name in ``mapoffload``'s namespace
 (a lazy attribute there); this package stays importable as ``mapoffload.offload``.

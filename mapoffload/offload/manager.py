@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from .._checks import check_count
 from .._log import format_bytes
 from ..pagecache.coordinator import coordinator
-from . import host_edits
 from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_keywords
 from .options import make_copier, resolve
 from .parts import Parts
+from .sequencer import checksum, iter_cpu_weights, sync_layer_to_cpu, update_cpu_weights
 from .errors import CallNames
 from .stores import MAPPED, LayerStore, Weight, host_bytes
 
@@ -290,7 +290,7 @@ class LayerwiseOffloadManager:
         """Why streamed layers are read as they are."""
         return self._reads.why
 
-    # -- host weights (host_edits.py) ------------------------------------------------------
+    # -- host weights (sequencer.py) -------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
         try:
             return self._by_name[name]
@@ -308,18 +308,18 @@ class LayerwiseOffloadManager:
 
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, host tensor)`` for every managed weight, mapped ones included (a weight the user
-        replaced in the model is adopted first: see :func:`~mapoffload.offload.host_edits.adopt_edits`)."""
+        replaced in the model is adopted first: see :func:`~mapoffload.offload.sequencer.adopt_edits`)."""
         self._adopt_all()
-        return host_edits.iter_cpu_weights(self._stores)
+        return iter_cpu_weights(self._stores)
 
     def cpu_weights_checksum(self) -> str:
         """SHA-256 over names and host bytes: the same whether a weight is mapped or copied."""
-        return host_edits.checksum(self.iter_cpu_weights())
+        return checksum(self.iter_cpu_weights())
 
     def sync_layer_to_cpu(self, i: int) -> None:
         """Write layer ``i``'s device weights back to its host stores (never a mapped one: see
-        :func:`~mapoffload.offload.host_edits.sync_layer_to_cpu`)."""
-        host_edits.sync_layer_to_cpu(self._seq, self._check_index(i))
+        :func:`~mapoffload.offload.sequencer.sync_layer_to_cpu`)."""
+        sync_layer_to_cpu(self._seq, self._check_index(i))
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor, the file is never written.
@@ -327,9 +327,9 @@ class LayerwiseOffloadManager:
         A loaded layer's device copy is updated as well; a value of another dtype is converted when
         that loses no kind of information (``torch.can_cast``). Raises ``KeyError`` (not a managed
         weight), ``ValueError`` (another shape, a meta value), ``TypeError`` (not a tensor, a dtype
-        that cannot be cast): see :func:`~mapoffload.offload.host_edits.update_cpu_weights`.
+        that cannot be cast): see :func:`~mapoffload.offload.sequencer.update_cpu_weights`.
         """
-        host_edits.update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight,
+        update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight,
                                       device=self.device)
 
     # -- teardown --------------------------------------------------------------------------

@@ -1,17 +1,38 @@
-"""The sequencer: which of a stack's layers are loaded, which are kept, and what a step loads.
+"""The sequencer: which of a stack's layers are loaded, which are kept, what a step loads, and the
+user's edits to the stack's weights.
 
 It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready), the
 layers kept by ``load_all_layers`` and the streaming window a step reads ahead, and drives the load
 path (``loads``: in place or device copies, each read through the mapping or around the page cache)
 and the parameter slots (:class:`~mapoffload.offload.slots.Slots`) through their interfaces. No
 hooks (``turn.py``), no policy (``steps.py``: autograd, the reads policy, once-per-forward checks).
+
+Host weights read and replaced (below the class): the manager's ``iter_cpu_weights``,
+``cpu_weights_checksum``, ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
+replacements (:func:`adopt_edits`), which work on the sequencer's loads and slots and so live beside it.
+A mapped weight is never written (a write would turn its pages anonymous): a sync skips it, an
+update replaces it with an owned tensor and never writes to the file.
+
+A weight the user replaces in the model between forwards (``layer.weight = nn.Parameter(new)``,
+``layer.weight.data = new``, ``model.load_state_dict(sd, assign=True)``, or an in-place update of a
+loaded layer's values) is the weight that computes from then on: the sequencer finds the edit
+(:meth:`~mapoffload.offload.slots.Slots.edits`) before it loads, releases or gives back the layer, and
+:func:`adopt_edits` takes it - in place (``device="cpu"``) the new parameter itself becomes the weight
+(an owned tensor, ``strided``), on the device path its values are written into the host store - or
+refuses it with a :class:`ReplacedWeightError` naming the weight and what is wrong (another shape,
+dtype or device, no values, a weight offloaded already).
 """
+
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from .stores import MAPPED, LayerStore
+from .._log import logger
+from .errors import ReplacedWeightError
+from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +42,8 @@ if TYPE_CHECKING:
     from .loads import Load, Target
     from .slots import Slots
 
-__all__ = ["Sequencer"]
+__all__ = ["ReplacedWeightError", "Sequencer", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",
+           "update_cpu_weights"]
 
 
 class Sequencer:
@@ -59,7 +81,7 @@ class Sequencer:
     # -- the user's edits ------------------------------------------------------------------
     def adopt_edits(self, i: int, *, strict: bool = True) -> None:
         """Weights of layer ``i`` the user replaced since they were bound become the weights that compute,
-        or are refused (:func:`~mapoffload.offload.host_edits.adopt_edits`): run before anything reads
+        or are refused (:func:`~mapoffload.offload.sequencer.adopt_edits`): run before anything reads
         the layer's host stores or binds over its slots."""
         edits = self.slots.edits(self.stores[i])
         load = self.loaded.get(i)
@@ -67,8 +89,6 @@ class Sequencer:
             self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
             return
         if edits:
-            from .host_edits import adopt_edits
-
             adopt_edits(self, self.pages, self.stores[i], edits, device=self.device, strict=strict)
 
     def adopt_all(self, *, strict: bool = True) -> None:
@@ -191,3 +211,258 @@ class Sequencer:
         """Layer ``i`` ran: release it unless it stays (resident or kept)."""
         if self.releasable(i):
             self.release(i)
+
+
+# -- host weights read and replaced ------------------------------------------------------
+def iter_cpu_weights(stores: list[LayerStore]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, host tensor)`` for every weight of ``stores``, mapped ones included."""
+    for s in stores:
+        for w in s.weights:
+            for n in w.names:
+                yield n, w.host
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names and host bytes: the same whether a weight is mapped or copied."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def sync_layer_to_cpu(seq: Sequencer, i: int) -> None:
+    """Write layer ``i``'s device weights back to its host stores (``seq``: the stack's sequencer).
+
+    Mapped weights are never written (a write would turn their pages
+    anonymous); consolidated and strided stores are updated.
+    """
+    if i not in seq.loaded or not seq.loads.copies:
+        return  # nothing on the device to write back (in place: the host store is what computes)
+    seq.ensure(i)
+    loaded = seq.loaded[i]
+    for w in seq.stores[i].weights:
+        seq.loads.write_back(w, loaded)
+
+
+def update_cpu_weights(named_tensors: Mapping[str, torch.Tensor] | Iterator, *, seq: Sequencer,
+                       pages: LayerPages, weight: Callable[[str], tuple[LayerStore, Weight]],
+                       device: torch.device) -> None:
+    """Replace host weights; a mapped entry becomes an owned tensor.
+
+    ``seq`` is the stack's sequencer (its loads and slots), ``pages`` its pages, ``weight(name)`` the
+    managed weight of a name (``KeyError`` otherwise), ``device`` where the layers compute.
+
+    The checkpoint file is never written. A loaded layer's device copy is
+    updated as well. A value of another dtype is converted when that loses
+    no kind of information (``torch.can_cast``: float64 into float32 is
+    fine, complex into real or float into int is not).
+
+    Raises
+    ------
+    KeyError
+        The name is not a managed weight.
+    ValueError
+        The shape differs, or the value is on the meta device (no data).
+    TypeError
+        The value is not a tensor, or its dtype cannot be cast to the weight's.
+    """
+    import torch
+
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    settled = False  # the device has finished every copy queued so far
+    for name, value in items:
+        store, w = weight(name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: the new value is a {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != w.shape:
+            raise ValueError(f"{name}: new shape {tuple(value.shape)} does not match {w.shape}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name}: the new value is on the meta device (it has no data)")
+        if not torch.can_cast(value.dtype, w.dtype):
+            raise TypeError(
+                f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
+            )
+        seq.adopt_edits(store.index)  # a slot the user replaced before: this update comes after it
+        settled = _write(seq, pages, store, w, value.detach().to(device="cpu", dtype=w.dtype), device=device,
+                         settled=settled)
+
+
+def _write(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, value: torch.Tensor, *,
+           device: torch.device, settled: bool) -> bool:
+    """Write ``value`` (on the CPU, ``w``'s dtype and shape) into ``w``'s host store, its device copy
+    if loaded, and bind it; returns ``settled`` (the device finished every copy queued so far)."""
+    import torch
+
+    loaded = seq.loaded.get(store.index)
+    if loaded is not None and not loaded.ready:
+        # A prefetch in flight reads the host store: let it finish (and
+        # bind), so that the write below is not torn into it and the
+        # device copy is updated too. A failed one is released: the
+        # next load reads the new weights.
+        try:
+            seq.ensure(store.index)
+        except Exception:
+            logger.debug("prefetch of layer %d failed before an update", store.index, exc_info=True)
+    if w.store == MAPPED:
+        # An owned tensor of its own (the strided store's kind), same
+        # layout and extent: the mapping is left as it is.
+        with torch.inference_mode(False):
+            w.host = torch.empty_strided(w.shape, w.stride, dtype=w.dtype)
+        w.host.copy_(value)
+        w.store = STRIDED
+        store.invalidate()
+        pages.forget(store.index)
+        seq.loads.forget(store.index)
+    else:
+        if device.type == "cuda" and store.pinned and w.store == CONSOLIDATED and not settled:
+            # A pinned store is copied by DMA straight from it, when the
+            # device reaches the copy - not when it was queued: a copy
+            # still pending (a released layer, a forward the host has
+            # run ahead of) would read this write into a forward queued
+            # before the update. Staged and strided sources were read
+            # into the staging slots before their copies were queued.
+            torch.cuda.synchronize(device)
+            settled = True
+        w.host.copy_(value)
+    if seq.is_loaded(store.index):
+        if seq.loads.copies:
+            seq.loads.value(w, seq.loaded[store.index]).copy_(value)
+        else:
+            seq.slots.bind(w, w.host)
+    elif seq.slots.in_place or not seq.slots.engaged:
+        w.param.data = w.host
+    if w.held is not None:
+        seq.slots.note(w, w.held)  # the data the library bound is no user's edit
+    return settled
+
+
+def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: list[tuple[Weight, list]], *,
+                device: torch.device, strict: bool = True) -> None:
+    """Make the user's replacements of ``store``'s weights (``Slots.edits``) the weights that compute.
+
+    In place the new parameter itself becomes the weight (its data an owned, ``strided`` host tensor:
+    nothing is copied, and the model stays a normal model holding the user's parameter); on the device
+    path its values are written into the weight's host store (a mapped weight becomes an owned tensor,
+    the file is never written) and the user's parameter is the one bound while the layer is loaded.
+
+    Raises
+    ------
+    ReplacedWeightError
+        With ``strict``, for an edit that cannot be taken (see :func:`refusal`); without it (the model
+        being given back) the edit is logged and left as the user made it.
+    """
+    for w, now in edits:
+        why = refusal(w, now, in_place=seq.slots.in_place) or _shared(seq, w, now[0])
+        if why is not None:
+            msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
+            if strict:
+                raise ReplacedWeightError(msg)
+            logger.warning("%s; the model is given back with it as it is", msg)
+            continue
+        _adopt(seq, pages, store, w, now[0], device=device)
+        logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
+                    "in place, an owned tensor" if seq.slots.in_place else "written into its host store")
+
+
+def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
+    """Why the tensors now in ``w``'s slots (``now``) cannot become the weight, or None."""
+    import torch
+
+    from .placeholder import OffloadedWeight, offloaded_by
+
+    names = ", ".join(w.names)
+    if len({id(p) for p in now}) > 1:
+        return (f"only in some of the places that share it ({names}): replace it in every one (or tie them "
+                "before offloading)")
+    new = now[0]
+    if new is None:
+        return "it was removed (None): an offloaded layer keeps each of its weights; close the manager first"
+    if not isinstance(new, torch.Tensor):
+        return f"with a {type(new).__name__}, not a tensor"
+    if isinstance(new, OffloadedWeight):
+        return "with an offloaded placeholder, which has no values: assign a tensor that has them"
+    if new is not w.param and offloaded_by(new)[0]:
+        return ("with a weight mapoffload offloads already (another layer's): assign a copy of it (.clone()), "
+                "or tie the weights before offloading")
+    if new.is_meta:
+        return "with a tensor on the meta device, which has no values"
+    if new.layout != torch.strided:
+        return f"with a {new.layout} tensor: offloaded weights are dense (strided) tensors"
+    if tuple(new.shape) != w.shape:
+        return f"with shape {tuple(new.shape)}, where the offloaded weight has {w.shape}"
+    if new.dtype != w.dtype:
+        return (f"with a {new.dtype} tensor, where the offloaded weight is {w.dtype}: an offloaded model keeps "
+                f"the dtype it was loaded in; assign new.to({w.dtype}), or close the manager first")
+    if in_place and new.device.type != "cpu":
+        return (f"with a tensor on {new.device}, where this manager computes on the CPU in place: assign a CPU "
+                "tensor")
+    return None
+
+
+def _shared(seq: Sequencer, w: Weight, new: torch.Tensor) -> str | None:
+    """In place, why ``new`` cannot be ``w``'s own tensor: its bytes are another managed weight's (a view
+    of it: a later ``update_cpu_weights`` of one would write into the other), or None. On the device
+    path the values are copied into ``w``'s store, so sharing is harmless there."""
+    from ..memory.regions import tensor_extent, tensor_spans
+
+    if not seq.slots.in_place or new.device.type != "cpu":
+        return None
+    addr, n = tensor_extent(new)
+    others = [o for s in seq.stores for o in s.weights if o is not w and o.host is not None]
+    spans = tensor_spans([o.host for o in others])
+    for o, a, m in zip(others, spans.addrs, spans.sizes):
+        if n and m and a < addr + n and addr < a + m:
+            return (f"with a tensor that shares its bytes with {o.names[0]}, another offloaded weight: assign a "
+                    "copy of it (.clone())")
+    return None
+
+
+def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new: torch.Tensor, *,
+           device: torch.device) -> None:
+    """Take ``new`` (checked by :func:`refusal`) as ``w``: see :func:`adopt_edits`."""
+    import torch
+
+    from ..memory.regions import tensor_extent
+    from .placeholder import stand_in
+
+    if new.is_inference():
+        # Made under torch.inference_mode: such a tensor takes no other data and is not written outside
+        # it (a later update, the device path's rebinding). Its values become the weight; the parameter
+        # stays the manager's.
+        with torch.inference_mode(False):
+            new = new.detach().clone()
+    if isinstance(new, torch.nn.Parameter) and new is not w.param:
+        # The user's parameter is the weight's from now on (an optimizer or a caller holding it sees the
+        # weight that computes); the old one is let go of, its marks with it.
+        old = w.param
+        mark = old.__dict__.pop("_mapoffload_manager", None)
+        stand_in(old, None)
+        if mark is not None:
+            new._mapoffload_manager = mark
+        w.param = new
+        w.placeholder.requires_grad_(new.requires_grad)
+    elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
+        w.param.data = new.detach()
+    if seq.slots.in_place:
+        value = w.param.data
+        w.host, w.store = value, STRIDED  # owned by the model now (possibly the user's view of a mapping)
+        w.stride, w.contiguous, w.nbytes = tuple(value.stride()), value.is_contiguous(), tensor_extent(value)[1]
+        if seq.slots.engaged:
+            stand_in(w.param, w.placeholder)
+        store.invalidate()
+        pages.forget(store.index)
+        seq.loads.forget(store.index)
+        seq.slots.bind(w, w.host if seq.is_loaded(store.index) else None)
+        return
+    value = w.param.data.detach().to(device="cpu")
+    w.param.data = w.host  # what the slots bind next (never the user's CPU tensor besides the store)
+    seq.slots.note(w, w.held)
+    _write(seq, pages, store, w, value, device=device, settled=False)
+    if seq.is_loaded(store.index):
+        seq.slots.bind(w, seq.loads.value(w, seq.loaded[store.index]))
+    elif seq.slots.engaged:
+        seq.slots.bind(w, None)

@@ -11,7 +11,7 @@ What the slots were last given is recorded on each weight (``held``, and ``bound
 parameter's data was then), so that a user's edit between forwards - a slot given another parameter
 (``layer.weight = nn.Parameter(new)``, ``load_state_dict(..., assign=True)``) or the parameter given
 other data (``layer.weight.data = new``) - is found (:meth:`Slots.edits`) and adopted or refused
-(:func:`~mapoffload.offload.host_edits.adopt_edits`) before anything binds over it.
+(:func:`~mapoffload.offload.sequencer.adopt_edits`) before anything binds over it.
 """
 
 from __future__ import annotations
