@@ -23,6 +23,7 @@ from .memory.budget import (
 from .loading.checkpoint import (
     CheckpointError,
     CopyReason,
+    NotLocalError,
     LoadReport,
     checkpoint_bytes,
     checkpoint_files,
@@ -79,6 +80,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CheckpointError",
+    "NotLocalError",
     "Copier",
     "CopyHandle",
     "CopyReason",

@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from mapoffload import NotLocalError
 from mapoffload.vllm import VllmLoadError, VllmVersionError
 from mapoffload.vllm._options import KEYS, LoaderOptions
 from mapoffload.vllm.loader import TESTED, _local_folder, _safetensors_files, check_version
@@ -85,8 +86,11 @@ def test_other_versions_name_both(version):
 
 
 def test_folder_and_files_are_checked(tmp_path):
-    with pytest.raises(VllmLoadError, match="maps a local folder"):
+    with pytest.raises(NotLocalError, match="'meta-llama/Llama-3-8B' is not a local folder and looks like a hub id: "
+                                            "the mapoffload load format loads local folders only"):
         _local_folder("meta-llama/Llama-3-8B")
+    with pytest.raises(VllmLoadError, match="maps a local folder"):
+        _local_folder("./not/here")
     import torch
 
     torch.save({"w": torch.zeros(2)}, str(tmp_path / "pytorch_model.bin"))

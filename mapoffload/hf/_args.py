@@ -12,7 +12,7 @@ import inspect
 import os
 from typing import Any, Callable
 
-from ..loading.files import _looks_remote
+from ..loading.files import NotLocalError, looks_remote
 
 # The dtypes a conversion can be made for, by name: 'auto' is transformers 5's default (the
 # config's dtype, else the checkpoint's).
@@ -63,11 +63,8 @@ def check_folder(folder: Any, what: str, *, beside: str) -> str:
         raise ValueError(f"{path!r} is a file: {what} takes the folder save_pretrained wrote ({beside}): "
                          f"pass {os.path.dirname(os.path.abspath(path))!r}")
     if not os.path.isdir(path):
-        if _looks_remote(path):
-            raise FileNotFoundError(
-                f"{path!r} is not a local folder and looks like a hub id: {what} loads local folders only "
-                "(download it first, e.g. huggingface_hub.snapshot_download, and pass its path)"
-            )
+        if looks_remote(path):
+            raise NotLocalError(path, what=what, kind="folder")
         raise FileNotFoundError(f"no such folder: {path}")
     return path
 

@@ -16,7 +16,7 @@ from typing import Any
 import json
 
 from .._checks import user_path
-from ..loading.files import CheckpointError, _looks_remote, open_regular
+from ..loading.files import CheckpointError, NotLocalError, looks_remote, open_regular
 from ..loading.report import LoadReport
 from ._args import DTYPE_NAMES, check_dtype
 from ._extras import require
@@ -42,10 +42,8 @@ def check_model_folder(folder: str) -> None:
     folder: a missing path, a hub id, a file, a diffusers pipeline or model folder, a folder
     without config.json. Reads no weight."""
     if not os.path.exists(folder):
-        if _looks_remote(folder):
-            raise ValueError(f"{folder!r} is not a local folder and looks like a hub id or URL: mapoffload convert "
-                             "converts local folders only (download it first, e.g. `hf download`, and convert "
-                             "the folder it wrote)")
+        if looks_remote(folder):
+            raise NotLocalError(folder, what="mapoffload convert", kind="folder")
         raise FileNotFoundError(f"no such folder: {folder} (convert takes the local folder save_pretrained "
                                 "wrote: config.json beside its weight files)")
     if not os.path.isdir(folder):

@@ -29,7 +29,7 @@ from .._log import logger
 from .assign import assign
 from .decide import decide
 from .empty import empty_weights
-from .files import CheckpointError, checkpoint_bytes, checkpoint_files
+from .files import CheckpointError, NotLocalError, checkpoint_bytes, checkpoint_files
 from .gate import keep_checkpoint_mapped, match_checkpoint_dtypes
 from .load_plan import plan_load
 from .reasons import CopyReason
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointError",
+    "NotLocalError",
     "CopyReason",
     "LoadReport",
     "checkpoint_bytes",

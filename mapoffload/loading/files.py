@@ -32,6 +32,8 @@ from typing import BinaryIO
 from .._checks import user_path
 
 __all__ = [
+    "NotLocalError",
+    "looks_remote",
     "INDEX_SUFFIX",
     "CheckpointError",
     "checkpoint_bytes",
@@ -46,6 +48,27 @@ SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+class NotLocalError(FileNotFoundError, ValueError):
+    """A hub id or URL where mapoffload takes a local path: every entry point (the loaders, the
+    ``mapoffload`` command, ``from_pretrained``, the pipelines, ``mapoffload convert``, vLLM's load
+    format) refuses one with this one type, saying to download it first. ``.path`` names it. It is a
+    ``FileNotFoundError`` (nothing is there) and a ``ValueError`` (a name is not a path)."""
+
+    def __init__(self, path: str, *, what: str, kind: str = "path") -> None:
+        url = "://" in path
+        how = "download it first and pass its local path" if url else \
+            f"download it first, e.g. `hf download {path} --local-dir DIR`, and pass DIR"
+        super().__init__(f"{path!r} is not a local {kind} and looks like a {'URL' if url else 'hub id'}: "
+                         f"{what} loads local {kind}s only ({how})")
+        self.path = path
+
+
+def looks_remote(path: str) -> bool:
+    """``path`` (which does not exist) reads as a hub id (``org/name``) or a URL, not as a local path
+    mistyped (absolute, ``./``, ``~``, or under a folder that exists)."""
+    return _looks_remote(path)
 
 
 class CheckpointError(ValueError):
@@ -211,10 +234,7 @@ def _components(p: str) -> list[tuple[str, str, list[str]]]:
     if not os.path.isdir(p):
         if not os.path.exists(p):
             if _looks_remote(p):
-                raise ValueError(
-                    f"{p!r} is not a local file or folder and looks like a hub id or URL: mapoffload loads "
-                    "local paths only (download it first, e.g. `hf download`)"
-                )
+                raise NotLocalError(p, what="mapoffload")
             raise FileNotFoundError(f"no such file or folder: {p}")
         if not p.endswith(CHECKPOINT_SUFFIXES):
             raise CheckpointError(

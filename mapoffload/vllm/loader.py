@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..loading.files import checkpoint_files
+from ..loading.files import NotLocalError, checkpoint_files, looks_remote
 from .._log import format_bytes, logger
 from ..loading.checkpoint import keep_checkpoint_mapped
 from ..memory.regions import tensor_bytes
@@ -47,6 +47,8 @@ def check_version(version: str) -> None:
 
 def _local_folder(model: str) -> str:
     if not os.path.isdir(model):
+        if looks_remote(model):
+            raise NotLocalError(model, what="the mapoffload load format", kind="folder")
         raise VllmLoadError(f"{model}: the mapoffload load format maps a local folder; download the model "
                             f"first (e.g. `hf download {model} --local-dir DIR`) and serve DIR")
     return model
