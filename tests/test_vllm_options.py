@@ -124,3 +124,32 @@ def test_a_cache_dir_that_cannot_be_a_folder_is_refused_when_parsed(tmp_path, wh
 
 def test_a_cache_dir_still_to_be_made_is_accepted(tmp_path):
     assert LoaderOptions.parse({"cache_dir": str(tmp_path / "a" / "b")}).cache_dir == str(tmp_path / "a" / "b")
+
+
+@pytest.mark.parametrize("extra, asked, keep, why", [
+    ({}, True, True, "host copies would not fit (the gate)"),
+    ({"keep_mapping": False}, False, False, "keep_mapping=false in model_loader_extra_config"),
+    ({"stream_layers": True}, False, True, "stream_layers=true in model_loader_extra_config"),
+])
+def test_the_load_format_decides_through_the_one_gate(tmp_path, monkeypatch, extra, asked, keep, why):
+    """vLLM's load format keeps the mapping or copies by the one decision every loader makes
+    (``loading.decide``), the gate asked with ``checkpoint_bytes`` of the folder (issue 42: it summed
+    the files itself)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mapoffload import checkpoint_bytes
+    from mapoffload.vllm import loader
+
+    save_file({"a": torch.zeros(64), "b": torch.ones(3, 5)}, str(tmp_path / "model.safetensors"))
+    calls = []
+
+    def gate(*, weight_bytes, component, **_):
+        calls.append((weight_bytes, component))
+        return True
+
+    monkeypatch.setattr(loader, "keep_checkpoint_mapped", gate)
+    body = loader._Loader.__new__(loader._Loader)
+    body.options = LoaderOptions.parse(extra)
+    assert body._keep(str(tmp_path), "LlamaForCausalLM") == (keep, why)
+    assert calls == ([(checkpoint_bytes(tmp_path), "vLLM LlamaForCausalLM")] if asked else [])

@@ -111,16 +111,15 @@ def settle(loaded: list[Unsettled], keep_mapping: bool | None, *, component: str
         What the gate's one log line names (the model's class, or the pipeline and its components).
     """
     from ..loading.checkpoint import keep_checkpoint_mapped
+    from ..loading.decide import decide
     from ..memory.regions import MappedRegions
 
     if not loaded:
         return []
     regions = MappedRegions(files=[f for u in loaded for f in (*u.files, *u.cache.part_files())])
-    decided_by = "caller"
-    if keep_mapping is None:
-        decided_by = "gate"
-        weight_bytes = mapped_bytes([u.model for u in loaded], regions)
-        keep_mapping = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=component)
+    decision = decide(keep_mapping, weight_bytes=lambda: mapped_bytes([u.model for u in loaded], regions),
+                      component=component, gate=keep_checkpoint_mapped)
+    keep_mapping, decided_by = decision.keep_mapping, decision.decided_by
     reports = []
     for u in loaded:
         start = time.perf_counter()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from .._checks import check_bool, check_count, check_device, user_path
 from .._log import logger
 from .assign import assign
-from .decide import decide
+from .decide import decide, load_bytes
 from .empty import empty_weights
 from .files import CheckpointError, NotLocalError, checkpoint_bytes, checkpoint_files
 from .gate import keep_checkpoint_mapped, match_checkpoint_dtypes
@@ -139,7 +139,9 @@ def load_checkpoint(
     shard = resolve_rank(rank, world_size) if shard_plan is not None else None
     plan = plan_load(module, path, files, strict=strict, shard_plan=shard_plan, shard=shard, progress=progress)
     # The gate by this module's name: a keep_checkpoint_mapped set here (a test's monkeypatch) is the one asked.
-    decision = decide(plan, keep_mapping, gate=keep_checkpoint_mapped, local_ranks=local_ranks)
+    weight_bytes, component = load_bytes(plan)
+    decision = decide(keep_mapping, weight_bytes=weight_bytes, component=component, local_ranks=local_ranks,
+                      gate=keep_checkpoint_mapped)
     report = assign(plan, decision, device=target_device, progress=progress)
     report.seconds = time.perf_counter() - t0
     logger.info("%s: %s", plan.component, report)

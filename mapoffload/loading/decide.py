@@ -1,7 +1,9 @@
 """The second step of :func:`~mapoffload.load_checkpoint`: the mapping or copies, decided once.
 
 :func:`decide` takes the caller's ``keep_mapping`` as it is, or asks the gate once (None) with the
-bytes this load would copy: the checkpoint's files, or with a shard plan this rank's slices. Its
+bytes this load would copy: the checkpoint's files, or with a shard plan this rank's slices
+(:func:`load_bytes`). Every loader decides here: ``from_pretrained`` and the pipelines with the bytes
+their models map, vLLM's load format with its checkpoint's. Its
 :class:`Decision` says what is kept, who chose, and the one :class:`CopyReason` every copy the
 decision makes is filed under (fp8 codes and scales as well as ordinary tensors).
 """
@@ -12,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .files import checkpoint_bytes
+from .gate import keep_checkpoint_mapped
 from .load_plan import LoadPlan
 from .reasons import CopyReason
 
-__all__ = ["Decision", "decide"]
+__all__ = ["Decision", "decide", "load_bytes"]
 
 
 @dataclass(frozen=True)
@@ -31,17 +34,25 @@ class Decision:
         return CopyReason.of_decision(self.decided_by)
 
 
-def decide(plan: LoadPlan, keep_mapping: bool | None, *, gate: Callable[..., bool],
-           local_ranks: int | None) -> Decision:
-    """The caller's choice, or the gate's (``gate``: :func:`~mapoffload.keep_checkpoint_mapped`),
-    asked once: with the checkpoint's bytes (exactly the files the plan read), or with a shard plan
-    this rank's slices (what it would copy)."""
+def decide(keep_mapping: bool | None, *, weight_bytes: int | Callable[[], int], component: str,
+           local_ranks: int | None = None, gate: Callable[..., bool] = keep_checkpoint_mapped) -> Decision:
+    """Keep the mapping or copy: the caller's choice, or the gate's (``gate``,
+    :func:`~mapoffload.keep_checkpoint_mapped`), asked once with what the load would copy.
+
+    The one place every loader decides (:func:`~mapoffload.load_checkpoint`, ``from_pretrained`` and
+    the pipelines, vLLM's load format). ``weight_bytes`` is counted only when the gate is asked (a
+    callable is called then); ``component`` names the load in the gate's log line."""
     if keep_mapping is not None:
         return Decision(bool(keep_mapping), "caller")
-    if plan.shard is None:
-        weight_bytes, component = checkpoint_bytes(plan.path), plan.component
-    else:
-        rank, world = plan.shard
-        weight_bytes, component = plan.slice_bytes, f"{plan.component} (rank {rank} of {world})"
-    keep = gate(weight_bytes=weight_bytes, component=component, local_ranks=local_ranks)
+    counted = weight_bytes() if callable(weight_bytes) else weight_bytes
+    keep = gate(weight_bytes=counted, component=component, local_ranks=local_ranks)
     return Decision(bool(keep), "gate")
+
+
+def load_bytes(plan: LoadPlan) -> tuple[int, str]:
+    """What a :class:`~mapoffload.loading.load_plan.LoadPlan` would copy, and the name the gate logs:
+    the checkpoint's bytes (exactly the files the plan reads), or with a shard plan this rank's slices."""
+    if plan.shard is None:
+        return checkpoint_bytes(plan.path), plan.component
+    rank, world = plan.shard
+    return plan.slice_bytes, f"{plan.component} (rank {rank} of {world})"

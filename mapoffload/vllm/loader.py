@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from ..loading.files import NotLocalError, checkpoint_files, looks_remote
+from ..loading.decide import decide
+from ..loading.files import NotLocalError, checkpoint_bytes, checkpoint_files, looks_remote
 from .._log import format_bytes, logger
 from ..loading.checkpoint import keep_checkpoint_mapped
 from ..memory.regions import tensor_bytes
@@ -79,15 +80,16 @@ class _Loader:
         """The load device and what it offloads, as the options decide for this engine (every refusal is there)."""
         return self.options.plan(EngineFacts.of(vllm_config, model_config, self.load_config))
 
-    def _keep(self, files: list[str], architecture: str) -> tuple[bool, str]:
+    def _keep(self, folder: str, architecture: str) -> tuple[bool, str]:
         keep = self.options.keep_mapping
-        if keep is not None:
-            return keep, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
-        if self.options.stream_layers:
+        if keep is None and self.options.stream_layers:
             return True, "stream_layers=true in model_loader_extra_config"
-        weight_bytes = sum(os.path.getsize(f) for f in files)
-        keep = keep_checkpoint_mapped(weight_bytes=weight_bytes, component=f"vLLM {architecture}")
-        return keep, "host copies would not fit (the gate)" if keep else "host copies fit (the gate)"
+        decision = decide(keep, weight_bytes=lambda: checkpoint_bytes(folder), component=f"vLLM {architecture}",
+                          gate=keep_checkpoint_mapped)
+        if decision.decided_by == "caller":
+            return decision.keep_mapping, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
+        return decision.keep_mapping, ("host copies would not fit (the gate)" if decision.keep_mapping
+                                       else "host copies fit (the gate)")
 
     def _copy(self, vllm_config, model_config, prefix: str, pack: bool, layout: str):  # noqa: ANN001
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -176,11 +178,11 @@ class _Loader:
         plan = self._plan(vllm_config, model_config)
         device, request = plan.device, plan.request
         folder = _local_folder(model_config.model)
-        files = _safetensors_files(folder)
+        _safetensors_files(folder)  # safetensors only, or one line naming the others
         architecture = (model_config.architectures or ["model"])[0]
         if request is not None:
             return self._load_offloaded(vllm_config, model_config, prefix, device, request, architecture)
-        keep, why = self._keep(files, architecture)
+        keep, why = self._keep(folder, architecture)
         linear = self.options.linear_for(keep)
         pack = linear == "packed"
         layout = self._layout(linear, architecture)
