@@ -219,7 +219,7 @@ def offload(model: torch.nn.Module, options: OffloadOptions | None = None, **key
 
 def offload_with(model: torch.nn.Module, options: OffloadOptions, calls: CallNames) -> OffloadHandle:
     """:func:`offload` with checked ``options``; the placeholders' errors name ``calls``."""
-    from ..offload import LayerwiseOffloadManager
+    from ..offload.manager import start_stacks
 
     _refuse_offloaded(model)
     if model.training:
@@ -231,11 +231,9 @@ def offload_with(model: torch.nn.Module, options: OffloadOptions, calls: CallNam
         options = options.filled(available_bytes=host_memory().available)
     handle = OffloadHandle(model, options)
     try:
-        for path, stack in _resolve_layers(model, options.layers):
-            m = LayerwiseOffloadManager(model, stack, options)
-            m.calls = calls
-            m.register_forward_hooks()
-            handle.managers[path] = m
+        stacks = _resolve_layers(model, options.layers)
+        started = start_stacks(model, [(stack, options) for _, stack in stacks], calls=calls)
+        handle.managers.update(zip([path for path, _ in stacks], started))
         _place_rest(handle, calls)
     except BaseException:
         handle.close()
@@ -262,7 +260,7 @@ def _refuse_offloaded(model: torch.nn.Module) -> None:
 def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     import torch
 
-    from ..offload import LayerwiseOffloadManager
+    from ..offload.manager import start_stacks
 
     model, dev, o = handle.model, handle.device, handle.options
     rest, device_free_bytes = o.rest, o.device_free_bytes
@@ -286,10 +284,7 @@ def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     if mode == "stream":
         owners = _leaf_owners(model, params)
         if owners:
-            m = LayerwiseOffloadManager(model, owners, o)
-            m.calls = calls
-            m.register_forward_hooks()
-            handle.managers["rest"] = m
+            handle.managers["rest"], = start_stacks(model, [(owners, o)], calls=calls)
             handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"
         params, buffers = _rest_tensors(model)  # what is left: shared weights, buffers
         rest_bytes = sum(tensor_bytes(p) for p in params)

@@ -19,11 +19,11 @@ the device path a released layer's slots hold placeholders (``slots.py``, ``plac
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_count
-from .._log import format_bytes
+from .._log import format_bytes, logger
 from ..pagecache.coordinator import coordinator
 from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_keywords
 from .options import make_copier, resolve
@@ -369,3 +369,34 @@ class LayerwiseOffloadManager:
             f"{format_bytes(self.pageable_bytes)} pageable)"
         )
 
+
+def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOptions]], *,
+                 calls: CallNames | None = None) -> list[LayerwiseOffloadManager]:
+    """The one front door: a manager per stack of ``model``, each with its forward hooks registered.
+
+    Every entry point that offloads starts its stacks here (``offload``, ``offload_pipeline``,
+    ``from_pretrained``, ``pipeline_from_pretrained``, vLLM's streamed and offloaded layers).
+    ``stacks`` yields ``(layers, options)``: the layers as :class:`LayerwiseOffloadManager` takes them
+    (a ``ModuleList``, its attribute path, or a list of modules), the options that stack runs with.
+    ``calls`` is what the placeholders' errors name (the entry point's own ``close()``).
+
+    When one fails to start (or the start is interrupted), the managers started before it are closed,
+    newest first, and the first error is the one raised: a start that fails half-way leaves nothing
+    running on a model nobody holds.
+    """
+    managers: list[LayerwiseOffloadManager] = []
+    try:
+        for layers, options in stacks:
+            manager = LayerwiseOffloadManager(model, layers, options)
+            managers.append(manager)
+            if calls is not None:
+                manager.calls = calls
+            manager.register_forward_hooks()
+    except BaseException:
+        for manager in reversed(managers):
+            try:
+                manager.close()
+            except Exception:  # the first error is the one to see
+                logger.debug("closing a manager after a failed start", exc_info=True)
+        raise
+    return managers

@@ -34,7 +34,7 @@ from ..memory.regions import tensor_bytes
 from ._errors import VllmLoadError
 from ._options import OffloadRequest
 
-__all__ = ["LayerTaker", "OffloadRequest", "check_still_mapped", "closed_on_failure", "installed", "make_offloader",
+__all__ = ["LayerTaker", "OffloadRequest", "check_still_mapped", "installed", "make_offloader",
            "note_shortfall", "offloaded_names", "refuse_derived_weights", "start_managers"]
 
 
@@ -164,45 +164,26 @@ def check_still_mapped(model: torch.nn.Module, params: dict[str, torch.nn.Parame
                             f"without offload_layers/--cpu-offload-gb")
 
 
-@contextlib.contextmanager
-def closed_on_failure(managers: list) -> Iterator[list]:
-    """The managers appended to ``managers`` inside are closed (hooks removed, copier threads stopped,
-    the page-cache plan left) when anything inside raises: a load that fails half-way leaves none
-    running on a model nobody holds."""
-    try:
-        yield managers
-    except BaseException:
-        for manager in reversed(managers):
-            try:
-                manager.close()
-            except Exception:  # the first error is the one to see
-                logger.debug("closing a manager after a failed start", exc_info=True)
-        raise
-
-
 def start_managers(model: torch.nn.Module, taker: LayerTaker) -> list:
     """One device-path manager per offloaded stack, hooks registered, each handed the request's
     :class:`~mapoffload.OffloadOptions` whole; logs what streams how. When one fails to start,
     those started before it are closed."""
-    from ..offload import LayerwiseOffloadManager
+    from ..offload.manager import start_stacks
 
     options = taker.request.options
     asked = options.prefetch_layers
-    with closed_on_failure([]) as managers:
-        for stack in taker.stacks:
-            # A layer prefetches the ones after it in its stack: no deeper than the stack (a deeper depth
-            # would only size read-around buffers for layers that are not there).
-            depth = min(asked, max(0, len(stack) - 1))
-            manager = LayerwiseOffloadManager(model, stack, options if depth == asked
-                                              else options.replace(prefetch_layers=depth))
-            managers.append(manager)
-            manager.register_forward_hooks()
-            copier = manager.copier
-            bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
-            logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
-                        "through the copier%s: %d staging slots of %s, prefetch depth %d%s", taker.request.why,
-                        len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))),
-                        options.device,
-                        " (the device pipeline's CPU twin)" if options.cpu_twin else "", copier.slots,
-                        format_bytes(copier.staging_bytes), depth, bounded)
+    # A layer prefetches the ones after it in its stack: no deeper than the stack (a deeper depth
+    # would only size read-around buffers for layers that are not there).
+    depths = [min(asked, max(0, len(stack) - 1)) for stack in taker.stacks]
+    managers = start_stacks(model, [(stack, options if depth == asked else options.replace(prefetch_layers=depth))
+                                    for stack, depth in zip(taker.stacks, depths)])
+    for stack, depth, manager in zip(taker.stacks, depths, managers):
+        copier = manager.copier
+        bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
+        logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
+                    "through the copier%s: %d staging slots of %s, prefetch depth %d%s", taker.request.why,
+                    len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))),
+                    options.device,
+                    " (the device pipeline's CPU twin)" if options.cpu_twin else "", copier.slots,
+                    format_bytes(copier.staging_bytes), depth, bounded)
     return managers

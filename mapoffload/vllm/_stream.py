@@ -26,14 +26,11 @@ def stream_layers(model: torch.nn.Module, options: OffloadOptions) -> list:
     """One in-place manager per stack of ``model`` (each handed ``options`` whole: in place on the
     CPU, :meth:`~._options.LoaderOptions.stream_options`) with its forward hooks registered; returns
     them. When one fails to start, those started before it are closed."""
-    from ..offload import LayerwiseOffloadManager
-    from ._offloader import closed_on_failure
+    from ..offload.manager import start_stacks
 
-    with closed_on_failure([]) as managers:
-        for path, _ in find_block_lists(model):
-            manager = LayerwiseOffloadManager(model, path, options)
-            managers.append(manager)
-            manager.register_forward_hooks()
-            logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
-                        len(manager.resident_layer_bytes()), manager)
+    paths = [path for path, _ in find_block_lists(model)]
+    managers = start_stacks(model, [(path, options) for path in paths])
+    for path, manager in zip(paths, managers):
+        logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
+                    len(manager.resident_layer_bytes()), manager)
     return managers
