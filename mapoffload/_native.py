@@ -12,13 +12,13 @@ if not sys.platform.startswith("linux"):
 
 
 
-def _missing_core_message() -> str:
-    """Why ``_core`` is missing, and what to do: most often the source folder
-    shadows the installed package (Python run from the repository root puts
-    the current directory first on ``sys.path``)."""
+def _missing_core_message(here: str | None = None) -> str:
+    """Why ``_core`` is missing from the package folder ``here`` (this one by default), and what to
+    do: most often the source folder shadows the installed package (Python run from the repository
+    root puts the current directory first on ``sys.path``)."""
     import os
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = here or os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     if os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.isdir(os.path.join(root, "csrc")):
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -74,6 +75,8 @@ def test_the_missing_extension_message_says_where_python_was_started():
     from the repository root, the opposite of what it meant."""
     from mapoffload._native import _missing_core_message
 
-    text = _missing_core_message()
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mapoffload")
+    text = _missing_core_message(source)  # the source folder, whichever mapoffload this test imported
     assert "Run from the repository root" not in text
     assert "Python was started in the repository root" in text and "Run it from another directory" in text
+    assert "reinstall with `pip install .`" in _missing_core_message("/usr/lib/python3/site-packages/mapoffload")
