@@ -143,7 +143,13 @@ def test_another_threads_plain_transformers_load_is_untouched(tmp_path, monkeypa
     entered, release = threading.Event(), threading.Event()
     real = _converted.write_safetensors
 
+    from transformers import core_model_loading as cml
+
+    seen = {}
+
     def slow(path, tensors):
+        # In our load's thread transformers is answered "no loader threads" (one tensor at a time)...
+        seen.setdefault("ours", cml.is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD"))
         entered.set()
         assert release.wait(60)
         real(path, tensors)
@@ -155,6 +161,9 @@ def test_another_threads_plain_transformers_load_is_untouched(tmp_path, monkeypa
     ours.start()
     try:
         assert entered.wait(60)  # our load is inside transformers, its hooks installed
+        # ... by no process-wide switch: this thread's load keeps transformers' threads (issue 42).
+        assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ
+        assert not cml.is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
         plain = cls.from_pretrained(str(tmp_path / "m"))  # transformers' own, in this thread
     finally:
         release.set()
@@ -163,6 +172,7 @@ def test_another_threads_plain_transformers_load_is_untouched(tmp_path, monkeypa
     assert experts and not any(mapoffload.MappedRegions().classify(experts))  # transformers' own fusing
     assert out["m"].mapoffload_report.converted_tensors == 4
     assert len([f for f in os.listdir(out["m"].mapoffload_report.conversion_dir) if f.startswith("part-")]) == 1
+    assert seen == {"ours": True}
 
 
 _PEAK = """

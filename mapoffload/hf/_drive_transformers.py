@@ -1,17 +1,18 @@
 """The hooks that drive transformers' own loader (:mod:`._drive`).
 
-Four places of transformers' loading are wrapped for one load:
+Five places of transformers' loading are wrapped for one load:
 ``modeling_utils._get_resolved_checkpoint_files`` (the files it reads: checked against
 those the conversion is keyed on, :func:`check_resolved`),
 ``WeightConverter.convert`` / ``WeightRenaming.convert`` (a conversion is about
 to make its outputs: the session closes the previous one, and keeps the fp8
 codes and scales of a dequantizing converter's inputs to run its later ops on
 them), ``core_model_loading.set_param_for_module`` (each final tensor set into
-the model, recorded) and ``modeling_utils.convert_and_load_state_dict_in_model``
+the model, recorded), ``modeling_utils.convert_and_load_state_dict_in_model``
 (the whole load: a reused conversion's tensors put in place of the checkpoint
-keys they were made from, transformers' loader threads switched off, the
-session finished). Outside a session each wrapper calls transformers' own
-function untouched.
+keys they were made from, the session finished) and the ``is_env_variable_true``
+that ``core_model_loading`` reads its switch for loader threads with (switched
+off for this thread's load only; the environment is never written). Outside a
+session each wrapper calls transformers' own function untouched.
 """
 
 from __future__ import annotations
@@ -163,17 +164,7 @@ def _wrap_load(original):
                     state_dict[name] = tensor
         s.regions = s.snapshot()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
-        # transformers' loader threads would make every cast or dequantized tensor ahead of the
-        # loop that sets them (the whole model in anonymous memory): made one by one instead.
-        previous = os.environ.get(SYNC_LOAD)
-        os.environ[SYNC_LOAD] = "1"
-        try:
-            result = original(model, state_dict, load_config, *args, **kwargs)
-        finally:
-            if previous is None:
-                os.environ.pop(SYNC_LOAD, None)
-            else:
-                os.environ[SYNC_LOAD] = previous
+        result = original(model, state_dict, load_config, *args, **kwargs)  # one by one: see _wrap_env
         s.finish()
         s.sources = None
         info = result[0] if isinstance(result, tuple) else result
@@ -184,6 +175,20 @@ def _wrap_load(original):
 
     convert_and_load_state_dict_in_model.__wrapped__ = original
     return convert_and_load_state_dict_in_model
+
+
+def _wrap_env(original):
+    """transformers' loader threads would make every cast or dequantized tensor ahead of the loop
+    that sets them (the whole model in anonymous memory): in this thread's load they are made one by
+    one, as ``HF_DEACTIVATE_ASYNC_LOAD=1`` asks, without setting it in the environment, which every
+    thread reads (another thread's plain transformers load keeps its threads)."""
+    def is_env_variable_true(name, *args, **kwargs):
+        if name == SYNC_LOAD and _session() is not None:
+            return True
+        return original(name, *args, **kwargs)
+
+    is_env_variable_true.__wrapped__ = original
+    return is_env_variable_true
 
 
 def _attach_cached_fp8(model: Any, cached: dict[str, dict[str, Any]], info: Any) -> None:
@@ -218,6 +223,7 @@ def transformers_hooks() -> list[tuple[Any, str, Any]]:
         (mu, "_get_resolved_checkpoint_files", _wrap_resolve),
         (cml, "set_param_for_module", _wrap_set_param),
         (mu, "convert_and_load_state_dict_in_model", _wrap_load),
+        (cml, "is_env_variable_true", _wrap_env),
         (cml.WeightConverter, "convert", _wrap_convert),
         (cml.WeightRenaming, "convert", _wrap_convert),
     ]
