@@ -211,3 +211,25 @@ def test_the_pipeline_handle_attribute_names_the_live_handle():
     assert pipe.transformer.mapoffload_handle is handle.components["transformer"]
     handle.close()
     assert pipe.mapoffload_handle is None and pipe.transformer.mapoffload_handle is None
+
+
+def test_one_handle_type_for_a_model_and_a_pipeline():
+    """Every entry point returns :class:`mapoffload.OffloadHandle` (issue 42: a pipeline had a class of
+    its own); a pipeline's holds one per component, and closing it closes them all."""
+    import mapoffload
+    from mapoffload.hf.offload import OffloadHandle
+
+    assert not hasattr(mapoffload.hf, "PipelineOffloadHandle")
+
+    class Pipe:
+        def __init__(self):
+            self.components = {"text_encoder": torch.nn.Sequential(torch.nn.Linear(4, 4)), "scheduler": object()}
+
+    pipe = Pipe()
+    handle = mapoffload.offload_pipeline(pipe, device="cpu")
+    assert type(handle) is OffloadHandle and pipe.mapoffload_handle is handle
+    assert list(handle.components) == ["text_encoder"] and type(handle.components["text_encoder"]) is OffloadHandle
+    assert {row.component for row in handle.rows} == {"text_encoder"}
+    handle.close()
+    assert pipe.mapoffload_handle is None and handle.components["text_encoder"].rows == []
+    assert "closed" in handle.summary()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..conversion import ConversionWriteError
 from ._extras import INSTALL_HINT, MissingExtraError
 from .blocks import find_block_lists
-from .diffusers import PipelineOffloadHandle, load_pipeline, offload_pipeline, pipeline_from_pretrained
+from .diffusers import load_pipeline, offload_pipeline, pipeline_from_pretrained
 from .offload import OffloadHandle, OffloadRow, offload
 from .transformers import KeyMismatchError, from_pretrained, load_pretrained
 
@@ -23,7 +23,6 @@ __all__ = [
     "MissingExtraError",
     "OffloadHandle",
     "OffloadRow",
-    "PipelineOffloadHandle",
     "find_block_lists",
     "from_pretrained",
     "load_pipeline",

@@ -18,7 +18,8 @@ conversion folder written once and mapped. ``keep_mapping=False`` copies.
 Offloading streams each component's block lists (:func:`find_block_lists`:
 Flux's ``transformer_blocks`` + ``single_transformer_blocks``, SD3's
 ``transformer_blocks``, a text encoder's layers; a UNet's ``down_blocks`` and
-``up_blocks``) and places the rest, one :class:`OffloadHandle` per component.
+``up_blocks``) and places the rest: one :class:`OffloadHandle` for the pipeline, one in its
+``components`` per model component.
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ from ._drive import driving
 from ._drive_diffusers import diffusers_hooks
 from ._report import Unsettled, settle
 from ._extras import require
-from ._summary import OffloadRow
 from .blocks import find_block_lists
 from .offload import OffloadHandle, offload_with
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PipelineOffloadHandle", "load_pipeline", "offload_pipeline", "pipeline_from_pretrained"]
+__all__ = ["load_pipeline", "offload_pipeline", "pipeline_from_pretrained"]
 
 WHAT = "mapoffload.pipeline_from_pretrained"
 
@@ -60,54 +60,6 @@ _DIFFUSERS_HABITS = {
     "device_map": "mapoffload places the pipeline itself: pass device='cuda' (or 'cpu')",
     "low_cpu_mem_usage": "mapoffload always loads on the file mapping (nothing to pass)",
 }
-
-
-class PipelineOffloadHandle:
-    """What :func:`offload_pipeline` set up: one :class:`OffloadHandle` per model component.
-
-    ``summary()`` describes it (one row per component's stack/unit),
-    ``close()`` gives every component back whole (idempotent); it is a
-    context manager.
-    """
-
-    def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
-        self.components: dict[str, OffloadHandle] = {}
-
-    @property
-    def rows(self) -> list[OffloadRow]:
-        """Every component's :class:`OffloadRow` (``component`` set), measured now."""
-        out = []
-        for name, h in self.components.items():
-            for row in h.rows:
-                row.component = name
-                out.append(row)
-        return out
-
-    def summary(self) -> str:
-        """One table for the pipeline, grouped by component (≤ 100 columns): where each unit's bytes
-        live, how it computes, what a forward re-reads; totals against a full host copy; why, per unit.
-        See :meth:`OffloadHandle.summary`."""
-        from ._summary import format_rows
-
-        devices = {h.device for h in self.components.values()}
-        return format_rows(self.rows, next(iter(devices)) if len(devices) == 1 else None)
-
-    def close(self) -> None:
-        """Give every component back whole, with its real weights; ``pipe.mapoffload_handle`` becomes None."""
-        for h in self.components.values():
-            h.close()
-        if getattr(self.pipe, "__dict__", {}).get("mapoffload_handle") is self:
-            self.pipe.__dict__["mapoffload_handle"] = None  # never left naming a closed handle (None: no offload)
-
-    def __enter__(self) -> PipelineOffloadHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"PipelineOffloadHandle({type(self.pipe).__name__}:\n{self.summary()})"
 
 
 def _stacks(model: torch.nn.Module) -> list[Any]:
@@ -125,7 +77,7 @@ def _stacks(model: torch.nn.Module) -> list[Any]:
 
 @shows_option_keywords
 def offload_pipeline(pipe: Any, options: OffloadOptions | None = None, *, skip: tuple[str, ...] = (),
-                     **keywords: Any) -> PipelineOffloadHandle:
+                     **keywords: Any) -> OffloadHandle:
     """Offload every model component of a diffusers pipeline onto the device.
 
     Each ``torch.nn.Module`` component (text encoders, denoiser, VAE) goes
@@ -148,22 +100,22 @@ def offload_pipeline(pipe: Any, options: OffloadOptions | None = None, *, skip: 
 
     Returns
     -------
-    PipelineOffloadHandle
-        Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` sets it to None).
+    OffloadHandle
+        Its ``components``: each model component's handle. Also ``pipe.mapoffload_handle`` while it is open (its ``close()`` sets it to None).
     """
     return offload_pipeline_with(pipe, gather("mapoffload.offload_pipeline", options, keywords, others=("skip",)),
                                  CallNames("handle.close()"), skip)
 
 
 def offload_pipeline_with(pipe: Any, options: OffloadOptions, calls: CallNames,
-                          skip: tuple[str, ...] = ()) -> PipelineOffloadHandle:
+                          skip: tuple[str, ...] = ()) -> OffloadHandle:
     """:func:`offload_pipeline` with checked ``options``; the placeholders' errors name ``calls``."""
     if options.layers != "auto":
         raise ValueError(f"layers={options.layers!r}: a pipeline's block lists are found in each component "
                          "(leave layers='auto'; offload one component with mapoffload.offload(component, layers=...))")
     import torch
 
-    handle = PipelineOffloadHandle(pipe)
+    handle = OffloadHandle(pipe, options)
     try:
         for name, component in pipe.components.items():
             if not isinstance(component, torch.nn.Module) or name in skip:
@@ -389,7 +341,7 @@ def pipeline_from_pretrained(
     DiffusionPipeline
         ``pipe.mapoffload_reports`` maps each loaded model component to its
         :class:`~mapoffload.LoadReport`; ``pipe.mapoffload_handle`` is the
-        :class:`PipelineOffloadHandle` (``summary()``, ``close()``) or None.
+        :class:`~mapoffload.hf.offload.OffloadHandle` (``summary()``, ``close()``) or None.
     """
     offload = load_options(WHAT, options, components)  # checked before the load, not after it
     pipe, reports = _load_pipeline(pipeline_cls, folder, dtype=dtype, keep_mapping=keep_mapping, cache_dir=cache_dir,

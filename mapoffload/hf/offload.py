@@ -71,29 +71,39 @@ def _rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
 
 
 class OffloadHandle:
-    """What :func:`offload` set up: its managers and the placed tensors.
+    """What an entry point offloaded: :func:`offload` on a model (its managers and the placed tensors),
+    or :func:`~mapoffload.offload_pipeline` on a pipeline (``components``: one handle per model
+    component, by name). Every entry point returns this one type.
 
     ``summary()`` describes it, ``close()`` undoes it (idempotent); it is a
     context manager.
     """
 
-    def __init__(self, model: torch.nn.Module, options: OffloadOptions) -> None:
-        self.model = model
+    def __init__(self, model: Any, options: OffloadOptions) -> None:
+        self.model = model  # the model, or the pipeline
         self.options = options  # the host budget in it is the one every unit planned against
         self.device = options.device
         self.managers: dict[str, LayerwiseOffloadManager] = {}
         self._saved: list[tuple[Any, str, bool, Any]] = []  # (module or param, attr, is_param, host tensor)
         self._closed = False
         self._notes: dict[str, str] = {}  # for the summary: the decision behind the rest ("rest"/"placed")
+        self.components: dict[str, OffloadHandle] = {}  # a pipeline's model components, each offloaded
 
     @property
     def rows(self) -> list[OffloadRow]:
-        """One :class:`OffloadRow` per unit, measured now (empty once closed)."""
+        """One :class:`OffloadRow` per unit, measured now (empty once closed); a pipeline's are its
+        components' (``component`` set)."""
         from ._summary import buffers_row, placed_row, stack_row
 
         if self._closed:
             return []
         rows = []
+        for name, h in self.components.items():
+            for row in h.rows:
+                row.component = name
+                rows.append(row)
+        if self.components:  # a pipeline: nothing of its own
+            return rows
         for path, m in self.managers.items():
             rows.append(stack_row(path, m, available=self.options.available_bytes,
                                   host_store_given=self.options.host_store != "auto",
@@ -119,12 +129,17 @@ class OffloadHandle:
 
         if self._closed:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
+        if self.components:  # one table for the pipeline, grouped by component
+            return format_rows(self.rows, self.device)
         return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
 
     def close(self) -> None:
-        """Give the model back whole: layers' real weights, placed tensors' host data."""
+        """Give the model back whole (layers' real weights, placed tensors' host data), or every
+        component of a pipeline."""
         if self._closed:
             return
+        for h in self.components.values():
+            h.close()
         for m in self.managers.values():
             m.close()
         for owner, attr, is_param, host in reversed(self._saved):
@@ -134,7 +149,7 @@ class OffloadHandle:
                 owner._buffers[attr] = host
         self._saved.clear()
         self._closed = True
-        if self.model.__dict__.get("mapoffload_handle") is self:
+        if getattr(self.model, "__dict__", {}).get("mapoffload_handle") is self:
             self.model.__dict__["mapoffload_handle"] = None  # never left naming a closed handle (None: no offload)
 
     def __enter__(self) -> OffloadHandle:
