@@ -114,7 +114,8 @@ def _read_bytes() -> int:
 
 def _plan_of(model) -> dict | None:  # noqa: ANN001
     """What the page-cache coordinator planned for the model's stacks: cached and streamed bytes."""
-    if not getattr(model, "mapoffload_managers", None):
+    handle = getattr(model, "mapoffload_handle", None)
+    if handle is None or not handle.managers:
         return None
     from mapoffload.pagecache.coordinator import coordinator
 

@@ -123,7 +123,8 @@ def test_reloading_vnni_weights_in_place_is_refused():
     loader.options = LoaderOptions.parse({})
     with pytest.raises(VllmLoadError, match=r"layer.*VNNI.*start a new engine"):
         loader.load_weights(model, SimpleNamespace())
-    model.mapoffload_managers = ["LayerwiseOffloadManager(...)"]  # streamed stacks: their stores are these weights
+    # streamed stacks: their stores are these weights
+    model.mapoffload_handle = SimpleNamespace(managers={"model.layers": "LayerwiseOffloadManager(...)"})
     with pytest.raises(VllmLoadError, match=r"1 layer stack\(s\) of this model are streamed by mapoffload"):
         loader.load_weights(model, SimpleNamespace())
 

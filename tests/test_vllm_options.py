@@ -153,3 +153,17 @@ def test_the_load_format_decides_through_the_one_gate(tmp_path, monkeypatch, ext
     body.options = LoaderOptions.parse(extra)
     assert body._keep(str(tmp_path), "LlamaForCausalLM") == (keep, why)
     assert calls == ([(checkpoint_bytes(tmp_path), "vLLM LlamaForCausalLM")] if asked else [])
+
+
+def test_device_path_stacks_are_named_as_a_summary_names_them():
+    """The device path's managers sit in the one handle type by stack path (``model.layers``), as
+    ``offload``'s do; layers not found in the model are named by their place."""
+    import torch
+
+    from mapoffload.vllm._offloader import _stack_paths
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    stranger = [torch.nn.Linear(2, 2)]
+    assert _stack_paths(model, [list(model.model.layers), stranger, []]) == ["model.layers", "stack 1", "stack 2"]

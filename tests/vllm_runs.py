@@ -83,7 +83,8 @@ def _where(model) -> dict:  # noqa: ANN001
             out["checkpoint"] += n
         else:
             out["other"] += n
-    managers = getattr(model, "mapoffload_managers", None) or []
+    handle = getattr(model, "mapoffload_handle", None)  # the OffloadHandle every entry point returns
+    managers = list(handle.managers.values()) if handle is not None else []
     out["managers"] = len(managers)
     out["streaming"] = [{"reads": m.read_mode, "resident": sum(m.resident_layer_bytes()),
                          "mapped": m.mapped_bytes, "repr": repr(m), **_device_path(m)} for m in managers]
@@ -122,7 +123,8 @@ def _device_path(manager) -> dict:  # noqa: ANN001
 
 def _arm(model) -> None:  # noqa: ANN001
     """Count the forwards from now on (a pre-hook on each device-path stack's first layer), and the copier's bytes."""
-    for m in getattr(model, "mapoffload_managers", None) or []:
+    handle = getattr(model, "mapoffload_handle", None)
+    for m in handle.managers.values() if handle is not None else []:
         if m.copier is None:
             continue
         m._test_forwards = 0

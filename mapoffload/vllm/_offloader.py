@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from .._log import format_bytes, logger
 from ..memory.regions import tensor_bytes
 from ._errors import VllmLoadError
 from ._options import OffloadRequest
+
+if TYPE_CHECKING:
+    from ..hf.offload import OffloadHandle
 
 __all__ = ["LayerTaker", "OffloadRequest", "check_still_mapped", "installed", "make_offloader",
            "note_shortfall", "offloaded_names", "refuse_derived_weights", "start_managers"]
@@ -164,10 +167,12 @@ def check_still_mapped(model: torch.nn.Module, params: dict[str, torch.nn.Parame
                             f"without offload_layers/--cpu-offload-gb")
 
 
-def start_managers(model: torch.nn.Module, taker: LayerTaker) -> list:
+def start_managers(model: torch.nn.Module, taker: LayerTaker) -> OffloadHandle:
     """One device-path manager per offloaded stack, hooks registered, each handed the request's
-    :class:`~mapoffload.OffloadOptions` whole; logs what streams how. When one fails to start,
-    those started before it are closed."""
+    :class:`~mapoffload.OffloadOptions` whole, in the handle every entry point returns (its
+    ``managers`` by stack path); logs what streams how. When one fails to start, those started before
+    it are closed."""
+    from ..hf.offload import OffloadHandle
     from ..offload.manager import start_stacks
 
     options = taker.request.options
@@ -177,6 +182,8 @@ def start_managers(model: torch.nn.Module, taker: LayerTaker) -> list:
     depths = [min(asked, max(0, len(stack) - 1)) for stack in taker.stacks]
     managers = start_stacks(model, [(stack, options if depth == asked else options.replace(prefetch_layers=depth))
                                     for stack, depth in zip(taker.stacks, depths)])
+    handle = OffloadHandle(model, options)
+    handle.managers.update(zip(_stack_paths(model, taker.stacks), managers))
     for stack, depth, manager in zip(taker.stacks, depths, managers):
         copier = manager.copier
         bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
@@ -186,4 +193,15 @@ def start_managers(model: torch.nn.Module, taker: LayerTaker) -> list:
                     options.device,
                     " (the device pipeline's CPU twin)" if options.cpu_twin else "", copier.slots,
                     format_bytes(copier.staging_bytes), depth, bounded)
-    return managers
+    return handle
+
+
+def _stack_paths(model: torch.nn.Module, stacks: list[list[torch.nn.Module]]) -> list[str]:
+    """Each stack's name: the path of the module holding its layers (``model.layers``), as a summary
+    names a stack; a stack whose layers are not found in ``model`` is named by its place."""
+    names = {id(m): name for name, m in model.named_modules()}
+    paths = []
+    for k, stack in enumerate(stacks):
+        first = names.get(id(stack[0])) if stack else None
+        paths.append(first.rpartition(".")[0] if first else f"stack {k}")
+    return paths

@@ -19,18 +19,22 @@ from .._log import logger
 from ..hf.blocks import find_block_lists
 
 if TYPE_CHECKING:
+    from ..hf.offload import OffloadHandle
     from ..options import OffloadOptions
 
 
-def stream_layers(model: torch.nn.Module, options: OffloadOptions) -> list:
+def stream_layers(model: torch.nn.Module, options: OffloadOptions) -> OffloadHandle:
     """One in-place manager per stack of ``model`` (each handed ``options`` whole: in place on the
-    CPU, :meth:`~._options.LoaderOptions.stream_options`) with its forward hooks registered; returns
-    them. When one fails to start, those started before it are closed."""
+    CPU, :meth:`~._options.LoaderOptions.stream_options`) with its forward hooks registered, in the
+    handle every entry point returns (its ``managers`` by stack path). When one fails to start, those
+    started before it are closed."""
+    from ..hf.offload import OffloadHandle
     from ..offload.manager import start_stacks
 
     paths = [path for path, _ in find_block_lists(model)]
-    managers = start_stacks(model, [(path, options) for path in paths])
-    for path, manager in zip(paths, managers):
+    handle = OffloadHandle(model, options)
+    handle.managers.update(zip(paths, start_stacks(model, [(path, options) for path in paths])))
+    for path, manager in handle.managers.items():
         logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
                     len(manager.resident_layer_bytes()), manager)
-    return managers
+    return handle

@@ -135,7 +135,8 @@ class _Loader:
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
         from vllm.config import get_current_vllm_config
 
-        managers = getattr(model, "mapoffload_managers", None) or []
+        handle = getattr(model, "mapoffload_handle", None)
+        managers = list(handle.managers.values()) if handle is not None else []
         if managers:
             raise VllmLoadError(f"reloading weights in place: {len(managers)} layer stack(s) of this model are "
                                 f"streamed by mapoffload ({managers[0]!r}), whose stores are the weights bound now; "
@@ -215,7 +216,7 @@ class _Loader:
         after = {name: p.numel() for name, p in model.named_parameters()}
         bound.packed = sum(n for name, n in before.items() if not after.get(name))  # handed to the GEMM library
         stream = self.options.streams(linear)
-        model.mapoffload_managers = stream_layers(model, self.options.stream_options()) if stream else []
+        model.mapoffload_handle = stream_layers(model, self.options.stream_options()) if stream else None
         where = (f"{'reused' if bound.reused else 'written to'} {bound.folder}" if bound.folder
                  else "no conversion needed")
         packed = f", {format_bytes(bound.packed)} packed into the GEMM library's own copies" if bound.packed else ""
@@ -262,7 +263,7 @@ class _Loader:
             raise
         _finish(bound, cache)
         bound.recount(model)
-        model.mapoffload_managers = start_managers(model, offloader.taker)
+        model.mapoffload_handle = start_managers(model, offloader.taker)
         model.mapoffload_bound = bound
         logger.info("mapoffload: vLLM %s: %d offloaded layers kept on the mapping (%s): %s mapped from the "
                     "checkpoint, %s converted (%s); the rest, %s, loaded onto %s by vLLM's loader", architecture,
