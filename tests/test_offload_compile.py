@@ -55,11 +55,11 @@ DYNAMO_LATE = """
 import sys, torch
 from torch import nn
 from mapoffload import LayerwiseOffloadManager
-from mapoffload.offload import steps
+from mapoffload.offload import sequencer
 
 calls = []
-real = steps.Steps.start
-steps.Steps.start = lambda self, i: (calls.append(i), real(self, i))[1]
+real = sequencer.Sequencer.enter  # the step each layer's pre-hook takes, holding the turn
+sequencer.Sequencer.enter = lambda self, i, window: (calls.append(i), real(self, i, window))[1]
 
 
 class M(nn.Module):

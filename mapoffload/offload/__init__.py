@@ -8,7 +8,8 @@
 - ``parts``: one stack's parts, made and closed together.
 - ``sequencer``: loaded, kept, the streaming window; enter / exit / prefetch / release (no hooks, no
   policy); the host weights read and replaced, by the manager's methods or by the user in the model
-  (``adopt_edits``). ``steps``: the per-forward policy the hooks run; ``turn``: the layer turn and the hooks.
+  (``adopt_edits``). ``runtime``: one stack's forward - the layer turn, the hooks torch calls and the per-forward
+  policy they run; ``eager``: the hooks' objects (eager under ``torch.compile``, never copied).
 - targets x sources: where a layer computes - ``loads`` (the ``Load`` record; in place) or
   ``device_copies`` (device buffers, ``device_pool``) - and where its bytes come from - ``sources``
   (the read-around source; the mapping is ``pagecache.read_source``); ``buffers``: what they hold on the host.

@@ -10,7 +10,7 @@ every manager of the process by ``pagecache/coordinator.py``: a cached set stays
 forwards, the streamed set is read once per forward at most the plan's ``depth`` ahead and let go right
 after use. The manager takes its options whole (``mapoffload.OffloadOptions``, completed in ``options.py``), plans the stores and holds its parts
 (``parts.py``: the pages, the load target, the slots, the sequencer, the page-cache member, the reads
-policy, the turn and the hooks); every method below is one of theirs.
+policy, the runtime: the layer turn and the hooks); every method below is one of theirs.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
 the device path a released layer's slots hold placeholders (``slots.py``, ``placeholder.py``).
@@ -120,7 +120,8 @@ class LayerwiseOffloadManager:
         parts = self._parts = Parts.build(o, model=model, layers=self.layers, stores=self._stores, name=name,
                                           copier=copier, owns_copier=owns_copier, owner=self)
         self._seq, self._pages, self._member, self._slots = parts.sequencer, parts.pages, parts.member, parts.slots
-        self._reads, self._turn, self._hooks = parts.reads, parts.turn, parts.hooks
+        self._reads, self._runtime = parts.reads, parts.runtime
+        self._turn = parts.runtime.turn
         try:
             self._engage()
         except BaseException:
@@ -251,11 +252,11 @@ class LayerwiseOffloadManager:
     def is_loaded(self, i: int) -> bool:
         return self._seq.is_loaded(self._check_index(i))
 
-    # -- hooks (turn.py, steps.py) ------------------------------------------------------------
+    # -- hooks (runtime.py) ---------------------------------------------------------------------
     def register_forward_hooks(self) -> None:
         """Load each layer before it runs, prefetch the next ones, release it after."""
         self._engage()
-        self._hooks.register(self.model, self.layers)
+        self._runtime.register(self.model, self.layers)
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
@@ -266,7 +267,7 @@ class LayerwiseOffloadManager:
         """
         self._turn.enter()
         try:
-            self._hooks.remove()
+            self._runtime.remove()
             self._disengage()
         finally:
             self._turn.leave()

@@ -4,7 +4,8 @@ For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, pag
 path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
 (``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``rest``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
-policy (``pagecache.read_policy``), the layer turn and the hooks (``turn``, ``steps``). :meth:`Parts.build` makes
+policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
+calls and what they do). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
 """
@@ -25,9 +26,8 @@ from .rest import RestGuard
 from .sequencer import Sequencer
 from .slots import Slots
 from .sources import ReadAroundSource, layer_buffer_bytes
-from .steps import Steps
 from .targets import Target, load_target
-from .turn import LayerTurn, StackHooks
+from .runtime import StackRuntime
 
 if TYPE_CHECKING:
     from ..copier import Copier
@@ -65,8 +65,7 @@ class Parts:
     rest: RestGuard
     member: StackMember
     reads: ReadPolicy
-    turn: LayerTurn
-    hooks: StackHooks
+    runtime: StackRuntime
 
     @classmethod
     def build(cls, o: OffloadOptions, *, model: Any, layers: list, stores: list[LayerStore], name: str,
@@ -97,9 +96,8 @@ class Parts:
             self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
                                      read_around=functools.partial(_read_around, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
-            self.turn = LayerTurn()
-            self.hooks = StackHooks(self.turn, Steps(self.sequencer, self.member, self.reads, self.rest,
-                                                     in_place=o.in_place), owner=weakref.ref(owner))
+            self.runtime = StackRuntime(self.sequencer, self.member, self.reads, self.rest, in_place=o.in_place,
+                                        owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
                 self.reads.read_around("reads='uncached'")
@@ -155,6 +153,6 @@ class Parts:
         layer turn may have been held by a parent thread that does not exist
         here: it starts free, with a fresh lock.
         """
-        self.turn.after_fork_in_child()
+        self.runtime.turn.after_fork_in_child()
         self.pages.after_fork_in_child()
         self.sequencer.forget_in_flight()

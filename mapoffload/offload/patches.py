@@ -1,6 +1,6 @@
 """What the managers change on a model's modules, in one registry: the two patches torch has no hook for.
 
-torch's hook API carries the rest (forward pre-hooks and always-call forward hooks, ``turn.py``).
+torch's hook API carries the rest (forward pre-hooks and always-call forward hooks, ``runtime.py``).
 Two things it has no hook for are patched on the instance, and only through this registry:
 
 - a layer's ``forward``, wrapped (:func:`wrap_forward`): torch runs no hook when a

@@ -173,13 +173,13 @@ class _StreamedModule:
     worker), and they are let go after. The module computes as it would without a manager (one matmul:
     a matmul over chunks of a head's rows was not bit-equal to the whole one with more than one thread).
 
-    Its hooks are :class:`~.turn._Hook` s: a model is not copied or pickled while they are on (as the
+    Its hooks are :class:`~.eager.Hook` s: a model is not copied or pickled while they are on (as the
     layers' hooks)."""
 
     def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
-        from .turn import _eager, _Hook
+        from .eager import Hook
 
         self.module, self.worker, self.files, self.unit = module, worker, files, unit
         self.spans = layer_spans([tensor_extent(t) for t in tensors])
@@ -191,8 +191,8 @@ class _StreamedModule:
         if not self.read_whole:
             logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
                         "it computes, let go after", name, format_bytes(self.bytes), format_bytes(unit))
-        self._undo = [module.register_forward_pre_hook(_Hook(_eager(self.before), None)).remove,
-                      module.register_forward_hook(_Hook(_eager(self.after), None), always_call=True).remove]
+        self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
+                      module.register_forward_hook(Hook(self.after), always_call=True).remove]
 
     def remove(self) -> None:
         for undo in self._undo:

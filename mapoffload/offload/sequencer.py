@@ -5,7 +5,7 @@ It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in f
 layers kept by ``load_all_layers`` and the streaming window a step reads ahead, and drives the load
 path (``loads``: in place or device copies, each read through the mapping or around the page cache)
 and the parameter slots (:class:`~mapoffload.offload.slots.Slots`) through their interfaces. No
-hooks (``turn.py``), no policy (``steps.py``: autograd, the reads policy, once-per-forward checks).
+hooks and no per-forward policy (``runtime.py``: autograd, the reads policy, once-per-forward checks).
 
 Host weights read and replaced (below the class): the manager's ``iter_cpu_weights``,
 ``cpu_weights_checksum``, ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
