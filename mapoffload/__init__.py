@@ -80,7 +80,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "CheckpointError",
-    "NotLocalError",
     "Copier",
     "CopyHandle",
     "CopyReason",
@@ -97,6 +96,7 @@ __all__ = [
     "MappedRegions",
     "MappingFaultError",
     "NoRoomError",
+    "NotLocalError",
     "OffloadOptions",
     "OffloadedGradientError",
     "OffloadedWeight",

@@ -352,8 +352,9 @@ class _FakeManager:
 def fake_manager(monkeypatch):
     import importlib
 
-    offload = importlib.import_module("mapoffload.offload")  # the subpackage (the loaders import it so)
-    monkeypatch.setattr(offload, "LayerwiseOffloadManager", _FakeManager)
+    # where the one front door (start_stacks) makes its managers
+    manager = importlib.import_module("mapoffload.offload.manager")
+    monkeypatch.setattr(manager, "LayerwiseOffloadManager", _FakeManager)
     monkeypatch.setattr(_FakeManager, "made", [])
     monkeypatch.setattr(_FakeManager, "fail_at", None)
     monkeypatch.setattr(_FakeManager, "fail_hooks_at", None)
