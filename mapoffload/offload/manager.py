@@ -241,9 +241,11 @@ class LayerwiseOffloadManager:
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s device copy (its parameters become placeholders; in place, their host tensors)."""
         self._seq.release(self._check_index(i))
+        self._pages.settle()  # its let-go done before the caller can write a weight in place
 
     def release_all(self) -> None:
         self._seq.release_all()
+        self._pages.settle()
 
     def load_all_layers(self) -> None:
         """Load every layer and keep it on the device until released explicitly."""

@@ -206,3 +206,4 @@ class _StreamedModule:
 
     def after(self, module, args, output) -> None:
         self.worker.let_go(self.spans, self.extents)
+        self.worker.drain()  # done before anything can write the weights in place (PageWorker.drain)

@@ -171,7 +171,11 @@ class StackRuntime:
         allocated: measured on this project's Llama under a cap, a process held 381-421 MiB of anonymous
         memory between forwards with that retention and 332 MiB without it, a forward's peak 396-414 MiB
         against 377 MiB - tens of MiB the page cache, and so the layers, lose at every forward. Under a
-        cap (while measuring) ``malloc_trim`` gives them back after each forward (a few milliseconds)."""
+        cap (while measuring) ``malloc_trim`` gives them back after each forward (a few milliseconds).
+
+        The forward returns once its let-gos are done (:meth:`~mapoffload.pagecache.layer_pages.LayerPages.settle`):
+        the user's code may write a weight in place next, which a let-go still in flight would drop."""
+        self.sequencer.pages.settle()
         if self._anon is not None:
             self._sample()
             coordinator().note_forward_growth(self._peak - self._anon)

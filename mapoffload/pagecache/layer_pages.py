@@ -275,6 +275,11 @@ class LayerPages:
         self._letting_go = self.worker.let_go(self.spans(i), self._extents[i])
         return self._letting_go
 
+    def settle(self) -> None:
+        """Wait for the page work asked so far: no let-go is left in flight when control goes back
+        to the user's code, who may write a weight in place (see :meth:`PageWorker.drain`)."""
+        self.worker.drain()
+
     # -- lifetime --------------------------------------------------------------------------
     def after_fork_in_child(self) -> None:
         self.worker.after_fork_in_child()

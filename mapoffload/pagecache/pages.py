@@ -425,8 +425,22 @@ class PageWorker:
         return self._pool is not None
 
     def drain(self) -> None:
-        """Wait until the work asked of the worker so far is done (letting go is asynchronous)."""
-        self._executor().submit(lambda: None).result()
+        """Wait until the work asked of the worker so far is done (letting go is asynchronous); no-op
+        when the worker has no thread (nothing asked, or closed).
+
+        A let-go reads which pages of a span are the file's and then drops them (``unmap_file_pages``:
+        ``MADV_DONTNEED``, no atomic "file pages only" exists); a weight written in place between the
+        two would be dropped with its write. So what lets go is drained before control goes back to
+        the user's code: at the end of a forward, after a module streamed on its own, after a release.
+        """
+        with self._lock:
+            pool = self._pool
+        if pool is None:
+            return
+        try:
+            pool.submit(lambda: None).result()
+        except RuntimeError:  # shut down meanwhile (closed): close() finished what was asked
+            pass
 
     def after_fork_in_child(self) -> None:
         """The parent's thread does not exist here: forget it (its queued work never runs)."""
