@@ -7,9 +7,18 @@ import atexit
 import os
 import pathlib
 import shutil
+import signal
 import tempfile
 
 import pytest
+
+# Ctrl-C as a user has it, however the suite was started: a shell without job control (a CI script's
+# `cmd &`, nohup'd) starts its background jobs with SIGINT ignored, which every child inherits, and a
+# Python started so installs no KeyboardInterrupt handler: the tests that send SIGINT to a process
+# (a long copy's wait interrupted, `vllm serve` stopped) saw nothing happen. Python's own handler here
+# makes the children start with the default action, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Page-cache peers (other processes under this cgroup: mapoffload.pagecache.peers)
 # are this session's own and its children's: another test run on the same
