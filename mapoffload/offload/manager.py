@@ -332,8 +332,7 @@ class LayerwiseOffloadManager:
         weight), ``ValueError`` (another shape, a meta value), ``TypeError`` (not a tensor, a dtype
         that cannot be cast): see :func:`~mapoffload.offload.sequencer.update_cpu_weights`.
         """
-        update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight,
-                                      device=self.device)
+        update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight, device=self.device)
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
