@@ -69,7 +69,8 @@ def room_in_layers(r: dict, layer: int) -> float | None:
 
 
 def figure(results: list[dict], layer: int, checkpoint_bytes: int, path: str) -> str | None:
-    """Reads per forward (over the checkpoint) and seconds per forward against the room in layers, one
+    """Reads per forward (over the checkpoint), seconds per forward and the forward over its limit (the
+    larger of the uncapped forward and the disk time for what it read) against the room in layers, one
     line per contender; None (and nothing written) without matplotlib."""
     try:
         import matplotlib
@@ -78,7 +79,7 @@ def figure(results: list[dict], layer: int, checkpoint_bytes: int, path: str) ->
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (top, bottom, third) = plt.subplots(3, 1, figsize=(7, 8.5), sharex=True)
     for contender in dict.fromkeys(r["contender"] for r in results):
         done = [r for r in results if r["contender"] == contender and r.get("outcome") == "yes"
                 and room_in_layers(r, layer) is not None]
@@ -86,10 +87,16 @@ def figure(results: list[dict], layer: int, checkpoint_bytes: int, path: str) ->
         xs = [room_in_layers(r, layer) for r in done]
         top.plot(xs, [r["read_bytes_per_forward"] / checkpoint_bytes for r in done], marker="o", label=contender)
         bottom.plot(xs, [r["forward_s_mean"] for r in done], marker="o", label=contender)
+        limited = [r for r in done if r.get("forward_over_limit")]
+        third.plot([room_in_layers(r, layer) for r in limited], [r["forward_over_limit"] for r in limited],
+                   marker="o", label=contender)
     top.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    third.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    third.axhline(1.2, color="grey", linewidth=0.8, linestyle=":")
+    third.set_ylabel("forward / limit")
     top.set_ylabel("read per forward (x checkpoint)")
     bottom.set_ylabel("forward (s)")
-    bottom.set_xlabel("room at the peak (layers): the limit less the peak anonymous memory")
+    third.set_xlabel("room at the peak (layers): the limit less the peak anonymous memory")
     top.legend()
     top.set_title("capped_forward --rooms: bytes read and time per forward")
     fig.tight_layout()

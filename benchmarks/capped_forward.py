@@ -99,6 +99,9 @@ Columns:
                       read with 8 MiB reads)
   fwd / disk          fwd s over disk s (1.0: the forward runs at the speed of
                       the disk)
+  fwd / limit         fwd s over the limit: the larger of the contender's own
+                      uncapped forward and disk s (1.0: reads and compute
+                      wholly overlapped; issue 43's goal is <= 1.2)
   peak RssAnon MiB    peak anonymous resident memory (/proc/self/status sampled
                       every 10 ms), its growth over the baseline in brackets
                       (the JSON splits it: anon_peak_load, anon_peak_forwards)
@@ -512,10 +515,12 @@ def _mean_rest(values: list[float]) -> float | None:
     return sum(rest) / len(rest) if rest else None
 
 
-def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> list[str]:
+def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None, own_fwd: float | None = None) -> list[str]:
     """One table row from a result. The cap is a share of ``sizes["checkpoint_bytes"]``
     (with --fp8: the bf16 checkpoint's); the bound is what the contender's own
-    checkpoint (``r["folder_bytes"]``) cannot keep in that budget."""
+    checkpoint (``r["folder_bytes"]``) cannot keep in that budget. ``own_fwd``: the
+    contender's uncapped forward, for the limit (the larger of it and the disk time
+    for what this run read: no forward under a cap can be faster)."""
     ckpt = sizes["checkpoint_bytes"]
     if room_of(r["cap"]) is not None:
         # What the model may keep in memory: the limit less this run's peak of anonymous memory.
@@ -531,17 +536,20 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None) -> l
     na = "-"
     if r["outcome"] != "yes":
         return [r["contender"], cap, room, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
-                na, na, f"{bound / MB:.0f}", na, na, na, na, na, na,
+                na, na, f"{bound / MB:.0f}", na, na, na, na, na, na, na,
                 f"{r['anon_peak'] / MIB:.0f}" if "anon_peak" in r else na, na]
     read = _mean_rest(r["forward_read_bytes"])
     fwd = _mean_rest(r["forward_s"])
     disk_s = read / (disk_gb_s * 1e9)
     r["read_bytes_per_forward"], r["forward_s_mean"], r["disk_s_per_forward"] = read, fwd, disk_s
+    limit = max(own_fwd or 0.0, disk_s)
+    r["forward_over_limit"] = fwd / limit if limit > 0 else None
     return [
         r["contender"], cap, room, "yes", f"{r['load_s']:.2f}", f"{read / MB:.0f}", f"{r['forward_read_bytes'][0] / MB:.0f}",
         f"{bound / MB:.0f}", f"{read / bound:.2f}" if bound else na, f"{read / r.get('folder_bytes', ckpt):.2f}",
         f"{fwd:.3f}",
         f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
+        f"{r['forward_over_limit']:.2f}x" if r["forward_over_limit"] and r["cap"] != "none" else na,
         f"{r['anon_peak'] / MIB:.0f} (+{(r['anon_peak'] - r['anon_baseline']) / MIB:.0f})",
         "-" if r.get("logits_equal") is None else "yes" if r["logits_equal"] else "NO",
     ]
@@ -718,10 +726,12 @@ def main(argv=None) -> int:
 
     tf_fwd = {r["cap"]: _mean_rest(r["forward_s"]) for r in results
               if r["contender"] == "transformers" and r["outcome"] == "yes"}
-    rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"])) for r in results]
+    own_fwd = {r["contender"]: _mean_rest(r["forward_s"]) for r in results if r["cap"] == "none" and r["outcome"] == "yes"}
+    rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"]), own_fwd.get(r["contender"])) for r in results]
     print()
     print_table(["contender", "cap", "room in layers", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
-                 "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "peak RssAnon MiB", "logits =="], rows)
+                 "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "fwd / limit", "peak RssAnon MiB",
+                 "logits =="], rows)
     if args.fp8:
         _fp8_targets(results, sizes, args)
     if args.rooms:

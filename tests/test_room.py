@@ -2,7 +2,7 @@
 
 A stack of 8 blocks of three parts (a norm, an up and a down projection of 2 MiB each) and a 16 MiB
 head outside them, under fake cgroup v2 caps that leave the layers 0.5, 1, 1.5, 2 and 4 layers of
-room: the plan's granularity (part by part below one layer), its depth (no read-ahead below two) and
+room: the plan's granularity (part by part below two layers), its depth (parts read ahead from two) and
 its cached set; a warm forward reads at most 1.1x what the plan streams (``/proc/self/io``), and the
 output is the plain model's. Then the head streamed where it does not fit beside the smallest window
 (read by its own faults where it does not fit the window, one matmul), the margin measured from the forwards, and the refusal
@@ -64,9 +64,11 @@ def room_cap(layers: float) -> int:
 
 
 @pytest.mark.parametrize("layers, unit, depth, cached", [
-    (0.5, PART, 0, 0),  # one layer does not fit: part by part, nothing read ahead
-    (1, LAYER, 0, 0),  # one layer fits, two do not: no read-ahead (it would evict the layer in use)
-    (1.5, LAYER, 0, 0),
+    (0.5, PART, 0, 0),  # one layer does not fit: part by part, nothing read ahead (two parts do not fit)
+    # One layer fits, two do not (a layer read ahead would evict the one in use): part by part, as many
+    # parts read ahead as fit (issue 43; until then whole layers, nothing read ahead).
+    (1, PART, 1, 0),
+    (1.5, PART, 2, 0),
     (2, LAYER, 1, 0),
     (4, LAYER, 1, 2),
 ])
@@ -75,7 +77,7 @@ def test_the_plan_takes_its_depth_and_granularity_from_the_room(layers, unit, de
     plan = plan_shared([sizes], int(layers * LAYER_BYTES), prefetch_layers=[1], parts=[PART_BYTES])[0]
     assert (plan.unit, plan.depth, len(plan.cached)) == (unit, depth, cached), plan
     assert plan.window_bytes <= max(int(layers * LAYER_BYTES), PART_BYTES)
-    assert plan.parts == (unit == PART) and (plan.window_bytes == PART_BYTES) == (unit == PART)
+    assert plan.parts == (unit == PART) and (plan.window_bytes == (1 + depth) * PART_BYTES) == (unit == PART)
     assert ("part by part" in plan.describe()) == (unit == PART)
 
 
@@ -106,7 +108,7 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
         plan = mgr.residency
         assert not plan.rest_streamed and plan.streamed, plan
-        assert plan.parts == (layers < 1) and plan.depth == (1 if layers >= 2 else 0), plan
+        assert plan.parts == (layers < 2) and plan.depth == {0.5: 0, 1: 1, 1.5: 2}.get(layers, 1), plan
         mgr.register_forward_hooks()
         drop_page_cache(str(path))
         with torch.no_grad():

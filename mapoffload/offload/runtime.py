@@ -7,7 +7,8 @@ holding the layer turn): autograd's rule (refused on reused device buffers; in p
 ahead into a reused read-around buffer is read again through its mapping), then the sequencer's step:
 the layer loaded (the load target's ``ready``: the copy, or the read in place), the window the plan
 allows read ahead. After the layer (its always-call post-hook): its release and the recorded-graph
-check. Where the plan reads streamed layers part by part, each part's hooks read it in and let it go.
+check. Where the plan reads streamed layers part by part, each part's hooks read it in (the next parts'
+reads started behind it, to run while it computes, as deep as the plan's room) and let it go.
 Once the forward ended: what it added to the process's anonymous memory goes to the coordinator.
 
 One layer runs at a time (:class:`LayerTurn`): from its pre-hook to its post-hook the layer owns the
@@ -131,7 +132,7 @@ class StackRuntime:
         for i, layer in enumerate(layers):
             hooks.append(layer.register_forward_pre_hook(Hook(self._pre_hook(i), self.owner)))
             hooks.append(layer.register_forward_hook(Hook(self._post_hook(i), self.owner), always_call=True))
-            hooks.append(wrap_forward(layer, Hook(self._guarded_forward(i, layer.forward), self.owner)))
+            hooks.append(wrap_forward(layer, Hook(self._guarded_forward(i, layer), self.owner)))
         # Before anything of a forward reads the mapping (the embedding first).
         hooks.append(model.register_forward_pre_hook(Hook(self._before_forward, self.owner), prepend=True))
         hooks.append(model.register_forward_hook(Hook(self._after_forward, self.owner), always_call=True))
@@ -157,6 +158,7 @@ class StackRuntime:
         plan = self.member.residency
         self.rest.stream(plan is not None and plan.rest_streamed, plan.window_bytes if plan is not None else 0)
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
+        self.sequencer.pages.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
         if self.sequencer.pages.in_parts:
             self._register_parts()
         else:
@@ -174,7 +176,9 @@ class StackRuntime:
         cap (while measuring) ``malloc_trim`` gives them back after each forward (a few milliseconds).
 
         The forward returns once its let-gos are done (:meth:`~mapoffload.pagecache.layer_pages.LayerPages.settle`):
-        the user's code may write a weight in place next, which a let-go still in flight would drop."""
+        the user's code may write a weight in place next, which a let-go still in flight would drop.
+        Parts read ahead that did not run (the forward went another way, or raised) are let go first."""
+        self.sequencer.pages.let_go_ahead()
         self.sequencer.pages.settle()
         if self._anon is not None:
             self._sample()
@@ -233,15 +237,23 @@ class StackRuntime:
 
         return post_hook
 
-    def _guarded_forward(self, i: int, forward):
-        @functools.wraps(forward)
+    def _guarded_forward(self, i: int, layer: Any):
+        """Layer ``i``'s forward, finishing its turn on whatever leaves it (see the module). The forward
+        is looked up at each call, as torch does: one the user sets on the layer's class after the hooks
+        (a patch of the model's code) is the one that runs; one set on the instance before is kept."""
+        own = vars(layer).get("forward")  # the instance's own forward, if it had one
+
+        @functools.wraps(layer.forward)
         def guarded_forward(*args, **kwargs):
+            forward = own if own is not None else type(layer).forward.__get__(layer)
             try:
                 return forward(*args, **kwargs)
             except Exception:
                 raise  # torch runs the always-call post-hook
             except BaseException:
-                self.finish_layer(i)  # torch runs no hook for these
+                self.finish_layer(i)  # torch runs no hook for these (nor the model's after-forward):
+                self.sequencer.pages.let_go_ahead()  # what was read ahead is let go, nothing left in flight
+                self.sequencer.pages.settle()
                 raise
 
         return guarded_forward
@@ -287,7 +299,7 @@ class StackRuntime:
             if load is None or load.around is not None:
                 return  # not loaded by this stack's turn, or read around the page cache whole
             self._sample()
-            read = pages.read_part(i, k)
+            read = pages.enter_part(i, k)  # and the next parts' reads started behind it, as the room allows
             if read is not None:
                 read.result()
 

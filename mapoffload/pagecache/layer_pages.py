@@ -11,6 +11,7 @@ it out.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -80,6 +81,12 @@ class LayerPages:
         self._missing = 0  # bytes of cached layers found missing at a use, since take_missing()
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._letting_go: Future | None = None  # the device path's last let-go (see before_streamed_read)
+        # Part by part, read ahead (enter_part): the parts whose reads started before they ran, the part
+        # that ran after each the last time, and the one that ran last in this forward.
+        self._ahead: dict[tuple[int, int], Future | None] = {}
+        self._after: dict[tuple[int, int], tuple[int, int]] = {}
+        self._last: tuple[int, int] | None = None
+        self._ahead_lock = threading.Lock()
         maps = MapsView()  # one snapshot of the maps for every layer's lookups
         for i in range(len(stores)):
             self.spans(i, maps)  # open the files now, before a path can come to name another file
@@ -110,7 +117,12 @@ class LayerPages:
         return self._extents[i]
 
     def forget(self, i: int) -> None:
-        """Layer ``i``'s stores changed (a mapped weight became owned): measure its spans again."""
+        """Layer ``i``'s stores changed (a mapped weight became owned): measure its spans again (its parts
+        read ahead let go first, by the spans they were read by)."""
+        with self._ahead_lock:
+            for p in [p for p in self._ahead if p[0] == i]:
+                del self._ahead[p]
+                self.let_go_part(*p)
         self._spans.pop(i, None)
         self._extents.pop(i, None)
         self._edges.pop(i, None)
@@ -150,6 +162,50 @@ class LayerPages:
             return None
         what = f"layer {i} ({self._stores[i].parts[k].name})"
         return self.worker.read_in(spans, what, edges, extents)
+
+    def enter_part(self, i: int, k: int) -> Future | None:
+        """Part ``k`` of streamed layer ``i`` is about to run: its read (started ahead, or now), and the
+        reads of the ``plan.depth`` parts that ran after it the last time started behind it.
+
+        The order is the one the parts ran in (learnt as they run: a forward that goes another way reads
+        on demand, as without read-ahead). A part read ahead that is not among the next ones now (the
+        forward went another way) is let go first. The page worker runs these in the order asked, after
+        the let-go of the part that ran before, so no more than ``1 + depth`` parts are in the page cache
+        at once: the plan's window.
+        """
+        key = (i, k)
+        with self._ahead_lock:
+            if self._last is not None and self._last != key:
+                self._after[self._last] = key
+            self._last = key
+            read = self._ahead.pop(key) if key in self._ahead else self.read_part(i, k)
+            nexts = self._next_parts(key)
+            for stale in [p for p in self._ahead if p not in nexts]:
+                del self._ahead[stale]
+                self.let_go_part(*stale)
+            for p in nexts:
+                if p not in self._ahead:
+                    self._ahead[p] = self.read_part(*p)
+        return read
+
+    def _next_parts(self, key: tuple[int, int]) -> list[tuple[int, int]]:
+        """The parts to read ahead of ``key``: the ``plan.depth`` that ran after it, streamed ones only."""
+        out: list[tuple[int, int]] = []
+        p = key
+        for _ in range(self.plan.depth if self.plan is not None and self.plan.parts else 0):
+            p = self._after.get(p)
+            if p is None or p == key or p in out or not self.streams(p[0]):
+                break
+            out.append(p)
+        return out
+
+    def let_go_ahead(self) -> None:
+        """Let go the parts read ahead that did not run (a forward that ended, or raised, before them),
+        and start the next forward's order afresh."""
+        with self._ahead_lock:
+            ahead, self._ahead, self._last = self._ahead, {}, None
+            for p in ahead:
+                self.let_go_part(*p)
 
     def let_go_part(self, i: int, k: int) -> Future | None:
         """Let part ``k`` of streamed layer ``i`` go (checked there; None: nothing of it is mapped)."""
@@ -284,9 +340,14 @@ class LayerPages:
     def after_fork_in_child(self) -> None:
         self.worker.after_fork_in_child()
         self._letting_go = None  # the parent's page worker: it never completes here
+        self._ahead_lock = threading.Lock()
+        self._ahead, self._last = {}, None  # the parent's reads: the pages are the parent's to let go
 
     def close(self) -> None:
-        """Finish queued page work, close the files, set the spans' advice back. Idempotent."""
+        """Let go the parts read ahead, finish queued page work, close the files, set the spans' advice
+        back. Idempotent."""
+        if self._ahead and self.worker.running:
+            self.let_go_ahead()
         self.worker.close()
         self.files.close()
         for spans in self._advised:

@@ -76,11 +76,13 @@ class ResidencyPlan:
         norms): kept out of the layers' budget, unless ``rest_streamed``.
     unit
         :data:`LAYER`: a streamed layer is read in whole before it runs and let
-        go after. :data:`PART`: the room does not hold one layer, so a
+        go after. :data:`PART`: the room does not hold one layer (or two, where
+        it holds two parts: see :func:`plan_shared`), so a
         streamed layer's parts (the submodules that hold its weights: each
         projection, each norm) are read in one after another as they run and
-        each let go after it ran; the window is then the largest part, and
-        nothing is read ahead (``depth`` 0).
+        each let go after it ran; the window is then ``1 + depth`` of the
+        largest part, ``depth`` the parts read ahead of the one computing (in
+        the order the parts ran the forward before), 0 where two do not fit.
     part_bytes
         Mapped bytes of the largest part of any layer (0: not known, the
         stack cannot be read part by part).
@@ -142,7 +144,8 @@ class ResidencyPlan:
         n = len(self.layer_bytes)
         if not self.streamed:
             return f"all {n} layers stay cached ({format_bytes(self.cached_bytes)} mapped)"
-        how = (f"part by part, largest part {format_bytes(self.part_bytes)}, no readahead" if self.parts
+        how = (f"part by part, largest part {format_bytes(self.part_bytes)}, "
+               f"{f'{self.depth} read ahead' if self.readahead else 'no readahead'}" if self.parts
                else f"{self.depth} read ahead" if self.readahead else "no readahead")
         always = (f"{format_bytes(self.always_bytes)} read every forward and let go after"
                   if self.rest_streamed else f"{format_bytes(self.always_bytes)} read every forward")
@@ -217,10 +220,14 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
 
     ``parts`` holds each stack's largest part (the submodule of a layer with
     the most mapped bytes; 0: the stack is read a layer at a time only). A
-    streaming stack whose largest layer does not fit the room even without
-    reading ahead is read part by part (:data:`PART`): its window is its
-    largest part, read ahead never. So the room a stack needs is its largest
-    part, not its largest layer.
+    streaming stack is read part by part (:data:`PART`) where its largest
+    layer does not fit the room even without reading ahead, or where two of
+    them do not fit but two of its largest parts do (a part read ahead while
+    one computes, where whole layers would take turns with the compute): its
+    window is its largest part and the parts read ahead of it, as many as the
+    room holds and ``prefetch_layers`` layers' worth at most (none where two
+    parts do not fit). So the room a stack needs is its largest part, not its
+    largest layer.
     """
     n = len(members)
     prefetch = list(prefetch_layers) if prefetch_layers is not None else [1] * n
@@ -248,9 +255,15 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     depths, units = [], []
     for s, p, part in zip(sizes, prefetch, part_sizes):
         largest = max(s, default=0)
-        split = largest > 0 and 0 < part < largest and room < largest * windows
+        splits = largest > 0 and 0 < part < largest
+        # Part by part where one layer does not fit, and where two do not but two parts do: a part
+        # read ahead while one computes beats a layer read whole while nothing does.
+        split = splits and (room < largest * windows
+                            or (p > 0 and room < 2 * largest * windows and room >= 2 * part * windows))
         units.append(part if split else largest)
-        depths.append(0 if split else min(p, max(0, room // (largest * windows) - 1)) if largest else p)
+        # Read ahead: ``prefetch_layers`` layers' worth, as much of it as the room holds.
+        most = p * max(1, largest // part) if split else p
+        depths.append(min(most, max(0, room // (units[-1] * windows) - 1)) if largest else p)
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
         window = max((window_bytes(depths[k], units[k]) for k in streaming), default=0) * windows
