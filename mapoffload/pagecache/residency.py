@@ -189,6 +189,20 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
     return ResidencyPlan(tuple(cached), streamed, depth > 0, sizes, room, always_bytes, depth)
 
 
+def _unit_and_depth(largest: int, part: int, prefetch: int, room: int, windows: int) -> tuple[int, int]:
+    """What a stack streams in (its largest ``part``, or its ``largest`` layer) and how many of those it
+    reads ahead, in ``room`` (``windows`` streaming at once): part by part where one layer does not fit,
+    and where two do not but two parts do (a part read ahead while one computes beats a layer read
+    whole while nothing does); ``prefetch`` layers' worth read ahead at most, as much as the room holds."""
+    if not largest:
+        return largest, prefetch
+    split = 0 < part < largest and (room < largest * windows or (
+        prefetch > 0 and room < 2 * largest * windows and room >= 2 * part * windows))
+    unit = part if split else largest
+    most = prefetch * max(1, largest // part) if split else prefetch
+    return unit, min(most, max(0, room // (unit * windows) - 1))
+
+
 def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
                 prefetch_layers: list[int] | None = None, windows: int = 1,
                 cache_only: int = 0, buffers: int = 0, parts: list[int] | None = None) -> list[ResidencyPlan]:
@@ -252,18 +266,8 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     if sum(map(sum, sizes)) <= total - int(buffers):
         return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p, LAYER, part)
                 for s, p, part in zip(sizes, prefetch, part_sizes)]
-    depths, units = [], []
-    for s, p, part in zip(sizes, prefetch, part_sizes):
-        largest = max(s, default=0)
-        splits = largest > 0 and 0 < part < largest
-        # Part by part where one layer does not fit, and where two do not but two parts do: a part
-        # read ahead while one computes beats a layer read whole while nothing does.
-        split = splits and (room < largest * windows
-                            or (p > 0 and room < 2 * largest * windows and room >= 2 * part * windows))
-        units.append(part if split else largest)
-        # Read ahead: ``prefetch_layers`` layers' worth, as much of it as the room holds.
-        most = p * max(1, largest // part) if split else p
-        depths.append(min(most, max(0, room // (units[-1] * windows) - 1)) if largest else p)
+    units, depths = map(list, zip(*(_unit_and_depth(max(s, default=0), part, p, room, windows)
+                                    for s, p, part in zip(sizes, prefetch, part_sizes))))
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
         window = max((window_bytes(depths[k], units[k]) for k in streaming), default=0) * windows
