@@ -115,6 +115,7 @@ class StackRuntime:
         self.owner = owner
         self.handles: list = []  # each with remove()
         self.part_handles: list = []  # the layers' parts' hooks, while streamed layers are read part by part
+        self._forward = threading.local()  # .on: this thread is in a forward of the model
         self._anon: int | None = None  # RssAnon at this forward's start (None: not measuring)
         self._peak = 0  # the most sampled since
 
@@ -143,6 +144,7 @@ class StackRuntime:
             h.remove()
         self.handles.clear()
         self._remove_parts()
+        self.sequencer.pages.let_go_ahead()  # removed inside a forward: what it read ahead
         self.rest.stream(False)
 
     # -- once per forward of the model -------------------------------------------------------
@@ -158,6 +160,7 @@ class StackRuntime:
         plan = self.member.residency
         self.rest.stream(plan is not None and plan.rest_streamed, plan.window_bytes if plan is not None else 0)
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
+        self._forward.on = True  # in a forward of the model: parts read ahead may cross from layer to layer
         self.sequencer.pages.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
         if self.sequencer.pages.in_parts:
             self._register_parts()
@@ -178,6 +181,7 @@ class StackRuntime:
         The forward returns once its let-gos are done (:meth:`~mapoffload.pagecache.layer_pages.LayerPages.settle`):
         the user's code may write a weight in place next, which a let-go still in flight would drop.
         Parts read ahead that did not run (the forward went another way, or raised) are let go first."""
+        self._forward.on = False
         self.sequencer.pages.let_go_ahead()
         self.sequencer.pages.settle()
         if self._anon is not None:
@@ -245,7 +249,7 @@ class StackRuntime:
 
         @functools.wraps(layer.forward)
         def guarded_forward(*args, **kwargs):
-            forward = own if own is not None else type(layer).forward.__get__(layer)
+            forward = own if own is not None else _class_forward(layer)
             try:
                 return forward(*args, **kwargs)
             except Exception:
@@ -268,6 +272,11 @@ class StackRuntime:
             self.sequencer.exit(i)
         finally:
             self.turn.leave()
+        if not held and not getattr(self._forward, "on", False):
+            # A layer called on its own (not in a forward of the model): what it read ahead of the next
+            # layer is let go, and its let-gos done, before the user's code runs again.
+            self.sequencer.pages.let_go_ahead()
+            self.sequencer.pages.settle()
 
     # -- part by part -------------------------------------------------------------------------
     def _register_parts(self) -> None:
@@ -313,6 +322,18 @@ class StackRuntime:
                 pages.let_go_part(i, k)
 
         return post_hook
+
+
+def _class_forward(layer: Any):
+    """``layer.forward`` as its class gives it (what torch would call without our instance attribute): the
+    class attribute, bound by its descriptor protocol where it has one (a function, a staticmethod, a
+    classmethod), else the attribute itself (a callable object)."""
+    for cls in type(layer).__mro__:
+        if "forward" in cls.__dict__:
+            found = cls.__dict__["forward"]
+            get = getattr(type(found), "__get__", None)
+            return get(found, layer, type(layer)) if get is not None else found
+    raise AttributeError(f"{type(layer).__name__} has no forward")
 
 
 def _anon() -> int:

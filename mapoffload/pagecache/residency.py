@@ -120,8 +120,9 @@ class ResidencyPlan:
 
     @property
     def window_layers(self) -> int:
-        """Streamed layers in memory at once: the one computing and the ``depth`` read ahead of it."""
-        return 1 + self.depth
+        """Streamed layers in memory at once: the one computing and the ``depth`` read ahead of it; read
+        part by part, one (the parts read ahead are ``depth`` parts, counted in :attr:`window_bytes`)."""
+        return 1 if self.parts else 1 + self.depth
 
     @property
     def window_bytes(self) -> int:
