@@ -96,6 +96,12 @@ def test_the_depth_comes_from_the_room():
     assert (whole.unit, whole.depth) == (LAYER, 1)
     deep = plan_shared([sizes], 7 * PART_BYTES, prefetch_layers=[2], parts=[PART_BYTES])[0]
     assert deep.unit == PART and deep.depth == 6 and deep.window_bytes == 7 * PART_BYTES
+    # The cached set's thin share of the margin (page cache the kernel can reclaim, watched) may hold
+    # parts read ahead too; whole layers read ahead may not (their window may be anonymous buffers).
+    thin = plan_shared([sizes], PART_BYTES, prefetch_layers=[1], parts=[PART_BYTES], cache_only=2 * PART_BYTES)[0]
+    assert (thin.unit, thin.depth, thin.window_bytes) == (PART, 2, 3 * PART_BYTES), thin
+    layers = plan_shared([sizes], LAYER_BYTES * 2 - 1, prefetch_layers=[1], parts=[0], cache_only=LAYER_BYTES)[0]
+    assert (layers.unit, layers.depth) == (LAYER, 0), layers
     none = plan_shared([sizes], 3 * PART_BYTES, prefetch_layers=[0], parts=[PART_BYTES])[0]
     assert none.depth == 0 and not none.readahead  # prefetch_layers=0: nothing read ahead, parts either
 
@@ -146,6 +152,34 @@ def test_the_next_parts_read_begins_before_the_part_before_it_has_computed(ckpt,
     assert len(waited) == len(names) - 1 and all(ok for _, ok in waited), waited
     # The part computing and the one read ahead: never more than the plan's window in the page cache.
     assert max(peaks) <= 2 * PART_BYTES + EDGES, [p / MIB for p in peaks]
+
+
+def test_a_part_read_ahead_and_taken_by_the_kernel_before_its_use_is_counted(ckpt, cap):
+    """Parts read ahead may sit in the cached set's thin share: one the kernel took before it ran is
+    counted as missing (the coordinator then gives the thin share back)."""
+    from mapoffload.pagecache.pages import let_go
+
+    path, x, want = ckpt
+    model, mgr = started(path, cap)
+    pages = mgr.pages
+    with mgr, torch.no_grad():
+        assert torch.equal(model(x), want)  # the order learnt
+        pages.take_missing()
+        pages.watch = True
+        taken = []
+
+        def take_b(module, args, output):  # a computes; b was read ahead behind it: the kernel takes it
+            if not taken:
+                pages._ahead[(1, 2)].result()
+                let_go(pages._part(1, 2)[0])
+                taken.append(1)
+
+        handle = model.blocks[1].a.register_forward_hook(take_b)
+        assert torch.equal(model(x), want)
+        handle.remove()
+        assert pages.take_missing() >= PART_BYTES // 2
+        assert torch.equal(model(x), want)
+        assert pages.take_missing() == 0  # nothing taken: nothing counted
 
 
 def test_a_forward_reads_each_byte_once_with_read_ahead(ckpt, cap):
@@ -364,3 +398,23 @@ print("ok", ok, "child", code)
 """, timeout=120, env={"OMP_NUM_THREADS": "1", "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB": str(MARGIN // MIB),
                        "MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
     assert proc.returncode == 0 and "ok True child 0" in proc.stdout, describe(proc)
+
+
+def test_parts_read_ahead_and_missing_give_the_thin_share_back():
+    """The coordinator's check (``member.cached_lost``) counts what went missing of parts read ahead,
+    where nothing is cached, as it does for cached layers (beyond its slack of 1 MiB + 1 %)."""
+    from types import SimpleNamespace
+
+    from mapoffload.pagecache.member import cached_lost
+
+    sizes = [LAYER_BYTES] * BLOCKS
+    ahead = plan_shared([sizes], PART_BYTES, prefetch_layers=[1], parts=[PART_BYTES], cache_only=PART_BYTES)[0]
+    alone = plan_shared([sizes], PART_BYTES, prefetch_layers=[1], parts=[PART_BYTES])[0]
+    assert not ahead.cached and ahead.depth == 1 and alone.depth == 0
+
+    def member(plan, missing):
+        return SimpleNamespace(given=None, residency=plan, take_missing=lambda: missing)
+
+    assert cached_lost([member(ahead, 2 * MIB)]) == 2 * MIB
+    assert cached_lost([member(ahead, MIB // 2)]) == 0  # the slack
+    assert cached_lost([member(alone, 2 * MIB)]) == 0  # nothing read ahead, nothing cached: not the thin share's

@@ -78,7 +78,7 @@ class LayerPages:
         # used before under this plan must find its pages resident at its next use.
         self.watch = False  # the thin share is in use: note what is missing
         self._used: set[int] = set()  # cached layers used since the plan
-        self._missing = 0  # bytes of cached layers found missing at a use, since take_missing()
+        self._missing = 0  # bytes of cached layers (and parts read ahead) found missing at a use, since take_missing()
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self._letting_go: Future | None = None  # the device path's last let-go (see before_streamed_read)
         # Part by part, read ahead (enter_part): the parts whose reads started before they ran, the part
@@ -178,7 +178,12 @@ class LayerPages:
             if self._last is not None and self._last != key:
                 self._after[self._last] = key
             self._last = key
-            read = self._ahead.pop(key) if key in self._ahead else self.read_part(i, k)
+            if key in self._ahead:
+                read = self._ahead.pop(key)
+                if self.watch and read is not None and read.done() and read.exception() is None:
+                    self._missing += self._part_missing(i, k)  # read ahead into the thin share: kept?
+            else:
+                read = self.read_part(i, k)
             nexts = self._next_parts(key)
             for stale in [p for p in self._ahead if p not in nexts]:
                 del self._ahead[stale]
@@ -187,6 +192,11 @@ class LayerPages:
                 if p not in self._ahead:
                     self._ahead[p] = self.read_part(*p)
         return read
+
+    def _part_missing(self, i: int, k: int) -> int:
+        """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""
+        spans = self._part(i, k)[0]
+        return max(0, spans.total_bytes - sum(_core.resident_bytes(spans))) if len(spans) else 0
 
     def _next_parts(self, key: tuple[int, int]) -> list[tuple[int, int]]:
         """The parts to read ahead of ``key``: the ``plan.depth`` that ran after it, streamed ones only."""

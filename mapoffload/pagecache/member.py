@@ -154,15 +154,16 @@ def cached_lost(members: Sequence[StackMember]) -> int:
 
     A cached layer used before under its stack's plan must find its
     pages resident at its next use (``LayerPages.watch``, checked before
-    the layer faults them back in). Missing pages beyond 1 MiB + 1 % of
-    what a stack caches (the kernel's own slack: pages of a layer's ends
+    the layer faults them back in), and so must a part read ahead (its
+    window may take the thin share too). Missing pages beyond 1 MiB + 1 %
+    of what a stack caches (the kernel's own slack: pages of a layer's ends
     shared with streamed neighbours) count.
     """
     lost = 0
     for m in members:
         missing = m.take_missing()
         plan = m.residency
-        if m.given is not None or plan is None or not plan.cached:
+        if m.given is not None or plan is None or not (plan.cached or (plan.parts and plan.depth)):
             continue
         if missing > (1 << 20) + plan.cached_bytes // 100:
             lost += missing

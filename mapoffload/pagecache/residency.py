@@ -190,18 +190,24 @@ def plan_residency(layer_bytes: list[int], budget: int, *, always_bytes: int = 0
     return ResidencyPlan(tuple(cached), streamed, depth > 0, sizes, room, always_bytes, depth)
 
 
-def _unit_and_depth(largest: int, part: int, prefetch: int, room: int, windows: int) -> tuple[int, int]:
+def _unit_and_depth(largest: int, part: int, prefetch: int, room: int, windows: int,
+                    spare: int = 0) -> tuple[int, int]:
     """What a stack streams in (its largest ``part``, or its ``largest`` layer) and how many of those it
     reads ahead, in ``room`` (``windows`` streaming at once): part by part where one layer does not fit,
     and where two do not but two parts do (a part read ahead while one computes beats a layer read
-    whole while nothing does); ``prefetch`` layers' worth read ahead at most, as much as the room holds."""
+    whole while nothing does); ``prefetch`` layers' worth read ahead at most, as much as the room holds.
+
+    Parts read ahead may also take ``spare`` (the cached set's thin share of the margin): they are page
+    cache the kernel can reclaim, like the cached layers, and are watched the same way (a part read
+    ahead that is missing at its use gives the thin share back). Whole layers may not: their window may
+    be read-around buffers, anonymous memory."""
     if not largest:
         return largest, prefetch
     split = 0 < part < largest and (room < largest * windows or (
         prefetch > 0 and room < 2 * largest * windows and room >= 2 * part * windows))
-    unit = part if split else largest
-    most = prefetch * max(1, largest // part) if split else prefetch
-    return unit, min(most, max(0, room // (unit * windows) - 1))
+    if not split:
+        return largest, min(prefetch, max(0, room // (largest * windows) - 1))
+    return part, min(prefetch * max(1, largest // part), max(0, (room + spare) // (part * windows) - 1))
 
 
 def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
@@ -267,7 +273,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     if sum(map(sum, sizes)) <= total - int(buffers):
         return [ResidencyPlan(tuple(range(len(s))), (), True, s, total, always_bytes, p, LAYER, part)
                 for s, p, part in zip(sizes, prefetch, part_sizes)]
-    units, depths = map(list, zip(*(_unit_and_depth(max(s, default=0), part, p, room, windows)
+    units, depths = map(list, zip(*(_unit_and_depth(max(s, default=0), part, p, room, windows, int(cache_only))
                                     for s, p, part in zip(sizes, prefetch, part_sizes))))
     streaming = {k for k in range(n) if sizes[k] and max(sizes[k])}
     while True:
