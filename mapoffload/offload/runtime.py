@@ -256,6 +256,7 @@ class StackRuntime:
                 raise  # torch runs the always-call post-hook
             except BaseException:
                 self.finish_layer(i)  # torch runs no hook for these (nor the model's after-forward):
+                self._forward.on = False  # the forward is left: a layer called on its own next is one
                 self.sequencer.pages.let_go_ahead()  # what was read ahead is let go, nothing left in flight
                 self.sequencer.pages.settle()
                 raise
