@@ -35,8 +35,8 @@ from .loading.checkpoint import (
 from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError, cuda_available
 from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
-from .offload.grads import OffloadedGradientError
-from .offload.errors import ReplacedWeightError
+from .offload.runtime import OffloadedGradientError
+from .offload.hooks import ReplacedWeightError
 from .options import OffloadOptions
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .memory.ranks import LocalWorld, local_world

@@ -94,7 +94,7 @@ class Setup:
     def __init__(self, folder: str, buffers: int, *, fail_register: bool = False) -> None:
         from mapoffload import _core
         from mapoffload.offload.device_copies import DeviceCopies
-        from mapoffload.offload.sources import ReadAroundSource
+        from mapoffload.offload.loads import ReadAroundSource
         from mapoffload.pagecache.pages import Extent
         from mapoffload.offload.stores import MAPPED, LayerStore, Weight
         from mapoffload.copier import Copier

@@ -16,7 +16,7 @@ from torch import nn
 
 import mapoffload
 from mapoffload import LayerwiseOffloadManager, ReplacedWeightError
-from mapoffload.offload.placeholder import OffloadedCopyError
+from mapoffload.offload.hooks import OffloadedCopyError
 from stacks import IN, OUT, mapped
 
 PATHS = {"in-place": {}, "twin": {"cpu_twin": True, "host_store": "mapped"}}

@@ -19,7 +19,7 @@ from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, NoRoomError
 from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
-from mapoffload.offload.patches import patched
+from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import LAYER, PART
 
@@ -877,7 +877,7 @@ def test_a_forked_child_runs_a_forward_in_part_mode(tmp_file_dir, tmp_path):
     proc = run_python(f"""
 import os, torch
 from mapoffload import LayerwiseOffloadManager
-from mapoffload.offload.patches import patched
+from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import PART
 from fake_cgroups import v2_cap
@@ -967,7 +967,7 @@ def test_no_room_for_a_second_manager_leaves_the_first_working(tmp_file_dir, cap
 def test_the_streamed_head_copied_or_pickled_is_refused_or_plain(tmp_file_dir, cap):
     """The layers refuse copy.deepcopy and pickle while hooked (OffloadedCopyError); the streamed
     head's chunked forward is the manager's too: a copy must not carry it (nor a pickle fail obscurely)."""
-    from mapoffload.offload.placeholder import OffloadedCopyError
+    from mapoffload.offload.hooks import OffloadedCopyError
 
     path, x, want = checkpoint(tmp_file_dir)
     model, mgr = engaged(path, cap)
@@ -988,7 +988,7 @@ def test_the_streamed_head_copied_or_pickled_is_refused_or_plain(tmp_file_dir, c
 
 def test_the_streamed_head_pickled_is_refused_clearly(tmp_file_dir, cap):
     """The head streamed whole (a Linear subclass: hooks, not a chunked forward)."""
-    from mapoffload.offload.placeholder import OffloadedCopyError
+    from mapoffload.offload.hooks import OffloadedCopyError
 
     path, x, want = checkpoint(tmp_file_dir, SubclassModel)
     model, mgr = engaged(path, cap, SubclassModel)
@@ -1040,7 +1040,7 @@ def test_a_table_tied_to_the_head_is_read_once_a_forward_and_within_the_window(t
     the window the plan keeps room for."""
     from safetensors.torch import save_model
 
-    from mapoffload.offload.rest import WHAT
+    from mapoffload.offload.runtime import WHAT
     from mapoffload.pagecache.pages import PageWorker
 
     torch.manual_seed(0)

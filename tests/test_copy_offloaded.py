@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import mapoffload  # noqa: E402
 from hf_models import save  # noqa: E402
 from mapoffload import LayerwiseOffloadManager  # noqa: E402
-from mapoffload.offload.placeholder import OffloadedCopyError  # noqa: E402
+from mapoffload.offload.hooks import OffloadedCopyError  # noqa: E402
 from stacks import mapped  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 42, 5, 88, 9, 61]])

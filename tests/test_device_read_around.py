@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
-from mapoffload.offload.sources import ReadAroundSource
+from mapoffload.offload.loads import ReadAroundSource
 from mapoffload.pagecache.uncached_read import UncachedReader
 
 from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
@@ -236,7 +236,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     Released means given back to the device pool for the next layer, not freed: ``device_bytes`` (in
     use + pooled) is then every buffer the pool ever handed out - counted here by watching it hand them
     out - all of them back in the pool; only ``close()`` frees them (0)."""
-    from mapoffload.offload.device_pool import DevicePool
+    from mapoffload.offload.device_copies import DevicePool
 
     handed: dict[int, torch.Tensor] = {}  # id -> every distinct buffer take() returned
     real_take = DevicePool.take

@@ -242,8 +242,9 @@ def test_the_load_targets_are_siblings_behind_one_interface():
 
     from mapoffload.offload.device_copies import DeviceCopies
     from mapoffload.offload.loads import InPlace
-    from mapoffload.offload.targets import Target
+    from mapoffload.offload.loads import Target
 
     for target in (InPlace, DeviceCopies):
         assert issubclass(target, Target) and not inspect.isabstract(target), target
     assert inspect.isabstract(Target)
+

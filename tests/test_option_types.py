@@ -84,7 +84,7 @@ def test_the_gate_refuses_a_wrong_count(kwargs, error):
     assert name in str(info.value) and repr(kwargs[name]) in str(info.value)
 
 
-# --- the manager's options (resolved once, in offload/options.py) ---------------------------------
+# --- the manager's options (resolved once, in offload/manager.py) ---------------------------------
 
 
 @pytest.mark.parametrize("option,value,error", [

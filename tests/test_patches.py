@@ -1,5 +1,5 @@
 """The instance patches torch has no hook for (a layer's forward, a module's _apply) go through one
-registry (mapoffload/offload/patches.py): shared by the managers of one model, given back whole."""
+registry (mapoffload/offload/hooks.py): shared by the managers of one model, given back whole."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mapoffload import LayerwiseOffloadManager
-from mapoffload.offload.patches import patched
+from mapoffload.offload.hooks import patched
 from stacks import mapped
 
 
@@ -72,7 +72,7 @@ def test_a_child_forked_while_the_registry_is_locked_can_still_patch():
     import os
     import signal
 
-    from mapoffload.offload import patches
+    from mapoffload.offload import hooks as patches
 
     layer = torch.nn.Linear(2, 2)
     with patches._LOCK:  # another thread inside install() at the fork

@@ -18,7 +18,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache
 from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
-from mapoffload.offload.patches import patched
+from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.layer_pages import LayerPages
 from mapoffload.pagecache.residency import LAYER, PART, plan_shared, smallest_window

@@ -239,7 +239,7 @@ def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: i
 def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, host_store_given: bool,
               modules: bool = False, why: str | None = None) -> OffloadRow:
     """The row of one manager (a stack, or the streamed rest when ``modules``)."""
-    from ..offload.buffers import held_buffers
+    from ..offload.manager import held_buffers
 
     mapped, anonymous, pinned, _, total, written = measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
@@ -305,12 +305,12 @@ REUSED = "reused"
 def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Module | None = None,
                 component: str = "") -> OffloadRow | None:
     """The row of the working buffers the managers' machinery holds now
-    (:mod:`mapoffload.offload.buffers`: read-around buffers, staging slots,
+    (:mod:`mapoffload.offload.manager`: read-around buffers, staging slots,
     the CPU twin's device buffers) and, for a model with fp8 weights, the
     process's fp8 working buffers; None when there are none. Not weights:
     its ``nbytes`` is 0, so it is no part of "a full host copy"."""
     from ..loading.fp8_workspace import workspace
-    from ..offload.buffers import held_buffers
+    from ..offload.manager import held_buffers
     from ..loading.fp8 import fp8_weights
 
     kinds: dict[str, list[int]] = {}

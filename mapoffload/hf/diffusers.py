@@ -34,7 +34,7 @@ from ..loading.files import checkpoint_files
 from .._log import logger
 from ..loading.report import LoadReport
 from . import _keys
-from ..offload.errors import CallNames
+from ..offload.hooks import CallNames
 from ..options import FIELDS, OffloadOptions, gather, load_options, shows_option_keywords, unexpected_keyword
 from ._args import check_flags, check_folder, check_pipeline_class, keyword_names
 from ..conversion import ConversionCache

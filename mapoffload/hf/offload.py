@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .._log import format_bytes, logger
 from ..memory.budget import host_memory
 from ..memory.regions import tensor_bytes
-from ..offload.errors import CallNames
+from ..offload.hooks import CallNames
 from ..options import OffloadOptions, caller_stacklevel, gather, shows_option_keywords
 from ._summary import OffloadRow
 from .blocks import find_block_lists
@@ -62,7 +62,7 @@ def _rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
     """Bytes of the weights outside the stacks (a head) that each forward reads in as their modules
     run and lets go after, because the page-cache plan leaves them no room beside the streaming window
     (``ResidencyPlan.rest_streamed``): what the stack's guard streams once a forward set it up
-    (:attr:`~mapoffload.offload.rest.RestGuard.streamed_bytes`), the plan's always-read bytes before."""
+    (:attr:`~mapoffload.offload.runtime.RestGuard.streamed_bytes`), the plan's always-read bytes before."""
     for m in managers:
         plan = m.residency
         if plan is not None and plan.rest_streamed:

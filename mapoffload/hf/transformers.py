@@ -26,7 +26,7 @@ from ..loading.report import LoadReport
 from . import _keys
 from ..conversion import ConversionCache
 from ..conversion import concrete_class, default_root, fingerprint
-from ..offload.errors import CallNames
+from ..offload.hooks import CallNames
 from ..options import FIELDS, OffloadOptions, load_options, shows_option_keywords, unexpected_keyword
 from ._args import check_flags, check_folder, check_model_class, keyword_names
 from ._drive import driving

@@ -4,7 +4,7 @@ Through the mapping (the source :data:`~mapoffload.pagecache.read_source.MAPPING
 read-around source declines), a load copies the layer's host stores into device buffers from the
 device pool, on a copy stream; a release gives the buffers back to the pool.
 
-Read around the page cache (a :class:`~mapoffload.offload.sources.ReadAroundSource`): under a host
+Read around the page cache (a :class:`~mapoffload.offload.loads.ReadAroundSource`): under a host
 cap too tight for the streaming window, copying a streamed layer out of its mapping makes the kernel
 evict pages of the layers in use and read them again, as on the CPU (issue 18). Then a streamed
 layer's file bytes are read with ``O_DIRECT`` into one of the source's ``1 + depth`` reused buffers -
@@ -30,6 +30,11 @@ copies behind the compute queued meanwhile.
 Autograd: unlike in place, a layer run with autograd recording is not sent back to the mapping: its
 weights are device buffers on either path (the device pool's recycling rule refuses a recorded graph
 there), and the read-around buffer itself never reaches autograd.
+
+Device buffers (:class:`DevicePool`): a pool per size. A buffer given back is reused by the next layer of
+the same size; reuse is ordered by the copier, not the pool: every prefetch's copies wait for the work
+already queued on the compute stream (``wait_for``), which includes every read of a buffer given back
+before it, and the copier holds the buffers of a copy in flight until it is done.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .._runs import merge_copies
-from .device_pool import DevicePool
 from ..pagecache.layer_pages import LayerPages
 from .loads import Load, Target, wait_quietly
 from .stores import CONSOLIDATED, MAPPED, LayerStore, Weight, device_view
@@ -109,7 +113,7 @@ class DeviceCopies(Target):
     @property
     def host_bytes(self) -> int:
         """Host memory held now: the owned copier's ring (pinned on CUDA) and, on the CPU twin, the
-        "device" buffers (``offload/buffers.py`` lists the same for ``summary()``)."""
+        "device" buffers (``manager.held_buffers`` lists the same for ``summary()``)."""
         return self._ring_bytes() + (0 if self._cuda else self.pool.bytes)
 
     @property
@@ -346,3 +350,45 @@ class ReadThenCopy:
         if not self._submitted.is_set():
             return False
         return self.error is not None or self.copy.done()
+
+
+class DevicePool:
+    """Flat ``uint8`` buffers on one device, pooled by size."""
+
+    def __init__(self, device: torch.device, copy_stream: object | None) -> None:
+        self.device = device
+        self._copy_stream = copy_stream
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.bytes = 0  # held now: in use or pooled
+        self.peak_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        # A normal tensor even when the first forward runs under inference_mode:
+        # an inference tensor could not be written (update_cpu_weights) outside it.
+        with torch.inference_mode(False):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self._copy_stream is not None:
+            # Written on the copy stream: the caching allocator must not hand
+            # this memory to another stream before that work is done.
+            buf.record_stream(self._copy_stream)
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return buf
+
+    def pooled(self) -> list[torch.Tensor]:
+        """The buffers given back and not taken again."""
+        return [b for bufs in self._free.values() for b in bufs]
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+    def clear(self) -> None:
+        """Drop the pooled buffers (buffers in use stay with their holders)."""
+        for bufs in self._free.values():
+            self.bytes -= sum(b.numel() for b in bufs)
+        self._free.clear()

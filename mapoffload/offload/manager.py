@@ -8,41 +8,47 @@ copier (CUDA; ``cpu_twin=True`` runs that pipeline on the CPU) - reading the str
 mapping or around the page cache (``reads``, see :class:`~mapoffload.OffloadOptions`). The page cache the layers may fill is planned for
 every manager of the process by ``pagecache/coordinator.py``: a cached set stays in memory across
 forwards, the streamed set is read once per forward at most the plan's ``depth`` ahead and let go right
-after use. The manager takes its options whole (``mapoffload.OffloadOptions``, completed in ``options.py``), plans the stores and holds its parts
+after use. The manager takes its options whole (``mapoffload.OffloadOptions``, completed by :func:`resolve` with what the host measures: the host budget, the local ranks; the copier it makes for itself, :func:`make_copier`, has its staging ring shrunk for the local ranks), plans the stores and holds its parts
 (``parts.py``: the pages, the load target, the slots, the sequencer, the page-cache member, the reads
 policy, the runtime: the layer turn and the hooks); every method below is one of theirs.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
 the device path a released layer's slots hold placeholders (``slots.py``, ``placeholder.py``).
 ``remove_forward_hooks()`` and ``close()`` give the model back whole. The manager is a context manager.
+
+The host memory its machinery holds besides the weights' stores (:func:`held_buffers`, counted by
+``summary()``): the read-around buffers (anonymous; page-locked on CUDA), the copier's staging slots
+(pinned on CUDA; anonymous for the CPU twin) and the CPU twin's "device" buffers, each entry with the
+identity of its holder so that a copier several managers share is counted once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_count
 from .._log import format_bytes, logger
-from ..pagecache.coordinator import coordinator
 from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_keywords
-from .options import make_copier, resolve
+from ..pagecache.coordinator import coordinator
+from .hooks import CallNames
 from .parts import Parts
 from .sequencer import checksum, iter_cpu_weights, sync_layer_to_cpu, update_cpu_weights
-from .errors import CallNames
 from .stores import MAPPED, LayerStore, Weight, host_bytes
 
 if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier
-    from ..pagecache.residency import ResidencyPlan
     from ..pagecache.layer_pages import LayerPages
-    from .rest import RestGuard
-    from .sequencer import Sequencer
     from ..pagecache.read_policy import ReadPolicy
+    from ..pagecache.residency import ResidencyPlan
+    from .loads import Target
+    from .runtime import RestGuard
+    from .sequencer import Sequencer
 
-__all__ = ["HOST_STORES", "LayerwiseOffloadManager", "READS"]
+__all__ = ["HOST_STORES", "HeldBuffers", "LayerwiseOffloadManager", "READS", "held_buffers", "make_copier", "resolve"]
 
 
 @shows_option_keywords
@@ -154,7 +160,7 @@ class LayerwiseOffloadManager:
 
     @property
     def rest(self) -> RestGuard:
-        """The mapped weights outside the layers, checked before each forward (``offload/rest.py``)."""
+        """The mapped weights outside the layers, checked before each forward (``offload/runtime.py``)."""
         return self._parts.rest
 
     @property
@@ -402,3 +408,75 @@ def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOpti
                 logger.debug("closing a manager after a failed start", exc_info=True)
         raise
     return managers
+
+
+def resolve(options: OffloadOptions, copier: Copier | None) -> OffloadOptions:
+    """``options`` with the host budget and the local ranks measured where they were left to the
+    environment (None), after checking that ``copier`` goes with them.
+
+    Raises
+    ------
+    ValueError
+        A copier for in-place layers (``device="cpu"`` copies nothing) or for another device.
+    """
+    from ..memory.budget import host_memory_available_bytes
+    from ..memory.ranks import local_world
+
+    if options.in_place and copier is not None:
+        raise ValueError(
+            "device='cpu' computes from the host stores and copies nothing: a copier is for the device "
+            "pipeline (cpu_twin=True runs it on the CPU)"
+        )
+    if copier is not None and copier.device != options.device:
+        raise ValueError(f"copier is on {copier.device}, the manager on {options.device}")
+    available = options.available_bytes
+    if available is None:
+        available = host_memory_available_bytes()
+    return options.filled(local_ranks=local_world(options.local_ranks).size, available_bytes=available)
+
+
+def make_copier(options: OffloadOptions) -> Copier:
+    """A copier with the default settings, its ring shrunk when the local ranks' rings would not fit."""
+    from ..copier import Copier, resolve_settings
+
+    if options.local_ranks is None or options.local_ranks <= 1:
+        return Copier(options.device)
+    from ..memory.ranks import staging_ring_settings
+
+    threads, slot_bytes, slots = resolve_settings()
+    threads, slot_bytes, slots = staging_ring_settings(
+        threads=threads, slot_bytes=slot_bytes, slots=slots, local_ranks=options.local_ranks,
+        available_bytes=options.available_bytes,
+    )
+    return Copier(options.device, threads=threads, staging_bytes=slot_bytes, slots=slots)
+
+
+@dataclass(frozen=True)
+class HeldBuffers:
+    """Bytes of one kind of working buffer: ``anonymous`` and ``pinned`` host
+    bytes; ``owner`` the id of the object that holds them (count each once)."""
+
+    what: str
+    anonymous: int
+    pinned: int
+    owner: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.anonymous + self.pinned
+
+
+def held_buffers(loads: Target, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
+    """What a manager holds now besides its weights (entries with bytes only): its load target ``loads``
+    (``manager.loads``), its ``copier`` (None in place), on ``device``."""
+    out: list[HeldBuffers] = []
+    source = loads.source
+    held, pinned = source.held_bytes, source.pinned_bytes
+    out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(source)))
+    ring = copier.ring_bytes if copier is not None else 0
+    if ring:
+        cuda = copier.device.type == "cuda"
+        out.append(HeldBuffers("staging slots", 0 if cuda else ring, ring if cuda else 0, id(copier)))
+    if copier is not None and device.type == "cpu":
+        out.append(HeldBuffers("device buffers on the CPU", loads.bytes, 0, id(loads)))
+    return [b for b in out if b.nbytes]

@@ -2,12 +2,15 @@
 
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
 path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
-(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``rest``), its
+(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``runtime.RestGuard``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
 policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
 calls and what they do). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
+
+The load target is chosen in one place, :func:`load_target`: in place (``device="cpu"`` without the CPU
+twin), else device copies (CUDA, or the CPU twin's separate CPU buffers).
 """
 
 from __future__ import annotations
@@ -22,19 +25,19 @@ from ..pagecache.coordinator import coordinator
 from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
 from ..pagecache.read_policy import ReadPolicy
-from .rest import RestGuard
+from .device_copies import DeviceCopies
+from .loads import InPlace, ReadAroundSource, Target, layer_buffer_bytes
+from .runtime import RestGuard, StackRuntime
 from .sequencer import Sequencer
 from .slots import Slots
-from .sources import ReadAroundSource, layer_buffer_bytes
-from .targets import Target, load_target
-from .runtime import StackRuntime
 
 if TYPE_CHECKING:
     from ..copier import Copier
     from ..options import OffloadOptions
+    from ..pagecache.layer_pages import LayerPages
     from .stores import LayerStore
 
-__all__ = ["Parts"]
+__all__ = ["Parts", "Target", "load_target"]
 
 # Live stacks, for fork(): copies a parent had in flight never complete in
 # the child (its copier's workers stayed in the parent), so the child forgets
@@ -156,3 +159,15 @@ class Parts:
         self.runtime.turn.after_fork_in_child()
         self.pages.after_fork_in_child()
         self.sequencer.forget_in_flight()
+
+
+def load_target(o: OffloadOptions, stores: list[LayerStore], pages: LayerPages, copier: Copier | None, *,
+                owns_copier: bool) -> Target:
+    """The target for options ``o``: in place, or device buffers holding the most layers loaded at once
+    (resident, the one computing, the prefetched ones) copied by ``copier``."""
+    if o.in_place:
+        return InPlace(stores, pages)
+    assert copier is not None, "a device target needs a copier"
+    return DeviceCopies(stores, pages, o.device, copier, owns_copier=owns_copier,
+                        side_stream=copier.mode != "direct",  # direct: the seed's path, on the compute stream
+                        buffer_layers=o.resident_layers + 1 + o.prefetch_layers)

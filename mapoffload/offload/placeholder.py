@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from . import patches
-from .errors import CallNames
+from . import hooks
+from .hooks import CallNames, OffloadedCopyError, copy_refusal
 
 # Properties whose value would be computed from the data.
 _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -139,7 +139,7 @@ def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
     """``placeholder.data = value`` between forwards: the values go into the weight's host store (its
     manager's ``update_cpu_weights``), so the next load computes with them; refused (naming the
     weight) where they cannot be the weight's."""
-    from .errors import ReplacedWeightError
+    from .hooks import ReplacedWeightError
 
     mgr = owner_of(w)
     if mgr is None:
@@ -221,22 +221,6 @@ def _conversion_message(w: OffloadedWeight, dtype: torch.dtype) -> str:
                 f"load the weights in {dtype}, or close the manager first (manager.close()) and convert the model")
     how = f"load it as {dtype} ({reload.format(dtype=dtype)})" if reload else "convert it before offloading it"
     return f"{w._mo_name} is offloaded and was converted to {dtype}: {keeps}; {how}, or call {close} first"
-
-
-class OffloadedCopyError(RuntimeError, TypeError):
-    """An offloaded model (or one of its layers or placeholders) copied, pickled or moved into shared
-    memory (``share_memory()``): refused, naming the call that gives the model back first. A
-    ``TypeError`` (what ``pickle`` raises for what it cannot pickle) and a ``RuntimeError``."""
-
-
-def copy_refusal(manager: object | None, what: str, w: OffloadedWeight | None = None) -> str:
-    """The one message for a copy or pickle of an offloaded model (its hooks or placeholders met)."""
-    close = (manager.calls.close if manager is not None else None) or "manager.close()"
-    where = f" ({w._mo_name} is one of its weights)" if w is not None else ""
-    return (f"an offloaded model was {what}{where}: its layers' weights are loaded by this process's offload "
-            f"hooks, which a copy would share. Call {close} first: the model is then a plain model with its "
-            "own weights to copy or save, and offload the copy afterwards (in place, on the CPU, state_dict() "
-            "and save_pretrained() work while offloaded)")
 
 
 class ManagerMark:
@@ -350,15 +334,15 @@ def guard_conversions(model: torch.nn.Module) -> None:
     share a model).
     """
     for m in model.modules():
-        patches.install(m, "_apply", functools.partial(_guarded_apply, m))
-        patches.install(m, "share_memory", functools.partial(_guarded_share_memory, m))
+        hooks.install(m, "_apply", functools.partial(_guarded_apply, m))
+        hooks.install(m, "share_memory", functools.partial(_guarded_share_memory, m))
 
 
 def unguard_conversions(model: torch.nn.Module) -> None:
     """Undo one :func:`guard_conversions`."""
     for m in model.modules():
-        patches.uninstall(m, "_apply")
-        patches.uninstall(m, "share_memory")
+        hooks.uninstall(m, "_apply")
+        hooks.uninstall(m, "share_memory")
 
 
 def share_refusal(manager: object | None, name: str | None) -> str:

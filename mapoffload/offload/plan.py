@@ -7,12 +7,25 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .._progress import byte_bar
-from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
-from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Part, PinChoice, StorePlan, StoreRule, Weight
-from .stores import build_consolidated, build_strided
-from .stores import describe, layout, log_plan
 from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
 from ..memory.regions import MappedRegions
+from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
+from .stores import (
+    CONSOLIDATED,
+    MAPPED,
+    STRIDED,
+    LayerStore,
+    Part,
+    PinChoice,
+    StorePlan,
+    StoreRule,
+    Weight,
+    build_consolidated,
+    build_strided,
+    describe,
+    layout,
+    log_plan,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +57,7 @@ def resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]
 def modules_outside(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules of ``model`` outside ``layers`` ("the rest": embedding, head, norms), in ``model.modules()``
     order: the one definition of "outside the layers" (ties, the weights every forward reads, the lookup
-    tables, the rest's checks in ``rest.py``)."""
+    tables, the rest's checks in ``runtime.py``)."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     return [m for m in model.modules() if id(m) not in inside]
 

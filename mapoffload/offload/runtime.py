@@ -18,9 +18,27 @@ nest (a model run re-entrantly); a dead owner does not block anyone.
 
 torch runs always-call post-hooks for an ``Exception`` only: a KeyboardInterrupt (the manager's own
 interruptible wait included), SystemExit or GeneratorExit inside a layer skips them. The layer's
-forward is wrapped (through ``patches``, the one registry of what mapoffload sets on a module), and the
+forward is wrapped (through ``hooks``, the one registry of what mapoffload sets on a module), and the
 pre-hook guards itself, so that whatever leaves the layer finishes its turn; a per-thread record of the
 turns held (:meth:`LayerTurn.held`) makes finishing twice harmless.
+
+**The weights outside the layers** ("the rest": embedding, head, norms; :class:`RestGuard`). Every
+forward reads them before the first layer's own check. A file truncated under the mapping would make that
+read a SIGBUS that kills the process; a check of the mapped file's size turns it into a
+:class:`~mapoffload.MappingFaultError` naming the file. Where the page-cache plan finds no room for the
+weights every forward reads whole (a head, norms) beside the streaming window
+(``ResidencyPlan.rest_streamed``), each module holding them reads them in before it runs (where they fit
+the room; else its own faults read them, 2 MiB folios at a time under ``MADV_HUGEPAGE`` +
+``MADV_RANDOM``) and lets them go after it ran, so that they never push the layers' pages out. The lookup
+tables (embeddings no head shares) are set ``MADV_RANDOM``: a lookup faults a few rows, and a fault's
+read-around read 131-216 MiB of a 125 MiB table per forward under a tight cap.
+
+**Autograd** (:func:`refuse_weight_gradients`, :func:`refuse_recorded_graph`). In place a layer computes
+from its host tensors, which stay where they are after it ran: gradients are exact (a layer read ahead
+into a reused read-around buffer is read again through its mapping when autograd records). On the device
+path a layer computes from device buffers that later layers are copied into: a graph recorded through them
+would compute a backward from other layers' weights, so such a forward is refused with
+:class:`OffloadedGradientError`, naming the layer and why.
 """
 
 from __future__ import annotations
@@ -29,20 +47,24 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .._log import format_bytes, logger
+from .._native import _core
 from ..memory.budget import release_freed_memory, rss_anon_bytes
 from ..pagecache import coordinator as _coordinator
 from ..pagecache.coordinator import coordinator
-from .eager import Hook
-from .grads import refuse_recorded_graph, refuse_weight_gradients
-from .patches import wrap_forward
+from ..pagecache.mapped_file import MappedFiles
+from ..pagecache.pages import Extent, PageWorker, check_extents, file_extents, layer_spans
+from .hooks import Hook, wrap_forward
 
 if TYPE_CHECKING:
+    import torch
+
     from ..pagecache.member import StackMember
     from ..pagecache.read_policy import ReadPolicy
-    from .rest import RestGuard
     from .sequencer import Sequencer
+    from .stores import LayerStore
 
-__all__ = ["LayerTurn", "StackRuntime"]
+__all__ = ["LayerTurn", "OffloadedGradientError", "RestGuard", "StackRuntime", "refuse_recorded_graph", "refuse_weight_gradients"]
 
 
 class LayerTurn:
@@ -340,3 +362,224 @@ def _class_forward(layer: Any):
 def _anon() -> int:
     """RssAnon, read where the coordinator reads the cgroups (tests point both at a fake tree)."""
     return rss_anon_bytes(root=_coordinator.CGROUP_ROOT)
+
+
+WEIGHTS_REQUIRE_GRAD = "weights require grad"
+RECORDED = "autograd recorded"
+
+_HOW = ("Run the model under torch.no_grad() or torch.inference_mode() (the device path is for inference), or "
+        "take gradients with device='cpu', which computes in place from the host tensors (exact)")
+
+
+class OffloadedGradientError(RuntimeError):
+    """A forward on the device path that would record autograd through reused device buffers.
+
+    ``layer`` is the layer's index, ``name`` its path in the model and
+    ``reason`` one of ``"weights require grad"`` (autograd enabled and the
+    layer's weights require grad: refused before the layer is loaded) or
+    ``"autograd recorded"`` (its output requires grad: the inputs did, and
+    autograd saved the layer's device weights for the backward).
+    """
+
+    def __init__(self, message: str, *, layer: int, name: str, reason: str) -> None:
+        super().__init__(message)
+        self.layer, self.name, self.reason = layer, name, reason
+
+
+def refuse_weight_gradients(store: LayerStore) -> None:
+    """On the device path with autograd enabled: refuse layer ``store`` when its weights require grad."""
+    if any(w.param.requires_grad for w in store.weights):
+        raise OffloadedGradientError(
+            f"layer {store.index} ({store.name}) ran with autograd recording and weights that require grad: on "
+            "the device pipeline its weights are device buffers that later layers overwrite, so gradients "
+            f"through them would be wrong. {_HOW}",
+            layer=store.index, name=store.name, reason=WEIGHTS_REQUIRE_GRAD,
+        )
+
+
+def refuse_recorded_graph(store: LayerStore, output: Any) -> None:
+    """On the device path: refuse a layer output autograd recorded (it saved views of device buffers)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    if not torch.is_grad_enabled():
+        return
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+        raise OffloadedGradientError(
+            f"layer {store.index} ({store.name}) recorded autograd through the device pipeline: autograd saved "
+            "its weights, views of device buffers that later layers overwrite, so a backward (input gradients "
+            f"included) would compute from other layers' weights. {_HOW}",
+            layer=store.index, name=store.name, reason=RECORDED,
+        )
+
+
+WHAT = "the weights outside the managed layers"
+
+
+def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[list[torch.Tensor], tuple]:
+    """CPU parameters and buffers of the modules outside ``layers`` that no manager offloads, each once;
+    and a key of where they are held (module and address of each place, a tensor held twice
+    counted twice: tying a head to an embedding changes it, though no tensor is added)."""
+    from .placeholder import managed  # imports torch (the placeholders subclass nn.Parameter)
+    from .plan import modules_outside
+
+    seen: set[int] = set()
+    out = []
+    held = []
+    for m in modules_outside(model, layers):
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is None or managed(t) or t.device.type != "cpu" or t.numel() == 0:
+                continue
+            held.append((id(m), t.data_ptr()))
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append(t.detach())
+    return out, tuple(held)
+
+
+class RestGuard:
+    """Checks, before a forward, that the rest's mapped files still reach the bytes mapped from them."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], files: MappedFiles,
+                 worker: PageWorker | None = None) -> None:
+        self._model = model
+        self._layers = layers
+        self._files = files
+        self._worker = worker  # the stack's page worker: streams the always-read weights (stream())
+        self._streamed: list = []  # what puts each streamed module back (its hooks)
+        self._stream_key: tuple | None = None  # (the rest's key, the unit) it was streamed for
+        self.streamed_bytes = 0
+        self._key: tuple[int, ...] | None = None
+        self._extents: list[Extent] = []
+        self._advised = None  # the lookup tables' spans, MADV_RANDOM while the guard is open
+        self.table_bytes = 0  # bytes of the lookup tables advised
+
+    def _advise_tables(self) -> None:
+        """``MADV_RANDOM`` (no huge pages) over the rest's lookup tables: a fault reads its own page."""
+        from ..memory.regions import tensor_extent
+        from .plan import lookup_tables
+
+        self._unadvise()
+        tables = lookup_tables(self._model, self._layers)
+        if not tables:
+            return
+        spans = layer_spans([tensor_extent(t) for t in tables])
+        err = _core.advise_random(spans, True, False)
+        if err:
+            logger.info("lookup tables keep the kernel's read-around (madvise MADV_RANDOM: errno %d)", err)
+            _core.advise_random(spans, False)
+            return
+        self._advised = spans
+        self.table_bytes = spans.total_bytes
+
+    def _unadvise(self) -> None:
+        if self._advised is not None:
+            _core.advise_random(self._advised, False)
+            self._advised, self.table_bytes = None, 0
+
+    def close(self) -> None:
+        """Set the lookup tables' advice back, stop streaming the always-read weights. Idempotent."""
+        self._unadvise()
+        self.stream(False)
+
+    # -- the always-read weights streamed --------------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        """Whether the always-read weights are streamed now (see :meth:`stream`)."""
+        return bool(self._streamed)
+
+    def stream(self, on: bool, unit: int = 0) -> None:
+        """Stream the weights outside the layers that every forward reads whole (``on``), or keep them
+        cached as the kernel does (``off``): each module holding them reads them in before it runs and
+        lets them go after; one whose weights exceed ``unit`` bytes (the plan's streaming window: a layer,
+        or a part) is read by its own faults instead of in one read. Idempotent; hooks and advice are
+        put back when it stops."""
+        if not on:
+            for undo in self._streamed:
+                undo()
+            self._streamed, self.streamed_bytes = [], 0
+            return
+        if self._streamed and (self._key, unit) != self._stream_key:
+            self.stream(False)  # the rest's tensors or the plan's unit changed since: streamed afresh
+        if self._streamed or self._worker is None:
+            return
+        self._stream_key = (self._key, unit)
+        from ..pagecache.file_places import MapsView
+        from .plan import _is_lookup, always_read_tensors, modules_outside
+
+        whole = {t.data_ptr() for t, _ in always_read_tensors(self._model, self._layers)}
+        names = {id(m): n for n, m in self._model.named_modules()}
+        maps = MapsView()
+        for module in modules_outside(self._model, self._layers):
+            if _is_lookup(module):
+                continue  # a lookup reads its rows (MADV_RANDOM), not the table: a head it is tied to reads it
+            mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
+            if mine:
+                name = names.get(id(module)) or type(module).__name__
+                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit)
+                self._streamed.append(job.remove)
+                self.streamed_bytes += job.bytes
+        if self._streamed:
+            logger.info("%s: %s read every forward are streamed (read in as their modules run, let go after)",
+                        WHAT, format_bytes(self.streamed_bytes))
+
+    def _refresh(self) -> None:
+        from ..memory.regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
+
+        tensors, key = outside_tensors(self._model, self._layers)  # the lookup tables depend on their holders too
+        if key == self._key:
+            return
+        on_mapping = MappedRegions().classify(tensors)
+        spans = layer_spans([tensor_extent(t) for t, m in zip(tensors, on_mapping) if m])
+        self._extents = file_extents(spans, self._files)
+        self._advise_tables()
+        self._key = key
+
+    def check(self) -> None:
+        """Raise MappingFaultError when a mapped file of the rest was truncated under it."""
+        self._refresh()
+        check_extents(self._extents, WHAT)
+
+
+class _StreamedModule:
+    """One module's always-read weights streamed: read in before it runs, let go after.
+
+    Where they are larger than ``unit`` (the plan's streaming window), reading them in whole would push
+    out the pages the plan keeps: the module's own faults read them as it computes (advised by the page
+    worker), and they are let go after. The module computes as it would without a manager (one matmul:
+    a matmul over chunks of a head's rows was not bit-equal to the whole one with more than one thread).
+
+    Its hooks are :class:`~.hooks.Hook` s: a model is not copied or pickled while they are on (as the
+    layers' hooks)."""
+
+    def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
+        from ..memory.regions import tensor_extent
+        from ..pagecache.pages import folio_edges
+
+        self.module, self.worker, self.files, self.unit = module, worker, files, unit
+        self.spans = layer_spans([tensor_extent(t) for t in tensors])
+        self.extents = file_extents(self.spans, files, maps)
+        self.edges = folio_edges(self.spans, maps)
+        self.bytes = self.spans.total_bytes
+        self.read_whole = not unit or self.bytes <= unit
+        worker.advise(self.spans, self.extents)
+        if not self.read_whole:
+            logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
+                        "it computes, let go after", name, format_bytes(self.bytes), format_bytes(unit))
+        self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
+                      module.register_forward_hook(Hook(self.after), always_call=True).remove]
+
+    def remove(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        _core.advise_random(self.spans, False)
+
+    def before(self, module, args) -> None:
+        if self.read_whole:
+            self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
+
+    def after(self, module, args, output) -> None:
+        self.worker.let_go(self.spans, self.extents)
+        self.worker.drain()  # done before anything can write the weights in place (PageWorker.drain)

@@ -31,14 +31,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from .._log import logger
-from .errors import ReplacedWeightError
+from .hooks import ReplacedWeightError
 from .stores import CONSOLIDATED, MAPPED, STRIDED, LayerStore, Weight
 
 if TYPE_CHECKING:
     import torch
 
-    from ..pagecache.residency import ResidencyPlan
     from ..pagecache.layer_pages import LayerPages
+    from ..pagecache.residency import ResidencyPlan
     from .loads import Load, Target
     from .slots import Slots
 

@@ -6,7 +6,7 @@ once the plan streams layers and their files take ``O_DIRECT`` and the plan's ro
 buffers (``PageCacheCoordinator.read_around_fits``); through the shared page cache while replicas map
 the same bytes; else measured with ``/proc/self/io``, and around the cache when two warm forwards in
 a row read more than ``READ_AROUND_RATIO`` x what the plans stream. Switching gives the stack's load
-target a read-around source (``read_around``, given by the stack: ``offload.sources.ReadAroundSource``);
+target a read-around source (``read_around``, given by the stack: ``offload.loads.ReadAroundSource``);
 pausing it reads through the mapping again.
 """
 

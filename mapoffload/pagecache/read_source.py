@@ -3,7 +3,7 @@
 A load target (``offload.loads.InPlace``, ``offload.device_copies.DeviceCopies``) holds one
 :class:`Source` and asks it, at each load, whether it takes the layer (:meth:`Source.takes`).
 :data:`MAPPING` takes none: every layer is read through its mapping. A read-around source
-(``offload.sources.ReadAroundSource``) takes streamed layers and reads them around the page cache
+(``offload.loads.ReadAroundSource``) takes streamed layers and reads them around the page cache
 (``O_DIRECT``); :mod:`.read_policy` decides which one a stack's target holds.
 """
 
