@@ -65,7 +65,7 @@ def warm_read_bytes(model, x: torch.Tensor, want: torch.Tensor, path, forwards: 
 
 def drain(mgr: LayerwiseOffloadManager) -> None:
     """Wait until the page worker did what it was asked (letting go is asynchronous)."""
-    mgr.pages.worker.drain()
+    mgr.parts.pages.worker.drain()
 
 
 def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:

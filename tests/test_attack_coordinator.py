@@ -442,7 +442,7 @@ def test_close_finishes_when_the_plan_for_the_others_fails(ckpt, cap, monkeypatc
         mgr.register_forward_hooks()
         _forward(first_model, x, want)
         _forward(model, x, want)
-        assert first.pages.worker.running  # a page worker (read-ins, let-gos) runs
+        assert first.parts.pages.worker.running  # a page worker (read-ins, let-gos) runs
         real = coordinator_module.plan_shared
 
         def interrupted(*args, **kwargs):
@@ -453,7 +453,7 @@ def test_close_finishes_when_the_plan_for_the_others_fails(ckpt, cap, monkeypatc
         with pytest.raises(KeyboardInterrupt):
             first.close()
         # Its page worker stopped, its files closed, all the same.
-        assert not first.pages.worker.running and first.pages.files.held() == 0
+        assert not first.parts.pages.worker.running and first.parts.pages.files.held() == 0
         # The others plan without it at their next forward.
         _forward(model, x, want)
         assert not mgr.residency.streamed, mgr.residency

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import mapoffload
+from mapoffload.offload.sequencer import checksum
 from mapoffload import LayerwiseOffloadManager, ReplacedWeightError
 from mapoffload.offload.hooks import OffloadedCopyError
 from stacks import IN, OUT, mapped
@@ -85,7 +86,7 @@ def test_a_replacement_from_an_earlier_layers_forward_hook_computes(stack, path_
 
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_iter_cpu_weights_and_checksum_see_a_replacement_before_a_forward(stack, path_kind):
-    """iter_cpu_weights / cpu_weights_checksum / store_of answer the OLD mapped weight until a forward
+    """iter_cpu_weights / its checksum / store_of answer the OLD mapped weight until a forward
     happens to adopt the replacement."""
     path, x, want, ref = stack
     model = mapped(path)
@@ -93,11 +94,11 @@ def test_iter_cpu_weights_and_checksum_see_a_replacement_before_a_forward(stack,
     with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS[path_kind]) as mgr:
         mgr.register_forward_hooks()
         model.blocks[3].weight = nn.Parameter(new.clone())
-        before = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), mgr.cpu_weights_checksum(),
+        before = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), checksum(mgr.iter_cpu_weights()),
                   mgr.store_of("blocks.3.weight"))
         with torch.no_grad():
             model(x)
-        after = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), mgr.cpu_weights_checksum(),
+        after = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), checksum(mgr.iter_cpu_weights()),
                  mgr.store_of("blocks.3.weight"))
     assert before == after
 

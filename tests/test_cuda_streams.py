@@ -124,7 +124,7 @@ def test_update_cpu_weights_waits_for_copies_still_reading_a_pinned_store():
         mgr.register_forward_hooks()
         xs = x.cuda()
         with torch.no_grad():
-            _hold(stream=mgr.loads.copy_stream)  # the layers' DMAs wait behind it
+            _hold(stream=mgr.parts.loads.copy_stream)  # the layers' DMAs wait behind it
             y = model(xs)  # the host runs through; the device has copied nothing yet
             mgr.update_cpu_weights({n: torch.zeros_like(t) for n, t in mgr.iter_cpu_weights()})
             got = y.cpu()

@@ -48,11 +48,11 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
         with _twin(model, depth=depth, reads=mode) as mgr:
             plan = mgr.residency
             assert plan.depth == depth and len(plan.cached) == 3 and len(plan.streamed) == LAYERS - 3
-            assert mgr.read_mode == mode
+            assert mgr.reads.mode == mode
             mgr.register_forward_hooks()
             outs[mode] = _forwards(model, x, 1)
             if mode == "uncached":
-                loads = mgr.loads
+                loads = mgr.parts.loads
                 assert isinstance(loads.source, ReadAroundSource)
                 reader = loads.source.reader
                 assert reader.buffers == 1 + depth
@@ -88,7 +88,7 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
         assert sum(streamed_resident) <= 2 * (2 << 20), streamed_resident
         for i in plan.cached:
             assert layer_resident(mgr, i) > 0
-        stats = mgr.loads.source.reader.stats()
+        stats = mgr.parts.loads.source.reader.stats()
         if stats["uncached_bytes"] == 0:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
         # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
@@ -97,7 +97,7 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
         # than a 2 MiB folio at each end of them (fd_range_resident_bytes: mincore of the file).
         from mapoffload._native import _core
 
-        file = mgr.pages.extents(plan.cached[0])[0].file
+        file = mgr.parts.pages.extents(plan.cached[0])[0].file
         kept = sum(mgr.layer_bytes(i) for i in plan.cached) + model.mix.weight.nbytes + model.mix.bias.nbytes
         assert _core.fd_range_resident_bytes(file.fd, 0, os.fstat(file.fd).st_size) <= kept + 2 * (2 << 20)
 
@@ -119,31 +119,31 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
         mgr.register_forward_hooks()
         for _ in range(3):
             assert torch.equal(no_grad_forward(model), want)
-        assert mgr.loads.source.reader.stats()["reads"] == 12
+        assert mgr.parts.loads.source.reader.stats()["reads"] == 12
 
 
 def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with _twin(model, reads="auto") as mgr:
-        assert mgr.read_mode == "mapping"  # decided at the first forward
+        assert mgr.reads.mode == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         if not mgr.reads.probe_uncached()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
-        assert mgr.read_mode == "uncached", mgr.read_mode_why
-        assert "O_DIRECT" in mgr.read_mode_why
+        assert mgr.reads.mode == "uncached", mgr.reads.why
+        assert "O_DIRECT" in mgr.reads.why
     # Nothing streams: nothing to decide.
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=1 << 40) as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 1)
-        assert mgr.read_mode == "mapping"
+        assert mgr.reads.mode == "mapping"
     # "mapping" keeps the device path on the mapping.
     with _twin(model, reads="mapping") as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 2)
-        assert mgr.read_mode == "mapping" and not isinstance(mgr.loads.source, ReadAroundSource)
+        assert mgr.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, ReadAroundSource)
 
 
 @pytest.mark.parametrize("where", ["check", "read"])
@@ -160,16 +160,16 @@ def test_a_truncated_file_is_an_exception_and_the_buffers_come_back(ckpt, tmp_pa
     with _twin(model, cached=1) as mgr:
         mgr.register_forward_hooks()
         assert torch.equal(_forwards(model, x, 1)[0], want)
-        last = max(mgr.residency.streamed, key=lambda i: mgr.pages.extents(i)[0].end)
+        last = max(mgr.residency.streamed, key=lambda i: mgr.parts.pages.extents(i)[0].end)
         assert last in mgr.residency.streamed
         with open(copy, "r+b") as f:
-            f.truncate(mgr.pages.extents(last)[0].end - _layer(model) // 2)
+            f.truncate(mgr.parts.pages.extents(last)[0].end - _layer(model) // 2)
         if where == "read":
-            monkeypatch.setattr(mgr.pages, "check", lambda i: None)
+            monkeypatch.setattr(mgr.parts.pages, "check", lambda i: None)
         with torch.no_grad(), pytest.raises(MappingFaultError):
             model(x)
-        reader = mgr.loads.source.reader
-        assert reader.leased == 0 and mgr.loads.source.outstanding == 0
+        reader = mgr.parts.loads.source.reader
+        assert reader.leased == 0 and mgr.parts.loads.source.outstanding == 0
         assert not any(mgr.is_loaded(i) for i in range(LAYERS))
     assert reader.held_bytes == 0
 
@@ -180,7 +180,7 @@ def test_a_failed_read_on_the_worker_is_raised_by_the_layer(ckpt, monkeypatch):
     model = mapped(path)
     with _twin(model) as mgr:
         mgr.register_forward_hooks()
-        reader = mgr.loads.source.reader
+        reader = mgr.parts.loads.source.reader
         real = UncachedReader._read_into
 
         def failing(self, *a, **kw):
@@ -189,7 +189,7 @@ def test_a_failed_read_on_the_worker_is_raised_by_the_layer(ckpt, monkeypatch):
         monkeypatch.setattr(UncachedReader, "_read_into", failing)
         with torch.no_grad(), pytest.raises(OSError, match="injected"):
             model(x)
-        assert reader.leased == 0 and mgr.loads.source.outstanding == 0
+        assert reader.leased == 0 and mgr.parts.loads.source.outstanding == 0
         monkeypatch.setattr(UncachedReader, "_read_into", real)
         assert torch.equal(_forwards(model, x, 1)[0], want)  # the next forward reads afresh
 
@@ -200,7 +200,7 @@ def test_close_with_a_read_in_flight_is_clean(ckpt, monkeypatch):
     mgr = _twin(model, depth=2)
     mgr.register_forward_hooks()
     assert torch.equal(_forwards(model, x, 1)[0], want)
-    reader = mgr.loads.source.reader
+    reader = mgr.parts.loads.source.reader
     gate = threading.Event()
     real = UncachedReader._read_into
 
@@ -212,7 +212,7 @@ def test_close_with_a_read_in_flight_is_clean(ckpt, monkeypatch):
     streamed = mgr.residency.streamed
     mgr.prefetch_layer(streamed[0])
     mgr.prefetch_layer(streamed[1])  # both reads held on the worker
-    assert mgr.loads.source.outstanding == 2
+    assert mgr.parts.loads.source.outstanding == 2
     threading.Timer(0.2, gate.set).start()
     mgr.close()  # waits for the reads and the copies from them, gives every buffer back
     assert reader.leased == 0 and reader.held_bytes == 0
@@ -224,10 +224,10 @@ def test_more_layers_than_buffers_fall_back_to_the_mapping(ckpt):
     model = mapped(path)
     with _twin(model, depth=1) as mgr:
         mgr.load_all_layers()  # every layer at once: two buffers, the other streamed layers through the mapping
-        assert mgr.loads.source.reader.leased <= 2
+        assert mgr.parts.loads.source.reader.leased <= 2
         assert torch.equal(_forwards(model, x, 1)[0], want)
         mgr.release_all()
-        assert mgr.loads.source.reader.leased == 0 and mgr.loads.source.outstanding == 0
+        assert mgr.parts.loads.source.reader.leased == 0 and mgr.parts.loads.source.outstanding == 0
 
 
 def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
@@ -256,12 +256,12 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
         assert mgr.is_loaded(0) and mgr.is_loaded(1)
         assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
         mgr.reads.read_around("a test")
-        assert isinstance(mgr.loads.source, ReadAroundSource) and mgr.read_mode_why == "a test"
+        assert isinstance(mgr.parts.loads.source, ReadAroundSource) and mgr.reads.why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
-        assert not any(mgr.is_loaded(i) for i in range(LAYERS)) and mgr.loads.source.reader.leased == 0
+        assert not any(mgr.is_loaded(i) for i in range(LAYERS)) and mgr.parts.loads.source.reader.leased == 0
         made = sum(b.numel() for b in handed.values())
-        pooled = mgr.loads.pool.pooled()
+        pooled = mgr.parts.loads.pool.pooled()
         assert mgr.device_bytes == made > 0  # released buffers stay pooled, none lost from the count
         assert {id(b) for b in pooled} == set(handed)  # every buffer back in the pool: none still in use
         assert all(torch.equal(y, want) for y in _forwards(model, x, 1))
@@ -280,9 +280,9 @@ def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_runs_direct(c
         mgr.register_forward_hooks()
         with pytest.raises(RuntimeError, match="device pipeline"):
             model(x.clone().requires_grad_(True))
-        assert mgr.loads.source.outstanding == 0
+        assert mgr.parts.loads.source.outstanding == 0
         assert torch.equal(model(x), want)  # grad mode on, nothing recorded: runs, read around
-        assert mgr.loads.source.reader.stats()["reads"] > 0
+        assert mgr.parts.loads.source.reader.stats()["reads"] > 0
 
 
 def test_forked_child_runs_with_the_parents_reads_in_flight(tmp_path):
@@ -326,7 +326,7 @@ if pid == 0:
             for _ in range(2):
                 if not torch.equal(model(x), want):
                     code = 3
-        if mgr.loads.source.outstanding != 0:
+        if mgr.parts.loads.source.outstanding != 0:
             code = 5
     except Exception as e:
         print("child:", type(e).__name__, e, flush=True)
@@ -337,7 +337,7 @@ from child import reap
 code = reap(pid, 60)
 with torch.no_grad():
     assert torch.equal(model(x), want)
-reader = mgr.loads.source.reader
+reader = mgr.parts.loads.source.reader
 mgr.close()
 assert reader.leased == 0
 print("child", code)
@@ -352,7 +352,7 @@ def test_an_explicit_copier_is_shared_and_left_open(ckpt):
     with _twin(model, copier=copier) as mgr:
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        assert mgr.loads.copier is copier
+        assert mgr.parts.loads.copier is copier
     assert not copier.closed
     copier.close()
 
@@ -367,12 +367,12 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
         room = 6 * _layer(model) + 4096
         with LayerwiseOffloadManager(model, "blocks", device="cuda", host_store="mapped", prefetch_layers=2,
                                      page_cache_bytes=room, reads=mode) as mgr:
-            assert mgr.residency.streamed and mgr.read_mode == mode
+            assert mgr.residency.streamed and mgr.reads.mode == mode
             mgr.register_forward_hooks()
             with torch.no_grad():
                 outs[mode] = [model(x.cuda()).cpu() for _ in range(3)]
             if mode == "uncached":
-                reader = mgr.loads.source.reader
+                reader = mgr.parts.loads.source.reader
                 assert reader.stats()["reads"] == 3 * len(mgr.residency.streamed)
                 assert reader.pinned_bytes == reader.held_bytes > 0  # every buffer page-locked
                 assert mgr.copier.stats().unstaged_bytes >= 3 * mgr.residency.streamed_bytes  # DMA, no staging
@@ -395,7 +395,7 @@ def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monke
     model = mapped(path)
     with _twin(model, depth=1) as mgr:
         mgr.register_forward_hooks()
-        loads = mgr.loads
+        loads = mgr.parts.loads
         real_wait = dra.ReadThenCopy.wait
         interrupts = {"left": 1}
 

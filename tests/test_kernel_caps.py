@@ -427,7 +427,7 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
         mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=twin, host_store="mapped",
                                       reads="mapping",
                                       page_cache_bytes=6 * layer + PAGE, kernel_caps=caps)
-        assert mgr.pages.worker.caps().large_folios == (caps == "large-folios")
+        assert mgr.parts.pages.worker.caps().large_folios == (caps == "large-folios")
         mgr.register_forward_hooks()
         drop_page_cache(path)
         with torch.no_grad():
@@ -437,9 +437,9 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
         flags = _vm_flags(dict(mgr.iter_cpu_weights())[f"blocks.{LAYERS - 1}.weight"].data_ptr())
         assert ("hg" in flags) == (caps == "large-folios"), flags
         assert "rr" in flags
-        reads[caps] = mgr.pages.worker.read_ahead_calls
+        reads[caps] = mgr.parts.pages.worker.read_ahead_calls
         streamed = mgr.residency.streamed
-        counts = mgr.pages.worker.let_go_counts
+        counts = mgr.parts.pages.worker.let_go_counts
         assert streamed and sum(counts.values()) >= len(streamed), counts
         mgr.close()
         del model, mgr

@@ -80,7 +80,7 @@ def test_a_layers_extents_are_its_own_runs(ckpt):
     model = _mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
         for i in range(LAYERS):
-            runs = mgr.pages.extents(i)
+            runs = mgr.parts.pages.extents(i)
             assert len(runs) == 2, [(e.first, e.end) for e in runs]
             # Only its own bytes: nothing of another layer between a run's ends.
             assert sum(e.end - e.first for e in runs) == _layer_bytes(model, i)
@@ -124,7 +124,7 @@ def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(
         # Buffers of the layer's runs (grown in 2 MiB steps), not of the file.
         quantum = 2 << 20
         per_buffer = -(-(layer + 4 * 4096) // quantum) * quantum
-        assert mgr.loads.source.reader.held_bytes <= (1 + plan.depth) * per_buffer
+        assert mgr.parts.loads.source.reader.held_bytes <= (1 + plan.depth) * per_buffer
 
 
 def test_a_span_across_two_files_mapped_side_by_side_is_cut_at_the_seam(tmp_path):

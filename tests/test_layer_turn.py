@@ -64,14 +64,14 @@ def test_a_base_exception_inside_a_layer_leaves_the_turn_free(exc, where, twin):
         inner = model.blocks[2].fc1.register_forward_pre_hook(interrupt)
     else:
         # In the manager's own pre-hook, holding the turn: Ctrl-C while it waits for the layer's pages or copy.
-        ensure = mgr.sequencer.ensure
+        ensure = mgr.parts.sequencer.ensure
 
         def interrupted_ensure(i):
             if i == 2:
                 interrupt(None, ())
             ensure(i)
 
-        mgr.sequencer.ensure = interrupted_ensure
+        mgr.parts.sequencer.ensure = interrupted_ensure
         inner = None
     interrupt.armed = True
     with pytest.raises(exc):

@@ -8,7 +8,9 @@ too), is an edge of the module graph. The graph has no circle, counting the impo
 ``pagecache``, ``offload``, ``hf``, ``vllm``; ``mapoffload.conversion`` (the conversion cache ``hf``
 and ``vllm`` share) imports none of ``pagecache``, ``offload``, ``hf``, ``vllm``; no function or method longer than
 ``MAX_FUNCTION_LINES`` (issue 34: one function, one job). Modules have no length cap (issue 42: a file
-holds one concept whole, however long).
+holds one concept whole, however long); the stack runtime has a size (issue 42): ``mapoffload/offload/``
+in twelve modules at most, no class there over twenty methods, the manager a facade of fifteen public
+methods at most.
 """
 
 from __future__ import annotations
@@ -248,3 +250,69 @@ def test_the_load_targets_are_siblings_behind_one_interface():
         assert issubclass(target, Target) and not inspect.isabstract(target), target
     assert inspect.isabstract(Target)
 
+
+# --- the stack runtime's size (issue 42) ----------------------------------------------------------------------
+MAX_OFFLOAD_MODULES = 12  # mapoffload/offload/, its __init__ included
+MAX_CLASS_METHODS = 20  # functions defined in a class body, private and dunder ones included; properties apart
+MAX_MANAGER_PUBLIC_METHODS = 15
+
+
+def _is_property(node: ast.FunctionDef) -> bool:
+    return any((isinstance(d, ast.Name) and d.id in ("property", "cached_property"))
+               or (isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter")) for d in node.decorator_list)
+
+
+def class_methods(source: str, path: str = "<string>") -> dict[str, list[str]]:
+    """``"path:Class"`` -> the names of the methods its body defines (properties left out: they are the state
+    it shows, counted apart), for every class at any depth."""
+    out = {}
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.ClassDef):
+            out[f"{path}:{node.name}"] = [m.name for m in node.body if isinstance(
+                m, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_property(m)]
+    return out
+
+
+def _offload_paths() -> list[str]:
+    return sorted(p for n, p in _modules().items()
+                  if p is not None and (n == "mapoffload.offload" or n.startswith("mapoffload.offload.")))
+
+
+def test_the_offload_layer_is_twelve_modules_at_most():
+    paths = _offload_paths()
+    assert 8 <= len(paths) <= MAX_OFFLOAD_MODULES, [os.path.basename(p) for p in paths]
+
+
+def test_no_offload_class_over_twenty_methods():
+    over = {}
+    for path in _offload_paths():
+        with open(path) as f:
+            for cls, methods in class_methods(f.read(), os.path.basename(path)).items():
+                if len(methods) > MAX_CLASS_METHODS:
+                    over[cls] = len(methods)
+    assert over == {}
+
+
+def test_the_manager_is_a_facade_of_fifteen_public_methods_at_most():
+    import inspect
+
+    from mapoffload.offload import LayerwiseOffloadManager
+
+    public = [n for n, v in vars(LayerwiseOffloadManager).items() if not n.startswith("_") and inspect.isfunction(v)]
+    assert 10 <= len(public) <= MAX_MANAGER_PUBLIC_METHODS, public
+
+
+def test_methods_are_counted_and_properties_are_not():
+    source = (
+        "class C:\n"
+        "    def __init__(self): pass\n"
+        "    @property\n"
+        "    def p(self): return 1\n"
+        "    @p.setter\n"
+        "    def p(self, v): pass\n"
+        "    def _private(self): pass\n"
+        "    async def run(self): pass\n"
+        "    class Inner:\n"
+        "        def one(self): pass\n"
+    )
+    assert class_methods(source, "m.py") == {"m.py:C": ["__init__", "_private", "run"], "m.py:Inner": ["one"]}

@@ -47,7 +47,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
         moved = copier.stats().bytes - before
         assert moved <= 1.02 * mgr.layer_bytes(i) + 64 * 1024, (i, moved, mgr.layer_bytes(i))
         mgr.release_layer(i)
-        store = mgr.sequencer.stores[i]
+        store = mgr.parts.sequencer.stores[i]
         consolidated = [w for w in store.weights if w.store == "consolidated"]
         held = sum(b.numel() for b in store.consolidated.values())
         assert held <= sum(w.nbytes for w in consolidated) + 256 * len(consolidated)

@@ -49,7 +49,7 @@ def test_old_names_are_refused_as_unknown_naming_the_current_ones(ckpt):
                                         r"device, .*reads"):
         LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
     with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as m:
-        assert not hasattr(m, "stream_reads") and m.read_mode == "mapping"
+        assert not hasattr(m, "stream_reads") and m.reads.mode == "mapping"
 
 
 def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):
@@ -68,7 +68,7 @@ def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):
     with mapoffload.offload(model, o, layers="blocks") as handle:  # keywords laid over the options
         assert handle.options.layers == "blocks" and handle.options.prefetch_layers == 2
         (m,) = handle.managers.values()
-        assert m.prefetch_layers == 2 and m.resident_layers == 1
+        assert m.options.prefetch_layers == 2 and m.options.resident_layers == 1
         with torch.no_grad():
             assert torch.equal(model(x), want)
     with pytest.raises(TypeError, match="options must be a mapoffload.OffloadOptions, not dict"):

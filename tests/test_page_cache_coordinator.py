@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from mapoffload.offload.sequencer import Sequencer
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, empty_weights, load_checkpoint
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.residency import plan_residency, plan_shared
@@ -169,7 +170,7 @@ def test_a_warm_head_is_not_other_memory(ckpt, cap):
         layers = sum(sum(r) for _, r in coord.layer_residency())
         # The weights cached now include the head: it is not also in "other memory".
         assert coord.budget.weights_cached >= layers + head - 2 * 4096
-        assert enc.resident_layer_bytes() == coord.layer_residency()[0][1]
+        assert enc.parts.pages.resident_bytes() == coord.layer_residency()[0][1]
 
 
 PEER = textwrap.dedent(
@@ -300,19 +301,19 @@ def test_a_failed_start_leaves_nothing_behind(ckpt, cap, monkeypatch):
     cap(100)
     model = mapped(path)
     made = []
-    real = LayerwiseOffloadManager._engage
+    real = Sequencer.engage
 
-    def interrupted(self):
+    def interrupted(self):  # the start's last step, after every part was made and the plan joined
         made.append(self)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(LayerwiseOffloadManager, "_engage", interrupted)
+    monkeypatch.setattr(Sequencer, "engage", interrupted)
     with pytest.raises(KeyboardInterrupt):
         LayerwiseOffloadManager(model, "enc", device="cpu")
-    monkeypatch.setattr(LayerwiseOffloadManager, "_engage", real)
-    (mgr,) = made
-    assert mgr not in coordinator_module.coordinator().managers()  # out of the shared plan
-    assert mgr.pages.files.held() == 0  # its files closed
+    monkeypatch.setattr(Sequencer, "engage", real)
+    (seq,) = made
+    assert all(m.model is not model for m in coordinator_module.coordinator().managers())  # out of the shared plan
+    assert seq.pages.files.held() == 0  # its files closed
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the model untouched
     with LayerwiseOffloadManager(model, "enc", device="cpu"):  # and can be offloaded again
@@ -360,9 +361,9 @@ def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
             pytest.skip("nothing streams under this budget")
         with torch.no_grad():
             assert torch.equal(model(x), want)
-        assert enc.loads.source.reader.held_bytes > 0
+        assert enc.parts.loads.source.reader.held_bytes > 0
         enc.replan()
-        held = enc.loads.source.reader.held_bytes
+        held = enc.parts.loads.source.reader.held_bytes
         assert held > 0 and coord.window_buffers == held
         assert coord.ranks == [] and coord.replicas == []  # no peers: nothing shared
         # 85 MiB cap - 10 MiB in use - the 66.65625 MiB margin (64 + 85/32) = 8749056 bytes usable;

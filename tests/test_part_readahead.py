@@ -80,7 +80,7 @@ def started(path, cap, **kw):
 
 
 def resident(mgr) -> int:
-    return sum(mgr.pages.resident_bytes())
+    return sum(mgr.parts.pages.resident_bytes())
 
 
 def test_the_depth_comes_from_the_room():
@@ -139,7 +139,7 @@ def test_the_next_parts_read_begins_before_the_part_before_it_has_computed(ckpt,
                for i in range(BLOCKS) for p in ("norm", "a", "b", "c", "d")]
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)  # the order learnt
-        mgr.pages.settle()
+        mgr.parts.pages.settle()
         with lock:
             began.clear()
         watching[0] = True
@@ -161,7 +161,7 @@ def test_a_part_read_ahead_and_taken_by_the_kernel_before_its_use_is_counted(ckp
 
     path, x, want = ckpt
     model, mgr = started(path, cap)
-    pages = mgr.pages
+    pages = mgr.parts.pages
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)  # the order learnt
         pages.take_missing()
@@ -196,7 +196,7 @@ def test_a_forward_reads_each_byte_once_with_read_ahead(ckpt, cap):
         streamed = mgr.residency.streamed_bytes
         assert 0.9 * streamed <= read <= 1.1 * streamed + EDGES, (read, streamed)
         assert resident(mgr) <= EDGES  # each part let go, the last read ahead (none: the forward's end) too
-        assert not mgr.pages._ahead
+        assert not mgr.parts.pages._ahead
 
 
 class Boom(Exception):
@@ -220,10 +220,10 @@ def test_an_error_inside_a_part_leaves_nothing_read_ahead(ckpt, cap, error):
         with pytest.raises(error):
             model(x)
         handle.remove()
-        assert not mgr.pages._ahead  # the part read ahead of the one that raised: let go, not in flight
-        assert resident(mgr) <= EDGES, (mgr.pages.resident_bytes(), mgr.pages.worker.let_go_counts)
+        assert not mgr.parts.pages._ahead  # the part read ahead of the one that raised: let go, not in flight
+        assert resident(mgr) <= EDGES, (mgr.parts.pages.resident_bytes(), mgr.parts.pages.worker.let_go_counts)
         model.blocks[0](x)  # a layer on its own after the forward was left: it leaves nothing read ahead
-        assert not mgr.pages._ahead and resident(mgr) <= EDGES
+        assert not mgr.parts.pages._ahead and resident(mgr) <= EDGES
         for _ in range(2):
             assert torch.equal(model(x), want)
 
@@ -313,7 +313,7 @@ def test_a_layer_called_on_its_own_leaves_nothing_read_ahead(ckpt, cap):
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
         model.blocks[0](x)
-        assert not mgr.pages._ahead and resident(mgr) <= EDGES
+        assert not mgr.parts.pages._ahead and resident(mgr) <= EDGES
         assert torch.equal(model(x), want)
 
 
@@ -325,8 +325,8 @@ def test_hooks_removed_inside_a_part_leave_nothing_read_ahead(ckpt, cap):
         handle = model.blocks[1].b.register_forward_hook(lambda *a: mgr.remove_forward_hooks())
         assert torch.equal(model(x), want)
         handle.remove()
-        mgr.pages.settle()
-        assert not mgr.pages._ahead
+        mgr.parts.pages.settle()
+        assert not mgr.parts.pages._ahead
         mgr.register_forward_hooks()
         assert torch.equal(model(x), want) and resident(mgr) <= EDGES
 
@@ -340,7 +340,7 @@ def test_close_inside_a_forward_leaves_nothing_in_flight(ckpt, cap):
         out = model(x)  # the rest of the forward computes from the model given back
         handle.remove()
     assert torch.equal(out, want)
-    assert not mgr.pages._ahead and not mgr.pages.worker.running
+    assert not mgr.parts.pages._ahead and not mgr.parts.pages.worker.running
 
 
 def test_a_fork_with_a_part_read_ahead_in_flight(ckpt, tmp_path):
@@ -373,7 +373,7 @@ parent, pids = os.getpid(), []
 
 def fork(module, args, output):
     if not pids:
-        assert mgr.pages._ahead, "nothing read ahead at the fork"
+        assert mgr.parts.pages._ahead, "nothing read ahead at the fork"
         pids.append(os.fork())
 
 with torch.no_grad():

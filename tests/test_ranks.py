@@ -294,7 +294,7 @@ def test_manager_streams_only_this_ranks_slice_with_a_ring_that_fits(tmp_path, m
     whole_layer = sum(p.nbytes for p in full.blocks[0].parameters())
     with LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", local_ranks=4,
                                  available_bytes=512 * MIB, cpu_twin=True) as manager:
-        assert manager.local_ranks == 4
+        assert manager.options.local_ranks == 4
         assert manager.layer_bytes(0) * 2 == whole_layer  # each rank streams its half
         # 4 rings of 8 x 8 MiB > 512 MiB / 8: slots divided by the local ranks.
         assert (manager.copier.slots, manager.copier.staging_bytes, manager.copier.threads) == (2, 8 * MIB, 2)

@@ -29,7 +29,7 @@ def test_uncached_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
     layer = _layer(model)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
                                  reads="uncached") as mgr:
-        assert mgr.read_mode == "uncached"
+        assert mgr.reads.mode == "uncached"
         plan = mgr.residency
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
@@ -44,7 +44,7 @@ def test_uncached_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
             assert layer_resident(mgr, i) > 0
         # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
         assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 2 * 4096 + 65536, read
-        assert mgr.loads.source.reader.stats()["uncached_bytes"] > 0
+        assert mgr.parts.loads.source.reader.stats()["uncached_bytes"] > 0
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the model is whole again
 
@@ -84,7 +84,7 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
             model(xg).sum().backward()
             grads.append(xg.grad)
             if mode == "uncached":
-                assert mgr.loads.source.reader.stats()["reads"] == 0  # nothing went through a reused buffer
+                assert mgr.parts.loads.source.reader.stats()["reads"] == 0  # nothing went through a reused buffer
     assert torch.equal(grads[0], want) and torch.equal(grads[1], want)
 
 
@@ -102,22 +102,22 @@ def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_pat
             model = mapped(p)
             with LayerwiseOffloadManager(model, "blocks", device="cpu",
                                          page_cache_bytes=6 * _layer(model) + 4096) as mgr:
-                assert mgr.read_mode == "mapping"  # decided at the first forward
+                assert mgr.reads.mode == "mapping"  # decided at the first forward
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     assert torch.equal(model(x), want)
                     assert torch.equal(model(x), want)
                 if where == "disk":
-                    assert mgr.read_mode == "uncached", mgr.read_mode_why
-                    assert "O_DIRECT" in mgr.read_mode_why
+                    assert mgr.reads.mode == "uncached", mgr.reads.why
+                    assert "O_DIRECT" in mgr.reads.why
                 else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
-                    assert mgr.read_mode == "mapping", mgr.read_mode_why
+                    assert mgr.reads.mode == "mapping", mgr.reads.why
             # Nothing streams: nothing to decide.
             with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=1 << 40) as mgr:
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     model(x)
-                assert mgr.read_mode == "mapping"
+                assert mgr.reads.mode == "mapping"
     finally:
         if "tmpfs" in places:
             os.unlink(places["tmpfs"])
@@ -148,7 +148,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     path, x, want = ckpt
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
-        assert mgr.read_mode == "mapping"
+        assert mgr.reads.mode == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
         monkeypatch.setattr(mgr.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
@@ -158,8 +158,8 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
         with torch.no_grad():
             for _ in range(len(reads) + 1):
                 assert torch.equal(model(x), want)
-        assert mgr.read_mode == ("uncached" if switched else "mapping"), mgr.read_mode_why
-        assert "the plan streams" in mgr.read_mode_why
+        assert mgr.reads.mode == ("uncached" if switched else "mapping"), mgr.reads.why
+        assert "the plan streams" in mgr.reads.why
 
 
 @pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
@@ -200,21 +200,21 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
                 assert torch.equal(model(x), want), note
 
         forward("alone")
-        assert mgr.read_mode == "uncached", mgr.read_mode_why
-        reader = mgr.loads.source.reader
+        assert mgr.reads.mode == "uncached", mgr.reads.why
+        reader = mgr.parts.loads.source.reader
         assert reader.held_bytes > 0
         replicas.append(4242)
         coord.replan()
         reads = reader.stats()["reads"]
         for _ in range(2):
             forward("with a replica")
-        assert mgr.read_mode == "mapping" and "replicas (pid 4242)" in mgr.read_mode_why
+        assert mgr.reads.mode == "mapping" and "replicas (pid 4242)" in mgr.reads.why
         assert reader.stats()["reads"] == reads  # nothing read around while paused
-        assert reader.held_bytes == 0 and mgr.loads.window_bytes == 0  # its buffers went
+        assert reader.held_bytes == 0 and mgr.parts.loads.window_bytes == 0  # its buffers went
         replicas.clear()
         coord.replan()
         forward("alone again")
-        assert mgr.read_mode == "uncached", mgr.read_mode_why
+        assert mgr.reads.mode == "uncached", mgr.reads.why
         assert reader.stats()["reads"] > reads
 
 
@@ -242,5 +242,5 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
                 assert torch.equal(a(x), want)
                 for _ in range(5):
                     assert torch.equal(b(x), want)
-        assert ma.read_mode == mb.read_mode == "mapping", (ma.read_mode_why, mb.read_mode_why)
-        assert "the plan streams" in ma.read_mode_why and "(1.00x)" in ma.read_mode_why, ma.read_mode_why
+        assert ma.reads.mode == mb.reads.mode == "mapping", (ma.reads.why, mb.reads.why)
+        assert "the plan streams" in ma.reads.why and "(1.00x)" in ma.reads.why, ma.reads.why

@@ -119,8 +119,8 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
         mgr.register_forward_hooks()
         for _ in range(3):
             forward(model, x, want)
-            assert mgr.read_mode == "mapping", mgr.read_mode_why
-        assert "do not fit" in mgr.read_mode_why, mgr.read_mode_why
+            assert mgr.reads.mode == "mapping", mgr.reads.why
+        assert "do not fit" in mgr.reads.why, mgr.reads.why
         assert coord.buffers == 0
 
 
@@ -137,24 +137,24 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         assert mgr.residency.cached == (0, 1, 2, 3, 4) and mgr.residency.depth == 1
         mgr.register_forward_hooks()
         forward(model, x, want)
-        assert mgr.read_mode == "uncached", mgr.read_mode_why
+        assert mgr.reads.mode == "uncached", mgr.reads.why
         # Charged from the switch on, before a buffer was made: 2 buffers of a layer.
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
         forward(model, x, want)
-        assert mgr.loads.source.reader.held_bytes == charged == coord.buffers
+        assert mgr.parts.loads.source.reader.held_bytes == charged == coord.buffers
         assert mgr.residency.cached_bytes + coord.buffers <= coord.room
         # The cap shrinks under the buffers (which the cgroup counts in use): the next forward
         # reads through the mapping again (the head streamed too: they do not fit even so).
-        cap(85, in_use=17 * MIB + mgr.loads.source.reader.held_bytes)
+        cap(85, in_use=17 * MIB + mgr.parts.loads.source.reader.held_bytes)
         forward(model, x, want)
-        assert mgr.read_mode == "mapping" and "do not fit" in mgr.read_mode_why, mgr.read_mode_why
-        assert coord.buffers == 0 and mgr.loads.source.reader.held_bytes == 0  # the free buffers dropped
+        assert mgr.reads.mode == "mapping" and "do not fit" in mgr.reads.why, mgr.reads.why
+        assert coord.buffers == 0 and mgr.parts.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
         # Room again: read around again.
         cap(100)
         forward(model, x, want)
-        assert mgr.read_mode == "uncached", mgr.read_mode_why
+        assert mgr.reads.mode == "uncached", mgr.reads.why
         forward(model, x, want)
 
 
@@ -164,12 +164,12 @@ def test_uncached_buffers_are_charged_before_they_are_made(ckpt, cap):
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached") as mgr:
         coord = coordinator_module.coordinator()
-        assert mgr.loads.source.reader.held_bytes == 0
+        assert mgr.parts.loads.source.reader.held_bytes == 0
         assert buffers_of(2, coord.buffers), coord.buffers  # 1 + depth buffers of a layer, none made yet
         assert mgr.residency.cached_bytes + coord.buffers <= coord.room
         mgr.register_forward_hooks()
         forward(model, x, want)
-        assert mgr.loads.source.reader.held_bytes <= coord.buffers
+        assert mgr.parts.loads.source.reader.held_bytes <= coord.buffers
 
 
 def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_window(ckpt, cap, monkeypatch):
@@ -183,13 +183,13 @@ def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_windo
     coord = coordinator_module.coordinator()
     with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", reads="mapping") as mgr:
         in_place, room = mgr.residency, coord.room
-        assert mgr.loads.planned_host_bytes == 0 and coord.working_buffers == 0
+        assert mgr.parts.loads.planned_host_bytes == 0 and coord.working_buffers == 0
     assert in_place.cached == (0, 1, 2, 3, 4) and in_place.depth == 1  # see the test above
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  reads="mapping") as mgr:
         ring = 2 * (1 << 20)
-        held, charged = mgr.loads.host_bytes, mgr.loads.planned_host_bytes
+        held, charged = mgr.parts.loads.host_bytes, mgr.parts.loads.planned_host_bytes
         assert held == ring  # the ring is made with the copier; no layer is loaded yet
         assert charged == ring + 2 * LAYER  # a layer computing and one prefetched, before they exist
         assert coord.working_buffers == charged and coord.room == room + held - charged
@@ -200,7 +200,7 @@ def test_the_copiers_ring_and_the_cpu_twins_buffers_are_charged_beside_the_windo
         mgr.register_forward_hooks()
         for _ in range(2):
             forward(model, x, want)
-            assert mgr.loads.host_bytes <= charged  # what it made stays within what the plan charged
+            assert mgr.parts.loads.host_bytes <= charged  # what it made stays within what the plan charged
 
 
 def test_the_cpu_twins_charge_covers_every_buffer_size_its_pool_keeps():

@@ -78,7 +78,7 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
         probes = [b.register_forward_pre_hook(sample(i)) for i, b in enumerate(model.blocks)]
     else:
         # In place (see the module's docstring): on the page worker, after each read-in.
-        worker = mgr.pages.worker
+        worker = mgr.parts.pages.worker
         read_in = worker._read_in
 
         def read_in_then_sample(spans, what, *args):
@@ -108,9 +108,9 @@ def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(
         # Never more streamed layers in the page cache than the one computing and `depth` ahead.
         present = [j for j in plan.streamed if res[j] > layer // 2]
         assert len(present) <= 1 + depth, (f, at, present, res)
-    counts = mgr.pages.worker.let_go_counts
+    counts = mgr.parts.pages.worker.let_go_counts
     assert counts.get(PAGEOUT, 0) + counts.get(DRAINED, 0) == FORWARDS * len(plan.streamed) - counts.get(KEPT, 0)
-    assert mgr.pages.worker.kept_bytes <= shared * FORWARDS, counts
+    assert mgr.parts.pages.worker.kept_bytes <= shared * FORWARDS, counts
     mgr.close()
 
 

@@ -114,12 +114,12 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
         with torch.no_grad():
             for _ in range(2):  # cold: the cached set and the head read in (the first's let-gos may lag)
                 assert torch.equal(model(x), want)
-            mgr.pages.worker.drain()
+            mgr.parts.pages.worker.drain()
             parts_read.clear()
             before = io_read_bytes()
             for _ in range(2):
                 assert torch.equal(model(x), want)
-            mgr.pages.worker.drain()
+            mgr.parts.pages.worker.drain()
             read = (io_read_bytes() - before) / 2
         streamed = mgr.residency.streamed_bytes
         assert read <= 1.1 * streamed + 2 * 4 * KIB * BLOCKS, (read, streamed, mgr.residency.describe())
@@ -148,7 +148,7 @@ def test_the_head_streams_where_it_does_not_fit_beside_the_smallest_window(ckpt,
         assert "forward" not in patched(model.head)  # hooks around its own forward, never a chunked one
         assert any("head (16.00 MiB)" in r.getMessage() and "read by its own faults" in r.getMessage()
                    for r in caplog.records), caplog.text
-        mgr.pages.worker.drain()
+        mgr.parts.pages.worker.drain()
         head = model.head.weight
         assert sum(mgr_resident(head)) < HEAD_BYTES // 4  # let go after it ran
     assert patched(model.head) == () and "forward" not in vars(model.head)

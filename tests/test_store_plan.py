@@ -32,7 +32,7 @@ def mapped_model(tmp_path):
 
 
 def _plans(mgr):
-    stores = mgr.sequencer.stores
+    stores = mgr.parts.sequencer.stores
     assert len({id(s.plan) for s in stores}) == 1  # one decision for the manager, on every layer
     return stores[0].plan, [s.pin for s in stores]
 

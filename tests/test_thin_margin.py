@@ -81,14 +81,14 @@ def _reclaim(mgr, i: int) -> None:
     import os
 
     os.sync()  # a checkpoint written just now: dirty pages stay in the cache
-    assert _core.unmap_file_pages(mgr.pages.spans(i)) > 0  # out of this process's page tables
-    for e in mgr.pages.extents(i):  # and out of the page cache
+    assert _core.unmap_file_pages(mgr.parts.pages.spans(i)) > 0  # out of this process's page tables
+    for e in mgr.parts.pages.extents(i):  # and out of the page cache
         fd = os.open(e.path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, e.first, e.end - e.first, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    assert sum(mgr.pages.resident_of([i])) < mgr.pages.mapped_sizes()[i] // 4
+    assert sum(mgr.parts.pages.resident_of([i])) < mgr.parts.pages.mapped_sizes()[i] // 4
 
 
 def test_cached_layers_taken_by_the_kernel_give_the_margin_back_until_the_cap_changes(ckpt, fake_cgroup, caplog):

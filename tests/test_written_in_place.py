@@ -41,11 +41,11 @@ def test_a_layer_written_in_place_is_read_through_its_mapping(ckpt, extra, caplo
         with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0,
                                      **extra) as mgr:
             mgr.register_forward_hooks()
-            assert mgr.read_mode == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
+            assert mgr.reads.mode == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
             with torch.no_grad():
                 for _ in range(2):
                     assert torch.equal(model(x), want)
-            assert mgr.loads.source.reader.stats()["reads"] > 0  # the other layers were still read around
+            assert mgr.parts.loads.source.reader.stats()["reads"] > 0  # the other layers were still read around
     said = [r.getMessage() for r in caplog.records if "written in place" in r.getMessage()]
     assert any("blocks.2" in m or "layer 2" in m for m in said), said
     assert any("blocks.7" in m or "layer 7" in m for m in said), said

@@ -129,7 +129,7 @@ def copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list
 def library_buffers(mgr, copier, mode: str, report) -> str:
     """The library's own host buffers, as it accounts them (capacities: at most what is resident),
     the gate's copies first when it copied: one phrase for the budget's line."""
-    buffers = [("read-around window", mgr.loads.window_bytes)]
+    buffers = [("read-around window", mgr.parts.loads.window_bytes)]
     if copier is not None:
         buffers.append(("staging ring", copier.ring_bytes))
     if mode == "cpu twin":

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._log import format_bytes
-from ._measure import measure
 from ..memory.budget import HOST_COPY_RESERVE_BYTES
+from ._measure import measure
 
 if TYPE_CHECKING:
     import torch
@@ -170,14 +170,14 @@ def _why(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: int, a
 
 def _store_plan(m: LayerwiseOffloadManager) -> StorePlan | None:
     """The decision the manager's plan recorded on its layers' stores (one for all of them)."""
-    return next((s.plan for s in m.sequencer.stores if s.plan is not None), None)
+    return next((s.plan for s in m.parts.sequencer.stores if s.plan is not None), None)
 
 
 def _pin_words(m: LayerwiseOffloadManager) -> str | None:
     """The copies' pinning as the plan chose it, when it pinned some layers and not others."""
     from ..offload.stores import PinChoice
 
-    choices = [s.pin for s in m.sequencer.stores if s.pin is not PinChoice.NONE]
+    choices = [s.pin for s in m.parts.sequencer.stores if s.pin is not PinChoice.NONE]
     pinned = sum(c is PinChoice.PINNED for c in choices)
     if not pinned or pinned == len(choices):
         return None
@@ -217,7 +217,7 @@ def _decision(m: LayerwiseOffloadManager, mapped: int, anonymous: int, pinned: i
                     "CPU the offload computes from them where they are and copies nothing)" + _load_copies(m))
         return "kept as they are: part on the file mapping, part anonymous copies (on the CPU nothing is copied)"
     if host_store_given or sp is None or sp.rule is StoreRule.ASKED:
-        return f"host_store={m.host_store!r} asked"
+        return f"host_store={m.options.host_store!r} asked"
     if sp.available_bytes is None and available is None:
         return "host stores chosen against the host's available memory"
     total = mapped + anonymous + pinned
@@ -243,7 +243,8 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
 
     mapped, anonymous, pinned, _, total, written = measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
-    read_around = next((b for b in held_buffers(m.loads, m.copier, m.device) if b.what == "read-around buffers"), None)
+    held = held_buffers(m.parts.loads, m.copier, m.device)
+    read_around = next((b for b in held if b.what == "read-around buffers"), None)
     if m.copier is None and read_around is not None:
         how, where = IN_PLACE, ("computes on the CPU from the host tensors; the streamed layers are read from "
                                 f"the file into reused read-around buffers ({format_bytes(read_around.nbytes)}, "
@@ -259,7 +260,7 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
         route = "pinned memory straight to the device" if pinned and not mapped and not anonymous else \
             "the host stores through pinned staging to the device"
         step = "module by module" if modules else "one layer at a time"
-        where = f"copied to {m.device} {step}, {m.prefetch_layers} ahead, from {route}"
+        where = f"copied to {m.device} {step}, {m.options.prefetch_layers} ahead, from {route}"
     residency, cached, read = _residency(m, mapped, what)
     reason = (why + _written_words(written)) if why else _why(m, mapped, anonymous, pinned, available,
                                                               host_store_given, written)
@@ -309,14 +310,14 @@ def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Mod
     the CPU twin's device buffers) and, for a model with fp8 weights, the
     process's fp8 working buffers; None when there are none. Not weights:
     its ``nbytes`` is 0, so it is no part of "a full host copy"."""
+    from ..loading.fp8 import fp8_weights
     from ..loading.fp8_workspace import workspace
     from ..offload.manager import held_buffers
-    from ..loading.fp8 import fp8_weights
 
     kinds: dict[str, list[int]] = {}
     seen: set[int] = set()
     for m in managers:
-        for b in held_buffers(m.loads, m.copier, m.device):
+        for b in held_buffers(m.parts.loads, m.copier, m.device):
             if b.owner in seen:
                 continue
             seen.add(b.owner)

@@ -66,7 +66,7 @@ def _rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
     for m in managers:
         plan = m.residency
         if plan is not None and plan.rest_streamed:
-            return m.rest.streamed_bytes if m.rest.streaming else plan.always_bytes
+            return m.parts.rest.streamed_bytes if m.parts.rest.streaming else plan.always_bytes
     return 0
 
 
@@ -110,7 +110,7 @@ class OffloadHandle:
                                   modules=path == "rest", why=self._notes.get(path) if path == "rest" else None))
         placed = "placed" if "rest" in self.managers else "rest"  # as _place_rest names it
         if placed in self._notes:
-            managed = {id(w.param) for m in self.managers.values() for s in m.sequencer.stores for w in s.weights}
+            managed = {id(w.param) for m in self.managers.values() for s in m.parts.sequencer.stores for w in s.weights}
             params, buffers = _rest_tensors(self.model)
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]

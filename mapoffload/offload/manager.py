@@ -34,19 +34,16 @@ from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_k
 from ..pagecache.coordinator import coordinator
 from .hooks import CallNames
 from .parts import Parts
-from .sequencer import checksum, iter_cpu_weights, sync_layer_to_cpu, update_cpu_weights
+from .sequencer import iter_cpu_weights, sync_layer_to_cpu, update_cpu_weights
 from .stores import MAPPED, LayerStore, Weight, host_bytes
 
 if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier
-    from ..pagecache.layer_pages import LayerPages
     from ..pagecache.read_policy import ReadPolicy
     from ..pagecache.residency import ResidencyPlan
     from .loads import Target
-    from .runtime import RestGuard
-    from .sequencer import Sequencer
 
 __all__ = ["HOST_STORES", "HeldBuffers", "LayerwiseOffloadManager", "READS", "held_buffers", "make_copier", "resolve"]
 
@@ -107,29 +104,24 @@ class LayerwiseOffloadManager:
         self.model = model
         self.layers = _plan.resolve_layers(model, layers)
         self.device = o.device
-        self.prefetch_layers = o.prefetch_layers
-        self.resident_layers = o.resident_layers
-        self.host_store = o.host_store
-        self.local_ranks = o.local_ranks
         # Host stores are normal tensors even when made under inference_mode:
         # an inference tensor cannot be written outside it (update_cpu_weights).
         with torch.inference_mode(False):
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
             self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
             _plan.plan(self._stores, o.host_store, o.available_bytes, cuda=o.cuda, device=self.device,
-                       local_ranks=self.local_ranks, in_place=o.in_place)
+                       local_ranks=o.local_ranks, in_place=o.in_place)
         owns_copier = copier is None
         if not o.in_place:
             copier = copier or make_copier(o)
         self.copier = copier
         name = _plan.stack_name(model, layers, self.layers)
-        parts = self._parts = Parts.build(o, model=model, layers=self.layers, stores=self._stores, name=name,
-                                          copier=copier, owns_copier=owns_copier, owner=self)
-        self._seq, self._pages, self._member, self._slots = parts.sequencer, parts.pages, parts.member, parts.slots
-        self._reads, self._runtime = parts.reads, parts.runtime
-        self._turn = parts.runtime.turn
+        # The stack's parts (for tools and tests: the sequencer, the load target, the pages, the rest's
+        # guard, the page-cache member, the reads policy, the runtime); every method below is one of theirs.
+        parts = self.parts = Parts.build(o, model=model, layers=self.layers, stores=self._stores, name=name,
+                                         copier=copier, owns_copier=owns_copier, owner=self)
         try:
-            self._engage()
+            parts.sequencer.engage()
         except BaseException:
             parts.abandon()  # nothing half-made stays behind
             raise
@@ -142,31 +134,11 @@ class LayerwiseOffloadManager:
                 # One mark on a weight's two forms: a second manager on these weights is refused, and named.
                 w.param._mapoffload_manager = w.placeholder._mapoffload_manager = mark
 
-    # -- the parts (for tools and tests: their interfaces, not the manager's insides) ----------------
-    @property
-    def sequencer(self) -> Sequencer:
-        """What is loaded and kept, and what a step loads (``offload/sequencer.py``)."""
-        return self._seq
-
-    @property
-    def loads(self) -> Any:
-        """The load path now: in place or device copies, read through the mapping or around the page cache."""
-        return self._seq.loads
-
-    @property
-    def pages(self) -> LayerPages:
-        """The page-cache side of the layers: spans, files, page reads and let-gos (``pagecache/layer_pages.py``)."""
-        return self._pages
-
-    @property
-    def rest(self) -> RestGuard:
-        """The mapped weights outside the layers, checked before each forward (``offload/runtime.py``)."""
-        return self._parts.rest
-
     @property
     def reads(self) -> ReadPolicy:
-        """The ``reads`` setting and its ``auto`` policy (``pagecache/read_policy.py``)."""
-        return self._reads
+        """How streamed layers are read now (``reads.mode``: ``"mapping"`` or ``"uncached"``) and why
+        (``reads.why``): the ``reads`` setting and its ``auto`` policy (``pagecache/read_policy.py``)."""
+        return self.parts.reads
 
     # -- accounting ------------------------------------------------------------------------
     @property
@@ -186,15 +158,15 @@ class LayerwiseOffloadManager:
     @property
     def device_bytes(self) -> int:
         """Bytes of device buffers held now (in use or pooled for reuse)."""
-        return self.loads.bytes
+        return self.parts.loads.bytes
 
     @property
     def peak_device_bytes(self) -> int:
-        return self.loads.peak_bytes
+        return self.parts.loads.peak_bytes
 
     def layer_bytes(self, i: int) -> int:
         """Bytes one prefetch of layer ``i`` moves."""
-        return self._stores[self._check_index(i)].nbytes
+        return self._stores[_index(i, self.layers)].nbytes
 
     def store_of(self, name: str) -> str:
         """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
@@ -212,59 +184,48 @@ class LayerwiseOffloadManager:
         changes, the next forward plans again).
         """
         check_count("page_cache_bytes", page_cache_bytes, none=True)
-        self._member.given = page_cache_bytes
+        self.parts.member.given = page_cache_bytes
         coordinator().replan()
         return self.residency
 
     @property
     def residency(self) -> ResidencyPlan | None:
         """The page-cache plan for these layers: which stay cached, which stream (the coordinator's)."""
-        return self._member.residency if self._member is not None else None
-
-    def resident_layer_bytes(self) -> list[int]:
-        """Bytes of each layer's mapped weights resident in RAM now (``mincore``)."""
-        return self._pages.resident_bytes()
+        return self.parts.member.residency
 
     # -- loading (the sequencer's) -----------------------------------------------------------
-    def _engage(self) -> None:
-        self._seq.engage()
-
-    def _check_index(self, i: int) -> int:
-        if not -len(self.layers) <= i < len(self.layers):
-            raise IndexError(f"layer {i} out of range (model has {len(self.layers)} managed layers)")
-        return i % len(self.layers)
 
     def prefetch_layer(self, i: int, non_blocking: bool = True) -> None:
         """Start loading layer ``i`` (no-op when loaded or in flight).
 
         With ``non_blocking=False`` it also waits until the layer is usable.
         """
-        i = self._check_index(i)
-        self._seq.prefetch(i)
+        i = _index(i, self.layers)
+        self.parts.sequencer.prefetch(i)
         if not non_blocking:
-            self._seq.ensure(i)
+            self.parts.sequencer.ensure(i)
 
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s device copy (its parameters become placeholders; in place, their host tensors)."""
-        self._seq.release(self._check_index(i))
-        self._pages.settle()  # its let-go done before the caller can write a weight in place
+        self.parts.sequencer.release(_index(i, self.layers))
+        self.parts.pages.settle()  # its let-go done before the caller can write a weight in place
 
     def release_all(self) -> None:
-        self._seq.release_all()
-        self._pages.settle()
+        self.parts.sequencer.release_all()
+        self.parts.pages.settle()
 
     def load_all_layers(self) -> None:
         """Load every layer and keep it on the device until released explicitly."""
-        self._seq.load_all()
+        self.parts.sequencer.load_all()
 
     def is_loaded(self, i: int) -> bool:
-        return self._seq.is_loaded(self._check_index(i))
+        return self.parts.sequencer.is_loaded(_index(i, self.layers))
 
     # -- hooks (runtime.py) ---------------------------------------------------------------------
     def register_forward_hooks(self) -> None:
         """Load each layer before it runs, prefetch the next ones, release it after."""
-        self._engage()
-        self._runtime.register(self.model, self.layers)
+        self.parts.sequencer.engage()
+        self.parts.runtime.register(self.model, self.layers)
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks and give the model back whole: real parameters, host data.
@@ -273,31 +234,13 @@ class LayerwiseOffloadManager:
         layer is half-way through its hooks when the model is given back, and
         a hook that a forward already started runs as a no-op afterwards.
         """
-        self._turn.enter()
+        turn = self.parts.runtime.turn
+        turn.enter()
         try:
-            self._runtime.remove()
-            self._disengage()
+            self.parts.runtime.remove()
+            self.parts.give_back()
         finally:
-            self._turn.leave()
-
-    def _disengage(self) -> None:
-        """Release everything and give the model its real parameters back (host data)."""
-        if self._slots.engaged:
-            # What the user replaced is adopted first (or, refused, left as they made it): the model is
-            # given back with the weights that last computed, or theirs - never the old ones silently.
-            self._seq.adopt_all(strict=False)
-            self._seq.release_all(strict=False)
-            self._slots.disengage()
-
-    @property
-    def read_mode(self) -> str:
-        """How streamed layers are read now: ``"mapping"`` or ``"uncached"`` (see ``OffloadOptions.reads``)."""
-        return self._reads.mode
-
-    @property
-    def read_mode_why(self) -> str:
-        """Why streamed layers are read as they are."""
-        return self._reads.why
+            turn.leave()
 
     # -- host weights (sequencer.py) -------------------------------------------------------
     def _weight(self, name: str) -> tuple[LayerStore, Weight]:
@@ -309,11 +252,12 @@ class LayerwiseOffloadManager:
     def _adopt_all(self) -> None:
         """A weight the user replaced in the model is the weight from now on (refused ones logged), under
         the layer turn: no forward of another thread is half-way through a layer meanwhile."""
-        self._turn.enter()
+        turn = self.parts.runtime.turn
+        turn.enter()
         try:
-            self._seq.adopt_all(strict=False)
+            self.parts.sequencer.adopt_all(strict=False)
         finally:
-            self._turn.leave()
+            turn.leave()
 
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, host tensor)`` for every managed weight, mapped ones included (a weight the user
@@ -321,14 +265,10 @@ class LayerwiseOffloadManager:
         self._adopt_all()
         return iter_cpu_weights(self._stores)
 
-    def cpu_weights_checksum(self) -> str:
-        """SHA-256 over names and host bytes: the same whether a weight is mapped or copied."""
-        return checksum(self.iter_cpu_weights())
-
     def sync_layer_to_cpu(self, i: int) -> None:
         """Write layer ``i``'s device weights back to its host stores (never a mapped one: see
         :func:`~mapoffload.offload.sequencer.sync_layer_to_cpu`)."""
-        sync_layer_to_cpu(self._seq, self._check_index(i))
+        sync_layer_to_cpu(self.parts.sequencer, _index(i, self.layers))
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor, the file is never written.
@@ -338,7 +278,8 @@ class LayerwiseOffloadManager:
         weight), ``ValueError`` (another shape, a meta value), ``TypeError`` (not a tensor, a dtype
         that cannot be cast): see :func:`~mapoffload.offload.sequencer.update_cpu_weights`.
         """
-        update_cpu_weights(named_tensors, seq=self._seq, pages=self._pages, weight=self._weight, device=self.device)
+        update_cpu_weights(named_tensors, seq=self.parts.sequencer, pages=self.parts.pages, weight=self._weight,
+                           device=self.device)
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -346,19 +287,20 @@ class LayerwiseOffloadManager:
 
         Idempotent; never raises for a copy that failed earlier.
         """
-        if self._slots.closed:
+        parts = self.parts
+        if parts.slots.closed:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
         # hook or prefetch engages the placeholders again.
-        self._turn.enter()
+        parts.runtime.turn.enter()
         try:
             self.remove_forward_hooks()
-            self._disengage()
-            self._slots.closed = True
+            parts.give_back()
+            parts.slots.closed = True
         finally:
-            self._turn.leave()
+            parts.runtime.turn.leave()
         try:
-            self._parts.close()
+            parts.close()
         finally:
             for s in self._stores:
                 for w in s.weights:
@@ -376,6 +318,13 @@ class LayerwiseOffloadManager:
             f"{format_bytes(self.mapped_bytes)} mapped, {format_bytes(self.pinned_bytes)} pinned, "
             f"{format_bytes(self.pageable_bytes)} pageable)"
         )
+
+
+def _index(i: int, layers: list) -> int:
+    """Layer ``i`` of ``layers`` (negative from the end), or an ``IndexError`` naming how many there are."""
+    if not -len(layers) <= i < len(layers):
+        raise IndexError(f"layer {i} out of range (model has {len(layers)} managed layers)")
+    return i % len(layers)
 
 
 def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOptions]], *,

@@ -87,8 +87,8 @@ class Parts:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
             loads = load_target(o, stores, self.pages, copier, owns_copier=owns_copier)
             self.slots = Slots(model, stores, in_place=o.in_place)
-            self.sequencer = Sequencer(stores, loads, self.slots, prefetch_layers=o.prefetch_layers,
-                                       resident_layers=o.resident_layers, pages=self.pages, device=o.device)
+            self.sequencer = Sequencer(stores, loads, self.slots, resident_layers=o.resident_layers, pages=self.pages,
+                                       device=o.device)
             self.rest = RestGuard(model, layers, self.pages.files, self.pages.worker)  # the mapped weights outside the layers
             # The page-cache plan is the process's (every stack under one budget): this stack's
             # part of it is its member.
@@ -143,6 +143,15 @@ class Parts:
             self.loads.close()
             self.pages.close()
             self.rest.close()  # the lookup tables' advice
+
+    def give_back(self) -> None:
+        """Release every layer and give the model its real parameters back (host data); nothing once given
+        back. What the user replaced is adopted first (or, refused, left as they made it): the model is given
+        back with the weights that last computed, or theirs - never the old ones silently."""
+        if self.slots.engaged:
+            self.sequencer.adopt_all(strict=False)
+            self.sequencer.release_all(strict=False)
+            self.slots.disengage()
 
     def forget_at_fork(self) -> None:
         """From now on, a forked child runs :meth:`after_fork_in_child` (while these parts live)."""

@@ -245,7 +245,7 @@ class StackRuntime:
                         refuse_weight_gradients(seq.stores[i])
                     elif i in seq.loaded and seq.loads.reuses(seq.loaded[i]):
                         seq.release(i)  # read ahead into a reused buffer: autograd reads it through its mapping
-                seq.enter(i, seq.window(i, self.member.residency))
+                seq.enter(i, seq.window(i, self.member.residency, self.member.prefetch_layers))
             except Exception:
                 raise  # torch runs the always-call post-hook, which finishes the turn
             except BaseException:

@@ -7,8 +7,8 @@ path (``loads``: in place or device copies, each read through the mapping or aro
 and the parameter slots (:class:`~mapoffload.offload.slots.Slots`) through their interfaces. No
 hooks and no per-forward policy (``runtime.py``: autograd, the reads policy, once-per-forward checks).
 
-Host weights read and replaced (below the class): the manager's ``iter_cpu_weights``,
-``cpu_weights_checksum``, ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
+Host weights read and replaced (below the class): the manager's ``iter_cpu_weights`` (and
+:func:`checksum` over them), ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
 replacements (:func:`adopt_edits`), which work on the sequencer's loads and slots and so live beside it.
 A mapped weight is never written (a write would turn its pages anonymous): a sync skips it, an
 update replaces it with an owned tensor and never writes to the file.
@@ -57,8 +57,6 @@ class Sequencer:
         The load path (``start``/``ready``/``value``/``release``/``drop_in_flight``).
     slots
         The stack's parameter slots: a ready layer's weights are bound to what they compute with.
-    prefetch_layers
-        How many following layers a step reads ahead (the streaming window, see :meth:`window`).
     resident_layers
         The first N layers are never released by a step once loaded.
     pages, device
@@ -66,14 +64,13 @@ class Sequencer:
         with (:meth:`adopt_edits`).
     """
 
-    def __init__(self, stores: list[LayerStore], loads: Target, slots: Slots, *, prefetch_layers: int,
+    def __init__(self, stores: list[LayerStore], loads: Target, slots: Slots, *,
                  resident_layers: int, pages: LayerPages, device: torch.device) -> None:
         self.stores = stores
         self.loads = loads
         self.slots = slots
         self.pages = pages
         self.device = device
-        self.prefetch_layers = prefetch_layers
         self.resident_layers = resident_layers
         self.loaded: dict[int, Load] = {}  # layer -> its load, in flight or ready
         self.kept: set[int] = set()  # loaded by load_all: kept until released explicitly
@@ -189,11 +186,11 @@ class Sequencer:
                 self.loads.drop_in_flight(load)
 
     # -- a step ----------------------------------------------------------------------------
-    def window(self, i: int, plan: ResidencyPlan) -> list[int]:
-        """The layers a step on layer ``i`` reads ahead: the next ``prefetch_layers``, a streamed one only
-        as deep as the plan keeps room for (its depth) - any deeper, its pages would evict the layer in
-        use or a cached one."""
-        end = min(len(self.stores), i + 1 + self.prefetch_layers)
+    def window(self, i: int, plan: ResidencyPlan, ahead: int) -> list[int]:
+        """The layers a step on layer ``i`` reads ahead: the next ``ahead`` (the stack's ``prefetch_layers``),
+        a streamed one only as deep as the plan keeps room for (its depth) - any deeper, its pages would
+        evict the layer in use or a cached one."""
+        end = min(len(self.stores), i + 1 + ahead)
         return [j for j in range(i + 1, end)
                 if j - i <= plan.depth or not plan.is_streamed(j) or not self.stores[j].bytes_in(MAPPED)]
 
