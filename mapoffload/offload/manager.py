@@ -5,12 +5,17 @@ Each layer's weights are held on the host in the store the budget allows (``mapp
 compute by a load target - in place from the host stores (``device="cpu"``: nothing to copy to, and a
 second copy in anonymous memory would only cost RAM), or copied into device buffers through the native
 copier (CUDA; ``cpu_twin=True`` runs that pipeline on the CPU) - reading the streamed layers through the
-mapping or around the page cache (``reads``, see :class:`~mapoffload.OffloadOptions`). The page cache the layers may fill is planned for
-every manager of the process by ``pagecache/coordinator.py``: a cached set stays in memory across
-forwards, the streamed set is read once per forward at most the plan's ``depth`` ahead and let go right
-after use. The manager takes its options whole (``mapoffload.OffloadOptions``, completed by :func:`resolve` with what the host measures: the host budget, the local ranks; the copier it makes for itself, :func:`make_copier`, has its staging ring shrunk for the local ranks), plans the stores and holds its parts
-(``parts.py``: the pages, the load target, the slots, the sequencer, the page-cache member, the reads
-policy, the runtime: the layer turn and the hooks); every method below is one of theirs.
+mapping or around the page cache (``reads``, see :class:`~mapoffload.OffloadOptions`). The page cache
+the layers may fill is planned for every manager of the process by ``pagecache/coordinator.py``: a
+cached set stays in memory across forwards, the streamed set is read once per forward at most the
+plan's ``depth`` ahead and let go right after use.
+
+The manager takes its options whole (``mapoffload.OffloadOptions``), completed by :func:`resolve` with
+what the host measures (the host budget, the local ranks; the copier it makes for itself,
+:func:`make_copier`, has its staging ring shrunk for the local ranks). It plans the stores and holds
+its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the slots, the sequencer, the
+page-cache member, the reads policy, the runtime: the layer turn and the hooks); every method below is
+one of theirs.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
 the device path a released layer's slots hold placeholders (``slots.py``, ``placeholder.py``).
