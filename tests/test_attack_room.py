@@ -101,7 +101,7 @@ def test_part_mode_and_streamed_head_give_the_plain_output(tmp_file_dir, cap):
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         plan = mgr.residency
-        assert plan.unit == PART and plan.rest_streamed, plan.describe()
+        assert plan.unit == PART and plan.always_streamed, plan.describe()
         mgr.register_forward_hooks()
         with torch.no_grad():
             for _ in range(2):
@@ -505,7 +505,7 @@ def test_a_head_whose_forward_the_user_set_on_the_instance(tmp_file_dir, cap):
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         mgr.register_forward_hooks()
         with torch.no_grad():
-            assert mgr.residency.rest_streamed
+            assert mgr.residency.always_streamed
             for _ in range(2):
                 assert torch.equal(model(x), want)
     with torch.no_grad():
@@ -541,7 +541,7 @@ def test_a_head_tied_to_the_embedding(tmp_file_dir, cap):
         want = ref(ids)
     model, mgr = engaged(path, cap, TiedModel)
     with mgr, torch.no_grad():
-        assert mgr.residency.rest_streamed
+        assert mgr.residency.always_streamed
         for _ in range(2):
             assert torch.equal(model(ids), want)
         assert streamed_head(model.head)
@@ -568,7 +568,7 @@ def test_a_non_contiguous_head_weight(tmp_file_dir, cap):
             for _ in range(2):
                 assert torch.equal(model(x), want)
             assert "forward" not in patched(model.head)
-            assert mgr.residency.rest_streamed and model.head._forward_pre_hooks, mgr.residency.describe()
+            assert mgr.residency.always_streamed and model.head._forward_pre_hooks, mgr.residency.describe()
     given_back(model)
     with torch.no_grad():
         assert torch.equal(model(x), want)
@@ -630,7 +630,7 @@ def test_a_bf16_head_too_large_for_the_window_is_streamed_whole(tmp_file_dir, ca
             chunked = "forward" in patched(model.head)
             h = torch.randn(300, W, dtype=torch.bfloat16)
             head_got = model.head(h)
-    assert mgr.residency.rest_streamed and not chunked, mgr.residency.describe()
+    assert mgr.residency.always_streamed and not chunked, mgr.residency.describe()
     with torch.no_grad():
         head_want = ref.head(h)
     diff = (head_got.float() - head_want.float()).abs().max().item()
@@ -780,9 +780,9 @@ def test_the_plan_switches_between_parts_layers_and_whole(tmp_file_dir, cap):
             for _ in range(2):
                 assert torch.equal(model(x), want), (limit, mgr.residency.describe())
             plan = mgr.residency
-            seen.append((plan.unit, plan.rest_streamed))
+            seen.append((plan.unit, plan.always_streamed))
             assert part_hooks(model) == (BLOCKS if plan.unit == PART and plan.streamed else 0), plan.describe()
-            assert (streamed_head(model.head)) == plan.rest_streamed, plan.describe()
+            assert (streamed_head(model.head)) == plan.always_streamed, plan.describe()
         assert (PART, True) in seen and (LAYER, False) in seen, seen
     given_back(model)
 
@@ -832,7 +832,7 @@ def test_two_managers_over_one_model_one_closed(tmp_file_dir, cap, first_closed)
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(x), want)
-            assert enc.residency.rest_streamed and streamed_head(model.head), enc.residency.describe()
+            assert enc.residency.always_streamed and streamed_head(model.head), enc.residency.describe()
             mgrs[first_closed].close()
             for _ in range(2):
                 assert torch.equal(model(x), want)
@@ -1065,7 +1065,7 @@ def test_a_table_tied_to_the_head_is_read_once_a_forward_and_within_the_window(t
         reads.clear()
         assert torch.equal(model(ids), want)
         window = mgr.residency.window_bytes
-        assert mgr.residency.rest_streamed and HEAD_BYTES > window
+        assert mgr.residency.always_streamed and HEAD_BYTES > window
         # Larger than the window: read by the head's own faults, never in one read of the table.
         assert all(r <= window for r in reads), (reads, window)
         assert sum(reads) <= 1.1 * HEAD_BYTES, (reads, HEAD_BYTES)

@@ -113,7 +113,7 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         takes_direct(mgr)
         coord = coordinator_module.coordinator()
-        assert coord.rest_streamed and mgr.residency.rest_streamed
+        assert coord.always_streamed and mgr.residency.always_streamed
         assert coord.room == 1376 * KIB and coord.room < 2 * MIB
         assert len(mgr.residency.streamed) == LAYERS
         mgr.register_forward_hooks()

@@ -77,7 +77,7 @@ def test_an_untied_embedding_is_advised_random_and_set_back_on_close(tmp_path):
             model(torch.tensor([[1, 2, 3]]))
         assert "rr" in _vm_flags(_middle(model.embed.weight))
         assert "rr" not in _vm_flags(_middle(model.head.weight))  # read whole: read-around helps it
-        assert mgr.parts.rest.table_bytes == model.embed.weight.nbytes
+        assert mgr.parts.outside.table_bytes == model.embed.weight.nbytes
     finally:
         mgr.close()
     assert "rr" not in _vm_flags(_middle(model.embed.weight))
@@ -89,7 +89,7 @@ def test_a_tied_embedding_is_read_whole_by_the_head_and_keeps_its_read_around(tm
         with torch.inference_mode():
             model(torch.tensor([[1, 2, 3]]))
         assert "rr" not in _vm_flags(_middle(model.embed.weight))
-        assert mgr.parts.rest.table_bytes == 0
+        assert mgr.parts.outside.table_bytes == 0
 
 
 def test_a_cold_lookup_reads_its_rows_not_the_read_around(tmp_path):
@@ -159,10 +159,10 @@ def test_an_embedding_tied_to_a_head_after_the_first_forward_is_read_whole_again
     with _manager(model) as mgr:
         with torch.inference_mode():
             model.embed(torch.tensor([[1, 2, 3]]))
-            mgr.parts.rest.check()
+            mgr.parts.outside.check()
         assert "rr" in _vm_flags(_middle(model.embed.weight))
         model.head.weight = model.embed.weight
         with torch.inference_mode():
             model(torch.tensor([[1, 2, 3]]))
         assert "rr" not in _vm_flags(_middle(model.embed.weight))
-        assert mgr.parts.rest.table_bytes == 0
+        assert mgr.parts.outside.table_bytes == 0

@@ -107,7 +107,7 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
         plan = mgr.residency
-        assert not plan.rest_streamed and plan.streamed, plan
+        assert not plan.always_streamed and plan.streamed, plan
         assert plan.parts == (layers < 2) and plan.depth == {0.5: 0, 1: 1, 1.5: 2}.get(layers, 1), plan
         mgr.register_forward_hooks()
         drop_page_cache(str(path))
@@ -138,7 +138,7 @@ def test_the_head_streams_where_it_does_not_fit_beside_the_smallest_window(ckpt,
     with caplog.at_level(logging.INFO, logger="mapoffload"), \
             LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
         plan = mgr.residency
-        assert plan.rest_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
+        assert plan.always_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
         assert coordinator_module.coordinator().room == HEAD_BYTES + 1 * MIB
         mgr.register_forward_hooks()
         drop_page_cache(str(path))
@@ -169,7 +169,7 @@ def test_the_streamed_head_computes_what_the_plain_model_does(ckpt, cap, threads
     torch.set_num_threads(threads)
     try:
         with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as mgr:
-            assert mgr.residency.rest_streamed
+            assert mgr.residency.always_streamed
             mgr.register_forward_hooks()
             torch.manual_seed(3)
             with torch.no_grad():
@@ -296,7 +296,7 @@ def test_the_entry_points_plan_the_same_and_say_so(ckpt, cap):
     model = mapped(path).eval()
     with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
         plan = handle.managers["blocks"].residency
-        assert plan.rest_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
+        assert plan.always_streamed and plan.unit == LAYER and plan.depth == 1 and len(plan.cached) == 2, plan
         text = " ".join(str(handle.summary()).split())  # one line (the summary wraps its sentences)
         assert "read as they run and let go after" in text, text
         with torch.no_grad():
@@ -304,7 +304,7 @@ def test_the_entry_points_plan_the_same_and_say_so(ckpt, cap):
     cap(IN_USE + MARGIN + HEAD_BYTES + LAYER_BYTES // 2)  # half a layer beside the head
     with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
         plan = handle.managers["blocks"].residency
-        assert plan.parts and not plan.rest_streamed, plan
+        assert plan.parts and not plan.always_streamed, plan
         assert "part by part (the largest part 2.00 MiB" in " ".join(str(handle.summary()).split())
         with torch.no_grad():
             assert torch.equal(model(x), want)
@@ -320,7 +320,7 @@ def test_the_rest_row_says_the_head_streamed_is_read_every_forward(ckpt, cap):
     cap(IN_USE + MARGIN + HEAD_BYTES + 1 * MIB)  # the head does not fit beside a part: it streams
     model = mapped(path).eval()
     with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
-        assert handle.managers["blocks"].residency.rest_streamed
+        assert handle.managers["blocks"].residency.always_streamed
         for forwarded in (False, True):
             if forwarded:
                 with torch.no_grad():
@@ -330,6 +330,6 @@ def test_the_rest_row_says_the_head_streamed_is_read_every_forward(ckpt, cap):
             assert "stay cached" not in rest.residency and "let go after" in rest.residency, rest.residency
     cap(IN_USE + MARGIN + HEAD_BYTES + 4 * LAYER_BYTES)  # room for the head: it stays cached
     with mapoffload.offload(model, device="cpu", layers="blocks", reads="mapping") as handle:
-        assert not handle.managers["blocks"].residency.rest_streamed
+        assert not handle.managers["blocks"].residency.always_streamed
         rest = next(r for r in handle.rows if r.unit == "rest")
         assert (rest.read_per_forward, rest.cached_bytes) == (0, rest.mapped_bytes) and "stay cached" in rest.residency

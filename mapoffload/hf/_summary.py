@@ -135,12 +135,12 @@ def _residency(m: LayerwiseOffloadManager, mapped: int, what: str) -> tuple[str,
         its = f"its {what[:-1]}" if n == 1 else f"all {n} {what}"
         return f"the file pages of {its} stay in the page cache", plan.cached_bytes, 0
     after = (f" after {format_bytes(plan.always_bytes)} of other weights every forward reads"
-             if plan.always_bytes and not plan.rest_streamed else "")
+             if plan.always_bytes and not plan.always_streamed else "")
     how = (f", part by part (the largest part {format_bytes(plan.part_bytes)}: one {what[:-1]} does not fit"
            f"{'; the next part read while one computes' if plan.readahead else ''})"
            if plan.parts else ", the next read while one computes" if plan.readahead else "")
     rest = (f"; the {format_bytes(plan.always_bytes)} of other weights every forward reads do not fit beside "
-            "them: read as they run and let go after" if plan.rest_streamed else "")
+            "them: read as they run and let go after" if plan.always_streamed else "")
     return (
         f"{len(plan.cached)} of {n} {what} stay in the page cache ({format_bytes(plan.cached_bytes)}); "
         f"{len(plan.streamed)} are re-read from the file every forward "

@@ -58,15 +58,15 @@ def _resolve_layers(model: torch.nn.Module, layers: Any) -> list[tuple[str, Any]
     return out
 
 
-def _rest_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
+def _always_streamed_bytes(managers: Iterable[LayerwiseOffloadManager]) -> int:
     """Bytes of the weights outside the stacks (a head) that each forward reads in as their modules
     run and lets go after, because the page-cache plan leaves them no room beside the streaming window
-    (``ResidencyPlan.rest_streamed``): what the stack's guard streams once a forward set it up
-    (:attr:`~mapoffload.offload.runtime.RestGuard.streamed_bytes`), the plan's always-read bytes before."""
+    (``ResidencyPlan.always_streamed``): what the stack's guard streams once a forward set it up
+    (:attr:`~mapoffload.offload.runtime.OutsideWeights.streamed_bytes`), the plan's always-read bytes before."""
     for m in managers:
         plan = m.residency
-        if plan is not None and plan.rest_streamed:
-            return m.parts.rest.streamed_bytes if m.parts.rest.streaming else plan.always_bytes
+        if plan is not None and plan.always_streamed:
+            return m.parts.outside.streamed_bytes if m.parts.outside.streaming else plan.always_bytes
     return 0
 
 
@@ -115,7 +115,7 @@ class OffloadHandle:
             tensors = [p for p in params if id(p) not in managed] + [b for _, _, b in buffers]
             originals = [host for _, _, _, host in self._saved]
             rows.append(placed_row(placed, tensors, originals, self.device, self._notes[placed],
-                                   streamed=_rest_streamed_bytes(self.managers.values()) if placed == "rest" else 0))
+                                   streamed=_always_streamed_bytes(self.managers.values()) if placed == "rest" else 0))
         buffers = buffers_row(self.managers.values(), self.model)
         if buffers is not None:
             rows.append(buffers)

@@ -121,7 +121,7 @@ class LayerwiseOffloadManager:
             copier = copier or make_copier(o)
         self.copier = copier
         name = _plan.stack_name(model, layers, self.layers)
-        # The stack's parts (for tools and tests: the sequencer, the load target, the pages, the rest's
+        # The stack's parts (for tools and tests: the sequencer, the load target, the pages, the outside weights'
         # guard, the page-cache member, the reads policy, the runtime); every method below is one of theirs.
         parts = self.parts = Parts.build(o, model=model, layers=self.layers, stores=self._stores, name=name,
                                          copier=copier, owns_copier=owns_copier, owner=self)

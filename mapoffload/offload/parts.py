@@ -2,7 +2,7 @@
 
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
 path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
-(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``runtime.RestGuard``), its
+(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``runtime.OutsideWeights``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
 policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
 calls and what they do). :meth:`Parts.build` makes
@@ -27,7 +27,7 @@ from ..pagecache.member import StackMember
 from ..pagecache.read_policy import ReadPolicy
 from .device_copies import DeviceCopies
 from .loads import InPlace, ReadAroundSource, Target, layer_buffer_bytes
-from .runtime import RestGuard, StackRuntime
+from .runtime import OutsideWeights, StackRuntime
 from .sequencer import Sequencer
 from .slots import Slots
 
@@ -65,7 +65,7 @@ class Parts:
     pages: LayerPages
     slots: Slots
     sequencer: Sequencer
-    rest: RestGuard
+    outside: OutsideWeights
     member: StackMember
     reads: ReadPolicy
     runtime: StackRuntime
@@ -81,7 +81,7 @@ class Parts:
         from . import plan as _plan
 
         self = cls()
-        self.pages = self.rest = self.member = self.sequencer = None  # type: ignore[assignment]
+        self.pages = self.outside = self.member = self.sequencer = None  # type: ignore[assignment]
         loads = None
         try:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
@@ -89,7 +89,8 @@ class Parts:
             self.slots = Slots(model, stores, in_place=o.in_place)
             self.sequencer = Sequencer(stores, loads, self.slots, resident_layers=o.resident_layers, pages=self.pages,
                                        device=o.device)
-            self.rest = RestGuard(model, layers, self.pages.files, self.pages.worker)  # the mapped weights outside the layers
+            # The mapped weights outside the layers: checked before each forward, streamed where the plan says.
+            self.outside = OutsideWeights(model, layers, self.pages.files, self.pages.worker)
             # The page-cache plan is the process's (every stack under one budget): this stack's
             # part of it is its member.
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
@@ -99,7 +100,7 @@ class Parts:
             self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
                                      read_around=functools.partial(_read_around, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
-            self.runtime = StackRuntime(self.sequencer, self.member, self.reads, self.rest, in_place=o.in_place,
+            self.runtime = StackRuntime(self.sequencer, self.member, self.reads, self.outside, in_place=o.in_place,
                                         owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
@@ -129,11 +130,11 @@ class Parts:
             owned_copier.close()
         if self.pages is not None:
             self.pages.close()
-        if self.rest is not None:
-            self.rest.close()
+        if self.outside is not None:
+            self.outside.close()
 
     def close(self) -> None:
-        """Leave the page-cache plan, then close the load path, the pages and the rest's advice.
+        """Leave the page-cache plan, then close the load path, the pages and the outside weights' advice.
 
         The model was given back before (released, slots disengaged).
         """
@@ -142,7 +143,7 @@ class Parts:
         finally:  # a plan for the others cut short (Ctrl-C) leaves nothing of this one running
             self.loads.close()
             self.pages.close()
-            self.rest.close()  # the lookup tables' advice
+            self.outside.close()  # the lookup tables' advice
 
     def give_back(self) -> None:
         """Release every layer and give the model its real parameters back (host data); nothing once given

@@ -57,7 +57,7 @@ def resolve_layers(model: torch.nn.Module, layers: Any) -> list[torch.nn.Module]
 def modules_outside(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules of ``model`` outside ``layers`` ("the rest": embedding, head, norms), in ``model.modules()``
     order: the one definition of "outside the layers" (ties, the weights every forward reads, the lookup
-    tables, the rest's checks in ``runtime.py``)."""
+    tables, the outside weights' checks in ``runtime.py``)."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     return [m for m in model.modules() if id(m) not in inside]
 

@@ -22,12 +22,13 @@ forward is wrapped (through ``hooks``, the one registry of what mapoffload sets 
 pre-hook guards itself, so that whatever leaves the layer finishes its turn; a per-thread record of the
 turns held (:meth:`LayerTurn.held`) makes finishing twice harmless.
 
-**The weights outside the layers** ("the rest": embedding, head, norms; :class:`RestGuard`). Every
+**The weights outside the layers** (embedding, head, norms: :class:`OutsideWeights`; the ``rest=`` option
+places them on a device or streams their modules there, a manager of their own). Every
 forward reads them before the first layer's own check. A file truncated under the mapping would make that
 read a SIGBUS that kills the process; a check of the mapped file's size turns it into a
 :class:`~mapoffload.MappingFaultError` naming the file. Where the page-cache plan finds no room for the
 weights every forward reads whole (a head, norms) beside the streaming window
-(``ResidencyPlan.rest_streamed``), each module holding them reads them in before it runs (where they fit
+(``ResidencyPlan.always_streamed``), each module holding them reads them in before it runs (where they fit
 the room; else its own faults read them, 2 MiB folios at a time under ``MADV_HUGEPAGE`` +
 ``MADV_RANDOM``) and lets them go after it ran, so that they never push the layers' pages out. The lookup
 tables (embeddings no head shares) are set ``MADV_RANDOM``: a lookup faults a few rows, and a fault's
@@ -64,7 +65,10 @@ if TYPE_CHECKING:
     from .sequencer import Sequencer
     from .stores import LayerStore
 
-__all__ = ["LayerTurn", "OffloadedGradientError", "RestGuard", "StackRuntime", "refuse_recorded_graph", "refuse_weight_gradients"]
+__all__ = [
+    "LayerTurn", "OffloadedGradientError", "OutsideWeights", "StackRuntime", "outside_tensors", "refuse_recorded_graph",
+    "refuse_weight_gradients",
+]
 
 
 class LayerTurn:
@@ -118,7 +122,7 @@ class StackRuntime:
         The stack's page-cache member (its plan, its forwards counted).
     reads
         The stack's ``reads`` policy.
-    rest
+    outside
         The mapped weights outside the layers, checked once per forward.
     in_place
         The layers compute from their host stores (``device="cpu"``).
@@ -126,13 +130,13 @@ class StackRuntime:
         A weak reference to the manager (named when a copy of the model is refused).
     """
 
-    def __init__(self, sequencer: Sequencer, member: StackMember, reads: ReadPolicy, rest: RestGuard, *,
+    def __init__(self, sequencer: Sequencer, member: StackMember, reads: ReadPolicy, outside: OutsideWeights, *,
                  in_place: bool, owner: Any = None) -> None:
         self.turn = LayerTurn()  # the stack's: the manager takes it too, to remove the hooks or close
         self.sequencer = sequencer
         self.member = member
         self.reads = reads
-        self.rest = rest
+        self.outside = outside
         self.in_place = in_place
         self.owner = owner
         self.handles: list = []  # each with remove()
@@ -167,7 +171,7 @@ class StackRuntime:
         self.handles.clear()
         self._remove_parts()
         self.sequencer.pages.let_go_ahead()  # removed inside a forward: what it read ahead
-        self.rest.stream(False)
+        self.outside.stream(False)
 
     # -- once per forward of the model -------------------------------------------------------
     def _before_forward(self, module: Any, args: Any) -> None:
@@ -178,9 +182,9 @@ class StackRuntime:
         c.follow_cap()
         c.note_forward(self.member)
         self.reads.choose()
-        self.rest.check()
+        self.outside.check()
         plan = self.member.residency
-        self.rest.stream(plan is not None and plan.rest_streamed, plan.window_bytes if plan is not None else 0)
+        self.outside.stream(plan is not None and plan.always_streamed, plan.window_bytes if plan is not None else 0)
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
         self._forward.on = True  # in a forward of the model: parts read ahead may cross from layer to layer
         self.sequencer.pages.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
@@ -438,8 +442,8 @@ def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
     return out, tuple(held)
 
 
-class RestGuard:
-    """Checks, before a forward, that the rest's mapped files still reach the bytes mapped from them."""
+class OutsideWeights:
+    """Checks, before a forward, that the outside weights' mapped files still reach the bytes mapped from them."""
 
     def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], files: MappedFiles,
                  worker: PageWorker | None = None) -> None:
@@ -448,7 +452,7 @@ class RestGuard:
         self._files = files
         self._worker = worker  # the stack's page worker: streams the always-read weights (stream())
         self._streamed: list = []  # what puts each streamed module back (its hooks)
-        self._stream_key: tuple | None = None  # (the rest's key, the unit) it was streamed for
+        self._stream_key: tuple | None = None  # (the outside weights' key, the unit) it was streamed for
         self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
         self._extents: list[Extent] = []
@@ -456,7 +460,7 @@ class RestGuard:
         self.table_bytes = 0  # bytes of the lookup tables advised
 
     def _advise_tables(self) -> None:
-        """``MADV_RANDOM`` (no huge pages) over the rest's lookup tables: a fault reads its own page."""
+        """``MADV_RANDOM`` (no huge pages) over the outside weights' lookup tables: a fault reads its own page."""
         from ..memory.regions import tensor_extent
         from .plan import lookup_tables
 
@@ -501,7 +505,7 @@ class RestGuard:
             self._streamed, self.streamed_bytes = [], 0
             return
         if self._streamed and (self._key, unit) != self._stream_key:
-            self.stream(False)  # the rest's tensors or the plan's unit changed since: streamed afresh
+            self.stream(False)  # the outside weights or the plan's unit changed since: streamed afresh
         if self._streamed or self._worker is None:
             return
         self._stream_key = (self._key, unit)

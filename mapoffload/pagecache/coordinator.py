@@ -92,8 +92,8 @@ class PageCacheCoordinator:
         self.thin_margin_failed = False
         self._others = 0  # bytes the ranks under this cap map (the split's other side)
         # The weights every forward reads outside the stacks do not fit beside the streaming window:
-        # read as they run and let go after (the plans say so: ResidencyPlan.rest_streamed).
-        self.rest_streamed = False
+        # read as they run and let go after (the plans say so: ResidencyPlan.always_streamed).
+        self.always_streamed = False
         self.memory = ForwardMemory()  # what forwards add at their peak, what the process held at the measure
         self._last = LastMeasure()  # the last measured plan's inputs (see _place_last)
         # Forwards each registered manager began (note_forward), for streamed_since.
@@ -314,10 +314,10 @@ class PageCacheCoordinator:
             extra = extra * mine // (mine + self._others)  # split as the room is
         # The weights every forward reads outside the stacks (a head) stay cached only where they fit
         # beside the smallest streaming window; else they are read as they run and let go after
-        # (RestGuard), and take no room from the layers.
+        # (OutsideWeights), and take no room from the layers.
         need = smallest_window(sizes, [m.part_bytes for m in measured]) * windows
-        self.rest_streamed = bool(self.always_bytes) and mine > room + extra and room < need
-        if self.rest_streamed:
+        self.always_streamed = bool(self.always_bytes) and mine > room + extra and room < need
+        if self.always_streamed:
             room += self.always_bytes
         if room < 0:  # the thin share is of the room there is: over the full margin's deficit, not on top of 0
             extra = max(0, extra + room)
@@ -356,7 +356,7 @@ class PageCacheCoordinator:
         plans = plan_shared(sizes, self.room, prefetch_layers=[m.prefetch_layers for m in measured], windows=windows,
                             cache_only=extra, buffers=self.buffers, parts=self._last.parts or None)
         # Each plan's always_bytes is the shared one (for the record; the room is already net of it).
-        plans = [replace(p, always_bytes=self.always_bytes, rest_streamed=self.rest_streamed) for p in plans]
+        plans = [replace(p, always_bytes=self.always_bytes, always_streamed=self.always_streamed) for p in plans]
         for m, plan in zip(measured, plans):
             m.apply(plan, why)
             m.watch(bool(extra))

@@ -73,7 +73,7 @@ class ResidencyPlan:
         ``always_bytes``).
     always_bytes
         Mapped bytes outside the layers that every forward reads (a head,
-        norms): kept out of the layers' budget, unless ``rest_streamed``.
+        norms): kept out of the layers' budget, unless ``always_streamed``.
     unit
         :data:`LAYER`: a streamed layer is read in whole before it runs and let
         go after. :data:`PART`: the room does not hold one layer (or two, where
@@ -86,7 +86,7 @@ class ResidencyPlan:
     part_bytes
         Mapped bytes of the largest part of any layer (0: not known, the
         stack cannot be read part by part).
-    rest_streamed
+    always_streamed
         The weights every forward reads outside the layers (``always_bytes``)
         do not fit beside the streaming window: they are read as their
         modules run and let go after, like a streamed layer, instead of
@@ -102,7 +102,7 @@ class ResidencyPlan:
     depth: int = 0
     unit: str = LAYER
     part_bytes: int = 0
-    rest_streamed: bool = False
+    always_streamed: bool = False
 
     @property
     def parts(self) -> bool:
@@ -149,7 +149,7 @@ class ResidencyPlan:
                f"{f'{self.depth} read ahead' if self.readahead else 'no readahead'}" if self.parts
                else f"{self.depth} read ahead" if self.readahead else "no readahead")
         always = (f"{format_bytes(self.always_bytes)} read every forward and let go after"
-                  if self.rest_streamed else f"{format_bytes(self.always_bytes)} read every forward")
+                  if self.always_streamed else f"{format_bytes(self.always_bytes)} read every forward")
         return (
             f"{len(self.cached)} of {n} layers stay cached ({format_bytes(self.cached_bytes)}), "
             f"{len(self.streamed)} streamed ({format_bytes(self.streamed_bytes)} read per forward, "
