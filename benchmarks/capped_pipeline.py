@@ -27,7 +27,7 @@ disk time, and **step / limit**: the step over the larger of the uncapped step a
 step under a limit can be faster - and whether the image equals diffusers' (bit for bit).
 
 Run: python benchmarks/capped_pipeline.py [--caps 6,10,50] [--blocks 16] [--steps 2] [--size 32]
-     [--dir /var/tmp] [--json out.json]
+     [--dir /var/tmp (the default)] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -123,6 +124,8 @@ def child(args: argparse.Namespace) -> None:
                  "loadavg_at_start": os.getloadavg()}
     if args.cgroup:
         row["cgroup_baseline"] = baseline = _cg_usage(args.cgroup)
+        if args.extra is not None and baseline is None:
+            raise OSError(f"cannot read the usage of {args.cgroup}: no limit can be set")
         if args.extra is not None:
             row["cgroup_cap"] = baseline + args.extra
             row["cgroup_cap_written"] = _cg_set_cap(args.cgroup, row["cgroup_cap"])
@@ -193,6 +196,8 @@ def run(contender: str, cap: str, extra: int | None, folder: str, out: str, args
     from cgroups import memory_cgroup
 
     cold = _drop(folder)
+    if not cold:
+        warnings.warn("cannot write /proc/sys/vm/drop_caches: only the pipeline's files are dropped", stacklevel=1)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--contender", contender, "--cap", cap,
            "--folder", folder, "--out", out, "--steps", str(args.steps), "--size", str(args.size)]
     if extra is not None:
@@ -204,8 +209,12 @@ def run(contender: str, cap: str, extra: int | None, folder: str, out: str, args
                                   cwd=tempfile.gettempdir())
             stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
-            stdout, stderr, rc = (exc.stdout or b"").decode(), (exc.stderr or b"").decode(), None
+            out, err = exc.stdout or "", exc.stderr or ""
+            stdout = out.decode() if isinstance(out, bytes) else out
+            stderr, rc = err.decode() if isinstance(err, bytes) else err, None
         kills = _cg_oom_kills(cgroup)
+    if os.path.exists(cgroup):
+        warnings.warn(f"could not remove the cgroup {cgroup}", stacklevel=1)
     row = _parse_lines(stdout)
     row.update(contender=contender, cap=cap, returncode=rc, cold=cold, wall_s=time.perf_counter() - t0,
                cgroup_oom_kills=kills, stderr_tail=stderr.strip().splitlines()[-3:])
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--dir", default="/var/tmp", help="a folder on a disk (not tmpfs): the pipeline is written there")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json")
     for hidden in ("--child", "--contender", "--cap", "--folder", "--out", "--cgroup", "--extra"):
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from _common import emit_json, print_table
 
-    work = tempfile.mkdtemp(prefix="mapoffload-pipeline-", dir=args.dir)
+    work = os.path.abspath(tempfile.mkdtemp(prefix="mapoffload-pipeline-", dir=args.dir))
     try:
         folder = os.path.join(work, "pipeline")
         build(folder, args.blocks, args.heads, args.head_dim)
@@ -277,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         plain = run("mapoffload", "none", None, folder, os.path.join(work, "mapoffload-none.pt"), args)
         results.append(plain)
         growth = plain["anon_peak"] - plain["anon_baseline"] if plain["outcome"] == "yes" else None
+        if growth is None:
+            warnings.warn("the uncapped run failed: no capped run (their limits are set from it)", stacklevel=1)
         for cap in [c for c in args.caps.split(",") if c and growth is not None]:
             extra = growth + int(float(cap) / 100 * transformer)
             results.append(run("mapoffload", f"+{cap}%", extra, folder, os.path.join(work, f"mapoffload-{cap}.pt"),

@@ -420,3 +420,28 @@ def test_parts_read_ahead_and_missing_give_the_thin_share_back():
     assert cached_lost([member(ahead, 2 * MIB)]) == 2 * MIB
     assert cached_lost([member(ahead, MIB // 2)]) == 0  # the slack
     assert cached_lost([member(alone, 2 * MIB)]) == 0  # nothing read ahead, nothing cached: not the thin share's
+
+
+def test_the_offload_entry_point_reads_parts_ahead_as_the_manager_does(ckpt, cap):
+    """Every entry point starts its stacks through one front door (``start_stacks``): ``offload`` on a
+    built model plans part by part with one read ahead, reads ahead while parts compute, and computes
+    the plain model's output."""
+    import mapoffload
+
+    path, x, want = ckpt
+    cap(half_a_layer())
+    model = mapped_from(path, Model).eval()
+    with mapoffload.offload(model, device="cpu", layers="blocks") as handle:
+        (mgr,) = handle.managers.values()
+        plan = mgr.residency
+        assert plan.unit == PART and plan.depth == 1, plan.describe()
+        ahead: list[bool] = []
+        hooks = [getattr(model.blocks[i], p).register_forward_hook(
+            lambda *a: ahead.append(bool(mgr.parts.pages._ahead))) for i in range(BLOCKS) for p in ("a", "b", "c")]
+        with torch.no_grad():
+            assert torch.equal(model(x), want)  # the order learnt
+            ahead.clear()
+            assert torch.equal(model(x), want)
+        for h in hooks:
+            h.remove()
+    assert ahead and all(ahead), ahead  # while each of these parts computed, the next one was read ahead

@@ -341,9 +341,6 @@ class _FakeManager:
     def layer_bytes(self, i: int) -> int:
         return 128
 
-    def resident_layer_bytes(self) -> list[int]:
-        return [128] * len(self.layers)
-
     def close(self) -> None:
         self.closed = True
 

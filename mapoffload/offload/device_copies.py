@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ..copier import Copier, CopyHandle
     from ..pagecache.uncached_read import UncachedBuffer
 
-__all__ = ["DeviceCopies"]
+__all__ = ["DeviceCopies", "DevicePool"]
 
 
 class DeviceCopies(Target):

@@ -9,14 +9,15 @@ layers and weights - instead of its own. Each hook refuses (:class:`OffloadedCop
 give the model back first (:func:`copy_refusal`).
 
 **Patches**, in one registry (:func:`install`, :func:`uninstall`, :func:`patched`). torch's hook API
-carries the rest (forward pre-hooks and always-call forward hooks, ``runtime.py``); two things it has no
-hook for are patched on the instance, and only here:
+carries the rest (forward pre-hooks and always-call forward hooks, ``runtime.py``); what it has no hook
+for is patched on the instance, and only here:
 
 - a layer's ``forward``, wrapped (:func:`wrap_forward`): torch runs no hook when a ``KeyboardInterrupt``,
   ``SystemExit`` or ``GeneratorExit`` leaves a layer, and the layer's turn must still finish;
 - a module's ``_apply`` (``placeholder.guard_conversions``): torch converts children first and has no
   hook before a conversion, so ``model.to(torch.float16)`` would half convert a model before the first
-  placeholder refuses.
+  placeholder refuses; and its ``share_memory`` (``placeholder.guard_conversions``), refused while
+  offloaded.
 
 The registry counts the managers sharing a patch (the stacks of one model guard it once each), puts back
 what was there when the last lets go (or leaves alone what someone set since), and answers

@@ -14,7 +14,7 @@ interface, which the sequencer drives:
   buffers, for the page-cache plan), ``bytes`` / ``peak_bytes`` (device buffers), ``forget(i)``,
   ``close()``.
 
-The page cache is :class:`~mapoffload.pagecache.layer_pages.LayerPages`'.
+Both read the stack's page cache through :class:`~mapoffload.pagecache.layer_pages.LayerPages`.
 
 A target holds one *source* (:class:`~mapoffload.pagecache.read_source.Source`) and asks it, at each
 load, whether it takes the layer (``takes``):
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ..pagecache.layer_pages import LayerPages
 
 __all__ = ["InPlace", "Load", "ReadAroundSource", "Target", "file_places", "layer_buffer_bytes", "wait_quietly", "written_in_place"]
 

@@ -422,7 +422,7 @@ class HeldBuffers:
 
 def held_buffers(loads: Target, copier: Copier | None, device: torch.device) -> list[HeldBuffers]:
     """What a manager holds now besides its weights (entries with bytes only): its load target ``loads``
-    (``manager.loads``), its ``copier`` (None in place), on ``device``."""
+    (``manager.parts.loads``), its ``copier`` (None in place), on ``device``."""
     out: list[HeldBuffers] = []
     source = loads.source
     held, pinned = source.held_bytes, source.pinned_bytes

@@ -34,7 +34,6 @@ from .slots import Slots
 if TYPE_CHECKING:
     from ..copier import Copier
     from ..options import OffloadOptions
-    from ..pagecache.layer_pages import LayerPages
     from .stores import LayerStore
 
 __all__ = ["Parts", "Target", "load_target"]

@@ -330,7 +330,7 @@ def _guarded_apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) 
 def guard_conversions(model: torch.nn.Module) -> None:
     """Make every module of ``model`` refuse a conversion its placeholders refuse, before converting.
 
-    Counted (``patches``): each call needs one :func:`unguard_conversions` (several managers
+    Counted (``hooks``, the patch registry): each call needs one :func:`unguard_conversions` (several managers
     share a model).
     """
     for m in model.modules():

@@ -199,10 +199,9 @@ class StackRuntime:
         were freed from goes back to the kernel.
 
         glibc keeps freed blocks below its (growing) mmap threshold in its arenas, one per thread that
-        allocated: measured on this project's Llama under a cap, a process held 381-421 MiB of anonymous
-        memory between forwards with that retention and 332 MiB without it, a forward's peak 396-414 MiB
-        against 377 MiB - tens of MiB the page cache, and so the layers, lose at every forward. Under a
-        cap (while measuring) ``malloc_trim`` gives them back after each forward (a few milliseconds).
+        allocated: tens of MiB the page cache, and so the layers, would lose at every forward (the
+        measures: docs/design.md, "Freed memory given back"). Under a cap (while measuring)
+        ``malloc_trim`` gives them back after each forward.
 
         The forward returns once its let-gos are done (:meth:`~mapoffload.pagecache.layer_pages.LayerPages.settle`):
         the user's code may write a weight in place next, which a let-go still in flight would drop.
@@ -239,9 +238,8 @@ class StackRuntime:
             try:
                 if seq.pages.in_parts and seq.pages.streams(i):
                     # Under a room below one layer the allocator's freed blocks are the room: what the
-                    # layers before freed goes back before this one reads its parts in (measured on
-                    # capped_forward.py's Llama: a forward's peak 418-427 MiB without, 377-379 MiB
-                    # with; a few ms a forward).
+                    # layers before freed goes back before this one reads its parts in (docs/design.md,
+                    # "Freed memory given back").
                     release_freed_memory()
                 self._sample()
                 if torch.is_grad_enabled():

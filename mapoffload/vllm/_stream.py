@@ -36,5 +36,5 @@ def stream_layers(model: torch.nn.Module, options: OffloadOptions) -> OffloadHan
     handle.managers.update(zip(paths, start_stacks(model, [(path, options) for path in paths])))
     for path, manager in handle.managers.items():
         logger.info("mapoffload: vLLM %s: %d layers streamed through the page cache (%s)", path,
-                    len(manager.parts.pages.resident_bytes()), manager)
+                    len(manager.layers), manager)
     return handle
