@@ -434,20 +434,10 @@ def _drop_caches(folder: str) -> bool:
 
 def disk_bandwidth(folder: str) -> dict:
     """Sequential read of every checkpoint file, dropped from the page cache first."""
+    from _common import disk_read
     from hf_load import _checkpoint_files
 
-    from mapoffload import drop_page_cache
-
-    files = _checkpoint_files(folder)
-    for path in files:
-        drop_page_cache(path)
-    total, t0 = 0, time.perf_counter()
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(8 * MIB):
-                total += len(chunk)
-    seconds = time.perf_counter() - t0
-    return {"disk_bytes": total, "disk_s": seconds, "disk_gb_s": total / seconds / 1e9}
+    return disk_read(_checkpoint_files(folder))
 
 
 def _parse_lines(stdout: str) -> dict:

@@ -177,21 +177,6 @@ def _drop(folder: str) -> bool:
     return drop_caches(_files(folder))
 
 
-def disk_speed(folder: str) -> float:
-    """Bytes a second of a cold sequential read of the pipeline's files."""
-    from mapoffload import drop_page_cache
-
-    files = _files(folder)
-    for p in files:
-        drop_page_cache(p)
-    total, t0 = 0, time.perf_counter()
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while chunk := f.read(8 * MIB):
-                total += len(chunk)
-    return total / (time.perf_counter() - t0)
-
-
 def run(contender: str, cap: str, extra: int | None, folder: str, out: str, args: argparse.Namespace) -> dict:
     from cgroups import memory_cgroup
 
@@ -271,14 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         return child(args)
     import torch
 
-    from _common import emit_json, print_table
+    from _common import disk_read, emit_json, print_table
 
     work = os.path.abspath(tempfile.mkdtemp(prefix="mapoffload-pipeline-", dir=args.dir))
     try:
         folder = os.path.join(work, "pipeline")
         build(folder, args.blocks, args.heads, args.head_dim)
         transformer = _transformer_bytes(folder)
-        speed = disk_speed(folder)
+        speed = disk_read(_files(folder))["disk_gb_s"] * 1e9  # bytes a second
         print(f"transformer {transformer / MIB:.0f} MiB ({args.blocks} blocks); disk {speed / 1e9:.2f} GB/s")
         results = []
         ref = run("diffusers", "none", None, folder, os.path.join(work, "diffusers.pt"), args)
