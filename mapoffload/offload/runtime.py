@@ -4,7 +4,7 @@ Once per forward of the model (its pre-hook, before anything reads the mapping):
 the forward for the page-cache coordinator, let the ``reads`` policy choose, check the mapped weights
 outside the layers and stream them where the plan has no room for them. Per layer (its pre-hook,
 holding the layer turn): autograd's rule (refused on reused device buffers; in place, a layer read
-ahead into a reused read-around buffer is read again through its mapping), then the sequencer's step:
+ahead into a reused read-around buffer is read again through its mapping), then the step (:func:`read_ahead`):
 the layer loaded (the load target's ``ready``: the copy, or the read in place), the window the plan
 allows read ahead. After the layer (its always-call post-hook): its release and the recorded-graph
 check. Where the plan reads streamed layers part by part, each part's hooks read it in (the next parts'
@@ -56,17 +56,20 @@ from ..pagecache.coordinator import coordinator
 from ..pagecache.mapped_file import MappedFiles
 from ..pagecache.pages import Extent, PageWorker, check_extents, file_extents, layer_spans
 from .hooks import Hook, wrap_forward
+from .stores import MAPPED
 
 if TYPE_CHECKING:
     import torch
 
     from ..pagecache.member import StackMember
     from ..pagecache.read_policy import ReadPolicy
+    from ..pagecache.residency import ResidencyPlan
     from .sequencer import Sequencer
     from .stores import LayerStore
 
 __all__ = [
-    "LayerTurn", "OffloadedGradientError", "OutsideWeights", "StackRuntime", "outside_tensors", "refuse_recorded_graph",
+    "LayerTurn", "OffloadedGradientError", "OutsideWeights", "StackRuntime", "outside_tensors", "read_ahead",
+    "refuse_recorded_graph",
     "refuse_weight_gradients",
 ]
 
@@ -247,7 +250,15 @@ class StackRuntime:
                         refuse_weight_gradients(seq.stores[i])
                     elif i in seq.loaded and seq.loads.reuses(seq.loaded[i]):
                         seq.release(i)  # read ahead into a reused buffer: autograd reads it through its mapping
-                seq.enter(i, seq.window(i, self.member.residency, self.member.prefetch_layers))
+                # The step: stale reads ahead (a layer skipped or reordered) let go, this layer loaded
+                # (its copy, or its read in place), the next ones read ahead.
+                ahead = read_ahead(seq.stores, i, self.member.residency, self.member.prefetch_layers)
+                for j in list(seq.loaded):
+                    if j != i and j not in ahead and seq.releasable(j):
+                        seq.release(j)
+                seq.ensure(i)
+                for j in ahead:
+                    seq.prefetch(j)
             except Exception:
                 raise  # torch runs the always-call post-hook, which finishes the turn
             except BaseException:
@@ -294,7 +305,8 @@ class StackRuntime:
             return
         del held[len(held) - 1 - held[::-1].index(i)]
         try:
-            self.sequencer.exit(i)
+            if self.sequencer.releasable(i):  # released unless it stays (resident, or kept by load_all)
+                self.sequencer.release(i)
         finally:
             self.turn.leave()
         if not held and not getattr(self._forward, "on", False):
@@ -347,6 +359,15 @@ class StackRuntime:
                 pages.let_go_part(i, k)
 
         return post_hook
+
+
+def read_ahead(stores: list[LayerStore], i: int, plan: ResidencyPlan | None, depth: int) -> list[int]:
+    """The layers a step on layer ``i`` reads ahead: the next ``depth`` (the stack's ``prefetch_layers``), a
+    streamed one only as deep as the plan keeps room for (its depth) - any deeper, its pages would evict
+    the layer in use or a cached one."""
+    end = min(len(stores), i + 1 + depth)
+    return [j for j in range(i + 1, end)
+            if plan is None or j - i <= plan.depth or not plan.is_streamed(j) or not stores[j].bytes_in(MAPPED)]
 
 
 def _class_forward(layer: Any):

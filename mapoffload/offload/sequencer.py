@@ -1,8 +1,9 @@
-"""The sequencer: which of a stack's layers are loaded, which are kept, what a step loads, and the
-user's edits to the stack's weights.
+"""The sequencer: which of a stack's layers are loaded and which are kept, and the user's edits to the
+stack's weights. When a layer is loaded, and which are read ahead, is the runtime's step
+(``runtime.py``).
 
-It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready), the
-layers kept by ``load_all_layers`` and the streaming window a step reads ahead, and drives the load
+It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready) and the
+layers kept by ``load_all_layers``, and drives the load
 path (``loads``: in place or device copies, each read through the mapping or around the page cache)
 and the parameter slots (:class:`~mapoffload.offload.slots.Slots`) through their interfaces. No
 hooks and no per-forward policy (``runtime.py``: autograd, the reads policy, once-per-forward checks).
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..pagecache.layer_pages import LayerPages
-    from ..pagecache.residency import ResidencyPlan
     from .loads import Load, Target
     from .slots import Slots
 
@@ -184,30 +184,6 @@ class Sequencer:
                 del self.loaded[i]
                 self.kept.discard(i)
                 self.loads.drop_in_flight(load)
-
-    # -- a step ----------------------------------------------------------------------------
-    def window(self, i: int, plan: ResidencyPlan, ahead: int) -> list[int]:
-        """The layers a step on layer ``i`` reads ahead: the next ``ahead`` (the stack's ``prefetch_layers``),
-        a streamed one only as deep as the plan keeps room for (its depth) - any deeper, its pages would
-        evict the layer in use or a cached one."""
-        end = min(len(self.stores), i + 1 + ahead)
-        return [j for j in range(i + 1, end)
-                if j - i <= plan.depth or not plan.is_streamed(j) or not self.stores[j].bytes_in(MAPPED)]
-
-    def enter(self, i: int, window: list[int]) -> None:
-        """Layer ``i`` is about to run: release stale prefetches (skipped or reordered layers) outside
-        ``window``, wait for ``i``, start ``window``."""
-        for j in list(self.loaded):
-            if j != i and j not in window and self.releasable(j):
-                self.release(j)
-        self.ensure(i)
-        for j in window:
-            self.prefetch(j)
-
-    def exit(self, i: int) -> None:
-        """Layer ``i`` ran: release it unless it stays (resident or kept)."""
-        if self.releasable(i):
-            self.release(i)
 
 
 # -- host weights read and replaced ------------------------------------------------------
