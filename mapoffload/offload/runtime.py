@@ -250,12 +250,14 @@ class StackRuntime:
                         refuse_weight_gradients(seq.stores[i])
                     elif i in seq.loaded and seq.loads.reuses(seq.loaded[i]):
                         seq.release(i)  # read ahead into a reused buffer: autograd reads it through its mapping
-                # The step: stale reads ahead (a layer skipped or reordered) let go, this layer loaded
-                # (its copy, or its read in place), the next ones read ahead.
+                # The step: stale reads ahead (a layer skipped or reordered) let go, this layer's load
+                # started where nothing read it ahead (its copy, or its read in place: Target.start) and
+                # waited for (Target.ready), the next ones read ahead.
                 ahead = read_ahead(seq.stores, i, self.member.residency, self.member.prefetch_layers)
                 for j in list(seq.loaded):
                     if j != i and j not in ahead and seq.releasable(j):
                         seq.release(j)
+                seq.prefetch(i)
                 seq.ensure(i)
                 for j in ahead:
                     seq.prefetch(j)
