@@ -121,7 +121,7 @@ class Setup:
             sizes = [LAYER // 2 - 3, LAYER - LAYER // 2]
             weights, off, dev = [], first, 0
             for k, n in enumerate(sizes):
-                w = Weight(names=[f"blocks.{i}.w{k}"], param=None, slots=[], dtype=torch.uint8, shape=(n,),
+                w = Weight(names=[f"blocks.{i}.w{k}"], param=None, holders=[], dtype=torch.uint8, shape=(n,),
                            stride=(1,), nbytes=n, contiguous=True, store=MAPPED, host=mapping[off:off + n],
                            dev_offset=dev)
                 weights.append(w)

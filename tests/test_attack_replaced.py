@@ -207,7 +207,7 @@ def test_a_parameter_made_under_inference_mode_computes_on_the_twin(stack):
 def test_a_closed_manager_says_closed_whatever_was_replaced(stack):
     """After close(), a replacement and another manager on the model, the old manager's
     register_forward_hooks() raises ReplacedWeightError ('offloads already'): Sequencer.engage adopts
-    edits before Slots.engage checks closed."""
+    edits before Holders.engage checks closed."""
     path, x, want, ref = stack
     model = mapped(path)
     old = LayerwiseOffloadManager(model, "blocks", device="cpu")

@@ -67,15 +67,15 @@ def _file(report: LoadReport, reason: CopyReason | None, nbytes: int) -> None:
 
 
 def _place(plan: LoadPlan, p: Placement, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (a Parameter for a parameter slot) given to every name of the group."""
+    """``tensor`` (a Parameter for a parameter's site) given to every name of the group."""
     import torch
 
-    first = plan.slots[p.names[0]]
+    first = plan.sites[p.names[0]]
     value = tensor
     if first.is_param:
         value = torch.nn.Parameter(tensor, requires_grad=first.current.requires_grad and tensor.is_floating_point())
     for n in p.names:
-        s = plan.slots[n]
+        s = plan.sites[n]
         (s.owner._parameters if s.is_param else s.owner._buffers)[s.attr] = value
     return value
 
@@ -85,7 +85,7 @@ def _assign_placements(plan: LoadPlan, decision: Decision, device: torch.device,
     bar = byte_bar(sum(p.source.nbytes for p in plan.placements), "Assigning weights", enabled=progress)
     for p in plan.placements:
         bar.update(p.source.nbytes)  # shown only once the work (host copies, cold pages) has taken a second
-        prepared = _prepare(p, plan.slots[p.names[0]].current, decision, device)
+        prepared = _prepare(p, plan.sites[p.names[0]].current, decision, device)
         _file(report, prepared.reason, prepared.tensor.nbytes)
         if p.strided:
             report.bytes_sliced_copied += prepared.tensor.nbytes
@@ -103,7 +103,7 @@ def _assign_fp8(plan: LoadPlan, decision: Decision, report: LoadReport, done: _A
         if not decision.keep_mapping:
             codes, scale = codes.clone(), scale.clone()
             _file(report, decision.copy_reason, codes.nbytes + scale.nbytes)
-        target = plan.slots[f.key]
+        target = plan.sites[f.key]
         attach_fp8(target.owner, target.attr, codes, scale, dtype=target.current.dtype, key=f.key)
         done.add(codes)
         done.add(scale)

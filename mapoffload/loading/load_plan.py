@@ -17,7 +17,7 @@ from ..memory.regions import tensor_bytes
 from .files import CheckpointError
 from .read import read_files
 from .shard import ShardPlan, group_dim, narrow_shard
-from .slots import Slot, module_slots
+from .sites import Site, module_sites
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ class LoadPlan:
     path: str
     files: list[str]
     component: str  # the module's class, for messages and the log line
-    slots: dict[str, Slot]
+    sites: dict[str, Site]
     shard: tuple[int, int] | None = None  # (rank, world_size) with a shard plan
     placements: list[Placement] = field(default_factory=list)
     fp8: list[Fp8Placement] = field(default_factory=list)
@@ -64,7 +64,7 @@ class LoadPlan:
         return sum(tensor_bytes(p.source) for p in self.placements)
 
 
-def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, Slot], path: Any) -> dict[str, str]:
+def _fp8_pairs(loaded: dict[str, torch.Tensor], sites: dict[str, Site], path: Any) -> dict[str, str]:
     """``{weight key: scale key}`` for fp8 checkpoint weights stored with a
     ``<key>_scale_inv`` whose module parameter is not fp8 (it computes in a
     wider dtype): those load as codes + scales, dequantized as used. Shapes are
@@ -74,12 +74,12 @@ def _fp8_pairs(loaded: dict[str, torch.Tensor], slots: dict[str, Slot], path: An
     out = {}
     for key, t in loaded.items():
         scale = f"{key}_scale_inv"
-        slot = slots.get(key)
-        if scale not in loaded or slot is None or not slot.is_param or not is_fp8(t) or is_fp8(slot.current):
+        site = sites.get(key)
+        if scale not in loaded or site is None or not site.is_param or not is_fp8(t) or is_fp8(site.current):
             continue
-        if tuple(t.shape) != tuple(slot.current.shape):
+        if tuple(t.shape) != tuple(site.current.shape):
             raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} does not match the module's "
-                             f"{tuple(slot.current.shape)}")
+                             f"{tuple(site.current.shape)}")
         try:
             check_fp8_pair(t, loaded[scale])
         except (TypeError, ValueError) as exc:
@@ -93,7 +93,7 @@ def _check_stray(shard_plan: ShardPlan | None, loaded: Mapping, plan: LoadPlan) 
     if shard_plan is None or not isinstance(shard_plan, Mapping):
         return
     # A tied alias the module has (the checkpoint holds the tensor once) is no stray.
-    stray = sorted(k for k in shard_plan if k not in loaded and k not in plan.slots)
+    stray = sorted(k for k in shard_plan if k not in loaded and k not in plan.sites)
     if stray:
         raise ValueError(f"shard plan names keys neither {plan.path} nor {plan.component} has: {', '.join(stray)}")
 
@@ -101,7 +101,7 @@ def _check_stray(shard_plan: ShardPlan | None, loaded: Mapping, plan: LoadPlan) 
 def _split_fp8(loaded: dict[str, torch.Tensor], plan: LoadPlan, shard_plan: ShardPlan | None) -> None:
     """fp8 weights with their block scales taken out of ``loaded``: kept as codes + scales, never cast
     without them."""
-    pairs = _fp8_pairs(loaded, plan.slots, plan.path)
+    pairs = _fp8_pairs(loaded, plan.sites, plan.path)
     if pairs and shard_plan is not None:
         raise ValueError(f"{plan.path}: fp8 weights with scales ({next(iter(pairs))}) cannot be sharded yet")
     plan.fp8 = [Fp8Placement(k, loaded.pop(k), loaded.pop(scale)) for k, scale in pairs.items()]
@@ -119,7 +119,7 @@ def _placement(names: list[str], key: str, src: torch.Tensor, plan: LoadPlan,
         out.sliced = True
         out.strided = src.is_contiguous() and not out.source.is_contiguous()
         what = f"rank {rank}'s slice {tuple(out.source.shape)} of checkpoint shape {tuple(src.shape)} (dim {dim})"
-    target = plan.slots[key].current
+    target = plan.sites[key].current
     if tuple(out.source.shape) != tuple(target.shape):
         raise ValueError(f"{key}: {what} does not match the module's {tuple(target.shape)}")
     return out
@@ -134,8 +134,8 @@ def _check_keys(plan: LoadPlan, strict: bool) -> None:
         if plan.unexpected:
             parts.append(f"unexpected keys: {', '.join(plan.unexpected)}")
         raise ValueError(f"{plan.path} does not match {plan.component}: " + "; ".join(parts))
-    slots = plan.slots
-    left_on_meta = [n for n in plan.missing if slots[n].is_param and slots[n].current.device.type == "meta"]
+    sites = plan.sites
+    left_on_meta = [n for n in plan.missing if sites[n].is_param and sites[n].current.device.type == "meta"]
     if left_on_meta:
         raise ValueError(f"parameters would stay on the meta device (not in the checkpoint): {', '.join(left_on_meta)}")
 
@@ -151,12 +151,12 @@ def plan_load(module: torch.nn.Module, path: str | os.PathLike, files: list[str]
         Anything that does not fit the module; nothing is assigned yet.
     """
     loaded = read_files(files, progress)
-    slots, groups = module_slots(module)
-    plan = LoadPlan(os.fspath(path), files, type(module).__name__, slots, shard=shard)
+    sites, groups = module_sites(module)
+    plan = LoadPlan(os.fspath(path), files, type(module).__name__, sites, shard=shard)
     _check_stray(shard_plan, loaded, plan)
     _split_fp8(loaded, plan, shard_plan)
     fp8_keys = {f.key for f in plan.fp8}
-    plan.unexpected = sorted(k for k in loaded if k not in slots)
+    plan.unexpected = sorted(k for k in loaded if k not in sites)
     for names in groups:
         key = next((n for n in names if n in loaded), None)
         if key is not None:

@@ -4,8 +4,8 @@
 the working buffers ``summary()`` counts) is a facade over one stack's parts (``parts``: made and closed
 together, ``manager.parts``):
 
-- ``plan``, ``stores``: which host store each weight gets, and the stores themselves; ``slots``,
-  ``placeholder``: what a parameter slot holds, loaded or released.
+- ``plan``, ``stores``: which host store each weight gets, and the stores themselves; ``holders``,
+  ``placeholder``: what a weight's holders (``module._parameters[attr]``) hold, loaded or released.
 - ``sequencer``: loaded, kept, the streaming window; enter / exit / prefetch / release (no hooks, no
   policy); the host weights read and replaced, by the manager's methods or by the user in the model
   (``adopt_edits``).

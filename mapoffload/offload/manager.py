@@ -13,12 +13,12 @@ plan's ``depth`` ahead and let go right after use.
 The manager takes its options whole (``mapoffload.OffloadOptions``), completed by :func:`resolve` with
 what the host measures (the host budget, the local ranks; the copier it makes for itself,
 :func:`make_copier`, has its staging ring shrunk for the local ranks). It plans the stores and holds
-its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the slots, the sequencer, the
+its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the holders, the sequencer, the
 page-cache member, the reads policy, the runtime: the layer turn and the hooks); every method below is
 one of theirs.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
-the device path a released layer's slots hold placeholders (``slots.py``, ``placeholder.py``).
+the device path a released layer's holders hold placeholders (``holders.py``, ``placeholder.py``).
 ``remove_forward_hooks()`` and ``close()`` give the model back whole. The manager is a context manager.
 
 The host memory its machinery holds besides the weights' stores (:func:`held_buffers`, counted by
@@ -293,7 +293,7 @@ class LayerwiseOffloadManager:
         Idempotent; never raises for a copy that failed earlier.
         """
         parts = self.parts
-        if parts.slots.closed:
+        if parts.holders.closed:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
         # hook or prefetch engages the placeholders again.
@@ -301,7 +301,7 @@ class LayerwiseOffloadManager:
         try:
             self.remove_forward_hooks()
             parts.give_back()
-            parts.slots.closed = True
+            parts.holders.closed = True
         finally:
             parts.runtime.turn.leave()
         try:

@@ -1,7 +1,7 @@
 """The parts one :class:`~mapoffload.LayerwiseOffloadManager` is a facade over, and their lifetime.
 
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
-path (``loads``: in place or device copies), its parameter slots (``slots``), the sequencer
+path (``loads``: in place or device copies), its holders (``holders``), the sequencer
 (``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``runtime.OutsideWeights``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
 policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
@@ -29,7 +29,7 @@ from .device_copies import DeviceCopies
 from .loads import InPlace, ReadAroundSource, Target, layer_buffer_bytes
 from .runtime import OutsideWeights, StackRuntime
 from .sequencer import Sequencer
-from .slots import Slots
+from .holders import Holders
 
 if TYPE_CHECKING:
     from ..copier import Copier
@@ -62,7 +62,7 @@ class Parts:
     """One stack's parts (see the module); made by :meth:`build`."""
 
     pages: LayerPages
-    slots: Slots
+    holders: Holders
     sequencer: Sequencer
     outside: OutsideWeights
     member: StackMember
@@ -85,8 +85,8 @@ class Parts:
         try:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
             loads = load_target(o, stores, self.pages, copier, owns_copier=owns_copier)
-            self.slots = Slots(model, stores, in_place=o.in_place)
-            self.sequencer = Sequencer(stores, loads, self.slots, resident_layers=o.resident_layers, pages=self.pages,
+            self.holders = Holders(model, stores, in_place=o.in_place)
+            self.sequencer = Sequencer(stores, loads, self.holders, resident_layers=o.resident_layers, pages=self.pages,
                                        device=o.device)
             # The mapped weights outside the layers: checked before each forward, streamed where the plan says.
             self.outside = OutsideWeights(model, layers, self.pages.files, self.pages.worker)
@@ -135,7 +135,7 @@ class Parts:
     def close(self) -> None:
         """Leave the page-cache plan, then close the load path, the pages and the outside weights' advice.
 
-        The model was given back before (released, slots disengaged).
+        The model was given back before (released, holders disengaged).
         """
         try:
             coordinator().leave(self.member)  # the other stacks share what these layers leave
@@ -148,10 +148,10 @@ class Parts:
         """Release every layer and give the model its real parameters back (host data); nothing once given
         back. What the user replaced is adopted first (or, refused, left as they made it): the model is given
         back with the weights that last computed, or theirs - never the old ones silently."""
-        if self.slots.engaged:
+        if self.holders.engaged:
             self.sequencer.adopt_all(strict=False)
             self.sequencer.release_all(strict=False)
-            self.slots.disengage()
+            self.holders.disengage()
 
     def forget_at_fork(self) -> None:
         """From now on, a forked child runs :meth:`after_fork_in_child` (while these parts live)."""
@@ -161,7 +161,7 @@ class Parts:
         """In a forked child: drop layers whose copy was in flight at the fork.
 
         Nothing writes their buffers here (the copies ran in the parent), so
-        they go back to the pool; their slots hold placeholders already. The
+        they go back to the pool; their holders hold placeholders already. The
         layer turn may have been held by a parent thread that does not exist
         here: it starts free, with a fresh lock.
         """

@@ -1,7 +1,7 @@
 """Placeholders for released weights: shape-correct, and loud when computed with.
 
 While a :class:`~mapoffload.LayerwiseOffloadManager` manages a layer on a
-device (CUDA, or the CPU twin), each of its parameter slots holds either the
+device (CUDA, or the CPU twin), each of its holders (``module._parameters[attr]``) holds either the
 real parameter (its data on the device, while the layer is loaded) or an
 :class:`OffloadedWeight`: a parameter on the
 meta device, with the weight's shape, dtype and strides and no memory. Reading
@@ -12,7 +12,7 @@ manager places it); anything that would read its values raises a
 ``RuntimeError`` naming the weight and its layer and saying how to load it —
 never a silent result computed from zeros or garbage.
 
-In place (``device="cpu"``) nothing moves and the slots keep the real
+In place (``device="cpu"``) nothing moves and the holders keep the real
 parameters (the host tensors) all the time; a placeholder only stands in for
 its weight while a conversion (``model.to(...)``) runs, see
 :func:`stand_in`.
@@ -256,7 +256,7 @@ def owner_of(w: OffloadedWeight) -> object | None:
 def offloaded_by(p: torch.Tensor) -> tuple[bool, object | None]:
     """Whether ``p`` is already offloaded, and by which manager (None: gone): the one definition.
 
-    Released, a slot holds a placeholder (offloaded, its manager alive or not); loaded - or in place,
+    Released, a holder holds a placeholder (offloaded, its manager alive or not); loaded - or in place,
     always - it holds the real parameter, which its manager marks while it lives. The entry points and
     a manager's weight collection refuse such a parameter (:class:`AlreadyOffloadedError`).
     """
@@ -278,7 +278,7 @@ def offloaded_by(p: torch.Tensor) -> tuple[bool, object | None]:
 # nothing - so a refused conversion raises before any tensor changed.
 
 #
-# In place (``device="cpu"``) the slots hold the real parameters, the mapped
+# In place (``device="cpu"``) the holders hold the real parameters, the mapped
 # tensors themselves, between forwards too. Each carries its placeholder as a
 # stand-in (:func:`stand_in`): while a conversion runs, the stand-ins take the
 # slots, so a dtype change is refused as above and a device move leaves the
@@ -372,5 +372,5 @@ def managed(t: torch.Tensor) -> bool:
     """A weight some manager offloads (another stack of the same model): its manager checks it.
 
     Unlike :func:`offloaded_by`, a real parameter still marked by a manager that went away without
-    ``close()`` counts: its slots may hold that manager's placeholders."""
+    ``close()`` counts: its holders may hold that manager's placeholders."""
     return isinstance(t, OffloadedWeight) or "_mapoffload_manager" in t.__dict__

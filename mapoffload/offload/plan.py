@@ -115,8 +115,8 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
                     w = by_id[id(p)]
                     if full not in w.names:
                         w.names.append(full)
-                    if (module, attr) not in w.slots:
-                        w.slots.append((module, attr))
+                    if (module, attr) not in w.holders:
+                        w.holders.append((module, attr))
                     continue
                 if id(p) in owner and owner[id(p)] != i:
                     raise ValueError(f"parameter {full} is shared by layers {owner[id(p)]} and {i}: not supported")
@@ -171,10 +171,10 @@ def _is_lookup(module: torch.nn.Module) -> bool:
 
 
 def _parts(store: LayerStore, base: str, prefix: dict[int, str]) -> list[Part]:
-    """A layer's weights grouped by the submodule that holds each (its first slot), in module order."""
+    """A layer's weights grouped by the submodule that holds each (its first holder), in module order."""
     parts: dict[int, Part] = {}
     for w in store.weights:
-        module = w.slots[0][0]
+        module = w.holders[0][0]
         part = parts.get(id(module))
         if part is None:
             part = parts[id(module)] = Part(prefix.get(id(module), base), module)

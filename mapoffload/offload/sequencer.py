@@ -5,19 +5,19 @@ stack's weights. When a layer is loaded, and which are read ahead, is the runtim
 It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready) and the
 layers kept by ``load_all_layers``, and drives the load
 path (``loads``: in place or device copies, each read through the mapping or around the page cache)
-and the parameter slots (:class:`~mapoffload.offload.slots.Slots`) through their interfaces. No
+and the holders (:class:`~mapoffload.offload.holders.Holders`) through their interfaces. No
 hooks and no per-forward policy (``runtime.py``: autograd, the reads policy, once-per-forward checks).
 
 Host weights read and replaced (below the class): the manager's ``iter_cpu_weights`` (and
 :func:`checksum` over them), ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
-replacements (:func:`adopt_edits`), which work on the sequencer's loads and slots and so live beside it.
+replacements (:func:`adopt_edits`), which work on the sequencer's loads and holders and so live beside it.
 A mapped weight is never written (a write would turn its pages anonymous): a sync skips it, an
 update replaces it with an owned tensor and never writes to the file.
 
 A weight the user replaces in the model between forwards (``layer.weight = nn.Parameter(new)``,
 ``layer.weight.data = new``, ``model.load_state_dict(sd, assign=True)``, or an in-place update of a
 loaded layer's values) is the weight that computes from then on: the sequencer finds the edit
-(:meth:`~mapoffload.offload.slots.Slots.edits`) before it loads, releases or gives back the layer, and
+(:meth:`~mapoffload.offload.holders.Holders.edits`) before it loads, releases or gives back the layer, and
 :func:`adopt_edits` takes it - in place (``device="cpu"``) the new parameter itself becomes the weight
 (an owned tensor, ``strided``), on the device path its values are written into the host store - or
 refuses it with a :class:`ReplacedWeightError` naming the weight and what is wrong (another shape,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from ..pagecache.layer_pages import LayerPages
     from .loads import Load, Target
-    from .slots import Slots
+    from .holders import Holders
 
 __all__ = ["ReplacedWeightError", "Sequencer", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",
            "update_cpu_weights"]
@@ -55,8 +55,8 @@ class Sequencer:
         One :class:`~mapoffload.offload.stores.LayerStore` per layer.
     loads
         The load path (``start``/``ready``/``value``/``release``/``drop_in_flight``).
-    slots
-        The stack's parameter slots: a ready layer's weights are bound to what they compute with.
+    holders
+        The stack's holders: a ready layer's weights are bound to what they compute with.
     resident_layers
         The first N layers are never released by a step once loaded.
     pages, device
@@ -64,11 +64,11 @@ class Sequencer:
         with (:meth:`adopt_edits`).
     """
 
-    def __init__(self, stores: list[LayerStore], loads: Target, slots: Slots, *,
+    def __init__(self, stores: list[LayerStore], loads: Target, holders: Holders, *,
                  resident_layers: int, pages: LayerPages, device: torch.device) -> None:
         self.stores = stores
         self.loads = loads
-        self.slots = slots
+        self.holders = holders
         self.pages = pages
         self.device = device
         self.resident_layers = resident_layers
@@ -79,8 +79,8 @@ class Sequencer:
     def adopt_edits(self, i: int, *, strict: bool = True) -> None:
         """Weights of layer ``i`` the user replaced since they were bound become the weights that compute,
         or are refused (:func:`~mapoffload.offload.sequencer.adopt_edits`): run before anything reads
-        the layer's host stores or binds over its slots."""
-        edits = self.slots.edits(self.stores[i])
+        the layer's host stores or binds over its holders."""
+        edits = self.holders.edits(self.stores[i])
         load = self.loaded.get(i)
         if edits and load is not None and not load.ready:
             self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
@@ -91,21 +91,21 @@ class Sequencer:
     def adopt_all(self, *, strict: bool = True) -> None:
         """:meth:`adopt_edits` for every layer (before the stores are read: a query, the model given back);
         nothing once closed (the model is the user's)."""
-        if self.slots.closed:
+        if self.holders.closed:
             return
         for i in range(len(self.stores)):
             self.adopt_edits(i, strict=strict)
 
     def engage(self) -> None:
-        """Engage the slots (idempotent; raises once closed), adopting what the user replaced while the
+        """Engage the holders (idempotent; raises once closed), adopting what the user replaced while the
         model was whole."""
-        if not self.slots.engaged and not self.slots.closed:
+        if not self.holders.engaged and not self.holders.closed:
             self.adopt_all()
-        self.slots.engage()
+        self.holders.engage()
 
     # -- one layer -------------------------------------------------------------------------
     def prefetch(self, i: int) -> None:
-        """Start loading layer ``i`` (no-op when loaded or in flight); engages the slots."""
+        """Start loading layer ``i`` (no-op when loaded or in flight); engages the holders."""
         self.engage()
         if i not in self.loaded:
             self.adopt_edits(i)
@@ -127,32 +127,32 @@ class Sequencer:
             # behind a mapping is whole again.
             self.release(i)
             raise
-        if self.slots.edits(self.stores[i]):
+        if self.holders.edits(self.stores[i]):
             # Replaced while it loaded (a prefetch, another layer's hook): what it read is the old
             # weight's. The edit is adopted as the layer is let go, and the layer loaded afresh.
             self.release(i)
             self.ensure(i)
             return
         for w in self.stores[i].weights:
-            self.slots.bind(w, self.loads.value(w, load))
+            self.holders.bind(w, self.loads.value(w, load))
         load.ready = True
         load.handle = None
 
     def release(self, i: int, *, strict: bool = True) -> None:
-        """Drop layer ``i``'s load (its slots bound as released) and un-keep it."""
+        """Drop layer ``i``'s load (its holders bound as released) and un-keep it."""
         self.kept.discard(i)
         load = self.loaded.pop(i, None)
         if load is None:
             return
         try:
-            if self.slots.engaged:  # not loaded now: an edit is written into the host store, not the load
+            if self.holders.engaged:  # not loaded now: an edit is written into the host store, not the load
                 self.adopt_edits(i, strict=strict)
         finally:
-            if self.slots.engaged:
-                refused = {id(w) for w, _ in self.slots.edits(self.stores[i])}  # left as the user made them
+            if self.holders.engaged:
+                refused = {id(w) for w, _ in self.holders.edits(self.stores[i])}  # left as the user made them
                 for w in self.stores[i].weights:
                     if id(w) not in refused:
-                        self.slots.bind(w, None)
+                        self.holders.bind(w, None)
             self.loads.release(i, load)
 
     def is_loaded(self, i: int) -> bool:
@@ -226,7 +226,7 @@ def update_cpu_weights(named_tensors: Mapping[str, torch.Tensor] | Iterator, *, 
                        device: torch.device) -> None:
     """Replace host weights; a mapped entry becomes an owned tensor.
 
-    ``seq`` is the stack's sequencer (its loads and slots), ``pages`` its pages, ``weight(name)`` the
+    ``seq`` is the stack's sequencer (its loads and holders), ``pages`` its pages, ``weight(name)`` the
     managed weight of a name (``KeyError`` otherwise), ``device`` where the layers compute.
 
     The checkpoint file is never written. A loaded layer's device copy is
@@ -259,7 +259,7 @@ def update_cpu_weights(named_tensors: Mapping[str, torch.Tensor] | Iterator, *, 
             raise TypeError(
                 f"{name}: a {value.dtype} value cannot be stored in a {w.dtype} weight without losing data"
             )
-        seq.adopt_edits(store.index)  # a slot the user replaced before: this update comes after it
+        seq.adopt_edits(store.index)  # a holder the user filled before: this update comes after it
         settled = _write(seq, pages, store, w, value.detach().to(device="cpu", dtype=w.dtype), device=device,
                          settled=settled)
 
@@ -305,17 +305,17 @@ def _write(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, valu
         if seq.loads.copies:
             seq.loads.value(w, seq.loaded[store.index]).copy_(value)
         else:
-            seq.slots.bind(w, w.host)
-    elif seq.slots.in_place or not seq.slots.engaged:
+            seq.holders.bind(w, w.host)
+    elif seq.holders.in_place or not seq.holders.engaged:
         w.param.data = w.host
     if w.held is not None:
-        seq.slots.note(w, w.held)  # the data the library bound is no user's edit
+        seq.holders.note(w, w.held)  # the data the library bound is no user's edit
     return settled
 
 
 def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: list[tuple[Weight, list]], *,
                 device: torch.device, strict: bool = True) -> None:
-    """Make the user's replacements of ``store``'s weights (``Slots.edits``) the weights that compute.
+    """Make the user's replacements of ``store``'s weights (``Holders.edits``) the weights that compute.
 
     In place the new parameter itself becomes the weight (its data an owned, ``strided`` host tensor:
     nothing is copied, and the model stays a normal model holding the user's parameter); on the device
@@ -329,7 +329,7 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         being given back) the edit is logged and left as the user made it.
     """
     for w, now in edits:
-        why = refusal(w, now, in_place=seq.slots.in_place) or _shared(seq, w, now[0])
+        why = refusal(w, now, in_place=seq.holders.in_place) or _shared(seq, w, now[0])
         if why is not None:
             msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
             if strict:
@@ -338,11 +338,11 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
             continue
         _adopt(seq, pages, store, w, now[0], device=device)
         logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
-                    "in place, an owned tensor" if seq.slots.in_place else "written into its host store")
+                    "in place, an owned tensor" if seq.holders.in_place else "written into its host store")
 
 
 def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
-    """Why the tensors now in ``w``'s slots (``now``) cannot become the weight, or None."""
+    """Why the tensors now in ``w``'s holders (``now``) cannot become the weight, or None."""
     import torch
 
     from .placeholder import OffloadedWeight, offloaded_by
@@ -382,7 +382,7 @@ def _shared(seq: Sequencer, w: Weight, new: torch.Tensor) -> str | None:
     path the values are copied into ``w``'s store, so sharing is harmless there."""
     from ..memory.regions import tensor_extent, tensor_spans
 
-    if not seq.slots.in_place or new.device.type != "cpu":
+    if not seq.holders.in_place or new.device.type != "cpu":
         return None
     addr, n = tensor_extent(new)
     others = [o for s in seq.stores for o in s.weights if o is not w and o.host is not None]
@@ -420,22 +420,22 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
         w.placeholder.requires_grad_(new.requires_grad)
     elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
         w.param.data = new.detach()
-    if seq.slots.in_place:
+    if seq.holders.in_place:
         value = w.param.data
         w.host, w.store = value, STRIDED  # owned by the model now (possibly the user's view of a mapping)
         w.stride, w.contiguous, w.nbytes = tuple(value.stride()), value.is_contiguous(), tensor_extent(value)[1]
-        if seq.slots.engaged:
+        if seq.holders.engaged:
             stand_in(w.param, w.placeholder)
         store.invalidate()
         pages.forget(store.index)
         seq.loads.forget(store.index)
-        seq.slots.bind(w, w.host if seq.is_loaded(store.index) else None)
+        seq.holders.bind(w, w.host if seq.is_loaded(store.index) else None)
         return
     value = w.param.data.detach().to(device="cpu")
-    w.param.data = w.host  # what the slots bind next (never the user's CPU tensor besides the store)
-    seq.slots.note(w, w.held)
+    w.param.data = w.host  # what the holders bind next (never the user's CPU tensor besides the store)
+    seq.holders.note(w, w.held)
     _write(seq, pages, store, w, value, device=device, settled=False)
     if seq.is_loaded(store.index):
-        seq.slots.bind(w, seq.loads.value(w, seq.loaded[store.index]))
-    elif seq.slots.engaged:
-        seq.slots.bind(w, None)
+        seq.holders.bind(w, seq.loads.value(w, seq.loaded[store.index]))
+    elif seq.holders.engaged:
+        seq.holders.bind(w, None)

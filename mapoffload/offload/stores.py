@@ -83,7 +83,7 @@ class Weight:
 
     names: list[str]
     param: torch.nn.Parameter  # the model's own parameter object
-    slots: list[tuple[Any, str]]  # (module, attribute) pairs that hold it
+    holders: list[tuple[Any, str]]  # (module, attribute) pairs that hold it
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -94,8 +94,8 @@ class Weight:
     host_offset: int = 0  # in the layer's consolidated buffer of its dtype
     dev_offset: int = 0  # in the layer's device buffer of its dtype
     placeholder: torch.nn.Parameter | None = None
-    # What the slots were last given (the parameter or the placeholder) and the parameter's data then
-    # (``Slots.bind``): anything else found there later is the user's edit (``Slots.edits``).
+    # What the holders were last given (the parameter or the placeholder) and the parameter's data then
+    # (``Holders.bind``): anything else found there later is the user's edit (``Holders.edits``).
     held: Any = None
     bound: tuple | None = None
     version: int | None = None  # the parameter's version counter then: a write in place moves it

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Slot", "module_slots"]
+__all__ = ["Site", "module_sites"]
 
 
 @dataclass
-class Slot:
+class Site:
     """Where one state-dict name lives in the module."""
 
     owner: Any
@@ -26,21 +26,21 @@ class Slot:
     current: Any
 
 
-def module_slots(module: torch.nn.Module) -> tuple[dict[str, Slot], list[list[str]]]:
+def module_sites(module: torch.nn.Module) -> tuple[dict[str, Site], list[list[str]]]:
     """Every parameter and persistent buffer by name, and tie groups (names
     sharing one tensor object)."""
-    slots: dict[str, Slot] = {}
+    sites: dict[str, Site] = {}
     groups: dict[int, list[str]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for name, p in sub._parameters.items():
             if p is None:
                 continue
-            slots[dot + name] = Slot(sub, name, True, p)
+            sites[dot + name] = Site(sub, name, True, p)
             groups.setdefault(id(p), []).append(dot + name)
         for name, b in sub._buffers.items():
             if b is None or name in sub._non_persistent_buffers_set:
                 continue
-            slots[dot + name] = Slot(sub, name, False, b)
+            sites[dot + name] = Site(sub, name, False, b)
             groups.setdefault(id(b), []).append(dot + name)
-    return slots, list(groups.values())
+    return sites, list(groups.values())
