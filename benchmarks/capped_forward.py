@@ -22,7 +22,7 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 the files take it, else through the mapping until two warm
                 forwards read > 1.2x the plan - the JSON's read_mode says
                 which)
-  mapoffload-direct  the same with reads="uncached" (O_DIRECT from the
+  mapoffload-uncached  the same with reads="uncached" (O_DIRECT from the
                 start; issue 18's tight caps)
   plain         the plain API (issue 25): the model built on meta (empty_weights,
                 AutoModelForCausalLM.from_config), load_checkpoint(model, folder,
@@ -30,14 +30,14 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 device="cpu", prefetch_layers=1) with its default reads="auto",
                 hooks registered
   plain-mapping (not run by default) the same with reads="mapping"
-  twin-mapping, twin-direct  (not run by default) the device pipeline's CPU
+  twin-mapping, twin-uncached  (not run by default) the device pipeline's CPU
                 twin over the layers (LayerwiseOffloadManager(cpu_twin=True,
                 host_store="mapped")): each layer copied through the copier
                 into CPU buffers, as a GPU run copies it - from the mapping,
                 or read around the page cache into the reader's buffers and
                 copied from them (reads="uncached"); the weights outside
                 the layers stay in place on the mapping
-  cuda-mapping, cuda-direct  (not run by default; needs a GPU) the same load
+  cuda-mapping, cuda-uncached  (not run by default; needs a GPU) the same load
                 with device="cuda": layers streamed to the GPU through the
                 copier from the mapping, or read around the page cache into
                 page-locked reader buffers and copied from them by DMA
@@ -159,8 +159,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # cgroups.py; appended: shadows nothing
 
-CONTENDERS = ("transformers", "mapoffload", "mapoffload-direct", "mapoffload-fp8", "plain", "plain-mapping",
-              "twin-mapping", "twin-direct", "cuda-mapping", "cuda-direct", "cuda-fp8")
+CONTENDERS = ("transformers", "mapoffload", "mapoffload-uncached", "mapoffload-fp8", "plain", "plain-mapping",
+              "twin-mapping", "twin-uncached", "cuda-mapping", "cuda-uncached", "cuda-fp8")
 FP8_PAIRS = (("mapoffload-fp8", "mapoffload"), ("cuda-fp8", "cuda-mapping"))  # --fp8: (fp8, its bf16 twin)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 MIB = 1 << 20
@@ -314,7 +314,7 @@ def child(args: argparse.Namespace) -> None:
     if args.contender == "transformers":  # on an fp8 folder: transformers' dequantizing load
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
-    elif args.contender == "mapoffload-direct":  # streamed layers read around the page cache from the start
+    elif args.contender == "mapoffload-uncached":  # streamed layers read around the page cache from the start
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="uncached")
     elif args.contender.startswith("twin-"):  # the device pipeline, its CPU twin, over the layers
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="mapping")
@@ -645,7 +645,7 @@ def main(argv=None) -> int:
     if not args.fp8:
         chosen = [c for c in chosen if c not in ("mapoffload-fp8", "cuda-fp8")]
     else:
-        chosen = [c for c in chosen if c not in ("mapoffload-direct", "cuda-direct") and not c.startswith("twin-")]
+        chosen = [c for c in chosen if c not in ("mapoffload-uncached", "cuda-uncached") and not c.startswith("twin-")]
     plan = [(c, k) for k in caps for c in CONTENDERS if c in chosen]
     if ("transformers", "none") not in plan:
         plan.insert(0, ("transformers", "none"))

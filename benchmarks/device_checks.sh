@@ -74,7 +74,7 @@ for s in "${STEPS[@]}"; do
     prefetch) step prefetch 45 $PY "$REPO/benchmarks/prefetch_bw.py" --device cuda ;;
     offload) step offload 60 $PY "$REPO/benchmarks/offload_step.py" --device cuda ;;
     capped) step capped 200 $PY "$REPO/benchmarks/capped_forward.py" --dir "$BENCH_DIR" --caps 50,6 --forwards 3 \
-        --contenders cuda-mapping,cuda-direct --timeout 90 ;;
+        --contenders cuda-mapping,cuda-uncached --timeout 90 ;;
     fp8) step fp8 200 $PY "$REPO/benchmarks/capped_forward.py" --dir "$BENCH_DIR" --fp8 --caps none,50 \
         --contenders cuda-mapping,cuda-fp8 --timeout 120 ;;
     racecheck) step racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 3 \

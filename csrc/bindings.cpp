@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "direct_read.hpp"
+#include "uncached_read.hpp"
 #include "fp8.hpp"
 #include "fp8_lookup.hpp"
 #include "maps.hpp"
@@ -126,22 +126,22 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("page_size", [] { return page_size(); });
 
-  // Reading around the page cache (csrc/direct_read.hpp).
-  m.attr("DIRECT_ALIGN") = kDirectAlign;
-  m.def("direct_span", &direct_span, py::arg("offset"), py::arg("length"),
-        "Bytes read_ranges writes at a range's destination: the DIRECT_ALIGN-aligned superset of "
-        "[offset, offset + length); the byte at `offset` lands at dst + offset % DIRECT_ALIGN.");
-  m.def("open_for_reading", [](int fd, bool direct) {
+  // Reading around the page cache (csrc/uncached_read.hpp).
+  m.attr("O_DIRECT_ALIGN") = kODirectAlign;
+  m.def("uncached_span", &uncached_span, py::arg("offset"), py::arg("length"),
+        "Bytes read_ranges writes at a range's destination: the O_DIRECT_ALIGN-aligned superset of "
+        "[offset, offset + length); the byte at `offset` lands at dst + offset % O_DIRECT_ALIGN.");
+  m.def("open_for_reading", [](int fd, bool uncached) {
     ReadFile f;
     {
       py::gil_scoped_release nogil;
-      f = open_for_reading(fd, direct);
+      f = open_for_reading(fd, uncached);
     }
     return py::make_tuple(f.fd, read_path_name(f.path), f.why);
-  }, py::arg("fd"), py::arg("direct") = true,
-     "(new fd, 'direct' | 'buffered', why) : the inode behind fd reopened through /proc/self/fd (it "
+  }, py::arg("fd"), py::arg("uncached") = true,
+     "(new fd, 'uncached' | 'buffered', why) : the inode behind fd reopened through /proc/self/fd (it "
      "follows the open file, not its path), with O_DIRECT where the filesystem takes it. The caller closes "
-     "the new fd. tmpfs/ramfs are read buffered on purpose; why says why a file is buffered ('' if direct).");
+     "the new fd. tmpfs/ramfs are read buffered on purpose; why says why a file is buffered ('' if uncached).");
   m.def("read_ranges", [](const py::object& fds, const py::object& offsets, const py::object& lengths,
                           const py::object& dsts, uint64_t io_bytes, unsigned threads, const py::object& paths) {
     std::vector<ReadRange> ranges = make_ranges(fds, offsets, lengths, dsts);
@@ -158,11 +158,11 @@ PYBIND11_MODULE(_core, m) {
     return out;
   }, py::arg("fds"), py::arg("offsets"), py::arg("lengths"), py::arg("dsts"), py::kw_only(),
      py::arg("io_bytes") = uint64_t{4} << 20, py::arg("threads") = 2u, py::arg("paths") = py::none(),
-     "Read file bytes [offset, offset + length) of each fd to dsts[i] + offset % DIRECT_ALIGN (dsts "
-     "DIRECT_ALIGN-aligned, direct_span bytes each, not overlapping), with the GIL released, in I/Os of "
+     "Read file bytes [offset, offset + length) of each fd to dsts[i] + offset % O_DIRECT_ALIGN (dsts "
+     "O_DIRECT_ALIGN-aligned, uncached_span bytes each, not overlapping), with the GIL released, in I/Os of "
      "io_bytes on `threads` threads. O_DIRECT fds (open_for_reading) read around the page cache; others, and "
      "O_DIRECT fds the filesystem refuses (they lose O_DIRECT), read with pread, then POSIX_FADV_DONTNEED. "
-     "Returns ('direct' | 'buffered', bytes transferred) per range. A file that ends before its range raises "
+     "Returns ('uncached' | 'buffered', bytes transferred) per range. A file that ends before its range raises "
      "MappingFaultError naming it; other I/O errors OSError.");
   // Fused FP8 dequantization (csrc/fp8.hpp).
   m.def("dequantize_fp8", [](uint64_t codes, uint64_t scale, uint64_t out, uint64_t lead, uint64_t rows,
@@ -193,7 +193,7 @@ PYBIND11_MODULE(_core, m) {
      "runs the portable loop where the CPU has a SIMD one (fp8_simd()); the bits are the same.");
   m.def("fp8_simd", &fp8_lookup_isa,
         "The SIMD table lookup dequantize_fp8 uses on this CPU: 'avx512vbmi', or '' (the portable loop).");
-  m.def("_inject_direct_errors", &inject_direct_errors, py::arg("open_errno") = 0, py::arg("pread_errno") = 0,
+  m.def("_inject_uncached_errors", &inject_uncached_errors, py::arg("open_errno") = 0, py::arg("pread_errno") = 0,
         "Tests: make the O_DIRECT open / O_DIRECT preads fail with these errnos until called with zeros.");
   bind_copier(m);
 

@@ -89,16 +89,16 @@ void wait_interruptibly(CopyJob& j) {
 }
 
 std::vector<CopySpan> make_copy_spans(const py::object& dst, const py::object& src, const py::object& sizes,
-                                      const py::object& direct) {
+                                      const py::object& unstaged) {
   std::vector<uint64_t> d = to_u64_vector(dst, "dst"), s = to_u64_vector(src, "src"), n = to_u64_vector(sizes, "sizes");
   if (d.size() != s.size() || d.size() != n.size())
     throw py::value_error("dst, src and sizes differ in length: " + std::to_string(d.size()) + ", " +
                           std::to_string(s.size()) + ", " + std::to_string(n.size()));
   std::vector<bool> dir;
-  if (!direct.is_none()) {
-    dir = direct.cast<std::vector<bool>>();
+  if (!unstaged.is_none()) {
+    dir = unstaged.cast<std::vector<bool>>();
     if (dir.size() != d.size())
-      throw py::value_error("direct has " + std::to_string(dir.size()) + " flags for " + std::to_string(d.size()) +
+      throw py::value_error("unstaged has " + std::to_string(dir.size()) + " flags for " + std::to_string(d.size()) +
                             " spans");
   }
   std::vector<CopySpan> out(d.size());
@@ -215,7 +215,7 @@ void bind_copier(py::module_& m) {
       .def_readonly("read_ns", &CopyStats::read_ns)
       .def_readonly("submit_ns", &CopyStats::submit_ns)
       .def_readonly("slot_wait_ns", &CopyStats::slot_wait_ns)
-      .def_readonly("direct_bytes", &CopyStats::direct_bytes);
+      .def_readonly("unstaged_bytes", &CopyStats::unstaged_bytes);
 
   py::class_<PyCopier>(m, "Copier")
       .def(py::init([](int device, const std::string& mode, size_t threads, size_t slot_bytes, size_t slots,
@@ -235,12 +235,12 @@ void bind_copier(py::module_& m) {
            py::arg("device"), py::arg("mode"), py::arg("threads"), py::arg("slot_bytes"), py::arg("slots"),
            py::arg("readahead_units") = 0)
       .def("submit", [](PyCopier& c, const py::object& dst, const py::object& src, const py::object& sizes,
-                        uint64_t stream, py::object keepalive, const py::object& direct,
+                        uint64_t stream, py::object keepalive, const py::object& unstaged,
                         std::optional<uint64_t> wait_for) {
-             return c.submit(make_copy_spans(dst, src, sizes, direct), stream, wait_for, std::move(keepalive));
+             return c.submit(make_copy_spans(dst, src, sizes, unstaged), stream, wait_for, std::move(keepalive));
            },
            py::arg("dst"), py::arg("src"), py::arg("sizes"), py::arg("stream") = 0, py::kw_only(),
-           py::arg("keepalive") = py::none(), py::arg("direct") = py::none(), py::arg("wait_for") = py::none(),
+           py::arg("keepalive") = py::none(), py::arg("unstaged") = py::none(), py::arg("wait_for") = py::none(),
            "Queue (dst, src, nbytes) spans; keepalive is held until the job is finished. wait_for: a stream "
            "(0 included: the legacy default stream) whose queued work goes first; None: none.")
       .def("advise", [](PyCopier& c, const py::object& src, const py::object& sizes) {

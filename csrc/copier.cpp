@@ -581,7 +581,7 @@ void Copier::run_direct(Unit& u) {
     for (const Piece& p : u.pieces) copy_in(p, reinterpret_cast<char*>(p.dst));
     read_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   }
-  direct_bytes_.fetch_add(u.bytes, std::memory_order_relaxed);
+  unstaged_bytes_.fetch_add(u.bytes, std::memory_order_relaxed);
 }
 
 CopyStats Copier::stats() const {
@@ -593,7 +593,7 @@ CopyStats Copier::stats() const {
   s.read_ns = read_ns_.load();
   s.submit_ns = submit_ns_.load();
   s.slot_wait_ns = slot_wait_ns_.load();
-  s.direct_bytes = direct_bytes_.load();
+  s.unstaged_bytes = unstaged_bytes_.load();
   return s;
 }
 

@@ -73,7 +73,7 @@ struct CopyStats {
   uint64_t read_ns = 0;       // memcpy source -> slot (staged) or source -> destination (CPU direct)
   uint64_t submit_ns = 0;     // enqueueing H2D copies, or memcpy slot -> destination on CPU
   uint64_t slot_wait_ns = 0;  // waiting for a free slot and its event
-  uint64_t direct_bytes = 0;  // bytes copied without staging
+  uint64_t unstaged_bytes = 0;  // bytes copied without staging
 };
 
 // Throws std::invalid_argument naming the first pair at fault: a null
@@ -183,7 +183,7 @@ class Copier {
   // Held between fork_prepare and fork_parent/fork_child.
   std::vector<std::shared_ptr<CopyJob>> fork_jobs_;
 
-  std::atomic<uint64_t> jobs_{0}, units_{0}, bytes_{0}, faults_{0}, direct_bytes_{0};
+  std::atomic<uint64_t> jobs_{0}, units_{0}, bytes_{0}, faults_{0}, unstaged_bytes_{0};
   std::atomic<uint64_t> read_ns_{0}, submit_ns_{0}, slot_wait_ns_{0};
 };
 

@@ -103,7 +103,7 @@ class Accessor {
 
   // True when reading it calls torch's C function directly (no Python code
   // of the type's own).
-  bool direct() const { return kind_ != Kind::none && kind_ != Kind::generic_call && kind_ != Kind::generic_get; }
+  bool native() const { return kind_ != Kind::none && kind_ != Kind::generic_call && kind_ != Kind::generic_get; }
 
   // New reference to t.name() or t.name; nullptr with an error set.
   PyObject* operator()(PyObject* obj) const {
@@ -171,7 +171,7 @@ class Accessor {
 struct TypeAccess {
   PyTypeObject* type = nullptr;  // owned
   Accessor is_cpu, nbytes, data_ptr, is_contiguous, shape, stride, itemsize;
-  bool direct = false;  // every accessor is a C function of torch's
+  bool native = false;  // every accessor is a C function of torch's
 
   TypeAccess() = default;
   TypeAccess(const TypeAccess&) = delete;
@@ -179,7 +179,7 @@ struct TypeAccess {
   ~TypeAccess() { reset(); }
   void reset() {
     for (Accessor* a : {&is_cpu, &nbytes, &data_ptr, &is_contiguous, &shape, &stride, &itemsize}) a->reset();
-    direct = false;
+    native = false;
     PyObject* t = reinterpret_cast<PyObject*>(type);
     type = nullptr;
     Py_XDECREF(t);
@@ -204,8 +204,8 @@ struct TypeAccess {
       }
       s.a->bind(attr, t, s.method);
     }
-    direct = true;
-    for (const Slot& s : slots) direct = direct && s.a->direct();
+    native = true;
+    for (const Slot& s : slots) native = native && s.a->native();
     Py_INCREF(tp);
     type = t;
     return true;
@@ -541,7 +541,7 @@ bool extract_tensor_spans(PyObject* seq, PyObject* tensor_type, bool check_devic
       break;
     }
     const TypeAccess* a = cache.find(Py_TYPE(t));
-    if (items.in_place() && !(a && a->direct && in_place.has(Py_TYPE(t)))) {
+    if (items.in_place() && !(a && a->native && in_place.has(Py_TYPE(t)))) {
       // This item may run Python code: hold the rest of the list as it is now.
       if (!items.pin(i)) {
         ok = false;

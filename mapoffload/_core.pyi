@@ -12,10 +12,10 @@ class MappingFaultError(OSError): ...
 
 def page_size() -> int: ...
 
-DIRECT_ALIGN: int
+O_DIRECT_ALIGN: int
 
-def direct_span(offset: int, length: int) -> int: ...
-def open_for_reading(fd: int, direct: bool = True) -> tuple[int, str, str]: ...
+def uncached_span(offset: int, length: int) -> int: ...
+def open_for_reading(fd: int, uncached: bool = True) -> tuple[int, str, str]: ...
 def read_ranges(
     fds: _U64s,
     offsets: _U64s,
@@ -26,7 +26,7 @@ def read_ranges(
     threads: int = 2,
     paths: Sequence[_Path] | None = None,
 ) -> list[tuple[str, int]]: ...
-def _inject_direct_errors(open_errno: int = 0, pread_errno: int = 0) -> None: ...
+def _inject_uncached_errors(open_errno: int = 0, pread_errno: int = 0) -> None: ...
 def dequantize_fp8(
     codes: int,
     scale: int,
@@ -148,7 +148,7 @@ class CopyStats:
     read_ns: int
     submit_ns: int
     slot_wait_ns: int
-    direct_bytes: int
+    unstaged_bytes: int
 
 class Copier:
     def __init__(
@@ -162,7 +162,7 @@ class Copier:
         stream: int = 0,
         *,
         keepalive: object = None,
-        direct: Sequence[bool] | None = None,
+        unstaged: Sequence[bool] | None = None,
         wait_for: int | None = None,
     ) -> CopyJob: ...
     def advise(self, src: _U64s, sizes: _U64s) -> None: ...

@@ -328,7 +328,7 @@ class Copier:
             or a source (the pair is named).
         """
         job = self._native.submit(
-            dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, direct=unstaged,
+            dst, src, sizes, self._stream_handle(stream), keepalive=keepalive, unstaged=unstaged,
             # None: no wait. A handle of 0 is torch's default stream (the
             # legacy default stream), which a side stream does not wait for
             # by itself: torch makes its streams non-blocking.
@@ -388,7 +388,7 @@ class Copier:
         s = self._native.stats()
         return CopyStats(
             s.jobs, s.units, s.bytes, s.faults, s.read_ns / 1e9, s.submit_ns / 1e9, s.slot_wait_ns / 1e9,
-            s.direct_bytes,
+            s.unstaged_bytes,
         )
 
     @property

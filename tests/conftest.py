@@ -139,4 +139,4 @@ def ckpt(tmp_path_factory):
 
     torch.manual_seed(0)
     ref = Stack()
-    return save_reference(ref, torch.randn(3, IN), tmp_path_factory.mktemp("direct") / "stack.safetensors")
+    return save_reference(ref, torch.randn(3, IN), tmp_path_factory.mktemp("stack") / "stack.safetensors")

@@ -124,8 +124,8 @@ def scenario_contention(mode: str, sources: str) -> None:
     stream = fake.stream_create()
     c = _copier(mode)
     a, b = _Layout(fake, sizes, 1, pinned), _Layout(fake, sizes[::-1], 2, pinned[::-1])
-    direct = sources != "pageable"
-    jobs = [c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep, direct=x.pinned if direct else None)
+    unstaged = sources != "pageable"
+    jobs = [c.submit(x.dst, x.src, x.sizes, stream, keepalive=x.keep, unstaged=x.pinned if unstaged else None)
             for x in (a, b)]
     for j, x in zip(jobs, (a, b)):
         j.wait()
@@ -133,7 +133,7 @@ def scenario_contention(mode: str, sources: str) -> None:
         assert x.landed() == x.expected(), "bytes wrong at the destination (slot reused before its copy finished?)"
     assert c.stats().bytes == 2 * sum(sizes)
     if mode == "staged":
-        # The engine read only pinned memory: slots, and the pinned spans sent direct.
+        # The engine read only pinned memory: slots, and the pinned spans sent unstaged.
         assert fake.stat("pageable_snapshots") == 0
     c.close()
     a.free()

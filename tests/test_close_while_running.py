@@ -29,7 +29,7 @@ def reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["close", "remove_forward_hooks"])
-@pytest.mark.parametrize("twin", [True, False], ids=["twin", "direct"])
+@pytest.mark.parametrize("twin", [True, False], ids=["twin", "in-place"])
 def test_model_is_whole_after_close_from_another_thread(reference, twin, how):
     ref, want = reference
     for trial in range(TRIALS):
@@ -76,7 +76,7 @@ def test_model_is_whole_after_close_from_another_thread(reference, twin, how):
 
 
 @pytest.mark.parametrize("how", ["close", "remove_forward_hooks"])
-@pytest.mark.parametrize("twin", [True, False], ids=["twin", "direct"])
+@pytest.mark.parametrize("twin", [True, False], ids=["twin", "in-place"])
 def test_a_forward_past_a_layers_hook_lookup_when_the_hooks_go_runs_them_as_no_ops(reference, twin, how):
     """The point the loop above does not reach by chance: torch has taken a layer's hooks
     (its pre-hook list is read once per call), the manager's have not run yet, and the

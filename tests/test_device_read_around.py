@@ -66,7 +66,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 assert reader.stats()["allocations"] == allocations and reader.held_bytes == held
                 assert reader.leased == 0 and loads.source.outstanding == 0
                 # Every streamed layer was read around the cache, once per forward, and copied
-                # from its buffer without staging (the twin's "direct" copy: a plain memcpy).
+                # from its buffer without staging (the twin's unstaged copy: a plain memcpy).
                 assert reader.stats()["reads"] == 4 * len(plan.streamed)
                 assert mgr.copier.stats().unstaged_bytes - direct0 == 3 * plan.streamed_bytes
         if mode == "uncached":
@@ -269,7 +269,7 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     assert mgr.device_bytes == 0  # close() frees the pool
 
 
-def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_runs_direct(ckpt):
+def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_reads_around(ckpt):
     """Weights are device buffers either way: a layer under autograd keeps the read-around path, and recording a
     graph through the recycled device buffers is refused as on the mapping path."""
     path, x, want = ckpt

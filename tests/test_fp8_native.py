@@ -114,13 +114,13 @@ def all_codes(fmt, rows: int, cols: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
-@pytest.mark.parametrize("path", [pytest.param("simd", marks=needs_vbmi), "table", "direct"])
+@pytest.mark.parametrize("path", [pytest.param("simd", marks=needs_vbmi), "table", "per-element"])
 def test_every_code_times_hundreds_of_scales_is_torch_bit_for_bit(fmt, dtype, path):
     """One scale a row. 'table': rows of 4096 + 100 codes share a scale (a table
-    of finished outputs per scale, the ragged 100 a SIMD tail); 'direct': rows
+    of finished outputs per scale, the ragged 100 a SIMD tail); 'per-element': rows
     of 256 (too few to pay for a table: multiplied and rounded per element)."""
     assert len(SCALES) >= 300
-    cols = 256 if path == "direct" else 4196
+    cols = 256 if path == "per-element" else 4196
     codes = all_codes(fmt, len(SCALES), cols)
     scale = torch.tensor(SCALES, dtype=torch.float32)[:, None]
     want = reference(codes, scale, dtype)

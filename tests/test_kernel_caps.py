@@ -417,7 +417,7 @@ def test_without_pageout_a_let_go_is_fadvise_only(layer_file, spy):
 # -- the manager ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 def test_the_manager_reads_ahead_by_capability(ckpt, twin):
     path, x, want = ckpt
     reads = {}

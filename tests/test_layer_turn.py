@@ -47,7 +47,7 @@ def forward(model):
         return model(IDS)
 
 
-@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 @pytest.mark.parametrize("where", ["forward", "pre_hook"])
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, GeneratorExit])
 def test_a_base_exception_inside_a_layer_leaves_the_turn_free(exc, where, twin):

@@ -26,7 +26,7 @@ def ckpt(tmp_path):
     return path, x, want
 
 
-@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 def test_a_checkpoint_renamed_over_leaves_the_mapped_one_in_use(ckpt, twin):
     path, x, want = ckpt
     model = mapped(path)

@@ -241,8 +241,8 @@ def test_host_store_choice_follows_the_budget(ckpt, reference, monkeypatch):
     m = LayerwiseOffloadManager(anon, "blocks", device="cpu", cpu_twin=True, host_store="mapped")
     assert m.mapped_bytes == 0 and m.pageable_bytes == weights  # nothing on a mapping to keep
     # On the CPU itself a copy buys nothing: weights stay where they are, however rich the host.
-    direct = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", available_bytes=64 * GIB)
-    assert direct.mapped_bytes == weights and direct.pageable_bytes == 0 and direct.copier is None
+    in_place = LayerwiseOffloadManager(mapped_model(ckpt), "blocks", device="cpu", available_bytes=64 * GIB)
+    assert in_place.mapped_bytes == weights and in_place.pageable_bytes == 0 and in_place.copier is None
     anon2 = TinyModel(width=32, layers=5)
     anon2.load_state_dict(reference.state_dict())
     ptrs = {p.data_ptr() for p in anon2.blocks.parameters()}

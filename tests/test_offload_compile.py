@@ -25,7 +25,7 @@ BACKENDS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_offloaded_model_is_exact(backend, twin):
     torch._dynamo.reset()
@@ -42,7 +42,7 @@ def test_compiled_offloaded_model_is_exact(backend, twin):
     same = torch.equal if backend != "inductor" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
     with torch.no_grad():
         for _ in range(3):
-            # Before: inductor computed wrong values silently (direct), the others failed inside Dynamo.
+            # Before: inductor computed wrong values silently (in place), the others failed inside Dynamo.
             assert same(compiled(IDS), want)
     assert not any(mgr.is_loaded(i) for i in range(3))  # the hooks ran: every layer released
     mgr.close()

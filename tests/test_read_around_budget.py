@@ -79,7 +79,7 @@ def forward(model, x, want) -> None:
         assert torch.equal(model(x), want)
 
 
-def takes_direct(mgr) -> None:
+def takes_uncached(mgr) -> None:
     capable, why = mgr.reads.probe_uncached()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
@@ -111,7 +111,7 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
     cap(85, in_use=17 * MIB)
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
-        takes_direct(mgr)
+        takes_uncached(mgr)
         coord = coordinator_module.coordinator()
         assert coord.always_streamed and mgr.residency.always_streamed
         assert coord.room == 1376 * KIB and coord.room < 2 * MIB
@@ -131,7 +131,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
     cap(100)
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
-        takes_direct(mgr)
+        takes_uncached(mgr)
         coord = coordinator_module.coordinator()
         assert coord.room == 23424 * KIB - HEAD_BYTES
         assert mgr.residency.cached == (0, 1, 2, 3, 4) and mgr.residency.depth == 1

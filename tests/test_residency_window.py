@@ -41,7 +41,7 @@ def managed_resident(hosts: dict[str, torch.Tensor]) -> list[int]:
     return [sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]])) for i in range(LAYERS)]
 
 
-@pytest.mark.parametrize("twin", [False, True], ids=["direct", "twin"])
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_resident_layers_stay_within_the_budget_at_every_layer_of_every_forward(ckpt, depth, twin):
     path, x, want = ckpt

@@ -52,7 +52,7 @@ def run_victim(tmp_path, twin: bool):
     assert "refused: True True" in proc.stdout and "recovered: True" in proc.stdout, describe(proc)
 
 
-def test_truncated_under_the_rest_is_an_exception_direct(tmp_path):
+def test_truncated_under_the_rest_is_an_exception_in_place(tmp_path):
     run_victim(tmp_path, twin=False)
 
 

@@ -158,7 +158,7 @@ def test_a_cached_set_not_yet_read_is_not_a_loss(ckpt, fake_cgroup):
 # --- what the check sees (review) -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", [{}, {"cpu_twin": True, "host_store": "mapped"}, {"reads": "uncached"}], ids=["in-place", "twin", "direct"])
+@pytest.mark.parametrize("how", [{}, {"cpu_twin": True, "host_store": "mapped"}, {"reads": "uncached"}], ids=["in-place", "twin", "uncached"])
 def test_a_cached_layer_taken_before_it_runs_is_seen(ckpt, fake_cgroup, how):
     """The kernel's LRU takes the cached layers used longest ago: mid-forward, those still to run
     (used in the last forward). They fault back in before the forward ends, so a check at the

@@ -1,9 +1,9 @@
-"""Reading file bytes around the page cache (csrc/direct_read.*, mapoffload/pagecache/uncached_read.py).
+"""Reading file bytes around the page cache (csrc/uncached_read.*, mapoffload/pagecache/uncached_read.py).
 
 The bytes are the file's for every alignment and size, on both paths; a
 truncated file is a MappingFaultError naming it; filesystems without O_DIRECT
 (tmpfs on purpose, ramfs, an injected refusal) read buffered and say so; the
-direct path leaves the page cache empty; buffers are reused and bounded; the
+``O_DIRECT`` path leaves the page cache empty; buffers are reused and bounded; the
 inode read is the one held, whatever its path names since.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mapoffload import MappingFaultError, drop_page_cache
-from mapoffload._core import DIRECT_ALIGN, direct_span, file_resident_bytes, open_for_reading, read_ranges
+from mapoffload._core import O_DIRECT_ALIGN, uncached_span, file_resident_bytes, open_for_reading, read_ranges
 from mapoffload.pagecache.uncached_read import UncachedReader
 from mapoffload._native import _core
 
@@ -45,46 +45,46 @@ def disk_file(tmp_path):
 @pytest.fixture(autouse=True)
 def _no_injection():
     yield
-    _core._inject_direct_errors(0, 0)
+    _core._inject_uncached_errors(0, 0)
 
 
 def _aligned(nbytes: int) -> tuple[torch.Tensor, int]:
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    return raw, raw.data_ptr() + (-raw.data_ptr() % DIRECT_ALIGN)
+    raw = torch.empty(nbytes + O_DIRECT_ALIGN, dtype=torch.uint8)
+    return raw, raw.data_ptr() + (-raw.data_ptr() % O_DIRECT_ALIGN)
 
 
-def _is_direct(path) -> bool:
+def _is_uncached(path) -> bool:
     with UncachedReader() as r:
-        return r.open(path).method == "direct"
+        return r.open(path).method == "uncached"
 
 
 RANGES = {
-    "aligned": (DIRECT_ALIGN, 2 * MIB),
+    "aligned": (O_DIRECT_ALIGN, 2 * MIB),
     "unaligned": (4095, 3 * MIB + 7),
     "tiny": (123_457, 1),
-    "one-block-straddle": (DIRECT_ALIGN - 2, 4),
+    "one-block-straddle": (O_DIRECT_ALIGN - 2, 4),
     "multi-mib": (1, 9 * MIB),
     "to-eof-unaligned": (5 * MIB + 3, 4 * MIB + 12345 - 3),
     "empty": (77, 0),
 }
 
 
-@pytest.mark.parametrize("io_bytes", [DIRECT_ALIGN, MIB, 8 * MIB])
+@pytest.mark.parametrize("io_bytes", [O_DIRECT_ALIGN, MIB, 8 * MIB])
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_native_ranges_land_at_dst_plus_offset_residue(disk_file, io_bytes, threads, direct):
+@pytest.mark.parametrize("uncached", [True, False], ids=["uncached", "buffered"])
+def test_native_ranges_land_at_dst_plus_offset_residue(disk_file, io_bytes, threads, uncached):
     path, data = disk_file
     fd0 = os.open(path, os.O_RDONLY)
-    fd, how, why = open_for_reading(fd0, direct)
+    fd, how, why = open_for_reading(fd0, uncached)
     try:
-        if not direct:
+        if not uncached:
             assert (how, why) == ("buffered", "O_DIRECT not asked")
         elif "tmpfs" in why:  # where the file's pages are its storage, O_DIRECT is not used
             assert how == "buffered"
         else:
-            assert (how, why) == ("direct", "")
+            assert (how, why) == ("uncached", "")
         offsets, lengths = [r[0] for r in RANGES.values()], [r[1] for r in RANGES.values()]
-        spans = [direct_span(o, n) for o, n in zip(offsets, lengths)]
+        spans = [uncached_span(o, n) for o, n in zip(offsets, lengths)]
         raw, base = _aligned(sum(spans))
         dsts, slot = [], 0
         for s in spans:
@@ -93,13 +93,13 @@ def test_native_ranges_land_at_dst_plus_offset_residue(disk_file, io_bytes, thre
         res = read_ranges([fd] * len(offsets), offsets, lengths, dsts, io_bytes=io_bytes, threads=threads)
         lead = base - raw.data_ptr()
         for (name, (o, n)), d, (method, nread) in zip(RANGES.items(), dsts, res):
-            at = d - raw.data_ptr() + o % DIRECT_ALIGN
+            at = d - raw.data_ptr() + o % O_DIRECT_ALIGN
             assert bytes(raw[at:at + n].numpy()) == data[o:o + n], name
             assert method == how
             assert nread >= n
-            if method == "direct" and n:
-                assert nread == min(direct_span(o, n), len(data) - (o - o % DIRECT_ALIGN)), name
-        assert lead < DIRECT_ALIGN
+            if method == "uncached" and n:
+                assert nread == min(uncached_span(o, n), len(data) - (o - o % O_DIRECT_ALIGN)), name
+        assert lead < O_DIRECT_ALIGN
     finally:
         os.close(fd)
         os.close(fd0)
@@ -109,7 +109,7 @@ def test_native_rejects_bad_input(disk_file):
     path, _ = disk_file
     fd0 = os.open(path, os.O_RDONLY)
     fd, _, _ = open_for_reading(fd0)
-    raw, base = _aligned(4 * DIRECT_ALIGN)
+    raw, base = _aligned(4 * O_DIRECT_ALIGN)
     try:
         with pytest.raises(ValueError, match="aligned"):
             read_ranges([fd], [0], [10], [base + 8])
@@ -140,8 +140,8 @@ def test_reader_bytes_equal_the_file(disk_file, name):
     first, n = RANGES[name]
     with UncachedReader(io_bytes=MIB) as r:
         with r.read(path, first, first + n) as buf:
-            assert buf.data.data_ptr() % DIRECT_ALIGN == 0
-            assert (buf.data.data_ptr() + buf.offset) % DIRECT_ALIGN == first % DIRECT_ALIGN
+            assert buf.data.data_ptr() % O_DIRECT_ALIGN == 0
+            assert (buf.data.data_ptr() + buf.offset) % O_DIRECT_ALIGN == first % O_DIRECT_ALIGN
             assert bytes(buf.tensor().numpy()) == data[first:first + n]
             assert buf.methods == [r.open(path).method]
 
@@ -166,16 +166,16 @@ def test_extents_of_two_files_share_one_buffer(tmp_path, disk_file):
         with r.read_extents([(path, 9 * MIB, len(data)), (other, 0, 2 * MIB + 1)]) as buf:
             assert bytes(buf.tensor(0).numpy()) == data[9 * MIB:]
             assert bytes(buf.tensor(1).numpy()) == data2[:2 * MIB + 1]
-            assert buf.offsets[1] % DIRECT_ALIGN == 0
+            assert buf.offsets[1] % O_DIRECT_ALIGN == 0
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_a_truncated_file_raises_naming_path_and_offset(tmp_path, direct):
+@pytest.mark.parametrize("uncached", [True, False], ids=["uncached", "buffered"])
+def test_a_truncated_file_raises_naming_path_and_offset(tmp_path, uncached):
     path = tmp_path / "short.bin"
     _write(path, 2 * MIB)
     fd = os.open(path, os.O_RDONLY)
     try:
-        with UncachedReader(o_direct=direct) as r:
+        with UncachedReader(o_direct=uncached) as r:
             f = r.open(fd)
             os.truncate(path, MIB + 100)  # under the held descriptor
             with pytest.raises(MappingFaultError) as e:
@@ -194,7 +194,7 @@ def test_a_truncated_file_raises_naming_path_and_offset(tmp_path, direct):
 def test_tmpfs_reads_buffered_and_says_so():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
-    path = f"/dev/shm/mapoffload-direct-{os.getpid()}"
+    path = f"/dev/shm/mapoffload-uncached-{os.getpid()}"
     try:
         data = _write(path, 3 * MIB + 11)
         with UncachedReader() as r:
@@ -237,7 +237,7 @@ def test_ramfs_refuses_o_direct_and_reads_buffered(tmp_path):
 
 def test_an_open_refusing_o_direct_reads_buffered(disk_file):
     path, data = disk_file
-    _core._inject_direct_errors(errno.EINVAL, 0)
+    _core._inject_uncached_errors(errno.EINVAL, 0)
     with UncachedReader() as r:
         f = r.open(path)
         assert f.method == "buffered" and "refuses O_DIRECT" in f.why
@@ -256,16 +256,16 @@ def test_a_pread_refusing_o_direct_falls_back_and_stays_buffered(disk_file):
     path, data = disk_file
     with UncachedReader(threads=2, io_bytes=MIB) as r:
         f = r.open(path)
-        if f.method != "direct":
+        if f.method != "uncached":
             pytest.skip(f"no O_DIRECT here: {f.why}")
         assert fcntl_flags(f.fd) & os.O_DIRECT
-        _core._inject_direct_errors(0, errno.EINVAL)
+        _core._inject_uncached_errors(0, errno.EINVAL)
         with r.read(f, 3, 5 * MIB) as buf:
             assert buf.methods == ["buffered"]
             assert bytes(buf.tensor().numpy()) == data[3:5 * MIB]
         assert f.method == "buffered" and "refused" in f.why
         assert not (fcntl_flags(f.fd) & os.O_DIRECT)  # the reader's own descriptor; later reads go buffered at once
-        _core._inject_direct_errors(0, 0)
+        _core._inject_uncached_errors(0, 0)
         with r.read(f, 0, MIB) as buf:
             assert buf.methods == ["buffered"] and bytes(buf.tensor().numpy()) == data[:MIB]
 
@@ -274,22 +274,22 @@ def _cached(path) -> int:
     return file_resident_bytes(str(path))[0]
 
 
-def test_the_direct_path_leaves_the_page_cache_empty(disk_file):
+def test_the_o_direct_path_leaves_the_page_cache_empty(disk_file):
     path, data = disk_file
-    if not _is_direct(path):
+    if not _is_uncached(path):
         pytest.skip("the temporary folder has no O_DIRECT (tmpfs?)")
     drop_page_cache(path)
     if _cached(path) > 0:
         pytest.skip("the file's pages cannot be dropped here")
     with UncachedReader() as r, r.read(path, 1, len(data)) as buf:
-        assert buf.method == "direct"
+        assert buf.method == "uncached"
         assert bytes(buf.tensor()[:MIB].numpy()) == data[1:MIB + 1]
     assert _cached(path) == 0
 
 
 def test_the_buffered_path_drops_what_it_read(disk_file):
     path, data = disk_file
-    if not _is_direct(path):
+    if not _is_uncached(path):
         pytest.skip("the temporary folder is tmpfs: its pages are the file")
     drop_page_cache(path)
     if _cached(path) > 0:
@@ -500,7 +500,7 @@ def test_reads_release_the_gil(disk_file):
     t = threading.Thread(target=tick)
     t.start()
     try:
-        with UncachedReader(threads=1, io_bytes=DIRECT_ALIGN) as r:  # many small I/Os: a long call
+        with UncachedReader(threads=1, io_bytes=O_DIRECT_ALIGN) as r:  # many small I/Os: a long call
             ran = False
             for _ in range(5):
                 before = len(ticks)

@@ -42,7 +42,7 @@ for n in sizes:
 stream = fake.stream_create()
 c = _core.Copier(device=0, mode="staged", threads=3, slot_bytes=4096, slots=2)
 job = c.submit([dev + o for o in offsets], [t.data_ptr() for t in tensors], sizes, stream, keepalive=tensors,
-               direct=None)
+               unstaged=None)
 job.wait()
 landed = ctypes.string_at(dev, total)
 expected = b"".join(bytes(t.reshape(-1).view(__import__("torch").uint8).numpy()) for t in tensors)

@@ -252,7 +252,7 @@ class DeviceCopies(Target):
 
         Runs on the reader's worker thread when the read completed.
         """
-        spans: list[list] = []  # [dst, src, nbytes, direct]
+        spans: list[list] = []  # [dst, src, nbytes, unstaged]
         base = buf.data.data_ptr()
         from_buffer = buf.pinned or not self._cuda  # DMA from pinned memory; on the CPU twin a plain memcpy
         for w, k, offset in where:

@@ -146,7 +146,7 @@ class ReadPolicy:
             except OSError as e:
                 return False, f"{path}: {e}"
             os.close(fd)
-            if method != "direct":  # the native reader's word for O_DIRECT
+            if method != "uncached":  # the native reader's word for O_DIRECT
                 return False, f"{path} is read buffered ({why})"
         return True, (f"the plan streams {len(plan.streamed)} layers and their files take O_DIRECT "
                       "(reads at the bound, no page-cache work on the compute path)")

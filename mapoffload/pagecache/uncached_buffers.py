@@ -4,7 +4,7 @@
 where the filesystem has none); a slab is one page-aligned buffer the reader owns (page-locked on
 the device path); a :class:`UncachedBuffer` is a slab leased to one read, with the file bytes it holds
 and views of them. Layout: the byte at file offset ``x`` lands at a buffer address congruent to ``x``
-modulo :data:`DIRECT_ALIGN`, so a tensor aligned in the file is aligned in the buffer
+modulo :data:`O_DIRECT_ALIGN`, so a tensor aligned in the file is aligned in the buffer
 (:meth:`UncachedBuffer.view`). :func:`buffer_capacity` is the bytes one read of given file ranges takes.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from .._log import format_bytes, logger
 from .._native import _core
 
-__all__ = ["DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "UncachedBuffer", "UncachedFile", "Slab", "buffer_capacity",
+__all__ = ["O_DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "UncachedBuffer", "UncachedFile", "Slab", "buffer_capacity",
            "round_up"]
 
 
@@ -27,7 +27,7 @@ class BufferOwner(Protocol):
 
     def _give_back(self, slab: Slab) -> None: ...
 
-DIRECT_ALIGN: int = _core.DIRECT_ALIGN
+O_DIRECT_ALIGN: int = _core.O_DIRECT_ALIGN
 GROW_QUANTUM = 2 << 20  # buffers grow to the next multiple: layers of nearly one size share one capacity
 
 
@@ -38,7 +38,7 @@ def round_up(n: int, q: int) -> int:
 def buffer_capacity(ranges: Sequence[tuple[int, int]]) -> int:
     """Bytes one read of these ``(first, end)`` file ranges takes in a buffer (each range from its
     first page to its last): the ``buffer_bytes`` a reader of them needs at the least."""
-    return max(sum(_core.direct_span(a, b - a) for a, b in ranges), DIRECT_ALIGN)
+    return max(sum(_core.uncached_span(a, b - a) for a, b in ranges), O_DIRECT_ALIGN)
 
 
 class UncachedFile:
@@ -55,10 +55,10 @@ class UncachedFile:
         path names since).
     method
         ``"direct"`` (``O_DIRECT``) or ``"buffered"`` (``pread``, then
-        ``POSIX_FADV_DONTNEED``). A direct file whose reads the filesystem
+        ``POSIX_FADV_DONTNEED``). A file read with ``O_DIRECT`` whose reads the filesystem
         refuses turns buffered on the first one.
     why
-        Why the file is read buffered (``""`` when direct).
+        Why the file is read buffered (``""`` when uncached).
     """
 
     __slots__ = ("path", "fd", "method", "why", "key")
@@ -82,8 +82,8 @@ class Slab:
     def __init__(self, capacity: int) -> None:
         import torch
 
-        self.raw = torch.empty(capacity + DIRECT_ALIGN, dtype=torch.uint8)
-        lead = -self.raw.data_ptr() % DIRECT_ALIGN
+        self.raw = torch.empty(capacity + O_DIRECT_ALIGN, dtype=torch.uint8)
+        lead = -self.raw.data_ptr() % O_DIRECT_ALIGN
         self.data = self.raw[lead:lead + capacity]
         self.capacity = capacity
         self.pin: Any = None  # a HostPin while page-locked (it holds ``raw``: unregistered before it is freed)
@@ -121,15 +121,15 @@ class UncachedBuffer:
     Attributes
     ----------
     data
-        The whole buffer (uint8; ``data.data_ptr()`` is DIRECT_ALIGN-aligned).
+        The whole buffer (uint8; ``data.data_ptr()`` is O_DIRECT_ALIGN-aligned).
     extents
         ``(UncachedFile, first, end)`` of each extent read.
     offsets
         Where each extent's ``first`` byte lies in ``data``.
     methods
-        ``"direct"`` or ``"buffered"``: the path each extent took.
+        ``"uncached"`` or ``"buffered"``: the path each extent took.
     bytes_read
-        Bytes the reads transferred (direct reads read whole aligned blocks).
+        Bytes the reads transferred (``O_DIRECT`` reads read whole aligned blocks).
     pinned
         The buffer is page-locked with the CUDA runtime (a reader made with
         ``pin_device``): a device copy may DMA straight from it.
@@ -157,8 +157,8 @@ class UncachedBuffer:
 
     @property
     def method(self) -> str:
-        """``"direct"`` when every extent was read around the page cache, else ``"buffered"``."""
-        return "direct" if all(m == "direct" for m in self.methods) else "buffered"
+        """``"uncached"`` when every extent was read around the page cache, else ``"buffered"``."""
+        return "uncached" if all(m == "uncached" for m in self.methods) else "buffered"
 
     @property
     def released(self) -> bool:
@@ -172,7 +172,7 @@ class UncachedBuffer:
     def view(self, start: int, stop: int, i: int = 0) -> Any:
         """The file bytes ``[start, stop)`` of extent ``i``, as a uint8 view of the buffer.
 
-        The view's address is congruent to ``start`` modulo DIRECT_ALIGN:
+        The view's address is congruent to ``start`` modulo O_DIRECT_ALIGN:
         ``.view(dtype)`` of a tensor stored aligned in the file works.
         """
         if self._slab is None:

@@ -36,7 +36,7 @@ class SlabPool:
     buffers
         How many slabs may exist at once (leased or free).
     buffer_bytes
-        Fixed capacity of each slab (DIRECT_ALIGN-aligned), or None: slabs
+        Fixed capacity of each slab (O_DIRECT_ALIGN-aligned), or None: slabs
         grow to the largest lease so far.
     pin_device
         A CUDA device index to page-lock each new slab for, or None.

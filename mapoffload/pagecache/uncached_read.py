@@ -17,7 +17,7 @@ after it (``POSIX_FADV_DONTNEED``); :attr:`UncachedFile.method` and
 :attr:`UncachedBuffer.methods` say which path was taken.
 
 Layout: the byte at file offset ``x`` lands at a buffer address congruent to
-``x`` modulo :data:`DIRECT_ALIGN` (4096), whichever path was taken, so a
+``x`` modulo :data:`O_DIRECT_ALIGN` (4096), whichever path was taken, so a
 tensor aligned in the file is aligned in the buffer and views of its dtype
 bind to the buffer without a copy (:meth:`UncachedBuffer.view`).
 
@@ -40,10 +40,10 @@ from typing import Any
 
 from .._log import format_bytes, logger
 from .._native import _core
-from .uncached_buffers import DIRECT_ALIGN, UncachedBuffer, UncachedFile, Slab, buffer_capacity, round_up
+from .uncached_buffers import O_DIRECT_ALIGN, UncachedBuffer, UncachedFile, Slab, buffer_capacity, round_up
 from .uncached_pool import SlabPool
 
-__all__ = ["DIRECT_ALIGN", "UncachedBuffer", "UncachedFile", "UncachedReader", "buffer_capacity"]
+__all__ = ["O_DIRECT_ALIGN", "UncachedBuffer", "UncachedFile", "UncachedReader", "buffer_capacity"]
 
 _READERS: weakref.WeakSet[UncachedReader] = weakref.WeakSet()
 
@@ -62,7 +62,7 @@ class UncachedReader:
         buffers grow to the largest read so far (to a multiple of 2 MiB) and
         are reused from then on.
     io_bytes
-        Largest single ``pread`` (a multiple of DIRECT_ALIGN).
+        Largest single ``pread`` (a multiple of O_DIRECT_ALIGN).
     threads
         Reads in flight at once within one call (the calling thread and
         ``threads - 1`` threads started for the call and joined before it
@@ -88,14 +88,14 @@ class UncachedReader:
                  threads: int = 2, o_direct: bool = True, pin_device: int | None = None) -> None:
         if buffers < 1:
             raise ValueError(f"buffers must be >= 1, not {buffers}")
-        if io_bytes < DIRECT_ALIGN or io_bytes % DIRECT_ALIGN:
-            raise ValueError(f"io_bytes must be a positive multiple of {DIRECT_ALIGN}, not {io_bytes}")
+        if io_bytes < O_DIRECT_ALIGN or io_bytes % O_DIRECT_ALIGN:
+            raise ValueError(f"io_bytes must be a positive multiple of {O_DIRECT_ALIGN}, not {io_bytes}")
         if not 1 <= threads <= 16:
             raise ValueError(f"threads must be 1..16, not {threads}")
-        if buffer_bytes is not None and buffer_bytes < DIRECT_ALIGN:
-            raise ValueError(f"buffer_bytes must be >= {DIRECT_ALIGN}, not {buffer_bytes}")
+        if buffer_bytes is not None and buffer_bytes < O_DIRECT_ALIGN:
+            raise ValueError(f"buffer_bytes must be >= {O_DIRECT_ALIGN}, not {buffer_bytes}")
         self.buffers = buffers
-        self.buffer_bytes = None if buffer_bytes is None else round_up(buffer_bytes, DIRECT_ALIGN)
+        self.buffer_bytes = None if buffer_bytes is None else round_up(buffer_bytes, O_DIRECT_ALIGN)
         self.io_bytes, self.threads, self.o_direct = io_bytes, threads, o_direct
         self.pin_device = pin_device
         self._slabs = SlabPool(buffers, self.buffer_bytes, pin_device)  # its own lock, never taken inside ours
@@ -162,7 +162,7 @@ class UncachedReader:
             if closing:
                 self._check_open()
             return other
-        if method != "direct":
+        if method != "uncached":
             logger.info("%s is read with plain reads, its pages dropped after them: %s", path, why)
         else:
             logger.debug("%s is read around the page cache (O_DIRECT)", path)
@@ -201,7 +201,7 @@ class UncachedReader:
                      ) -> UncachedBuffer:
         """Read several ``(file, first, end)`` extents into one buffer (a layer across two shards).
 
-        Each extent starts at its own DIRECT_ALIGN-aligned slot of the buffer
+        Each extent starts at its own O_DIRECT_ALIGN-aligned place in the buffer
         (:attr:`UncachedBuffer.offsets`); the reads run in one native call.
         """
         with self._cond:
@@ -229,8 +229,8 @@ class UncachedReader:
         for f, a, b in files:
             if not 0 <= a <= b:
                 raise ValueError(f"{f.path}: bad extent [{a}, {b})")
-        spans = [_core.direct_span(a, b - a) for _, a, b in files]
-        slab = self._slabs.acquire(max(sum(spans), DIRECT_ALIGN), timeout, worker)
+        spans = [_core.uncached_span(a, b - a) for _, a, b in files]
+        slab = self._slabs.acquire(max(sum(spans), O_DIRECT_ALIGN), timeout, worker)
         try:
             buf = self._read_into(slab, files, spans)
         except BaseException:
@@ -245,7 +245,7 @@ class UncachedReader:
         dsts, offsets, slot = [], [], 0
         for (_, a, _), n in zip(files, spans):
             dsts.append(base + slot)
-            offsets.append(slot + a % DIRECT_ALIGN)
+            offsets.append(slot + a % O_DIRECT_ALIGN)
             slot += n
         with self._cond:
             if self._closed:
@@ -271,7 +271,7 @@ class UncachedReader:
             s["reads"] += 1
             s["wanted_bytes"] += sum(b - a for _, a, b in files)
             for m, n in res:
-                s["uncached_bytes" if m == "direct" else "buffered_bytes"] += n
+                s["uncached_bytes" if m == "uncached" else "buffered_bytes"] += n
             s["seconds"] += seconds
         return UncachedBuffer(self, slab, files, offsets, methods, sum(n for _, n in res), lost=UncachedReader._lost)
 

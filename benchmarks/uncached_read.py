@@ -19,9 +19,9 @@ permitted).
   a0) mapping-readahead  the same without MADV_RANDOM|MADV_HUGEPAGE (the
                kernel's default read-around: what a kernel without large-folio
                faults, or a manager without the advice, gets)
-  b) direct    ``UncachedReader`` (O_DIRECT into 2 reused page-aligned buffers),
+  b) uncached  ``UncachedReader`` (O_DIRECT into 2 reused page-aligned buffers),
                per layer read, use, release
-  b') direct+prefetch  the same, the next layer read (``read_async``) while
+  b') uncached+prefetch  the same, the next layer read (``read_async``) while
                the current one is used
   c) pread     ``UncachedReader(o_direct=False)``: pread, then POSIX_FADV_DONTNEED
 
@@ -30,9 +30,9 @@ variant (and compared: the variants must read the same bytes). Reported per
 pass: bytes read from storage (``/proc/self/io`` read_bytes: the process's
 block-layer reads, O_DIRECT and page faults included; cgroup v2 ``io.stat``
 rbytes too where the io controller is on), wall seconds, major faults, the
-cgroup's peak. Plus an uncapped sweep of the direct path's I/O size x threads.
+cgroup's peak. Plus an uncapped sweep of the uncached path's I/O size x threads.
 
-Run (as root, on a machine with cgroups): python benchmarks/direct_read.py
+Run (as root, on a machine with cgroups): python benchmarks/uncached_read.py
 Skips (message, exit 0, JSON saying why) where memory cgroups cannot be made.
 """
 
@@ -62,8 +62,8 @@ from capped_forward import (  # noqa: E402
 )
 
 MIB = 1 << 20
-VARIANTS = ("mapping", "mapping+prefetch", "mapping-readahead", "direct", "direct+prefetch", "pread")
-LETTER = {"mapping": "a", "mapping+prefetch": "a'", "mapping-readahead": "a0", "direct": "b", "direct+prefetch": "b'",
+VARIANTS = ("mapping", "mapping+prefetch", "mapping-readahead", "uncached", "uncached+prefetch", "pread")
+LETTER = {"mapping": "a", "mapping+prefetch": "a'", "mapping-readahead": "a0", "uncached": "b", "uncached+prefetch": "b'",
           "pread": "c"}
 
 
@@ -126,7 +126,7 @@ def child(args: argparse.Namespace) -> None:
         return int(t.view(torch.int64).sum()) + int(a.sum())
 
     # The baseline is taken after the imports, before anything the streaming
-    # holds: the buffers (direct, pread) count against the cap as the page
+    # holds: the buffers (uncached, pread) count against the cap as the page
     # cache window (mapping) does.
     fd = os.open(args.file, os.O_RDONLY | os.O_CLOEXEC)
     use(torch.zeros(8, dtype=torch.uint8))
@@ -164,7 +164,7 @@ def child(args: argparse.Namespace) -> None:
         reader = UncachedReader(buffers=2, io_bytes=args.io_mib * MIB, threads=args.threads,
                                 o_direct=args.variant != "pread")
         f = reader.open(fd, args.file)
-        if args.variant == "direct+prefetch":  # both buffers and the worker thread, made now
+        if args.variant == "uncached+prefetch":  # both buffers and the worker thread, made now
             with reader.read(f, 0, layer), reader.read_async(f, 0, layer).result():
                 pass
         else:
@@ -200,7 +200,7 @@ def child(args: argparse.Namespace) -> None:
                 total += use(whole[o:e])
                 last = pool.submit(advise_pageout, span(k))
             last.result()
-        elif args.variant == "direct+prefetch":
+        elif args.variant == "uncached+prefetch":
             nxt = reader.read_async(f, *layers[0])
             for k in range(len(layers)):
                 buf = nxt.result()
@@ -227,7 +227,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def sweep_child(args: argparse.Namespace) -> None:
-    """Uncapped: the direct path's pass time per (io MiB, threads), median of 3 cold passes."""
+    """Uncapped: the uncached path's pass time per (io MiB, threads), median of 3 cold passes."""
     import statistics
 
     import torch
@@ -311,8 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-uncapped", action="store_true")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--act-mib", type=int, default=0, help="activations allocated while each layer is used (MiB)")
-    ap.add_argument("--io-mib", type=int, default=4, help="direct/pread: largest single read")
-    ap.add_argument("--threads", type=int, default=2, help="direct/pread: reads in flight per call")
+    ap.add_argument("--io-mib", type=int, default=4, help="uncached/pread: largest single read")
+    ap.add_argument("--threads", type=int, default=2, help="uncached/pread: reads in flight per call")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--dir", default=os.environ.get("MAPOFFLOAD_BENCH_DIR", "/var/tmp"))
@@ -341,11 +341,11 @@ def main(argv=None) -> int:
             pass
     except OSError as exc:
         print(f"skipped: {exc}")
-        emit_json("direct_read", {"skipped": str(exc)}, args.json)
+        emit_json("uncached_read", {"skipped": str(exc)}, args.json)
         return 0
 
     os.makedirs(args.dir, exist_ok=True)
-    fd, args.file = tempfile.mkstemp(prefix="mapoffload-direct-", suffix=".bin", dir=args.dir)
+    fd, args.file = tempfile.mkstemp(prefix="mapoffload-uncached-", suffix=".bin", dir=args.dir)
     rows: list[dict] = []
     sweep: list[dict] = []
     try:
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         peak = r.get("cgroup_peak")
         base = r.get("cgroup_baseline")
         table.append([f"{LETTER[r['variant']]}) {r['variant']}" + (f" ({r['method']})" if r.get("method") and
-                                                                   r["method"] != "direct" and r["variant"] != "pread"
+                                                                   r["method"] != "uncached" and r["variant"] != "pread"
                                                                    else ""),
                       r["cap"], f"{reads[0] / size:.2f}",
                       f"{sum(reads[1:]) / max(len(reads) - 1, 1) / size:.2f}" if len(reads) > 1 else "",
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
                       f"{(peak - base) / MIB:.0f}" if peak is not None and base is not None else ""])
     print()
     print(f"file {args.mib} MiB in layers of {args.layer_mib} MiB, {args.act_mib} MiB activations a layer, "
-          f"{args.passes} passes; direct/pread: "
+          f"{args.passes} passes; uncached/pread: "
           f"{args.io_mib} MiB I/Os, {args.threads} threads")
     print_table(["variant", "cap", "read/file pass 1", "read/file later passes", "s pass 1", "s/pass mean",
                  "time vs a)", "cgroup peak over baseline MiB"], table)
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
         print_table(["io MiB", "threads", "s/pass (median of 3)", "MB/s", "read/file"],
                     [[s["io_mib"], s["threads"], f"{s['s']:.2f}", f"{size / s['s'] / 1e6:.0f}",
                       f"{s['read_bytes'] / size:.2f}"] for s in sweep])
-    emit_json("direct_read", {"file_bytes": size, "layer_bytes": args.layer_mib * MIB, "passes": args.passes,
+    emit_json("uncached_read", {"file_bytes": size, "layer_bytes": args.layer_mib * MIB, "passes": args.passes,
                               "act_bytes": args.act_mib * MIB,
                               "io_bytes": args.io_mib * MIB, "threads": args.threads, "rows": rows, "sweep": sweep,
                               "checksums_identical": len(sums) == 1}, args.json)

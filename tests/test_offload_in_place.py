@@ -46,7 +46,7 @@ def test_computes_from_the_mapping_without_a_copy(ckpt):
         assert torch.equal(model(x), want)
 
 
-def test_twin_and_direct_agree(ckpt):
+def test_twin_and_in_place_agree(ckpt):
     path, x, want = ckpt
     outs = []
     for twin in (False, True):

@@ -1,4 +1,4 @@
-#include "direct_read.hpp"
+#include "uncached_read.hpp"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -30,7 +30,7 @@ std::atomic<int> g_inject_open{0};
 std::atomic<int> g_inject_pread{0};
 
 // The filesystem refuses O_DIRECT for this file or this request.
-bool refuses_direct(int err) { return err == EINVAL || err == EOPNOTSUPP || err == ENOTSUP; }
+bool refuses_odirect(int err) { return err == EINVAL || err == EOPNOTSUPP || err == ENOTSUP; }
 
 std::string fd_path(int fd) {
   char link[64], buf[4096];
@@ -51,8 +51,8 @@ int open_proc_fd(int fd, int flags) {
 }
 
 // Drops the O_DIRECT flag of our own descriptor: the filesystem refused a
-// direct read. Later calls read buffered at once.
-void drop_direct(int fd) {
+// O_DIRECT read. Later calls read buffered at once.
+void drop_odirect(int fd) {
   int fl = fcntl(fd, F_GETFL);
   if (fl >= 0 && (fl & O_DIRECT)) {
     fcntl(fd, F_SETFL, fl & ~O_DIRECT);
@@ -70,7 +70,7 @@ struct Team {
   const std::vector<ReadRange>& ranges;
   const std::vector<std::string>& paths;
   std::vector<Chunk> chunks;
-  std::vector<uint8_t> direct;             // per range: fd had O_DIRECT at the start of the call
+  std::vector<uint8_t> odirect;             // per range: fd had O_DIRECT at the start of the call
   std::unique_ptr<std::atomic<uint8_t>[]> fell_back;  // per range: a chunk was read buffered
   std::unique_ptr<std::atomic<uint64_t>[]> bytes;     // per range: bytes transferred
   std::atomic<size_t> next{0};
@@ -89,18 +89,18 @@ struct Team {
   }
 
   // Reads [from, to) of the file into dst + (from - base), until `to` or the
-  // end of the file; returns where the bytes read end. On the direct path
+  // end of the file; returns where the bytes read end. On the O_DIRECT path
   // every request starts at an aligned offset (`from` is aligned; a short
   // aligned read continues where it stopped; an unaligned one is the end of
   // the file). After a fallback the rest is read buffered from where it stopped.
-  uint64_t pread_all(uint32_t i, bool& use_direct, uint64_t from, uint64_t to, uint64_t base) {
+  uint64_t pread_all(uint32_t i, bool& use_odirect, uint64_t from, uint64_t to, uint64_t base) {
     const ReadRange& r = ranges[i];
     uint64_t got = from;
     while (got < to) {
-      uint64_t at = use_direct ? direct_align_down(got) : got;
+      uint64_t at = use_odirect ? odirect_align_down(got) : got;
       char* dst = reinterpret_cast<char*>(r.dst) + (at - base);
       ssize_t n;
-      int inject = use_direct ? g_inject_pread.load(std::memory_order_relaxed) : 0;
+      int inject = use_odirect ? g_inject_pread.load(std::memory_order_relaxed) : 0;
       if (inject) {
         n = -1;
         errno = inject;
@@ -110,9 +110,9 @@ struct Team {
       if (n < 0) {
         int e = errno;
         if (e == EINTR) continue;
-        if (use_direct && refuses_direct(e)) {
-          drop_direct(r.fd);
-          use_direct = false;
+        if (use_odirect && refuses_odirect(e)) {
+          drop_odirect(r.fd);
+          use_odirect = false;
           fell_back[i].store(1, std::memory_order_relaxed);
           continue;  // the same bytes, buffered
         }
@@ -121,30 +121,30 @@ struct Team {
       bytes[i].fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
       if (n == 0 || at + static_cast<uint64_t>(n) <= got) break;  // the end of the file
       got = at + static_cast<uint64_t>(n);
-      // A direct read ends unaligned only at the end of the file.
-      if (use_direct && got % kDirectAlign) break;
+      // An O_DIRECT read ends unaligned only at the end of the file.
+      if (use_odirect && got % kODirectAlign) break;
     }
     return got;
   }
 
   void run_chunk(const Chunk& c) {
     const ReadRange& r = ranges[c.range];
-    const uint64_t base = direct_align_down(r.offset), want_end = r.offset + r.length;
+    const uint64_t base = odirect_align_down(r.offset), want_end = r.offset + r.length;
     // Asked per I/O: another range on the same descriptor may have lost O_DIRECT.
-    int fl = direct[c.range] ? fcntl(r.fd, F_GETFL) : 0;
-    bool use_direct = fl >= 0 && (fl & O_DIRECT);
-    if (direct[c.range] && !use_direct) fell_back[c.range].store(1, std::memory_order_relaxed);
+    int fl = odirect[c.range] ? fcntl(r.fd, F_GETFL) : 0;
+    bool use_odirect = fl >= 0 && (fl & O_DIRECT);
+    if (odirect[c.range] && !use_odirect) fell_back[c.range].store(1, std::memory_order_relaxed);
     uint64_t got;
-    if (use_direct) {
-      got = pread_all(c.range, use_direct, c.lo, c.hi, base);
+    if (use_odirect) {
+      got = pread_all(c.range, use_odirect, c.lo, c.hi, base);
     } else {
       got = c.lo;  // nothing read yet
     }
     // Buffered: only the wanted bytes of the chunk; then let their pages go.
     const uint64_t wlo = std::max(c.lo, r.offset), whi = std::min(c.hi, want_end);
-    if (!use_direct && whi > wlo) {
+    if (!use_odirect && whi > wlo) {
       uint64_t from = std::max(wlo, std::min(got, whi));
-      if (from < whi) got = pread_all(c.range, use_direct, from, whi, base);
+      if (from < whi) got = pread_all(c.range, use_odirect, from, whi, base);
       else got = whi;
       // Pages partly outside [wlo, whi) are kept by the kernel (it drops whole
       // pages only): at most one at each end of a range, shared with its
@@ -180,19 +180,19 @@ struct Team {
 
 }  // namespace
 
-const char* read_path_name(ReadPath p) { return p == ReadPath::direct ? "direct" : "buffered"; }
+const char* read_path_name(ReadPath p) { return p == ReadPath::uncached ? "uncached" : "buffered"; }
 
-void inject_direct_errors(int open_errno, int pread_errno) {
+void inject_uncached_errors(int open_errno, int pread_errno) {
   g_inject_open.store(open_errno);
   g_inject_pread.store(pread_errno);
 }
 
-ReadFile open_for_reading(int fd, bool want_direct) {
+ReadFile open_for_reading(int fd, bool want_odirect) {
   struct stat st {};
   if (fstat(fd, &st) != 0) throw OsError{errno, "<fd " + std::to_string(fd) + ">"};
   if (!S_ISREG(st.st_mode)) throw OsError{EINVAL, fd_path(fd)};
   ReadFile out;
-  if (want_direct) {
+  if (want_odirect) {
     struct statfs sf {};
     if (fstatfs(fd, &sf) == 0 &&
         (sf.f_type == static_cast<decltype(sf.f_type)>(TMPFS_MAGIC) ||
@@ -204,8 +204,8 @@ ReadFile open_for_reading(int fd, bool want_direct) {
       int e = inject ? inject : errno;
       if (nfd >= 0) {
         out.fd = nfd;
-        out.path = ReadPath::direct;
-      } else if (refuses_direct(e)) {
+        out.path = ReadPath::uncached;
+      } else if (refuses_odirect(e)) {
         out.why = "the filesystem refuses O_DIRECT (" + std::string(strerror(e)) + ")";
       } else if (e != ENOENT && e != EACCES && e != EPERM) {
         throw OsError{e, fd_path(fd)};
@@ -240,17 +240,17 @@ ReadFile open_for_reading(int fd, bool want_direct) {
 
 std::vector<RangeResult> read_ranges(const std::vector<ReadRange>& ranges, const std::vector<std::string>& paths,
                                      uint64_t io_bytes, unsigned threads) {
-  if (io_bytes < kDirectAlign || io_bytes % kDirectAlign || io_bytes > kDirectMaxIoBytes)
-    throw std::invalid_argument("io_bytes must be a multiple of " + std::to_string(kDirectAlign) + " up to " +
-                                std::to_string(kDirectMaxIoBytes) + ", not " + std::to_string(io_bytes));
-  if (threads < 1 || threads > kDirectMaxThreads)
-    throw std::invalid_argument("threads must be 1.." + std::to_string(kDirectMaxThreads) + ", not " +
+  if (io_bytes < kODirectAlign || io_bytes % kODirectAlign || io_bytes > kUncachedMaxIoBytes)
+    throw std::invalid_argument("io_bytes must be a multiple of " + std::to_string(kODirectAlign) + " up to " +
+                                std::to_string(kUncachedMaxIoBytes) + ", not " + std::to_string(io_bytes));
+  if (threads < 1 || threads > kUncachedMaxThreads)
+    throw std::invalid_argument("threads must be 1.." + std::to_string(kUncachedMaxThreads) + ", not " +
                                 std::to_string(threads));
   if (!paths.empty() && paths.size() != ranges.size())
     throw std::invalid_argument("paths: " + std::to_string(paths.size()) + " for " + std::to_string(ranges.size()) +
                                 " ranges");
   Team team(ranges, paths);
-  team.direct.resize(ranges.size());
+  team.odirect.resize(ranges.size());
   team.fell_back.reset(new std::atomic<uint8_t>[ranges.size()]);
   team.bytes.reset(new std::atomic<uint64_t>[ranges.size()]);
   std::vector<std::pair<uint64_t, uint64_t>> dsts;  // [dst, dst + span) of each range
@@ -260,13 +260,13 @@ std::vector<RangeResult> read_ranges(const std::vector<ReadRange>& ranges, const
     team.bytes[i].store(0);
     int fl = fcntl(r.fd, F_GETFL);
     if (fl < 0) throw OsError{errno, paths.empty() ? "<fd " + std::to_string(r.fd) + ">" : paths[i]};
-    team.direct[i] = (fl & O_DIRECT) != 0;
+    team.odirect[i] = (fl & O_DIRECT) != 0;
     if (r.length == 0) continue;
     if (r.offset + r.length < r.offset) throw std::invalid_argument("range " + std::to_string(i) + " wraps around");
-    if (r.dst == 0 || r.dst % kDirectAlign)
+    if (r.dst == 0 || r.dst % kODirectAlign)
       throw std::invalid_argument("range " + std::to_string(i) + ": the destination must be " +
-                                  std::to_string(kDirectAlign) + "-aligned");
-    const uint64_t lo = direct_align_down(r.offset), hi = direct_align_up(r.offset + r.length);
+                                  std::to_string(kODirectAlign) + "-aligned");
+    const uint64_t lo = odirect_align_down(r.offset), hi = odirect_align_up(r.offset + r.length);
     dsts.emplace_back(r.dst, r.dst + (hi - lo));
     for (uint64_t c = lo; c < hi; c += io_bytes)
       team.chunks.push_back({static_cast<uint32_t>(i), c, std::min(hi, c + io_bytes)});
@@ -299,7 +299,7 @@ std::vector<RangeResult> read_ranges(const std::vector<ReadRange>& ranges, const
 
   std::vector<RangeResult> out(ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i)
-    out[i] = {team.direct[i] && !team.fell_back[i].load() ? ReadPath::direct : ReadPath::buffered,
+    out[i] = {team.odirect[i] && !team.fell_back[i].load() ? ReadPath::uncached : ReadPath::buffered,
               team.bytes[i].load()};
   return out;
 }
