@@ -123,9 +123,7 @@ def fresh_page_cache_coordinator(monkeypatch):
             m.close()
         except Exception:  # noqa: BLE001 - a test that broke its manager on purpose
             pass
-    registry = fresh._registry
-    if registry is not None:
-        registry.withdraw()
+    fresh.peers.withdraw()
 
 
 @pytest.fixture(scope="module")

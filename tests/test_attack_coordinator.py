@@ -45,7 +45,7 @@ def cap(tmp_path, monkeypatch):
     monkeypatch.setattr(coordinator_module, "CGROUP_ROOT", str(tmp_path / "cg"))
     monkeypatch.setenv(peers_module.ENV_PEERS_DIR, str(tmp_path / "peers"))
     coord = coordinator_module.coordinator()  # this test's own (conftest.fresh_page_cache_coordinator)
-    assert not coord.managers() and coord._registry is None
+    assert not coord.managers() and coord.peers.made is None
 
     def set_cap(mib: int) -> None:
         v2_cap(tmp_path / "cg", mib * MIB, 10 * MIB, 0, 0)  # 10 MiB in use besides the weights
@@ -320,7 +320,7 @@ def test_a_manager_collected_without_close_leaves_its_share_to_the_others(ckpt, 
 def test_the_record_goes_with_the_last_manager_collected(ckpt, cap):
     path, _, _ = ckpt
     mgr = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
-    folder = coordinator_module.coordinator()._peers().folder
+    folder = coordinator_module.coordinator().peers.registry().folder
     assert _records(folder) == [f"{os.getpid()}.json"]
     del mgr
     gc.collect()
@@ -352,7 +352,7 @@ FORKED = textwrap.dedent(
     mgr.register_forward_hooks()
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the parent forwards first
-    folder = coordinator()._peers().folder
+    folder = coordinator().peers.registry().folder
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -463,7 +463,7 @@ def test_the_record_goes_when_no_measured_manager_is_left(ckpt, cap):
     path, _, _ = ckpt
     measured = LayerwiseOffloadManager(mapped(path), "blocks", device="cpu")
     with LayerwiseOffloadManager(mapped(path), "blocks", device="cpu", page_cache_bytes=4 * MIB):
-        folder = coordinator_module.coordinator()._peers().folder
+        folder = coordinator_module.coordinator().peers.registry().folder
         assert _records(folder) == [f"{os.getpid()}.json"]
         measured.close()
         # The record named the closed manager's bytes; what is left plans on its own share.
@@ -476,7 +476,7 @@ def test_a_peer_that_publishes_while_we_plan_is_seen_at_the_next_forward(ckpt, c
     # after that publish, so it already "knew" the other's record - and no
     # forward ever planned with it (found as a flaky two-rank test).
     path, x, want = ckpt
-    registry = coordinator_module.coordinator()._peers()
+    registry = coordinator_module.coordinator().peers.registry()
     real = registry.publish
 
     def publish_after_the_peer(*args, **kwargs):
@@ -509,7 +509,7 @@ def test_a_peer_killed_with_sigkill_gives_its_share_back_at_the_next_forward(ckp
             mgr.register_forward_hooks()
             _forward(model, x, want)
             assert mgr.residency.streamed == ()  # alone, the whole stack stays cached
-            _planted(coord._peers().folder, rank.pid)  # a rank starts: 1 TiB of other bytes
+            _planted(coord.peers.registry().folder, rank.pid)  # a rank starts: 1 TiB of other bytes
             _forward(model, x, want)
             assert coord.ranks == [rank.pid] and mgr.residency.streamed  # split with the live rank
             rank.send_signal(signal.SIGKILL)

@@ -168,17 +168,18 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
     # pair's bound reading around, 0.72x through the page cache they share (shared_cap.py).
     from mapoffload.pagecache import coordinator as coordinator_module
+    from mapoffload.pagecache.peers import PeerLink
 
     coord = coordinator_module.coordinator()
     replicas: list[int] = []
-    share = type(coord)._share_with_peers
+    share = PeerLink.share
 
-    def with_replicas(self, measured, room, mine):
-        room, windows = share(self, measured, room, mine)
-        self.replicas = list(replicas)  # as if a peer record mapped these bytes
-        return room, windows + len(replicas)
+    def with_replicas(self, ranges_of, room, mine):
+        found = share(self, ranges_of, room, mine)
+        found.replicas = list(replicas)  # as if a peer record mapped these bytes
+        return found
 
-    monkeypatch.setattr(type(coord), "_share_with_peers", with_replicas)
+    monkeypatch.setattr(PeerLink, "share", with_replicas)
     # A measured budget (a given one plans without peers): a fake cgroup whose cap leaves
     # room for part of the stack.
     from fake_cgroups import pin_whole_margin, v2_cap

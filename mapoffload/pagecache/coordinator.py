@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING
 
 from .._log import format_bytes, logger
 from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
-from .peers import PeerRegistry, share_room
+from .peers import PeerLink, PeerRegistry
 from .read_around_fit import read_around_fits
-from .residency import ResidencyPlan, plan_residency, plan_shared, smallest_window
+from .residency import plan_residency, plan_shared, smallest_window
 from .room import ForwardMemory, LastMeasure, anon_now, cap_text as _cap_text, read_cap, refuse_without_room
 
 if TYPE_CHECKING:
@@ -74,10 +74,8 @@ class PageCacheCoordinator:
     def __init__(self, registry: PeerRegistry | None = None) -> None:
         self._lock = threading.RLock()
         self._members: list[weakref.ref] = []
-        self._registry = registry
+        self.peers = PeerLink(registry, lambda: CGROUP_ROOT)  # read at the registry's making: tests move it
         self._cap: int | None = None
-        self._peers_stamp: tuple | None = None
-        self._published: tuple | None = None
         self.budget: PageCacheBudget | None = None
         self.room = 0
         self.window_buffers = 0
@@ -130,8 +128,7 @@ class PageCacheCoordinator:
         with self._lock:
             self._members = [r for r in self._members if r is not ref and r() is not None]
             if not any(m.given is None for m in self.members()):
-                self._published = None
-                self._withdraw()  # no measured manager maps those bytes now
+                self.peers.withdraw()  # no measured manager maps those bytes now
 
     def leave(self, member: StackMember) -> None:
         """Unregister a stack; the others share what it leaves."""
@@ -143,14 +140,13 @@ class PageCacheCoordinator:
             if self._members:
                 self._plan()
             else:
-                self._published = None
-                self._withdraw()
+                self.peers.withdraw()
                 self.thin_margin_failed = False  # the next model's forwards are its own: it tries the thin share
                 self.cache_extra = 0
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.RLock()
-        self._published = None  # the record is the parent's; publish our own at our next plan
+        self.peers.published = None  # the record is the parent's; publish our own at our next plan
         self._stale = True  # which is the next forward's (the cap and the folder did not change)
 
     # -- forwards ----------------------------------------------------------------------------
@@ -210,11 +206,11 @@ class PageCacheCoordinator:
         """
         if not any(m.given is None for m in self.members()):
             return
-        cap, stamp = read_cap(CGROUP_ROOT), self._peers_stamp_now()
+        cap, stamp = read_cap(CGROUP_ROOT), self.peers.stamp_now()
         lost = cached_lost(self.members()) if self.cache_extra else 0
         thin_failed = lost > 0
         moved = self.memory.grown or self.memory.moved(self._cap, CGROUP_ROOT)
-        if not self._stale and cap == self._cap and stamp == self._peers_stamp and not thin_failed and not moved:
+        if not self._stale and cap == self._cap and stamp == self.peers.stamp and not thin_failed and not moved:
             return
         held_moved = False
         with self._lock:
@@ -223,7 +219,7 @@ class PageCacheCoordinator:
                 logger.info("the kernel took %s of the cached layers under the cap: the cached set keeps the "
                             "whole margin from now on (%s of weights less cached)", format_bytes(lost),
                             format_bytes(self.cache_extra))
-                if not self._stale and stamp == self._peers_stamp:
+                if not self._stale and stamp == self.peers.stamp:
                     # Nothing else changed: the last measure, without the thin share. (Measured
                     # again now, "other memory" would hold what the forward's activations left
                     # in the allocator, which the margin is already there for.)
@@ -234,7 +230,7 @@ class PageCacheCoordinator:
             elif cap != self._cap:
                 logger.info("memory cap changed (%s -> %s): planning the page cache again",
                             _cap_text(self._cap), _cap_text(cap))
-            elif moved and stamp == self._peers_stamp:
+            elif moved and stamp == self.peers.stamp:
                 held_moved = True  # only what the process holds moved: the last full measure, adjusted
                 logger.info("the process holds %s of anonymous memory (%s at the last plan; a forward adds %s at "
                             "its peak): planning the page cache again", format_bytes(anon_now(CGROUP_ROOT)),
@@ -242,20 +238,6 @@ class PageCacheCoordinator:
             else:
                 logger.info("another process under this cap changed its page-cache record: planning again")
             self._plan(held_moved=held_moved)
-
-    def _withdraw(self) -> None:
-        """Remove this process's record, if one was published: a registry is made only to publish
-        (never to withdraw: at interpreter exit, a collected manager's callback could not make one)."""
-        if self._registry is not None:
-            self._registry.withdraw()
-
-    def _peers(self) -> PeerRegistry:
-        if self._registry is None:
-            self._registry = PeerRegistry(root=CGROUP_ROOT)  # keyed on the cgroup the budget reads
-        return self._registry
-
-    def _peers_stamp_now(self) -> tuple:
-        return self._peers().stamp()
 
     def _plan(self, *, held_moved: bool = False) -> None:
         self._stale = False
@@ -277,10 +259,8 @@ class PageCacheCoordinator:
             plan = plan_residency(m.sizes(), m.given, prefetch_layers=m.prefetch_layers)
             m.apply(plan, f"page cache for these layers: {format_bytes(m.given)} (given)")
         if not measured:
-            if self._published is not None:
-                # The record named measured managers' bytes: none is left to share them.
-                self._published = None
-                self._peers().withdraw()
+            if self.peers.published is not None:
+                self.peers.withdraw()  # the record named measured managers' bytes: none is left to share them
             return
         always = always_read_of(measured)
         self.always_bytes = sum(n for _, n in always)
@@ -308,7 +288,9 @@ class PageCacheCoordinator:
         room += sum(held for held, _ in working) - self.working_buffers
         sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
-        room, windows = self._share_with_peers(measured, room, mine)
+        share = self.peers.share(lambda: file_ranges_of(measured), room, mine)
+        self.replicas, self.ranks, self._others = share.replicas, share.ranks, share.others
+        room, windows = share.room, 1 + len(share.replicas)  # a streaming window for each replica
         extra = 0 if self.thin_margin_failed else budget.cache_extra
         if extra and self.ranks:
             extra = extra * mine // (mine + self._others)  # split as the room is
@@ -361,7 +343,10 @@ class PageCacheCoordinator:
             m.apply(plan, why)
             m.watch(bool(extra))
             m.take_missing()  # what went missing before this plan is not its loss
-        self._publish(measured, plans, cached)
+        window = max((p.window_bytes for p in plans if p.streamed), default=0)
+        self.peers.publish(file_ranges_of(measured), sum(sum(p.layer_bytes) for p in plans), cached, window,
+                           lambda: {ident: path for m in measured for ident, _, _, path in m.file_ranges()},
+                           self.window_buffers)
         if len(self.members()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())
 
@@ -376,27 +361,6 @@ class PageCacheCoordinator:
             return read_around_fits(last.measured(), last.sizes, last.windows, room=self.room,
                                     cache_extra=self.cache_extra, member=member, need=need, where=where,
                                     parts=last.parts or None)
-
-    def _share_with_peers(self, measured, room: int, mine: int) -> tuple[int, int]:
-        """This process's room among its peers', and how many streaming windows to keep."""
-        # The stamp before the read: a record landing after it (before or after
-        # our own publish) changes the stamp again, and the next forward plans
-        # with it. (Our own record is not in the stamp.)
-        self._peers_stamp = self._peers_stamp_now()
-        share = share_room(self._peers().peers(), lambda: file_ranges_of(measured), room, mine)
-        self.replicas, self.ranks, self._others = share.replicas, share.ranks, share.others
-        return share.room, 1 + len(self.replicas)
-
-    def _publish(self, measured, plans: list[ResidencyPlan], cached: int) -> None:
-        ranges = file_ranges_of(measured)
-        window = max((p.window_bytes for p in plans if p.streamed), default=0)
-        mapped = sum(sum(p.layer_bytes) for p in plans)
-        key = (ranges, mapped, window, self.window_buffers)
-        if key == self._published:
-            return  # unchanged: peers need not plan again
-        paths = {ident: path for m in measured for ident, _, _, path in m.file_ranges()}
-        self._peers().publish(ranges, mapped, cached, window, paths, buffers=self.window_buffers)
-        self._published = key
 
     # -- what it shows -----------------------------------------------------------------------
     def layer_residency(self) -> list[tuple[str, list[int]]]:
@@ -444,7 +408,7 @@ def _withdraw_at_exit() -> None:
     """A process that exits with managers still open leaves no record for its peers to read
     (they would skip it as gone, but only once they find its pid dead or reused)."""
     try:
-        _COORDINATOR._withdraw()
+        _COORDINATOR.peers.withdraw()
     except Exception:  # noqa: BLE001 - exiting: nothing to report to
         pass
 

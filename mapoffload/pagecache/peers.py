@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from ..memory.cgroup import tightest_cgroup
 from .._log import logger
 
-__all__ = ["REPLICA_SHARE", "Peer", "PeerRegistry", "PeerShare", "measure_resident", "overlap_bytes", "resident_now",
-           "share_room"]
+__all__ = ["REPLICA_SHARE", "Peer", "PeerLink", "PeerRegistry", "PeerShare", "measure_resident", "overlap_bytes",
+           "resident_now", "share_room"]
 
 REPLICA_SHARE = 0.5  # a peer mapping at least this share of our bytes (or of its own) is a replica
 
@@ -403,3 +403,51 @@ def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, min
     if share.others:
         share.room = share.room * mine // (mine + share.others)
     return share
+
+
+class PeerLink:
+    """The page-cache coordinator's side of the peers' folder: the registry (made when first needed, keyed
+    on the cgroup ``root()`` names when it is made), the peers' stamp at the last share, and what this
+    process published last (published again only when it changed: peers plan again at every change).
+
+    A registry is made only to share or publish, never to withdraw: at interpreter exit, a collected
+    manager's callback could not make one.
+    """
+
+    def __init__(self, registry: PeerRegistry | None, root: Callable[[], str]) -> None:
+        self.made = registry
+        self._root = root
+        self.stamp: tuple | None = None  # the peers' stamp when the last share read their records
+        self.published: tuple | None = None  # (ranges, mapped, window, buffers) of the record published last
+
+    def registry(self) -> PeerRegistry:
+        if self.made is None:
+            self.made = PeerRegistry(root=self._root())  # keyed on the cgroup the budget reads
+        return self.made
+
+    def stamp_now(self) -> tuple:
+        """The peers' records' stamp now (our own record is not in it)."""
+        return self.registry().stamp()
+
+    def share(self, ranges_of: Callable[[], tuple], room: int, mine: int) -> PeerShare:
+        """This process's room among its peers' (:func:`share_room`); the stamp taken first."""
+        # The stamp before the read: a record landing after it (before or after our own publish) changes
+        # the stamp again, and the next forward plans with it.
+        self.stamp = self.stamp_now()
+        return share_room(self.registry().peers(), ranges_of, room, mine)
+
+    def publish(self, ranges: tuple, mapped: int, cached: int, window: int, paths_of: Callable[[], dict],
+                buffers: int) -> None:
+        """Publish this process's record, unless it is the one published last (``paths_of()``: the files'
+        paths by identity, read only to publish)."""
+        key = (ranges, mapped, window, buffers)
+        if key == self.published:
+            return  # unchanged: peers need not plan again
+        self.registry().publish(ranges, mapped, cached, window, paths_of(), buffers=buffers)
+        self.published = key
+
+    def withdraw(self) -> None:
+        """Remove this process's record, if one was published (no registry is made for it)."""
+        self.published = None
+        if self.made is not None:
+            self.made.withdraw()
