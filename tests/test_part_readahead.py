@@ -170,8 +170,8 @@ def test_a_part_read_ahead_and_taken_by_the_kernel_before_its_use_is_counted(ckp
 
         def take_b(module, args, output):  # a computes; b was read ahead behind it: the kernel takes it
             if not taken:
-                pages._ahead[(1, 2)].result()
-                let_go(pages._part(1, 2)[0])
+                pages.parts._ahead[(1, 2)].result()
+                let_go(pages.parts._part(1, 2)[0])
                 taken.append(1)
 
         handle = model.blocks[1].a.register_forward_hook(take_b)
@@ -196,7 +196,7 @@ def test_a_forward_reads_each_byte_once_with_read_ahead(ckpt, cap):
         streamed = mgr.residency.streamed_bytes
         assert 0.9 * streamed <= read <= 1.1 * streamed + EDGES, (read, streamed)
         assert resident(mgr) <= EDGES  # each part let go, the last read ahead (none: the forward's end) too
-        assert not mgr.parts.pages._ahead
+        assert not mgr.parts.pages.parts._ahead
 
 
 class Boom(Exception):
@@ -220,10 +220,10 @@ def test_an_error_inside_a_part_leaves_nothing_read_ahead(ckpt, cap, error):
         with pytest.raises(error):
             model(x)
         handle.remove()
-        assert not mgr.parts.pages._ahead  # the part read ahead of the one that raised: let go, not in flight
+        assert not mgr.parts.pages.parts._ahead  # the part read ahead of the one that raised: let go, not in flight
         assert resident(mgr) <= EDGES, (mgr.parts.pages.resident_bytes(), mgr.parts.pages.worker.let_go_counts)
         model.blocks[0](x)  # a layer on its own after the forward was left: it leaves nothing read ahead
-        assert not mgr.parts.pages._ahead and resident(mgr) <= EDGES
+        assert not mgr.parts.pages.parts._ahead and resident(mgr) <= EDGES
         for _ in range(2):
             assert torch.equal(model(x), want)
 
@@ -313,7 +313,7 @@ def test_a_layer_called_on_its_own_leaves_nothing_read_ahead(ckpt, cap):
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)
         model.blocks[0](x)
-        assert not mgr.parts.pages._ahead and resident(mgr) <= EDGES
+        assert not mgr.parts.pages.parts._ahead and resident(mgr) <= EDGES
         assert torch.equal(model(x), want)
 
 
@@ -326,7 +326,7 @@ def test_hooks_removed_inside_a_part_leave_nothing_read_ahead(ckpt, cap):
         assert torch.equal(model(x), want)
         handle.remove()
         mgr.parts.pages.settle()
-        assert not mgr.parts.pages._ahead
+        assert not mgr.parts.pages.parts._ahead
         mgr.register_forward_hooks()
         assert torch.equal(model(x), want) and resident(mgr) <= EDGES
 
@@ -340,7 +340,7 @@ def test_close_inside_a_forward_leaves_nothing_in_flight(ckpt, cap):
         out = model(x)  # the rest of the forward computes from the model given back
         handle.remove()
     assert torch.equal(out, want)
-    assert not mgr.parts.pages._ahead and not mgr.parts.pages.worker.running
+    assert not mgr.parts.pages.parts._ahead and not mgr.parts.pages.worker.running
 
 
 def test_a_fork_with_a_part_read_ahead_in_flight(ckpt, tmp_path):
@@ -373,7 +373,7 @@ parent, pids = os.getpid(), []
 
 def fork(module, args, output):
     if not pids:
-        assert mgr.parts.pages._ahead, "nothing read ahead at the fork"
+        assert mgr.parts.pages.parts._ahead, "nothing read ahead at the fork"
         pids.append(os.fork())
 
 with torch.no_grad():
@@ -437,7 +437,7 @@ def test_the_offload_entry_point_reads_parts_ahead_as_the_manager_does(ckpt, cap
         assert plan.unit == PART and plan.depth == 1, plan.describe()
         ahead: list[bool] = []
         hooks = [getattr(model.blocks[i], p).register_forward_hook(
-            lambda *a: ahead.append(bool(mgr.parts.pages._ahead))) for i in range(BLOCKS) for p in ("a", "b", "c")]
+            lambda *a: ahead.append(bool(mgr.parts.pages.parts._ahead))) for i in range(BLOCKS) for p in ("a", "b", "c")]
         with torch.no_grad():
             assert torch.equal(model(x), want)  # the order learnt
             ahead.clear()

@@ -20,7 +20,7 @@ from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache
 from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
 from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
-from mapoffload.pagecache.layer_pages import LayerPages
+from mapoffload.pagecache.part_reads import PartReads
 from mapoffload.pagecache.residency import LAYER, PART, plan_shared, smallest_window
 
 from fake_cgroups import fake_cap, write
@@ -102,8 +102,8 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
     path, x, want = ckpt
     cap(room_cap(layers))
     parts_read: list[tuple[int, int]] = []
-    real = LayerPages.read_part
-    monkeypatch.setattr(LayerPages, "read_part", lambda self, i, k: (parts_read.append((i, k)), real(self, i, k))[1])
+    real = PartReads.read
+    monkeypatch.setattr(PartReads, "read", lambda self, i, k: (parts_read.append((i, k)), real(self, i, k))[1])
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
         plan = mgr.residency

@@ -88,7 +88,7 @@ def _reclaim(mgr, i: int) -> None:
             os.posix_fadvise(fd, e.first, e.end - e.first, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    assert sum(mgr.parts.pages.resident_of([i])) < mgr.parts.pages.mapped_sizes()[i] // 4
+    assert sum(mgr.parts.pages.resident_bytes([i])) < mgr.parts.pages.mapped_sizes()[i] // 4
 
 
 def test_cached_layers_taken_by_the_kernel_give_the_margin_back_until_the_cap_changes(ckpt, fake_cgroup, caplog):

@@ -95,7 +95,7 @@ class Parts:
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
                                       always_read=_plan.always_read_tensors, owner=owner,
-                                      parts=self.pages.largest_part if o.in_place else None)
+                                      parts=self.pages.parts.largest if o.in_place else None)
             self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
                                      read_around=functools.partial(_read_around, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))

@@ -173,7 +173,7 @@ class StackRuntime:
             h.remove()
         self.handles.clear()
         self._remove_parts()
-        self.sequencer.pages.let_go_ahead()  # removed inside a forward: what it read ahead
+        self.sequencer.pages.parts.let_go_ahead()  # removed inside a forward: what it read ahead
         self.outside.stream(False)
 
     # -- once per forward of the model -------------------------------------------------------
@@ -190,7 +190,7 @@ class StackRuntime:
         self.outside.stream(plan is not None and plan.always_streamed, plan.window_bytes if plan is not None else 0)
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
         self._forward.on = True  # in a forward of the model: parts read ahead may cross from layer to layer
-        self.sequencer.pages.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
+        self.sequencer.pages.parts.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
         if self.sequencer.pages.in_parts:
             self._register_parts()
         else:
@@ -210,7 +210,7 @@ class StackRuntime:
         the user's code may write a weight in place next, which a let-go still in flight would drop.
         Parts read ahead that did not run (the forward went another way, or raised) are let go first."""
         self._forward.on = False
-        self.sequencer.pages.let_go_ahead()
+        self.sequencer.pages.parts.let_go_ahead()
         self.sequencer.pages.settle()
         if self._anon is not None:
             self._sample()
@@ -294,7 +294,7 @@ class StackRuntime:
             except BaseException:
                 self.finish_layer(i)  # torch runs no hook for these (nor the model's after-forward):
                 self._forward.on = False  # the forward is left: a layer called on its own next is one
-                self.sequencer.pages.let_go_ahead()  # what was read ahead is let go, nothing left in flight
+                self.sequencer.pages.parts.let_go_ahead()  # what was read ahead is let go, nothing left in flight
                 self.sequencer.pages.settle()
                 raise
 
@@ -314,7 +314,7 @@ class StackRuntime:
         if not held and not getattr(self._forward, "on", False):
             # A layer called on its own (not in a forward of the model): what it read ahead of the next
             # layer is let go, and its let-gos done, before the user's code runs again.
-            self.sequencer.pages.let_go_ahead()
+            self.sequencer.pages.parts.let_go_ahead()
             self.sequencer.pages.settle()
 
     # -- part by part -------------------------------------------------------------------------
@@ -347,7 +347,7 @@ class StackRuntime:
             if load is None or load.around is not None:
                 return  # not loaded by this stack's turn, or read around the page cache whole
             self._sample()
-            read = pages.enter_part(i, k)  # and the next parts' reads started behind it, as the room allows
+            read = pages.parts.enter(i, k)  # and the next parts' reads started behind it, as the room allows
             if read is not None:
                 read.result()
 
@@ -358,7 +358,7 @@ class StackRuntime:
             """Part ``k`` of layer ``i`` ran: let it go, when its layer streams part by part."""
             pages = self.sequencer.pages
             if i in self.turn.held() and pages.in_parts and pages.streams(i):
-                pages.let_go_part(i, k)
+                pages.parts.let_go(i, k)
 
         return post_hook
 

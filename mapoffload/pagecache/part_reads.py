@@ -1,0 +1,181 @@
+"""Streamed layers read part by part, with the next parts read ahead while one computes.
+
+Where the page-cache plan holds less than one layer (``ResidencyPlan.parts``), a streamed layer is read
+in part by part: each part (a submodule holding some of the layer's weights, ``PagedLayer.parts``) is read
+in before it runs and let go after. While a part computes, the reads of the ``plan.depth`` parts that ran
+after it the last time run on the page worker (issue 43). The order is learnt as the parts run: a forward
+that goes another way reads on demand, as without read-ahead, and a part read ahead that is not among
+the next ones now is let go first. The page worker runs the reads in the order asked, after the let-go of
+the part that ran before, so no more than ``1 + depth`` parts are in the page cache at once: the plan's
+window.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from .._native import _core
+from .file_places import MapsView
+from .mapped_file import MappedFiles
+from .pages import PageWorker, file_extents, folio_edges, layer_spans
+from .residency import ResidencyPlan
+
+__all__ = ["MAPPED", "LayersPaged", "PartReads"]
+
+MAPPED = "mapped"  # the host store of a weight kept on its file mapping (``offload.stores.MAPPED``)
+
+
+class LayersPaged(Protocol):
+    """What part-by-part reads take of a manager's layer pages (``layer_pages.LayerPages``)."""
+
+    stores: Any  # the layer stores (``PagedLayer``), each with its ``parts``
+    files: MappedFiles
+    worker: PageWorker
+    plan: ResidencyPlan | None
+    watch: bool  # the thin share is watched: parts read ahead are checked to be resident when they run
+    letting_go: Future | None  # the last let-go
+
+    def spans(self, i: int) -> Any: ...
+
+    def streams(self, i: int) -> bool: ...
+
+
+class PartReads:
+    """The part-by-part reads of one manager's streamed layers (see the module).
+
+    Parameters
+    ----------
+    pages
+        The manager's :class:`~mapoffload.pagecache.layer_pages.LayerPages` (:class:`LayersPaged`): its
+        stores, files, page worker and plan.
+    """
+
+    def __init__(self, pages: LayersPaged) -> None:
+        # Not a cycle: the pages hold the layers' stores, and so the model's mapped weights, which a
+        # cycle would keep mapped after the manager closed, until the garbage collector ran.
+        self._pages = weakref.proxy(pages)
+        self._geometry: dict[int, list] = {}  # layer -> (spans, extents, edges) of each part, found once
+        # The parts whose reads started before they ran, the part that ran after each the last time, and
+        # the one that ran last in this forward.
+        self._ahead: dict[tuple[int, int], Future | None] = {}
+        self._after: dict[tuple[int, int], tuple[int, int]] = {}
+        self._last: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._missing = 0  # bytes of parts read ahead found missing when they ran (the thin share watched)
+
+    # -- what each part is -------------------------------------------------------------------
+    def sizes(self, i: int) -> list[int]:
+        """Mapped bytes of each part of layer ``i`` (``PagedLayer.parts``)."""
+        layer = self._pages.stores[i]
+        return [sum(w.nbytes for w in p.weights if w.store == MAPPED) for p in getattr(layer, "parts", ())]
+
+    def largest(self) -> int:
+        """Mapped bytes of the largest part of any layer: the room a stack read part by part needs."""
+        return max((max(self.sizes(i), default=0) for i in range(len(self._pages.stores))), default=0)
+
+    def _part(self, i: int, k: int):
+        """``(spans, extents, edges)`` of part ``k`` of layer ``i`` (its mapped weights), found once."""
+        parts = self._geometry.get(i)
+        if parts is None:
+            pages = self._pages
+            pages.spans(i)  # the layer's files opened and advised first (the parts' bytes are among them)
+            maps = MapsView()
+            parts = []
+            for part in pages.stores[i].parts:
+                spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in part.weights if w.store == MAPPED])
+                parts.append((spans, file_extents(spans, pages.files, maps), folio_edges(spans, maps)))
+            self._geometry[i] = parts
+        return parts[k]
+
+    # -- reading and letting go --------------------------------------------------------------
+    def read(self, i: int, k: int) -> Future | None:
+        """Start reading part ``k`` of streamed layer ``i`` in (None: nothing of it is mapped)."""
+        spans, extents, edges = self._part(i, k)
+        if not len(spans):
+            return None
+        what = f"layer {i} ({self._pages.stores[i].parts[k].name})"
+        return self._pages.worker.read_in(spans, what, edges, extents)
+
+    def let_go(self, i: int, k: int) -> Future | None:
+        """Let part ``k`` of streamed layer ``i`` go (checked there; None: nothing of it is mapped)."""
+        spans, extents, _ = self._part(i, k)
+        if not len(spans):
+            return None
+        self._pages.letting_go = self._pages.worker.let_go(spans, extents)
+        return self._pages.letting_go
+
+    def enter(self, i: int, k: int) -> Future | None:
+        """Part ``k`` of streamed layer ``i`` is about to run: its read (started ahead, or now), and the
+        reads of the ``plan.depth`` parts that ran after it the last time started behind it; a part read
+        ahead that is not among those now is let go first."""
+        key = (i, k)
+        with self._lock:
+            if self._last is not None and self._last != key:
+                self._after[self._last] = key
+            self._last = key
+            if key in self._ahead:
+                read = self._ahead.pop(key)
+                if self._pages.watch and read is not None and read.done() and read.exception() is None:
+                    self._missing += self._not_resident(i, k)  # read ahead into the thin share: kept?
+            else:
+                read = self.read(i, k)
+            nexts = self._next(key)
+            for stale in [p for p in self._ahead if p not in nexts]:
+                del self._ahead[stale]
+                self.let_go(*stale)
+            for p in nexts:
+                if p not in self._ahead:
+                    self._ahead[p] = self.read(*p)
+        return read
+
+    def _not_resident(self, i: int, k: int) -> int:
+        """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""
+        spans = self._part(i, k)[0]
+        return max(0, spans.total_bytes - sum(_core.resident_bytes(spans))) if len(spans) else 0
+
+    def _next(self, key: tuple[int, int]) -> list[tuple[int, int]]:
+        """The parts to read ahead of ``key``: the ``plan.depth`` that ran after it, streamed ones only."""
+        plan = self._pages.plan
+        out: list[tuple[int, int]] = []
+        p = key
+        for _ in range(plan.depth if plan is not None and plan.parts else 0):
+            p = self._after.get(p)
+            if p is None or p == key or p in out or not self._pages.streams(p[0]):
+                break
+            out.append(p)
+        return out
+
+    def let_go_ahead(self) -> None:
+        """Let go the parts read ahead that did not run (a forward that ended, or raised, before them),
+        and start the next forward's order afresh."""
+        with self._lock:
+            ahead, self._ahead, self._last = self._ahead, {}, None
+            for p in ahead:
+                self.let_go(*p)
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether any part's read ahead is outstanding (read, not yet run or let go)."""
+        return bool(self._ahead)
+
+    def take_missing(self) -> int:
+        """Bytes of parts read ahead found missing when they ran, since the last call."""
+        missing, self._missing = self._missing, 0
+        return missing
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def forget(self, i: int) -> None:
+        """Layer ``i``'s stores changed: its parts read ahead let go (by the spans they were read by), its
+        parts measured again at their next read."""
+        with self._lock:
+            for p in [p for p in self._ahead if p[0] == i]:
+                del self._ahead[p]
+                self.let_go(*p)
+        self._geometry.pop(i, None)
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._ahead, self._last = {}, None  # the parent's reads: the pages are the parent's to let go
