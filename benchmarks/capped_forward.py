@@ -102,6 +102,11 @@ Columns:
   fwd / limit         fwd s over the limit: the larger of the contender's own
                       uncapped forward and disk s (1.0: reads and compute
                       wholly overlapped; issue 43's goal is <= 1.2)
+  cpu s (sys) / busy  a forward's CPU seconds over all our threads, the kernel's
+                      share of them in brackets (reads, let-gos, faults), and
+                      the seconds the machine's CPUs were busy meanwhile
+                      (/proc/stat: kswapd and interrupts too); 2 cores give
+                      at most 2 s a second
   peak RssAnon MiB    peak anonymous resident memory (/proc/self/status sampled
                       every 10 ms), its growth over the baseline in brackets
                       (the JSON splits it: anon_peak_load, anon_peak_forwards)
@@ -260,6 +265,24 @@ def _vmrss() -> int:
     raise OSError("no VmRSS in /proc/self/status")
 
 
+def _machine_busy_s() -> float:
+    """Seconds every CPU of the machine spent busy (``/proc/stat``: all but idle and iowait), this
+    process's threads, the kernel's own (kswapd, interrupts) and any other work alike."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_cell(r: dict) -> str:
+    """A forward's CPU seconds (all our threads), the kernel's share of them, and the machine's busy seconds
+    (means over the forwards after the first; '-' for rows from before these were recorded)."""
+    if not r.get("forward_sys_s"):
+        return "-"
+    return (f"{_mean_rest(r['forward_cpu_s']):.2f} ({_mean_rest(r['forward_sys_s']):.2f}) / "
+            f"{_mean_rest(r['forward_machine_busy_s']):.2f}")
+
+
 def _major_faults() -> int:
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[9])  # field 12, majflt
@@ -354,17 +377,21 @@ def child(args: argparse.Namespace) -> None:
         row["summary"] = str(handle.summary()).splitlines()
     print("LOAD " + json.dumps(row), flush=True)
 
-    for key in ("forward_s", "forward_cpu_s", "forward_read_bytes", "forward_major_faults"):
+    for key in ("forward_s", "forward_cpu_s", "forward_sys_s", "forward_machine_busy_s", "forward_read_bytes",
+                "forward_major_faults"):
         row[key] = []
     row["forward_read_parts"] = _count_part_reads(model)  # where each forward's reads go (JSON only)
     with torch.inference_mode():
         for _ in range(args.forwards):
             io0, mf0, c0, t0 = _proc_io()["read_bytes"], _major_faults(), time.process_time(), time.perf_counter()
+            sys0, busy0 = os.times().system, _machine_busy_s()
             logits = model(input_ids=ids).logits
             if cuda:
                 torch.cuda.synchronize()
             row["forward_s"].append(time.perf_counter() - t0)
             row["forward_cpu_s"].append(time.process_time() - c0)  # all threads: tells waiting from computing
+            row["forward_sys_s"].append(os.times().system - sys0)  # of it, in the kernel (reads, let-gos, faults)
+            row["forward_machine_busy_s"].append(_machine_busy_s() - busy0)  # kswapd and interrupts too
             row["forward_read_bytes"].append(_proc_io()["read_bytes"] - io0)
             row["forward_major_faults"].append(_major_faults() - mf0)
     torch.save(logits.cpu().clone(), args.out)
@@ -526,7 +553,7 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None, own_
     na = "-"
     if r["outcome"] != "yes":
         return [r["contender"], cap, room, r["outcome"], f"{r['load_s']:.2f}" if "load_s" in r else na,
-                na, na, f"{bound / MB:.0f}", na, na, na, na, na, na, na,
+                na, na, f"{bound / MB:.0f}", na, na, na, na, na, na, na, na,
                 f"{r['anon_peak'] / MIB:.0f}" if "anon_peak" in r else na, na]
     read = _mean_rest(r["forward_read_bytes"])
     fwd = _mean_rest(r["forward_s"])
@@ -540,6 +567,7 @@ def summarise(r: dict, sizes: dict, disk_gb_s: float, tf_fwd: float | None, own_
         f"{fwd:.3f}",
         f"{fwd / tf_fwd:.2f}x" if tf_fwd else na, f"{disk_s:.3f}", f"{fwd / disk_s:.2f}x" if disk_s > 0 else na,
         f"{r['forward_over_limit']:.2f}x" if r["forward_over_limit"] and r["cap"] != "none" else na,
+        _cpu_cell(r),
         f"{r['anon_peak'] / MIB:.0f} (+{(r['anon_peak'] - r['anon_baseline']) / MIB:.0f})",
         "-" if r.get("logits_equal") is None else "yes" if r["logits_equal"] else "NO",
     ]
@@ -720,8 +748,8 @@ def main(argv=None) -> int:
     rows = [summarise(r, sizes, disk["disk_gb_s"], tf_fwd.get(r["cap"]), own_fwd.get(r["contender"])) for r in results]
     print()
     print_table(["contender", "cap", "room in layers", "survived", "load s", "read MB/fwd", "read MB 1st fwd", "bound MB",
-                 "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "fwd / limit", "peak RssAnon MiB",
-                 "logits =="], rows)
+                 "read/bound", "read/ckpt", "fwd s", "fwd / tf", "disk s", "fwd / disk", "fwd / limit", "cpu s (sys) / busy",
+                 "peak RssAnon MiB", "logits =="], rows)
     if args.fp8:
         _fp8_targets(results, sizes, args)
     if args.rooms:
