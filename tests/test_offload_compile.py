@@ -1,5 +1,5 @@
 """torch.compile on an offloaded model: the layers (hooks and forwards) run
-eagerly, the rest is compiled, and the result is right - direct mode and the
+eagerly, the rest is compiled, and the result is right - in place and the
 device pipeline's CPU twin, several forwards, and after close()."""
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from mapoffload import LayerwiseOffloadManager
 from mapoffload.offload import sequencer
 
 calls = []
-real = sequencer.Sequencer.enter  # the step each layer's pre-hook takes, holding the turn
-sequencer.Sequencer.enter = lambda self, i, window: (calls.append(i), real(self, i, window))[1]
+real = sequencer.Sequencer.ensure  # each layer's pre-hook waits for its layer here, holding the turn
+sequencer.Sequencer.ensure = lambda self, i: (calls.append(i), real(self, i))[1]
 
 
 class M(nn.Module):

@@ -6,8 +6,8 @@ together, ``manager.parts``):
 
 - ``plan``, ``stores``: which host store each weight gets, and the stores themselves; ``holders``,
   ``placeholder``: what a weight's holders (``module._parameters[attr]``) hold, loaded or released.
-- ``sequencer``: loaded, kept, the streaming window; enter / exit / prefetch / release (no hooks, no
-  policy); the host weights read and replaced, by the manager's methods or by the user in the model
+- ``sequencer``: loaded and kept; prefetch / ensure / release (no hooks, no policy: when a layer loads
+  is the runtime's step); the host weights read and replaced, by the manager's methods or by the user in the model
   (``adopt_edits``).
 - ``runtime``: one stack's forward - the layer turn, the hooks torch calls and the per-forward policy
   they run, the mapped weights outside the layers (``OutsideWeights``), autograd's rule; ``hooks``: what

@@ -226,8 +226,8 @@ class StackRuntime:
     # -- one layer ----------------------------------------------------------------------------
     def _pre_hook(self, i: int):
         def pre_hook(module, args):
-            """Layer ``i`` is about to run: take the turn, then autograd's rule, then the sequencer's
-            step (the layer loaded - its copy, or its read in place - and the window read ahead)."""
+            """Layer ``i`` is about to run: take the turn, then autograd's rule, then the step (the layer
+            loaded - its copy, or its read in place - and the layers :func:`read_ahead` names started)."""
             import torch
 
             self.turn.enter()

@@ -54,7 +54,7 @@ class UncachedFile:
         ``/proc/self/fd``, so it is the inode the caller held, whatever the
         path names since).
     method
-        ``"direct"`` (``O_DIRECT``) or ``"buffered"`` (``pread``, then
+        ``"uncached"`` (``O_DIRECT``) or ``"buffered"`` (``pread``, then
         ``POSIX_FADV_DONTNEED``). A file read with ``O_DIRECT`` whose reads the filesystem
         refuses turns buffered on the first one.
     why
