@@ -304,6 +304,9 @@ def test_convert_with_null_architectures_is_refused(tmp_path, capsys):
 # --- 3, 4. a conversion made ahead of time, a read-only folder, a cache shared by users ------------
 
 NOBODY = 65534
+# A child interpreter as another user (torch and transformers imported there): 6-8 s each on 2 cores,
+# run by `pytest -m slow` so that the README's `pytest` stays within 5 minutes.
+AS_ANOTHER_USER = pytest.mark.slow
 
 
 @pytest.fixture
@@ -369,6 +372,7 @@ def _built(shared_dir, mode=0o755):
     return cls, folder
 
 
+@AS_ANOTHER_USER
 def test_a_conversion_made_ahead_is_reused_from_a_read_only_folder(shared_dir):
     """`mapoffload convert` beside the checkpoint, then a load by a user who cannot write that
     folder: the conversion is reused (as inspect says), nothing converted again elsewhere."""
@@ -384,6 +388,7 @@ def test_a_conversion_made_ahead_is_reused_from_a_read_only_folder(shared_dir):
     assert not os.path.exists(os.path.join(home, ".cache", "mapoffload"))
 
 
+@AS_ANOTHER_USER
 def test_a_shared_cache_dir_serves_a_second_user(shared_dir):
     """A cache_dir shared by users (sticky and world-writable, as /tmp): the second user reuses the
     first's conversion; nothing is left behind (no ``.old.*``)."""
@@ -399,6 +404,7 @@ def test_a_shared_cache_dir_serves_a_second_user(shared_dir):
     assert os.listdir(cache) == [os.path.basename(made.conversion_dir)]
 
 
+@AS_ANOTHER_USER
 def test_a_writable_folder_with_another_users_conversions_falls_back(shared_dir):
     """A user who can write the model folder but not another user's ``.mapoffload-converted``:
     the conversion goes to the user's own cache, the load works."""
@@ -411,6 +417,7 @@ def test_a_writable_folder_with_another_users_conversions_falls_back(shared_dir)
     assert where.startswith(os.path.join(home, ".cache", "mapoffload", "converted"))
 
 
+@AS_ANOTHER_USER
 def test_another_users_damaged_conversion_is_stepped_around_without_leftovers(shared_dir):
     """A damaged conversion another user owns, in a sticky shared cache: this user's load converts,
     cannot replace it, and says so; it loads, and leaves no ``.old.*`` or work folder behind."""
