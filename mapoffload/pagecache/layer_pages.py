@@ -26,7 +26,6 @@ from .residency import ResidencyPlan
 __all__ = ["MAPPED", "LayerPages", "PagedLayer", "PagedPart", "PagedWeight"]
 
 
-
 class PagedWeight(Protocol):
     """What the page cache reads of one weight (``offload.stores.Weight``)."""
 
@@ -76,7 +75,7 @@ class LayerPages:
         # used before under this plan must find its pages resident at its next use.
         self.watch = False  # the thin share is in use: note what is missing
         self._used: set[int] = set()  # cached layers used since the plan
-        self._missing = 0  # bytes of cached layers (and parts read ahead) found missing at a use, since take_missing()
+        self._missing = 0  # bytes of cached layers found missing at a use, since take_missing() (parts: PartReads)
         self._advised: list = []  # spans given MADV_RANDOM, set back to normal on close
         self.letting_go: Future | None = None  # the last let-go (see before_streamed_read)
         self.parts = PartReads(self)  # streamed layers read part by part, the next parts read ahead
