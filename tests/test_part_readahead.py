@@ -478,3 +478,66 @@ def test_freed_memory_goes_back_before_each_streamed_layer_only_below_a_layer(ck
                 assert torch.equal(model(x), want)
             counts.append(len(trims))
     assert counts[0] - counts[1] == BLOCKS and counts[1] <= 1, counts  # once a forward at most, where measured
+
+
+class SmallFirst(nn.Module):
+    """Three 256 KiB projections, then one of 768 KiB (the largest part) that takes their outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(W, W // 4, bias=False) for _ in range(3))
+        self.big = nn.Linear(3 * (W // 4), W, bias=False)
+
+    def forward(self, x):
+        return x + self.big(torch.tanh(torch.cat([self.a(x), self.b(x), self.c(x)], -1)))
+
+
+def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir, cap):
+    """The window is ``1 + depth`` of the largest part, in bytes: behind the small parts the largest one
+    fits too, so its read begins while the first small part computes (with one part ahead counted as a
+    part, it began only once the last small part was about to run). Never more than the window cached."""
+    torch.manual_seed(0)
+    path, x, want = save_reference(Stack(BLOCKS, HEAD, block_cls=SmallFirst), torch.randn(3, W),
+                                   tmp_file_dir / "small_first.safetensors")
+    drop_page_cache(str(path))
+    big = 3 * (W // 4) * W * 4
+    cap(IN_USE + MARGIN + W * HEAD * 4 + 2 * big + big // 4)  # two of the largest part and a quarter
+    model = mapped_from(path, lambda: Stack(BLOCKS, HEAD, block_cls=SmallFirst))
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    plan = mgr.residency
+    assert plan.unit == PART and plan.depth == 1 and plan.window_bytes == 2 * big, plan.describe()
+    began: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+    real = pages_module.read_in
+
+    def read_in(spans, what="weights", *args, **kw):
+        with lock:
+            began.setdefault(what, threading.Event()).set()
+        return real(spans, what, *args, **kw)
+
+    waited: list[bool] = []
+    peaks: list[int] = []
+
+    def before_b(i):
+        def hook(module, args):  # a has computed, b is about to: the largest part's read has begun
+            with lock:
+                event = began.setdefault(f"layer {i} (blocks.{i}.big)", threading.Event())
+            waited.append(event.wait(5))
+            peaks.append(resident(mgr))
+        return hook
+
+    with mgr, torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mgr.register_forward_hooks()
+        mp.setattr(pages_module, "read_in", read_in)
+        assert torch.equal(model(x), want)  # the order learnt
+        mgr.parts.pages.settle()
+        with lock:
+            began.clear()
+        handles = [model.blocks[i].b.register_forward_pre_hook(before_b(i)) for i in range(BLOCKS)]
+        handles += [model.blocks[i].big.register_forward_hook(lambda *a: peaks.append(resident(mgr)))
+                    for i in range(BLOCKS)]
+        assert torch.equal(model(x), want)
+        for h in handles:
+            h.remove()
+    assert len(waited) == BLOCKS and all(waited), waited
+    assert max(peaks) <= 2 * big + EDGES, [p / MIB for p in peaks]

@@ -2,12 +2,12 @@
 
 Where the page-cache plan holds less than one layer (``ResidencyPlan.parts``), a streamed layer is read
 in part by part: each part (a submodule holding some of the layer's weights, ``PagedLayer.parts``) is read
-in before it runs and let go after. While a part computes, the reads of the ``plan.depth`` parts that ran
-after it the last time run on the page worker (issue 43). The order is learnt as the parts run: a forward
-that goes another way reads on demand, as without read-ahead, and a part read ahead that is not among
-the next ones now is let go first. The page worker runs the reads in the order asked, after the let-go of
-the part that ran before, so no more than ``1 + depth`` parts are in the page cache at once: the plan's
-window.
+in before it runs and let go after. While a part computes, the reads of the parts that ran after it the
+last time run on the page worker, as many as fit the plan's window beside it (issue 43). The order is
+learnt as the parts run: a forward that goes another way reads on demand, as without read-ahead, and a
+part read ahead that is not among the next ones now is let go first. The page worker runs the reads in the order asked, after the let-go of
+the part that ran before, so no more than the plan's window (``1 + depth`` of the largest part, in
+bytes) is in the page cache at once.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class PartReads:
 
     def enter(self, i: int, k: int) -> Future | None:
         """Part ``k`` of streamed layer ``i`` is about to run: its read (started ahead, or now), and the
-        reads of the ``plan.depth`` parts that ran after it the last time started behind it; a part read
-        ahead that is not among those now is let go first."""
+        reads of the parts that ran after it the last time and fit the window beside it (:meth:`_next`)
+        started behind it; a part read ahead that is not among those now is let go first."""
         key = (i, k)
         with self._lock:
             if self._last is not None and self._last != key:
@@ -137,16 +137,29 @@ class PartReads:
         return max(0, spans.total_bytes - sum(_core.resident_bytes(spans))) if len(spans) else 0
 
     def _next(self, key: tuple[int, int]) -> list[tuple[int, int]]:
-        """The parts to read ahead of ``key``: the ``plan.depth`` that ran after it, streamed ones only."""
+        """The parts to read ahead of ``key``: those that ran after it the last time, in that order, streamed
+        ones only, as many as fit the plan's window beside it. The window is counted in bytes (``1 + depth``
+        of the largest part): behind a small part (a norm, an attention projection) more than ``depth``
+        parts fit, so the read of a large one begins while the small ones before it compute (issue 43)."""
         plan = self._pages.plan
+        if plan is None or not plan.parts or not plan.readahead:
+            return []
+        room = plan.window_bytes - self._bytes(key)
         out: list[tuple[int, int]] = []
         p = key
-        for _ in range(plan.depth if plan is not None and plan.parts else 0):
+        while True:
             p = self._after.get(p)
             if p is None or p == key or p in out or not self._pages.streams(p[0]):
                 break
+            room -= self._bytes(p)
+            if room < 0:
+                break
             out.append(p)
         return out
+
+    def _bytes(self, p: tuple[int, int]) -> int:
+        """Mapped bytes of part ``p`` (as its reads count them)."""
+        return self._part(*p)[0].total_bytes
 
     def let_go_ahead(self) -> None:
         """Let go the parts read ahead that did not run (a forward that ended, or raised, before them),

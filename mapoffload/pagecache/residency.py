@@ -121,7 +121,7 @@ class ResidencyPlan:
     @property
     def window_layers(self) -> int:
         """Streamed layers in memory at once: the one computing and the ``depth`` read ahead of it; read
-        part by part, one (the parts read ahead are ``depth`` parts, counted in :attr:`window_bytes`)."""
+        part by part, one (the parts read ahead fill :attr:`window_bytes` beside the one computing)."""
         return 1 if self.parts else 1 + self.depth
 
     @property
