@@ -30,7 +30,8 @@ read a SIGBUS that kills the process; a check of the mapped file's size turns it
 weights every forward reads whole (a head, norms) beside the streaming window
 (``ResidencyPlan.always_streamed``), each module holding them reads them in before it runs (where they fit
 the room; else its own faults read them, 2 MiB folios at a time under ``MADV_HUGEPAGE`` +
-``MADV_RANDOM``) and lets them go after it ran, so that they never push the layers' pages out. The lookup
+``MADV_RANDOM``, or a linear head's chunks of rows where they compute its bits: :class:`RowChunks`) and
+lets them go after it ran, so that they never push the layers' pages out. The lookup
 tables (embeddings no head shares) are set ``MADV_RANDOM``: a lookup faults a few rows, and a fault's
 read-around read 131-216 MiB of a 125 MiB table per forward under a tight cap.
 
@@ -68,9 +69,8 @@ if TYPE_CHECKING:
     from .stores import LayerStore
 
 __all__ = [
-    "LayerTurn", "OffloadedGradientError", "OutsideWeights", "StackRuntime", "outside_tensors", "read_ahead",
-    "refuse_recorded_graph",
-    "refuse_weight_gradients",
+    "LayerTurn", "OffloadedGradientError", "OutsideWeights", "RowChunks", "StackRuntime", "outside_tensors",
+    "read_ahead", "refuse_recorded_graph", "refuse_weight_gradients",
 ]
 
 
@@ -578,8 +578,8 @@ class _StreamedModule:
 
     Where they are larger than ``unit`` (the plan's streaming window), reading them in whole would push
     out the pages the plan keeps: the module's own faults read them as it computes (advised by the page
-    worker), and they are let go after. The module computes as it would without a manager (one matmul:
-    a matmul over chunks of a head's rows was not bit-equal to the whole one with more than one thread).
+    worker), and they are let go after. The module computes as it would without a manager (one matmul),
+    except where a :class:`RowChunks` has found the matmul over chunks of its rows bit-equal to it.
 
     Its hooks are :class:`~.hooks.Hook` s: a model is not copied or pickled while they are on (as the
     layers' hooks)."""
@@ -595,11 +595,16 @@ class _StreamedModule:
         self.bytes = self.spans.total_bytes
         self.read_whole = not unit or self.bytes <= unit
         worker.advise(self.spans, self.extents)
+        self.rows = None if self.read_whole else RowChunks.of(module, name, tensors, worker, files, maps, unit)
         if not self.read_whole:
             logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
-                        "it computes, let go after", name, format_bytes(self.bytes), format_bytes(unit))
+                        "it computes%s, let go after", name, format_bytes(self.bytes), format_bytes(unit),
+                        "" if self.rows is None else f" (or in {len(self.rows.chunks)} chunks of its rows where "
+                        "that computes bit-equal: RowChunks)")
         self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
                       module.register_forward_hook(Hook(self.after), always_call=True).remove]
+        if self.rows is not None:
+            self._undo.append(wrap_forward(module, Hook(self.rows.forward)).remove)
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -614,3 +619,136 @@ class _StreamedModule:
     def after(self, module, args, output) -> None:
         self.worker.let_go(self.spans, self.extents)
         self.worker.drain()  # done before anything can write the weights in place (PageWorker.drain)
+
+
+class RowChunks:
+    """A linear module's weight larger than the room, computed over chunks of its rows where that is exact.
+
+    A head larger than the room is read by its own faults as its one matmul runs, and the matmul walks
+    the weight more than once: the 125 MiB head of a 1.64 GiB Llama read 787 MB a forward that way (6.3x),
+    a third of the forward's reads (issue 43). Over chunks of its rows (each ``F.linear`` of the input and
+    the chunk's rows, into the output's columns), each chunk is read in whole on the page worker while
+    the one before it computes, and let go after: the weight is read once, two chunks at a time in the
+    room (``unit``: a chunk is half of it).
+
+    Whether the chunks compute the same bits as the whole matmul is the BLAS's matter: it picks its
+    blocking and kernels by the shapes, strides, alignment and threads, never by the values, and the
+    outputs are equal on some machines and not on others (issue 41: not on an Intel Xeon; on an AMD EPYC
+    they were). So it is checked, once per kind of input (:meth:`signature`): the first call of a kind
+    computes the whole matmul (read by its faults, as without chunks) and the chunks, returns the whole
+    one, and keeps the chunks for later calls of that kind only where every output bit was equal. Where
+    not, that kind is computed whole from then on (logged once). The check holds one chunk's output beside
+    the whole one at a time. Gradients are never taken through the chunks (a call that records autograd
+    computes whole).
+    """
+
+    def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple) -> None:
+        self.module, self.name, self.weight, self.worker = module, name, weight, worker
+        self.chunks = chunks  # (first row, end row, spans, extents, edges) of each chunk
+        self.whole = whole  # (spans, extents) of the whole weight: the pages two chunks share let go too
+        self.exact: dict[tuple, bool] = {}  # signature -> the chunks computed the whole matmul's bits
+        self.chunked_calls = 0
+
+    @classmethod
+    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int):
+        """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
+        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks."""
+        import torch
+
+        from ..memory.regions import tensor_extent
+        from ..pagecache.pages import folio_edges
+
+        linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+        weight = module._parameters.get("weight") if linear else None
+        if (weight is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu"
+                or not any(t.data_ptr() == weight.data_ptr() for t in tensors) or "forward" in vars(module)):
+            return None
+        row = weight.shape[1] * weight.element_size()
+        per = (unit // 2) // row if row else 0
+        if per < 1 or per >= weight.shape[0]:
+            return None
+        chunks = []
+        for lo in range(0, weight.shape[0], per):
+            hi = min(lo + per, weight.shape[0])
+            spans = layer_spans([tensor_extent(weight[lo:hi])])
+            chunks.append((lo, hi, spans, file_extents(spans, files, maps), folio_edges(spans, maps)))
+        whole = layer_spans([tensor_extent(weight)])
+        return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)))
+
+    def signature(self, x, weight, bias) -> tuple:
+        """What the BLAS chooses its blocking by: shapes, strides, dtypes, alignment, threads."""
+        import torch
+
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.data_ptr() % 64, weight.dtype, bias is None,
+                bias.dtype if bias is not None else None, torch.get_num_threads())
+
+    def forward(self, *args, **kwargs):
+        """The module's forward (``nn.Linear.forward``'s one input, by position or as ``input=``): whole,
+        or over the chunks where a call of this kind was found exact."""
+        import torch
+        import torch.nn.functional as F
+
+        module = self.module
+        x = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        records = isinstance(x, torch.Tensor) and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weight, bias))
+        if (not isinstance(x, torch.Tensor) or weight is not self.weight or records or x.device.type != "cpu"
+                or type(module).forward is not torch.nn.Linear.forward):
+            return _class_forward(module)(*args, **kwargs)
+        key = self.signature(x, weight, bias)
+        exact = self.exact.get(key)
+        if exact is False:
+            return F.linear(x, weight, bias)
+        if exact is None:
+            whole = F.linear(x, weight, bias)  # as without chunks: read by its faults
+            self.exact[key] = exact = all(_same_bits(part, whole[..., lo:hi]) for lo, hi, part in
+                                          self.parts(x, weight, bias))  # one chunk's output beside it at a time
+            logger.info("%s: its matmul over %d chunks of rows %s the whole one for inputs of shape %s on %d "
+                        "threads: %s", self.name, len(self.chunks), "computes every bit of" if exact else
+                        "does not compute the bits of", tuple(x.shape), torch.get_num_threads(),
+                        "chunks read one ahead from now on" if exact else "computed whole (read by its faults)")
+            return whole
+        self.chunked_calls += 1
+        out = None
+        for lo, hi, part in self.parts(x, weight, bias):
+            if out is None:
+                out = torch.empty(*part.shape[:-1], weight.shape[0], dtype=part.dtype, device=part.device)
+            out[..., lo:hi] = part
+        return out
+
+    def parts(self, x, weight, bias):
+        """``(first row, end row, F.linear over those rows)`` of each chunk in turn, each chunk read in on
+        the page worker while the one before computes, and let go after. Left early (an error, a
+        KeyboardInterrupt, a check that found a chunk unequal), what was read ahead is let go."""
+        import torch.nn.functional as F
+
+        n = len(self.chunks)
+        reads: list = [None] * n
+        done = False
+        try:
+            reads[0] = self._read(0)
+            for j, (lo, hi, spans, extents, _) in enumerate(self.chunks):
+                if j + 1 < n:
+                    reads[j + 1] = self._read(j + 1)  # queued after the let-go of the chunk before
+                reads[j].result()
+                yield lo, hi, F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
+                self.worker.let_go(spans, extents)
+            done = True
+        finally:
+            if not done:
+                self.worker.let_go(*self.whole)  # queued after the reads in flight
+                self.worker.drain()
+
+    def _read(self, j: int):
+        lo, hi, spans, extents, edges = self.chunks[j]
+        return self.worker.read_in(spans, f"{self.name} (rows {lo}-{hi})", edges, extents)
+
+
+def _same_bits(a, b) -> bool:
+    """Every bit of ``a`` equals ``b``'s (NaNs and signed zeros included)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

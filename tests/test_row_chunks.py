@@ -1,0 +1,192 @@
+"""A head larger than the room, computed over chunks of its rows where that is exact (issue 43).
+
+The stack of ``test_attack_room`` (3 blocks of 2 MiB parts, a 3 MiB head) under its tight fake cap: the
+layers are read part by part, the head streamed with a window of one part (2 MiB), so its rows come in
+chunks of 1 MiB (3 chunks), each read on the page worker while the one before computes. Whether the
+chunks compute the whole matmul's bits is this machine's BLAS's matter: the first call of a kind of
+input checks it. These tests force the check's answer where they test what follows from it, and then
+compare with the chunked computation itself, so that they hold on every CPU kind.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
+from mapoffload.offload import runtime
+
+from stacks import io_read_bytes
+from test_attack_room import HEAD_BYTES, IN_USE, MARGIN, MIB, W, checkpoint, mapped, plain, row_chunks, tight
+
+CHUNK = MIB  # half the window (one 2 MiB part)
+EDGES = 2 * 4 << 10  # a page at each end of the head may stay
+
+
+def engaged(path, cap, x, want):
+    """The manager, hooks on, after one forward (the head is streamed from the first forward on; the
+    kind of ``x`` checked by it)."""
+    cap(tight())
+    model = mapped(path)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr.register_forward_hooks()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    plan = mgr.residency
+    assert plan.always_streamed and plan.window_bytes == 2 * CHUNK, plan.describe()
+    rows = row_chunks(model.head)
+    assert rows is not None and len(rows.chunks) == HEAD_BYTES // CHUNK, rows
+    return model, mgr, rows
+
+
+def by_chunks(head, h):
+    """What the chunks compute: ``F.linear`` over 512 rows at a time."""
+    w = head.weight
+    per = CHUNK // (W * 4)
+    return torch.cat([F.linear(h, w[lo:lo + per]) for lo in range(0, w.shape[0], per)], -1)
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    from fake_cgroups import fake_cap
+
+    return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
+
+
+def test_where_the_check_finds_the_chunks_exact_they_read_the_head_once_two_chunks_at_a_time(
+        tmp_file_dir, cap, monkeypatch, caplog):
+    path, x, want = checkpoint(tmp_file_dir)
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, rows = engaged(path, cap, x, want)
+    head = model.head.weight
+    seen: list[int] = []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        if weight.data_ptr() != head.data_ptr() or weight.shape[0] != head.shape[0]:  # a chunk of the head
+            if head.data_ptr() <= weight.data_ptr() < head.data_ptr() + HEAD_BYTES:
+                seen.append(sum(resident_bytes([head])))
+        return real(inp, weight, bias)
+
+    h = torch.randn(4, W)
+    with mgr, torch.no_grad(), caplog.at_level(logging.INFO, logger="mapoffload"):
+        first = model.head(h)  # the check: the whole matmul returned
+        assert torch.equal(first, plain(path).head(h))
+        assert "computes every bit of the whole one" in caplog.text, caplog.text
+        drop_page_cache(str(path))
+        monkeypatch.setattr(F, "linear", linear)
+        before = io_read_bytes()
+        for _ in range(2):
+            got = model.head(torch.randn(4, W))
+        read = (io_read_bytes() - before) / 2
+        monkeypatch.setattr(F, "linear", real)
+        assert rows.chunked_calls == 2
+        h2 = torch.randn(4, W)
+        got2 = model.head(h2)
+        mgr.parts.pages.worker.drain()
+        assert sum(resident_bytes([head])) <= EDGES  # let go after
+        assert torch.equal(got2, by_chunks(model.head, h2))
+    assert got.shape == (4, HEAD_BYTES // (W * 4))
+    assert 0.9 * HEAD_BYTES <= read <= 1.1 * HEAD_BYTES, read / HEAD_BYTES
+    # The chunk computing and the one read ahead: never more than the window.
+    assert len(seen) == 2 * len(rows.chunks) and max(seen) <= 2 * CHUNK + EDGES, [s / MIB for s in seen]
+
+
+def test_where_the_check_finds_them_inexact_the_head_computes_whole(tmp_file_dir, cap, monkeypatch, caplog):
+    path, x, want = checkpoint(tmp_file_dir)
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: False)
+    model, mgr, rows = engaged(path, cap, x, want)
+    ref = plain(path)
+    with mgr, torch.no_grad(), caplog.at_level(logging.INFO, logger="mapoffload"):
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+            h = torch.randn(2, 5, W)
+            assert torch.equal(model.head(h), ref.head(h))
+    assert rows.chunked_calls == 0 and set(rows.exact.values()) == {False}, rows.exact
+    assert "does not compute the bits of the whole one" in caplog.text
+
+
+def test_each_kind_of_input_is_checked_once(tmp_file_dir, cap, monkeypatch):
+    path, x, want = checkpoint(tmp_file_dir)
+    checks = []
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(a.shape) or True)
+    model, mgr, rows = engaged(path, cap, x, want)
+    with mgr, torch.no_grad():
+        for shape in [(3, W), (3, W), (1, 3, W), (3, W), (1, 3, W)]:
+            model.head(torch.randn(shape))
+        model.head(torch.randn(3, 2 * W)[:, :W])  # other strides: another kind
+    # (3, W) was checked by the forward in engaged(); (1, 3, W) and the strided one here.
+    assert len(rows.exact) == 3 and rows.chunked_calls == 4, (rows.exact, rows.chunked_calls)
+    assert len(checks) == 3 * len(rows.chunks)  # each chunk's output against the whole one's columns
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_inside_a_chunk_leaves_nothing_read_ahead(tmp_file_dir, cap, monkeypatch, error):
+    path, x, want = checkpoint(tmp_file_dir)
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, rows = engaged(path, cap, x, want)
+    head = model.head.weight
+    real = F.linear
+    calls = []
+
+    def linear(inp, weight, bias=None):
+        if weight.shape[0] < head.shape[0] and head.data_ptr() <= weight.data_ptr() < head.data_ptr() + HEAD_BYTES:
+            calls.append(1)
+            if len(calls) == 2:
+                raise error("inside the head's second chunk")
+        return real(inp, weight, bias)
+
+    with mgr, torch.no_grad():
+        model.head(torch.randn(2, W))  # checked
+        monkeypatch.setattr(F, "linear", linear)
+        with pytest.raises(error):
+            model.head(torch.randn(2, W))
+        monkeypatch.setattr(F, "linear", real)
+        assert sum(resident_bytes([head])) <= EDGES  # the chunk read ahead let go, nothing in flight
+        assert torch.equal(model(x), want)
+
+
+def test_a_call_that_records_autograd_computes_whole(tmp_file_dir, cap, monkeypatch):
+    path, x, want = checkpoint(tmp_file_dir)
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, rows = engaged(path, cap, x, want)
+    model.requires_grad_(False)
+    ref = plain(path).requires_grad_(False)
+    h = torch.randn(2, W)
+    with mgr:
+        with torch.no_grad():
+            model.head(h)
+            model.head(h)
+        assert rows.chunked_calls == 1
+        hg, rg = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+        model.head(hg).sum().backward()
+        ref.head(rg).sum().backward()
+    assert rows.chunked_calls == 1 and torch.equal(hg.grad, rg.grad)
+
+
+def test_one_bit_off_in_the_last_chunk_is_found(tmp_file_dir, cap, monkeypatch):
+    """The check compares every bit of every chunk: a chunk's matmul one ulp off in one element of the
+    last chunk (what another blocking does) makes that kind compute whole."""
+    path, x, want = checkpoint(tmp_file_dir)
+    model, mgr, rows = engaged(path, cap, x, want)
+    head = model.head.weight
+    last = rows.chunks[-1][0]
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        out = real(inp, weight, bias)
+        if weight.data_ptr() == head[last:].data_ptr() and weight.shape[0] < head.shape[0]:
+            out = out.clone()
+            out.view(-1)[-1] = torch.nextafter(out.view(-1)[-1], torch.tensor(float("inf")))
+        return out
+
+    ref = plain(path)
+    monkeypatch.setattr(F, "linear", linear)
+    with mgr, torch.no_grad():
+        for _ in range(3):
+            h = torch.randn(2, 3, W)
+            assert torch.equal(model.head(h), ref.head(h))
+    assert rows.exact[rows.signature(h, head, None)] is False and rows.chunked_calls == 0, rows.exact
