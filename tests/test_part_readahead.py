@@ -541,3 +541,57 @@ def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir,
             h.remove()
     assert len(waited) == BLOCKS and all(waited), waited
     assert max(peaks) <= 2 * big + EDGES, [p / MIB for p in peaks]
+
+
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_at_depth_0_the_smaller_parts_are_read_ahead_within_the_window(tmp_file_dir, cap, prefetch):
+    """The room holds one of the largest part (depth 0): the three small parts fit the window together,
+    so while a computes b and c are read (c's read has begun before b runs); the largest is not read
+    ahead. With ``prefetch_layers=0`` nothing is."""
+    torch.manual_seed(0)
+    path, x, want = save_reference(Stack(BLOCKS, HEAD, block_cls=SmallFirst), torch.randn(3, W),
+                                   tmp_file_dir / "small_first.safetensors")
+    drop_page_cache(str(path))
+    big = 3 * (W // 4) * W * 4
+    cap(IN_USE + MARGIN + W * HEAD * 4 + big + big // 4)
+    model = mapped_from(path, lambda: Stack(BLOCKS, HEAD, block_cls=SmallFirst))
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=prefetch)
+    plan = mgr.residency
+    assert plan.unit == PART and plan.depth == 0 and plan.window_bytes == big, plan.describe()
+    assert plan.readahead == bool(prefetch) and ("smaller parts read ahead" in plan.describe()) == bool(prefetch)
+    began: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+    real = pages_module.read_in
+
+    def read_in(spans, what="weights", *args, **kw):
+        with lock:
+            began.setdefault(what, threading.Event()).set()
+        return real(spans, what, *args, **kw)
+
+    seen: list[tuple[bool, bool]] = []  # (c's read begun, big's read begun) as b is about to run
+    peaks: list[int] = []
+
+    def before_b(i):
+        def hook(module, args):
+            with lock:
+                c = began.setdefault(f"layer {i} (blocks.{i}.c)", threading.Event())
+                b = began.setdefault(f"layer {i} (blocks.{i}.big)", threading.Event())
+            seen.append((c.wait(5 if prefetch else 0.2), b.is_set()))
+            peaks.append(resident(mgr))
+        return hook
+
+    with mgr, torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mgr.register_forward_hooks()
+        mp.setattr(pages_module, "read_in", read_in)
+        assert torch.equal(model(x), want)  # the order learnt
+        mgr.parts.pages.settle()
+        with lock:
+            began.clear()
+        handles = [model.blocks[i].b.register_forward_pre_hook(before_b(i)) for i in range(BLOCKS)]
+        handles += [model.blocks[i].big.register_forward_hook(lambda *a: peaks.append(resident(mgr)))
+                    for i in range(BLOCKS)]
+        assert torch.equal(model(x), want)
+        for h in handles:
+            h.remove()
+    assert seen == [(bool(prefetch), False)] * BLOCKS, seen
+    assert max(peaks) <= big + EDGES, [p / MIB for p in peaks]

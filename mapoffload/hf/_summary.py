@@ -137,7 +137,8 @@ def _residency(m: LayerwiseOffloadManager, mapped: int, what: str) -> tuple[str,
     after = (f" after {format_bytes(plan.always_bytes)} of other weights every forward reads"
              if plan.always_bytes and not plan.always_streamed else "")
     how = (f", part by part (the largest part {format_bytes(plan.part_bytes)}: one {what[:-1]} does not fit"
-           f"{'; the next part read while one computes' if plan.readahead else ''})"
+           f"{'; the next part read while one computes' if plan.depth else ''}"
+           f"{'; smaller parts read ahead within it' if plan.readahead and not plan.depth else ''})"
            if plan.parts else ", the next read while one computes" if plan.readahead else "")
     rest = (f"; the {format_bytes(plan.always_bytes)} of other weights every forward reads do not fit beside "
             "them: read as they run and let go after" if plan.always_streamed else "")

@@ -5,9 +5,10 @@ in part by part: each part (a submodule holding some of the layer's weights, ``P
 in before it runs and let go after. While a part computes, the reads of the parts that ran after it the
 last time run on the page worker, as many as fit the plan's window beside it (issue 43). The order is
 learnt as the parts run: a forward that goes another way reads on demand, as without read-ahead, and a
-part read ahead that is not among the next ones now is let go first. The page worker runs the reads in the order asked, after the let-go of
-the part that ran before, so no more than the plan's window (``1 + depth`` of the largest part, in
-bytes) is in the page cache at once.
+part read ahead that is not among the next ones now is let go first. The page worker runs the reads in
+the order asked, after the let-go of the part that ran before, so no more than the plan's window
+(``1 + depth`` of the largest part, in bytes) is in the page cache at once. At depth 0 (the window is
+one largest part) the smaller parts are still read ahead within it, unless ``prefetch_layers`` is 0.
 """
 
 from __future__ import annotations

@@ -59,7 +59,9 @@ class ResidencyPlan:
         Layers read from the file each forward and let go after use.
     readahead
         Whether streamed layers are read ahead while the current one
-        computes (``depth > 0``).
+        computes (``depth > 0``; part by part, also at depth 0 unless
+        ``prefetch_layers`` is 0: parts smaller than the largest, read
+        ahead within the window).
     depth
         How many streamed layers ahead of the one computing may be read
         (at most the manager's ``prefetch_layers``): the plan keeps room for
@@ -145,9 +147,9 @@ class ResidencyPlan:
         n = len(self.layer_bytes)
         if not self.streamed:
             return f"all {n} layers stay cached ({format_bytes(self.cached_bytes)} mapped)"
-        how = (f"part by part, largest part {format_bytes(self.part_bytes)}, "
-               f"{f'{self.depth} read ahead' if self.readahead else 'no readahead'}" if self.parts
-               else f"{self.depth} read ahead" if self.readahead else "no readahead")
+        ahead = (f"{self.depth} read ahead" if self.depth
+                 else "smaller parts read ahead" if self.readahead and self.parts else "no readahead")
+        how = f"part by part, largest part {format_bytes(self.part_bytes)}, {ahead}" if self.parts else ahead
         always = (f"{format_bytes(self.always_bytes)} read every forward and let go after"
                   if self.always_streamed else f"{format_bytes(self.always_bytes)} read every forward")
         return (
@@ -299,6 +301,8 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
         streamed = tuple(i for i in range(len(s)) if i not in kept)
         depth = depths[k] if streamed else prefetch[k]
         unit = PART if streamed and units[k] < max(s, default=0) else LAYER
-        plans.append(ResidencyPlan(tuple(cached[k]), streamed, depth > 0, s, total, always_bytes, depth, unit,
+        # Part by part, parts smaller than the largest are read ahead within the window even at depth 0.
+        ahead = depth > 0 or (unit == PART and prefetch[k] > 0)
+        plans.append(ResidencyPlan(tuple(cached[k]), streamed, ahead, s, total, always_bytes, depth, unit,
                                    part_sizes[k]))
     return plans
