@@ -190,3 +190,21 @@ def test_one_bit_off_in_the_last_chunk_is_found(tmp_file_dir, cap, monkeypatch):
             h = torch.randn(2, 3, W)
             assert torch.equal(model.head(h), ref.head(h))
     assert rows.exact[rows.signature(h, head, None)] is False and rows.chunked_calls == 0, rows.exact
+
+
+def test_streaming_started_afresh_keeps_what_the_checks_found(tmp_file_dir, cap, monkeypatch):
+    """A new plan streams the head afresh (new hooks, new chunks): where a chunk has the same rows, what
+    the checks found is kept, and no kind is checked twice (each check reads the head by its faults)."""
+    path, x, want = checkpoint(tmp_file_dir)
+    checks = []
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(1) or True)
+    model, mgr, rows = engaged(path, cap, x, want)
+    with mgr, torch.no_grad():
+        assert len(checks) == len(rows.chunks)  # the forward in engaged() checked (3, W)
+        mgr.parts.outside.stream(False)
+        assert "forward" not in vars(model.head)
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+        again = row_chunks(model.head)
+        assert again is not rows and again.chunked_calls == 2
+    assert len(checks) == len(rows.chunks)

@@ -482,6 +482,8 @@ class OutsideWeights:
         self._stream_key: tuple | None = None  # (the outside weights' key, the unit) it was streamed for
         self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
+        # What RowChunks found, by module, weight and rows a chunk: kept when streaming starts afresh (a new plan).
+        self._verdicts: dict[tuple, dict[tuple, bool]] = {}
         self._extents: list[Extent] = []
         self._advised = None  # the lookup tables' spans, MADV_RANDOM while the guard is open
         self.table_bytes = 0  # bytes of the lookup tables advised
@@ -548,7 +550,7 @@ class OutsideWeights:
             mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
             if mine:
                 name = names.get(id(module)) or type(module).__name__
-                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit)
+                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit, self._verdicts)
                 self._streamed.append(job.remove)
                 self.streamed_bytes += job.bytes
         if self._streamed:
@@ -584,7 +586,8 @@ class _StreamedModule:
     Its hooks are :class:`~.hooks.Hook` s: a model is not copied or pickled while they are on (as the
     layers' hooks)."""
 
-    def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int) -> None:
+    def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int,
+                 verdicts: dict | None = None) -> None:
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
 
@@ -595,7 +598,8 @@ class _StreamedModule:
         self.bytes = self.spans.total_bytes
         self.read_whole = not unit or self.bytes <= unit
         worker.advise(self.spans, self.extents)
-        self.rows = None if self.read_whole else RowChunks.of(module, name, tensors, worker, files, maps, unit)
+        self.rows = (None if self.read_whole
+                     else RowChunks.of(module, name, tensors, worker, files, maps, unit, verdicts))
         if not self.read_whole:
             logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
                         "it computes%s, let go after", name, format_bytes(self.bytes), format_bytes(unit),
@@ -642,17 +646,20 @@ class RowChunks:
     computes whole).
     """
 
-    def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple) -> None:
+    def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple,
+                 exact: dict[tuple, bool] | None = None) -> None:
         self.module, self.name, self.weight, self.worker = module, name, weight, worker
         self.chunks = chunks  # (first row, end row, spans, extents, edges) of each chunk
         self.whole = whole  # (spans, extents) of the whole weight: the pages two chunks share let go too
-        self.exact: dict[tuple, bool] = {}  # signature -> the chunks computed the whole matmul's bits
+        self.exact = {} if exact is None else exact  # signature -> the chunks computed the whole matmul's bits
         self.chunked_calls = 0
 
     @classmethod
-    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int):
+    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int,
+           verdicts: dict | None = None):
         """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
-        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks."""
+        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks. ``verdicts``:
+        where the checks of earlier chunks of the same rows are kept (the streaming started afresh)."""
         import torch
 
         from ..memory.regions import tensor_extent
@@ -665,6 +672,7 @@ class RowChunks:
             return None
         row = weight.shape[1] * weight.element_size()
         per = (unit // 2) // row if row else 0
+        per = 1 << (per.bit_length() - 1) if per else 0  # a power of two: a plan that moves a little keeps the chunks
         if per < 1 or per >= weight.shape[0]:
             return None
         chunks = []
@@ -673,7 +681,8 @@ class RowChunks:
             spans = layer_spans([tensor_extent(weight[lo:hi])])
             chunks.append((lo, hi, spans, file_extents(spans, files, maps), folio_edges(spans, maps)))
         whole = layer_spans([tensor_extent(weight)])
-        return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)))
+        exact = None if verdicts is None else verdicts.setdefault((id(module), weight.data_ptr(), per), {})
+        return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
 
     def signature(self, x, weight, bias) -> tuple:
         """What the BLAS chooses its blocking by: shapes, strides, dtypes, alignment, threads."""
