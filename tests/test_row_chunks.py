@@ -208,3 +208,18 @@ def test_streaming_started_afresh_keeps_what_the_checks_found(tmp_file_dir, cap,
         again = row_chunks(model.head)
         assert again is not rows and again.chunked_calls == 2
     assert len(checks) == len(rows.chunks)
+
+
+def test_a_deeper_window_keeps_the_same_chunks(tmp_file_dir, cap):
+    """The chunks are two to the one part (or layer) the window holds ``1 + depth`` of, not to the window:
+    a plan whose depth moves keeps them (and what their checks found)."""
+    path, x, want = checkpoint(tmp_file_dir)
+    model, mgr, rows = engaged(path, cap, x, want)
+    step = mgr.residency.window_bytes // (1 + mgr.residency.depth)
+    with mgr:
+        outside = mgr.parts.outside
+        outside.stream(False)
+        outside.stream(True, 3 * step, step)  # as at depth 2
+        deeper = row_chunks(model.head)
+        assert [c[:2] for c in deeper.chunks] == [c[:2] for c in rows.chunks]
+        assert deeper.exact is rows.exact

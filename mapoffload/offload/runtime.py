@@ -187,7 +187,10 @@ class StackRuntime:
         self.reads.choose()
         self.outside.check()
         plan = self.member.residency
-        self.outside.stream(plan is not None and plan.always_streamed, plan.window_bytes if plan is not None else 0)
+        if plan is None:
+            self.outside.stream(False)
+        else:  # the window, and the one unit it holds 1 + depth of (a layer or a part): the chunks' room
+            self.outside.stream(plan.always_streamed, plan.window_bytes, plan.window_bytes // (1 + plan.depth))
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
         self._forward.on = True  # in a forward of the model: parts read ahead may cross from layer to layer
         self.sequencer.pages.parts.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
@@ -522,12 +525,14 @@ class OutsideWeights:
         """Whether the always-read weights are streamed now (see :meth:`stream`)."""
         return bool(self._streamed)
 
-    def stream(self, on: bool, unit: int = 0) -> None:
+    def stream(self, on: bool, unit: int = 0, step: int = 0) -> None:
         """Stream the weights outside the layers that every forward reads whole (``on``), or keep them
         cached as the kernel does (``off``): each module holding them reads them in before it runs and
-        lets them go after; one whose weights exceed ``unit`` bytes (the plan's streaming window: a layer,
-        or a part) is read by its own faults instead of in one read. Idempotent; hooks and advice are
-        put back when it stops."""
+        lets them go after; one whose weights exceed ``unit`` bytes (the plan's streaming window) is read
+        by its own faults instead of in one read, or in chunks of its rows (:class:`RowChunks`) two to a
+        ``step`` (the one layer or part the window holds ``1 + depth`` of; 0: ``unit``): chunks that do
+        not change with the depth, so that what their checks found holds when the depth does. Idempotent;
+        hooks and advice are put back when it stops."""
         if not on:
             for undo in self._streamed:
                 undo()
@@ -550,7 +555,8 @@ class OutsideWeights:
             mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
             if mine:
                 name = names.get(id(module)) or type(module).__name__
-                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit, self._verdicts)
+                job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit,
+                                      (self._verdicts, step or unit))
                 self._streamed.append(job.remove)
                 self.streamed_bytes += job.bytes
         if self._streamed:
@@ -587,7 +593,7 @@ class _StreamedModule:
     layers' hooks)."""
 
     def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int,
-                 verdicts: dict | None = None) -> None:
+                 chunking: tuple[dict, int] | None = None) -> None:
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
 
@@ -598,8 +604,9 @@ class _StreamedModule:
         self.bytes = self.spans.total_bytes
         self.read_whole = not unit or self.bytes <= unit
         worker.advise(self.spans, self.extents)
+        verdicts, step = chunking if chunking is not None else (None, unit)
         self.rows = (None if self.read_whole
-                     else RowChunks.of(module, name, tensors, worker, files, maps, unit, verdicts))
+                     else RowChunks.of(module, name, tensors, worker, files, maps, step, verdicts))
         if not self.read_whole:
             logger.info("%s (%s) does not fit the %s the page-cache plan streams in: read by its own faults as "
                         "it computes%s, let go after", name, format_bytes(self.bytes), format_bytes(unit),
@@ -633,7 +640,7 @@ class RowChunks:
     a third of the forward's reads (issue 43). Over chunks of its rows (each ``F.linear`` of the input and
     the chunk's rows, into the output's columns), each chunk is read in whole on the page worker while
     the one before it computes, and let go after: the weight is read once, two chunks at a time in the
-    room (``unit``: a chunk is half of it).
+    room (a chunk is half of the one layer or part the window holds ``1 + depth`` of).
 
     Whether the chunks compute the same bits as the whole matmul is the BLAS's matter: it picks its
     blocking and kernels by the shapes, strides, alignment and threads, never by the values, and the
@@ -655,10 +662,11 @@ class RowChunks:
         self.chunked_calls = 0
 
     @classmethod
-    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int,
+    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, step: int,
            verdicts: dict | None = None):
         """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
-        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks. ``verdicts``:
+        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks, each at most
+        half of ``step`` (the one computing and the one read ahead) and a power of two rows. ``verdicts``:
         where the checks of earlier chunks of the same rows are kept (the streaming started afresh)."""
         import torch
 
@@ -671,7 +679,7 @@ class RowChunks:
                 or not any(t.data_ptr() == weight.data_ptr() for t in tensors) or "forward" in vars(module)):
             return None
         row = weight.shape[1] * weight.element_size()
-        per = (unit // 2) // row if row else 0
+        per = (step // 2) // row if row else 0
         per = 1 << (per.bit_length() - 1) if per else 0  # a power of two: a plan that moves a little keeps the chunks
         if per < 1 or per >= weight.shape[0]:
             return None
