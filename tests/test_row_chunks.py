@@ -219,7 +219,7 @@ def test_a_deeper_window_keeps_the_same_chunks(tmp_file_dir, cap):
     with mgr:
         outside = mgr.parts.outside
         outside.stream(False)
-        outside.stream(True, 3 * step, step)  # as at depth 2
+        outside.stream(True, HEAD_BYTES - 1, step)  # a larger window, that still does not hold the head
         deeper = row_chunks(model.head)
         assert [c[:2] for c in deeper.chunks] == [c[:2] for c in rows.chunks]
         assert deeper.exact is rows.exact
