@@ -223,3 +223,60 @@ def test_a_deeper_window_keeps_the_same_chunks(tmp_file_dir, cap):
         deeper = row_chunks(model.head)
         assert [c[:2] for c in deeper.chunks] == [c[:2] for c in rows.chunks]
         assert deeper.exact is rows.exact
+
+
+def test_calls_the_chunks_do_not_fit_compute_as_the_module_does(tmp_file_dir, cap):
+    """Found by an attack on the first version: a weight whose data was replaced (the same Parameter)
+    got the old chunks (its new rows left uninitialised); sparse, nested and functorch-wrapped inputs
+    raised where ``nn.Linear`` computes; autocast reused an fp32 verdict. Each computes as the module
+    does, and none takes the chunks."""
+    path, x, want = checkpoint(tmp_file_dir)
+    model, mgr, rows = engaged(path, cap, x, want)
+    h = torch.randn(3, W)
+    with mgr, torch.no_grad():
+        model.head(h)
+        assert rows.chunked_calls == 1  # (3, W) was checked in engaged()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model.head(h), F.linear(h.bfloat16(), model.head.weight.bfloat16()))
+        assert torch.allclose(model.head(h.to_sparse()), F.linear(h, model.head.weight), atol=1e-5)  # its own sums
+        nested = torch.nested.nested_tensor([torch.randn(2, W), torch.randn(3, W)])
+        assert torch.equal(model.head(nested)[1], F.linear(nested, model.head.weight)[1])
+        w = model.head.weight
+        assert torch.equal(torch.vmap(model.head)(h), torch.vmap(lambda r: F.linear(r, w))(h))
+        assert rows.chunked_calls == 1
+        bigger = torch.randn(rows.weight.shape[0] + 512, W)
+        model.head.weight.data = bigger  # the same Parameter, other data
+        assert torch.equal(model.head(h), F.linear(h, bigger))
+        assert rows.chunked_calls == 1
+
+
+def test_a_keyboard_interrupt_in_the_check_leaves_nothing_resident(tmp_file_dir, cap, monkeypatch):
+    """Its traceback kept (as a REPL keeps ``sys.last_traceback``): the chunks' generator is closed
+    anyway, so what it read ahead is let go."""
+    path, x, want = checkpoint(tmp_file_dir)
+    model, mgr, rows = engaged(path, cap, x, want)
+
+    def same(a, b):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "_same_bits", same)
+    kept = []
+    with mgr, torch.no_grad():
+        try:
+            model.head(torch.randn(7, W))
+        except KeyboardInterrupt as e:
+            kept.append(e)
+        assert sum(resident_bytes([model.head.weight])) <= EDGES
+
+
+def test_the_kinds_checked_are_bounded(tmp_file_dir, cap, monkeypatch):
+    """Each check reads the head twice; a prompt length a kind (a last-token slice's strides carry it):
+    past ``MAX_KINDS`` kinds, a new one computes whole, unchecked."""
+    path, x, want = checkpoint(tmp_file_dir)
+    monkeypatch.setattr(runtime, "MAX_KINDS", 4)
+    model, mgr, rows = engaged(path, cap, x, want)
+    with mgr, torch.no_grad():
+        for n in range(5, 12):
+            h = torch.randn(1, n, W)[:, -1:, :]
+            assert torch.equal(model.head(h), F.linear(h, model.head.weight))  # the whole matmul, as the module's
+    assert len(rows.exact) == 4

@@ -45,6 +45,7 @@ would compute a backward from other layers' weights, so such a forward is refuse
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -632,6 +633,9 @@ class _StreamedModule:
         self.worker.drain()  # done before anything can write the weights in place (PageWorker.drain)
 
 
+MAX_KINDS = 16  # kinds of input RowChunks checks; later ones compute whole (each check reads the head twice)
+
+
 class RowChunks:
     """A linear module's weight larger than the room, computed over chunks of its rows where that is exact.
 
@@ -649,8 +653,10 @@ class RowChunks:
     computes the whole matmul (read by its faults, as without chunks) and the chunks, returns the whole
     one, and keeps the chunks for later calls of that kind only where every output bit was equal. Where
     not, that kind is computed whole from then on (logged once). The check holds one chunk's output beside
-    the whole one at a time. Gradients are never taken through the chunks (a call that records autograd
-    computes whole).
+    the whole one at a time. Past :data:`MAX_KINDS` kinds (a last-token slice's strides carry the prompt's
+    length), new kinds compute whole unchecked. What the chunks do not fit computes as the module does
+    (:meth:`_plain`): autograd recorded, autocast, sparse, nested or functorch-wrapped inputs, a weight
+    whose data was replaced since the chunks were cut.
     """
 
     def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple,
@@ -659,6 +665,7 @@ class RowChunks:
         self.chunks = chunks  # (first row, end row, spans, extents, edges) of each chunk
         self.whole = whole  # (spans, extents) of the whole weight: the pages two chunks share let go too
         self.exact = {} if exact is None else exact  # signature -> the chunks computed the whole matmul's bits
+        self.cut = (weight.data_ptr(), weight.shape, weight.stride())  # the weight the chunks' spans were cut from
         self.chunked_calls = 0
 
     @classmethod
@@ -693,11 +700,32 @@ class RowChunks:
         return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
 
     def signature(self, x, weight, bias) -> tuple:
-        """What the BLAS chooses its blocking by: shapes, strides, dtypes, alignment, threads."""
+        """What the BLAS chooses its blocking by: shapes, strides, dtypes, alignment, threads, and the
+        settings that pick another kernel (oneDNN on or off, the fp32 matmul precision)."""
         import torch
 
         return (tuple(x.shape), tuple(x.stride()), x.dtype, x.data_ptr() % 64, weight.dtype, bias is None,
-                bias.dtype if bias is not None else None, torch.get_num_threads())
+                bias.dtype if bias is not None else None, torch.get_num_threads(),
+                torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision())
+
+    def _plain(self, x, weight, bias) -> bool:
+        """Whether this call may take the chunks (else the module's own forward): a plain strided CPU tensor
+        (not sparse, nested or a functorch transform's), the weight the chunks were cut from (the same
+        storage, shape and strides), no autograd recorded, no autocast, ``nn.Linear``'s own forward."""
+        import torch
+
+        if not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested or x.device.type != "cpu":
+            return False
+        wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+        if wrapped is not None and wrapped(x):
+            return False
+        if weight is not self.weight or (weight.data_ptr(), weight.shape, weight.stride()) != self.cut:
+            return False
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            return False
+        if torch.is_autocast_enabled("cpu"):
+            return False
+        return type(self.module).forward is torch.nn.Linear.forward
 
     def forward(self, *args, **kwargs):
         """The module's forward (``nn.Linear.forward``'s one input, by position or as ``input=``): whole,
@@ -708,19 +736,19 @@ class RowChunks:
         module = self.module
         x = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 else None
         weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
-        records = isinstance(x, torch.Tensor) and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias))
-        if (not isinstance(x, torch.Tensor) or weight is not self.weight or records or x.device.type != "cpu"
-                or type(module).forward is not torch.nn.Linear.forward):
+        if not self._plain(x, weight, bias):
             return _class_forward(module)(*args, **kwargs)
         key = self.signature(x, weight, bias)
         exact = self.exact.get(key)
+        if exact is None and len(self.exact) >= MAX_KINDS:
+            exact = False  # not checked: computed whole, as without chunks
         if exact is False:
             return F.linear(x, weight, bias)
         if exact is None:
             whole = F.linear(x, weight, bias)  # as without chunks: read by its faults
-            self.exact[key] = exact = all(_same_bits(part, whole[..., lo:hi]) for lo, hi, part in
-                                          self.parts(x, weight, bias))  # one chunk's output beside it at a time
+            with contextlib.closing(self.parts(x, weight, bias)) as parts:  # closed whatever leaves the check
+                exact = all(_same_bits(part, whole[..., lo:hi]) for lo, hi, part in parts)
+            self.exact[key] = exact  # one chunk's output beside the whole one at a time
             logger.info("%s: its matmul over %d chunks of rows %s the whole one for inputs of shape %s on %d "
                         "threads: %s", self.name, len(self.chunks), "computes every bit of" if exact else
                         "does not compute the bits of", tuple(x.shape), torch.get_num_threads(),
@@ -728,10 +756,11 @@ class RowChunks:
             return whole
         self.chunked_calls += 1
         out = None
-        for lo, hi, part in self.parts(x, weight, bias):
-            if out is None:
-                out = torch.empty(*part.shape[:-1], weight.shape[0], dtype=part.dtype, device=part.device)
-            out[..., lo:hi] = part
+        with contextlib.closing(self.parts(x, weight, bias)) as parts:
+            for lo, hi, part in parts:
+                if out is None:
+                    out = torch.empty(*part.shape[:-1], weight.shape[0], dtype=part.dtype, device=part.device)
+                out[..., lo:hi] = part
         return out
 
     def parts(self, x, weight, bias):
