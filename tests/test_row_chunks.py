@@ -29,6 +29,7 @@ EDGES = 2 * 4 << 10  # a page at each end of the head may stay
 def engaged(path, cap, x, want):
     """The manager, hooks on, after one forward (the head is streamed from the first forward on; the
     kind of ``x`` checked by it)."""
+    drop_page_cache(str(path))  # written back: a dirty page is neither paged out nor dropped by a let-go
     cap(tight())
     model = mapped(path)
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
