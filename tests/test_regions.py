@@ -149,7 +149,10 @@ def test_residency_follows_the_page_cache(tmp_path):
     cold = resident_bytes([w])[0]
     assert cold <= w.nbytes // 4, f"{cold} of {w.nbytes} bytes resident right after dropping"
     float(w.sum())
-    assert resident_bytes([w])[0] == w.nbytes
+    # All of it, less what the kernel's own reclaim may take back meanwhile (a CI run lost 4 pages of
+    # 16384 between the sum and the count: this machine runs DAMON's kdamond).
+    warm = resident_bytes([w])[0]
+    assert w.nbytes - w.nbytes // 100 <= warm <= w.nbytes, f"{warm} of {w.nbytes} bytes resident after a read"
     anon = torch.ones(1000)
     assert resident_bytes([anon, torch.empty(0)]) == [anon.nbytes, 0]
 
