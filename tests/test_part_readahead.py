@@ -492,20 +492,24 @@ class SmallFirst(nn.Module):
         return x + self.big(torch.tanh(torch.cat([self.a(x), self.b(x), self.c(x)], -1)))
 
 
-def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir, cap):
-    """The window is ``1 + depth`` of the largest part, in bytes: behind the small parts the largest one
-    fits too, so its read begins while the first small part computes (with one part ahead counted as a
-    part, it began only once the last small part was about to run). Never more than the window cached."""
+BIG = 3 * (W // 4) * W * 4  # SmallFirst's largest part
+
+
+def small_first(tmp_file_dir, cap, room: int, **kw):
+    """A stack of SmallFirst blocks under a cap that leaves the layers ``room`` bytes, its manager made."""
     torch.manual_seed(0)
     path, x, want = save_reference(Stack(BLOCKS, HEAD, block_cls=SmallFirst), torch.randn(3, W),
                                    tmp_file_dir / "small_first.safetensors")
     drop_page_cache(str(path))
-    big = 3 * (W // 4) * W * 4
-    cap(IN_USE + MARGIN + W * HEAD * 4 + 2 * big + big // 4)  # two of the largest part and a quarter
+    cap(IN_USE + MARGIN + W * HEAD * 4 + room)
     model = mapped_from(path, lambda: Stack(BLOCKS, HEAD, block_cls=SmallFirst))
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
-    plan = mgr.residency
-    assert plan.unit == PART and plan.depth == 1 and plan.window_bytes == 2 * big, plan.describe()
+    return model, LayerwiseOffloadManager(model, "blocks", device="cpu", **kw), x, want
+
+
+def before_b_runs(model, mgr, x, want, look) -> tuple[list, list[int]]:
+    """A second forward (the first learns the order) where, as each block's b is about to run,
+    ``look(i, began)`` is recorded (``began``: a read's name -> an Event set when the page worker began
+    it), with the page cache's bytes then and after each big part."""
     began: dict[str, threading.Event] = {}
     lock = threading.Lock()
     real = pages_module.read_in
@@ -515,14 +519,16 @@ def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir,
             began.setdefault(what, threading.Event()).set()
         return real(spans, what, *args, **kw)
 
-    waited: list[bool] = []
+    def event(name: str) -> threading.Event:
+        with lock:
+            return began.setdefault(name, threading.Event())
+
+    seen: list = []
     peaks: list[int] = []
 
     def before_b(i):
-        def hook(module, args):  # a has computed, b is about to: the largest part's read has begun
-            with lock:
-                event = began.setdefault(f"layer {i} (blocks.{i}.big)", threading.Event())
-            waited.append(event.wait(5))
+        def hook(module, args):
+            seen.append(look(i, event))
             peaks.append(resident(mgr))
         return hook
 
@@ -539,8 +545,20 @@ def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir,
         assert torch.equal(model(x), want)
         for h in handles:
             h.remove()
+    return seen, peaks
+
+
+def test_behind_small_parts_the_window_holds_more_than_depth_parts(tmp_file_dir, cap):
+    """The window is ``1 + depth`` of the largest part, in bytes: behind the small parts the largest one
+    fits too, so its read begins while the first small part computes (with one part ahead counted as a
+    part, it began only once the last small part was about to run). Never more than the window cached."""
+    model, mgr, x, want = small_first(tmp_file_dir, cap, 2 * BIG + BIG // 4)  # two largest parts and a quarter
+    plan = mgr.residency
+    assert plan.unit == PART and plan.depth == 1 and plan.window_bytes == 2 * BIG, plan.describe()
+    # a has computed, b is about to: the largest part's read has begun
+    waited, peaks = before_b_runs(model, mgr, x, want, lambda i, event: event(f"layer {i} (blocks.{i}.big)").wait(5))
     assert len(waited) == BLOCKS and all(waited), waited
-    assert max(peaks) <= 2 * big + EDGES, [p / MIB for p in peaks]
+    assert max(peaks) <= 2 * BIG + EDGES, [p / MIB for p in peaks]
 
 
 @pytest.mark.parametrize("prefetch", [1, 0])
@@ -548,50 +566,15 @@ def test_at_depth_0_the_smaller_parts_are_read_ahead_within_the_window(tmp_file_
     """The room holds one of the largest part (depth 0): the three small parts fit the window together,
     so while a computes b and c are read (c's read has begun before b runs); the largest is not read
     ahead. With ``prefetch_layers=0`` nothing is."""
-    torch.manual_seed(0)
-    path, x, want = save_reference(Stack(BLOCKS, HEAD, block_cls=SmallFirst), torch.randn(3, W),
-                                   tmp_file_dir / "small_first.safetensors")
-    drop_page_cache(str(path))
-    big = 3 * (W // 4) * W * 4
-    cap(IN_USE + MARGIN + W * HEAD * 4 + big + big // 4)
-    model = mapped_from(path, lambda: Stack(BLOCKS, HEAD, block_cls=SmallFirst))
-    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=prefetch)
+    model, mgr, x, want = small_first(tmp_file_dir, cap, BIG + BIG // 4, prefetch_layers=prefetch)
     plan = mgr.residency
-    assert plan.unit == PART and plan.depth == 0 and plan.window_bytes == big, plan.describe()
+    assert plan.unit == PART and plan.depth == 0 and plan.window_bytes == BIG, plan.describe()
     assert plan.readahead == bool(prefetch) and ("smaller parts read ahead" in plan.describe()) == bool(prefetch)
-    began: dict[str, threading.Event] = {}
-    lock = threading.Lock()
-    real = pages_module.read_in
 
-    def read_in(spans, what="weights", *args, **kw):
-        with lock:
-            began.setdefault(what, threading.Event()).set()
-        return real(spans, what, *args, **kw)
+    def look(i, event):  # (c's read begun, big's read begun) as b is about to run
+        c, big = event(f"layer {i} (blocks.{i}.c)"), event(f"layer {i} (blocks.{i}.big)")
+        return c.wait(5 if prefetch else 0.2), big.is_set()
 
-    seen: list[tuple[bool, bool]] = []  # (c's read begun, big's read begun) as b is about to run
-    peaks: list[int] = []
-
-    def before_b(i):
-        def hook(module, args):
-            with lock:
-                c = began.setdefault(f"layer {i} (blocks.{i}.c)", threading.Event())
-                b = began.setdefault(f"layer {i} (blocks.{i}.big)", threading.Event())
-            seen.append((c.wait(5 if prefetch else 0.2), b.is_set()))
-            peaks.append(resident(mgr))
-        return hook
-
-    with mgr, torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mgr.register_forward_hooks()
-        mp.setattr(pages_module, "read_in", read_in)
-        assert torch.equal(model(x), want)  # the order learnt
-        mgr.parts.pages.settle()
-        with lock:
-            began.clear()
-        handles = [model.blocks[i].b.register_forward_pre_hook(before_b(i)) for i in range(BLOCKS)]
-        handles += [model.blocks[i].big.register_forward_hook(lambda *a: peaks.append(resident(mgr)))
-                    for i in range(BLOCKS)]
-        assert torch.equal(model(x), want)
-        for h in handles:
-            h.remove()
+    seen, peaks = before_b_runs(model, mgr, x, want, look)
     assert seen == [(bool(prefetch), False)] * BLOCKS, seen
-    assert max(peaks) <= big + EDGES, [p / MIB for p in peaks]
+    assert max(peaks) <= BIG + EDGES, [p / MIB for p in peaks]

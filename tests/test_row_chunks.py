@@ -281,3 +281,34 @@ def test_the_kinds_checked_are_bounded(tmp_file_dir, cap, monkeypatch):
             h = torch.randn(1, n, W)[:, -1:, :]
             assert torch.equal(model.head(h), F.linear(h, model.head.weight))  # the whole matmul, as the module's
     assert len(rows.exact) == 4
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_head_whose_rows_are_not_a_multiple_of_the_chunk(tmp_file_dir, cap, threads):
+    """1636 rows in chunks of 512: the last chunk has 100. Checked for real (no forced answer), on 1 and
+    2 threads, one token and a batch of 2 x 7: every output is the whole matmul's, whatever this CPU's
+    library answered, and the chunks ran where it answered exact."""
+    from room_stack import Stack
+
+    rows_n = 3 * 512 + 100
+    make = lambda: Stack(3, rows_n)  # noqa: E731
+    path, x, want = checkpoint(tmp_file_dir, make=make)
+    drop_page_cache(str(path))
+    cap(tight(W * rows_n * 4))
+    model = mapped(path, make)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+            mgr.register_forward_hooks()
+            assert torch.equal(model(x), want)
+            rows = row_chunks(model.head)
+            assert rows is not None and [c[1] - c[0] for c in rows.chunks] == [512, 512, 512, 100]
+            for shape in [(1, W), (2, 7, W)]:
+                for _ in range(2):
+                    h = torch.randn(shape)
+                    assert torch.equal(model.head(h), F.linear(h, model.head.weight)), shape
+            assert rows.chunked_calls == sum(rows.exact.values()) - rows.exact[rows.signature(x, model.head.weight,
+                                                                                              None)]
+    finally:
+        torch.set_num_threads(before)
