@@ -18,6 +18,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, NoRoomError, drop_page_cache
 from mapoffload.memory.budget import ENV_PAGE_CACHE_MARGIN_MIB
+from mapoffload.offload import runtime
 from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from mapoffload.pagecache.part_reads import PartReads
@@ -101,9 +102,10 @@ def test_a_stack_that_cannot_be_split_streams_whole_layers():
 def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, layers):
     path, x, want = ckpt
     cap(room_cap(layers))
-    parts_read: list[tuple[int, int]] = []
-    real = PartReads.read
+    parts_read: list = []  # (layer, part) read whole; a part computing over chunks of its rows, its name
+    real, chunks = PartReads.read, runtime.RowChunks.parts
     monkeypatch.setattr(PartReads, "read", lambda self, i, k: (parts_read.append((i, k)), real(self, i, k))[1])
+    monkeypatch.setattr(runtime.RowChunks, "parts", lambda self, *a: (parts_read.append(self.name), chunks(self, *a))[1])
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
         plan = mgr.residency
@@ -124,7 +126,8 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
         streamed = mgr.residency.streamed_bytes
         assert read <= 1.1 * streamed + 2 * 4 * KIB * BLOCKS, (read, streamed, mgr.residency.describe())
         assert read >= 0.9 * streamed, (read, streamed)  # the streamed layers were let go, and read again
-        # Part by part: each part of each streamed layer read in once a forward (norm, up, down).
+        # Part by part: each part of each streamed layer read in once a forward (norm, up, down), whole or
+        # (at depth 0, where the chunks were found to compute its bits) chunk by chunk.
         assert len(parts_read) == (2 * 3 * len(mgr.residency.streamed) if plan.parts else 0), parts_read
     assert not any(patched(m) for m in model.modules())  # the parts' hooks and patches went with the manager
 

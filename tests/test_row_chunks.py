@@ -20,7 +20,7 @@ from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 from mapoffload.offload import runtime
 
 from stacks import io_read_bytes
-from test_attack_room import HEAD_BYTES, IN_USE, MARGIN, MIB, W, checkpoint, mapped, plain, row_chunks, tight
+from test_attack_room import HEAD_BYTES, IN_USE, KIB, MARGIN, MIB, W, checkpoint, mapped, plain, row_chunks, tight
 
 CHUNK = MIB  # half the window (one 2 MiB part)
 EDGES = 2 * 4 << 10  # a page at each end of the head may stay
@@ -115,13 +115,14 @@ def test_each_kind_of_input_is_checked_once(tmp_file_dir, cap, monkeypatch):
     checks = []
     monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(a.shape) or True)
     model, mgr, rows = engaged(path, cap, x, want)
+    checks.clear()  # the forward's (the head's kind of (3, W), and the layers' parts')
     with mgr, torch.no_grad():
         for shape in [(3, W), (3, W), (1, 3, W), (3, W), (1, 3, W)]:
             model.head(torch.randn(shape))
         model.head(torch.randn(3, 2 * W)[:, :W])  # other strides: another kind
     # (3, W) was checked by the forward in engaged(); (1, 3, W) and the strided one here.
     assert len(rows.exact) == 3 and rows.chunked_calls == 4, (rows.exact, rows.chunked_calls)
-    assert len(checks) == 3 * len(rows.chunks)  # each chunk's output against the whole one's columns
+    assert len(checks) == 2 * len(rows.chunks)  # each chunk's output against the whole one's columns
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
@@ -197,18 +198,19 @@ def test_streaming_started_afresh_keeps_what_the_checks_found(tmp_file_dir, cap,
     """A new plan streams the head afresh (new hooks, new chunks): where a chunk has the same rows, what
     the checks found is kept, and no kind is checked twice (each check reads the head by its faults)."""
     path, x, want = checkpoint(tmp_file_dir)
-    checks = []
-    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(1) or True)
+    checks = []  # the columns of each whole output checked against: the head's, or a layer's part's
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(b._base.shape[-1]) or True)
     model, mgr, rows = engaged(path, cap, x, want)
+    head = model.head.weight.shape[0]
     with mgr, torch.no_grad():
-        assert len(checks) == len(rows.chunks)  # the forward in engaged() checked (3, W)
+        assert checks.count(head) == len(rows.chunks)  # the forward in engaged() checked (3, W)
         mgr.parts.outside.stream(False)
         assert "forward" not in vars(model.head)
         for _ in range(2):
             assert torch.equal(model(x), want)
         again = row_chunks(model.head)
         assert again is not rows and again.chunked_calls == 2
-    assert len(checks) == len(rows.chunks)
+    assert checks.count(head) == len(rows.chunks)
 
 
 def test_a_deeper_window_keeps_the_same_chunks(tmp_file_dir, cap):
@@ -312,3 +314,69 @@ def test_a_head_whose_rows_are_not_a_multiple_of_the_chunk(tmp_file_dir, cap, th
                                                                                               None)]
     finally:
         torch.set_num_threads(before)
+
+
+def test_chunks_of_two_folios_or_more_are_read_and_let_go_at_the_file_s_folio_boundaries(tmp_file_dir, monkeypatch):
+    """Chunks of at least two 2 MiB folios are read by whole folios of the file: a chunk's read ends at the
+    folio boundary after its last row (taking the next chunk's first rows), its let-go at the one before,
+    so that only the weight's two ends are read as 4 KiB pages (cut at the rows, each chunk's two ends
+    were: up to 4 MiB of them a chunk, at 5-10x the kernel CPU a byte of a folio's). What a chunk computes
+    with is resident when it computes, two chunks and two folios at most, and nothing after."""
+    from safetensors.torch import save_file
+
+    from mapoffload import load_checkpoint
+    from mapoffload.pagecache.file_places import MapsView
+    from mapoffload.pagecache.mapped_file import MappedFiles
+    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker, layer_spans
+
+    rows_, cols = 4096 + 100, 1024  # 16.4 MiB, rows of 4 KiB; the last chunk a short one
+    path = tmp_file_dir / "w.safetensors"
+    save_file({"a": torch.randn(1000), "weight": torch.randn(rows_, cols)}, str(path))  # unaligned in the file
+    head = torch.nn.Linear(cols, rows_, bias=False, device="meta")
+    load_checkpoint(head, str(path), keep_mapping=True, strict=False)
+    w = head.weight
+    maps, worker = MapsView(), PageWorker()
+    off = maps.place(w.data_ptr()).offset
+    assert off % FOLIO_BYTES, "the weight should start inside a folio"
+    step = 2 * (4 * MIB + FOLIO_BYTES)  # chunks of 4 MiB (1024 rows): two of them and two folios in the step
+    rows = runtime.RowChunks.of(head, "w", [w.data], worker, MappedFiles(), maps, step)
+    assert rows is not None and [c[:2] for c in rows.chunks] == [(0, 1024), (1024, 2048), (2048, 3072),
+                                                                 (3072, 4096), (4096, 4196)]
+    start, end, row = w.data_ptr(), w.data_ptr() + w.nbytes, cols * 4
+
+    def one(spans):
+        assert len(spans) <= 1
+        return (spans.addrs[0], spans.addrs[0] + spans.sizes[0]) if len(spans) else None
+
+    reads = [one(c[2][0]) for c in rows.chunks]
+    gone = [one(c[3][0]) for c in rows.chunks]
+    # The reads cover the weight once, in order; so do the let-gos; inside it, both cut at folio boundaries.
+    assert reads[0][0] == start and gone[0][0] == start and reads[-1] is None and gone[-1][1] == end
+    assert [r for r in reads if r][-1][1] == end
+    for a, b in zip([r for r in reads if r], [r for r in reads if r][1:]):
+        assert a[1] == b[0] and (off + a[1] - start) % FOLIO_BYTES == 0
+    for a, b in zip(gone, gone[1:]):
+        assert a[1] == b[0] and (off + a[1] - start) % FOLIO_BYTES == 0
+    for j, (lo, hi, *_) in enumerate(rows.chunks):  # its rows: let go no earlier than it, read no later
+        assert gone[j][0] <= start + lo * row and (reads[j] or reads[j - 1])[1] >= start + hi * row
+    # Only the weight's two ends are 4 KiB pages: no chunk inside has edges.
+    assert [len(c[2][2]) for c in rows.chunks] == [1, 0, 0, 1, 0]
+
+    drop_page_cache(str(path))
+    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))  # as the manager does: no read-around, 2 MiB folios
+    seen = []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        seen.append(sum(resident_bytes([w])))
+        return real(inp, weight, bias)
+
+    x = torch.randn(3, cols)
+    monkeypatch.setattr(F, "linear", linear)
+    got = torch.cat([part for _, _, part in rows.parts(x, w, None)], -1)
+    monkeypatch.setattr(F, "linear", real)
+    worker.drain()
+    assert sum(resident_bytes([w])) <= 2 * 4 * KIB, "let go after"
+    assert max(seen) <= 2 * 4 * MIB + 2 * FOLIO_BYTES, [s / MIB for s in seen]
+    assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
+    worker.close()

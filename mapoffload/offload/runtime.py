@@ -56,7 +56,7 @@ from ..memory.budget import release_freed_memory, rss_anon_bytes
 from ..pagecache import coordinator as _coordinator
 from ..pagecache.coordinator import coordinator
 from ..pagecache.mapped_file import MappedFiles
-from ..pagecache.pages import Extent, PageWorker, check_extents, file_extents, layer_spans
+from ..pagecache.pages import FOLIO_BYTES, Extent, PageWorker, check_extents, file_extents, layer_spans
 from .hooks import Hook, wrap_forward
 from .stores import MAPPED
 
@@ -145,6 +145,13 @@ class StackRuntime:
         self.owner = owner
         self.handles: list = []  # each with remove()
         self.part_handles: list = []  # the layers' parts' hooks, while streamed layers are read part by part
+        # Parts that may compute over chunks of their rows (plain linears, their forwards wrapped), their
+        # RowChunks by the plan's step, those armed for the call their pre-hook precedes, and the checks'
+        # verdicts (by the weight's geometry: kept across plans).
+        self._chunkable: set[tuple[int, int]] = set()
+        self._rows: dict[tuple[int, int], tuple[int, RowChunks | None]] = {}
+        self._armed: dict[tuple[int, int], RowChunks] = {}
+        self._verdicts: dict[tuple, dict[tuple, bool]] = {}
         self._forward = threading.local()  # .on: this thread is in a forward of the model
         self._anon: int | None = None  # RssAnon at this forward's start (None: not measuring)
         self._peak = 0  # the most sampled since
@@ -334,12 +341,48 @@ class StackRuntime:
                 hooks.append(part.module.register_forward_pre_hook(Hook(self._part_pre_hook(i, k), self.owner)))
                 hooks.append(part.module.register_forward_hook(Hook(self._part_post_hook(i, k), self.owner),
                                                                always_call=True))
+                if RowChunks.plain_weight(part.module) is not None:  # may compute over chunks of its rows
+                    self._chunkable.add((i, k))
+                    hooks.append(wrap_forward(part.module, Hook(self._part_forward(i, k, part.module), self.owner)))
         self.part_handles = hooks
 
     def _remove_parts(self) -> None:
         for h in self.part_handles:
             h.remove()
         self.part_handles = []
+        self._chunkable.clear()
+        self._rows.clear()
+        self._armed.clear()
+
+    def _part_rows(self, i: int, k: int, module: Any) -> RowChunks | None:
+        """Part ``k`` of layer ``i`` as chunks of its rows, where the plan's window does not hold two of it
+        (at depth 0 the largest parts: nothing of the next is read while one computes, issue 43) and it is
+        a plain linear; else None. Each chunk is half of the one part the window holds ``1 + depth`` of, so
+        that the next chunk is read while one computes, within the window."""
+        plan = self.member.residency
+        pages = self.sequencer.pages
+        if plan is None or not plan.readahead or 2 * pages.parts.sizes(i)[k] <= plan.window_bytes:
+            return None
+        step = plan.window_bytes // (1 + plan.depth)
+        known = self._rows.get((i, k))
+        if known is None or known[0] != step:
+            from ..pagecache.file_places import MapsView
+
+            part = self.sequencer.stores[i].parts[k]
+            mapped = [w.host for w in part.weights if w.store == MAPPED]
+            rows = RowChunks.of(module, f"layer {i} ({part.name})", mapped, pages.worker, pages.files, MapsView(),
+                                step, self._verdicts, wrapped=True)
+            known = self._rows[(i, k)] = (step, rows)
+        return known[1]
+
+    def _part_forward(self, i: int, k: int, module: Any):
+        def forward(*args, **kwargs):
+            """Part ``k`` of layer ``i``'s forward: over chunks of its rows where its pre-hook armed them
+            (:meth:`_part_rows`; checked once per kind of input, :class:`RowChunks`), else its own."""
+            rows = self._armed.pop((i, k), None)
+            return (rows.forward if rows is not None else _class_forward(module))(*args, **kwargs)
+
+        return forward
 
     def _part_pre_hook(self, i: int, k: int):
         def pre_hook(module, args):
@@ -352,7 +395,11 @@ class StackRuntime:
             if load is None or load.around is not None:
                 return  # not loaded by this stack's turn, or read around the page cache whole
             self._sample()
-            read = pages.parts.enter(i, k)  # and the next parts' reads started behind it, as the room allows
+            rows = self._part_rows(i, k, module) if (i, k) in self._chunkable else None
+            chunked = rows is not None and rows.will_chunk(args)  # then its chunks are read as they compute
+            read = pages.parts.enter(i, k, read=not chunked)  # and the next parts' started behind it, as room allows
+            if rows is not None:
+                self._armed[(i, k)] = rows
             if read is not None:
                 read.result()
 
@@ -362,6 +409,7 @@ class StackRuntime:
         def post_hook(module, args, output):
             """Part ``k`` of layer ``i`` ran: let it go, when its layer streams part by part."""
             pages = self.sequencer.pages
+            self._armed.pop((i, k), None)
             if i in self.turn.held() and pages.in_parts and pages.streams(i):
                 pages.parts.let_go(i, k)
 
@@ -486,7 +534,7 @@ class OutsideWeights:
         self._stream_key: tuple | None = None  # (the outside weights' key, the unit) it was streamed for
         self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
-        # What RowChunks found, by module, weight and rows a chunk: kept when streaming starts afresh (a new plan).
+        # What RowChunks found, by the weight's geometry and rows a chunk: kept when streaming starts afresh (a new plan).
         self._verdicts: dict[tuple, dict[tuple, bool]] = {}
         self._extents: list[Extent] = []
         self._advised = None  # the lookup tables' spans, MADV_RANDOM while the guard is open
@@ -662,41 +710,70 @@ class RowChunks:
     def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple,
                  exact: dict[tuple, bool] | None = None) -> None:
         self.module, self.name, self.weight, self.worker = module, name, weight, worker
-        self.chunks = chunks  # (first row, end row, spans, extents, edges) of each chunk
+        self.chunks = chunks  # (first row, end row, (spans, extents, edges) read, (spans, extents) let go) of each
         self.whole = whole  # (spans, extents) of the whole weight: the pages two chunks share let go too
         self.exact = {} if exact is None else exact  # signature -> the chunks computed the whole matmul's bits
         self.cut = (weight.data_ptr(), weight.shape, weight.stride())  # the weight the chunks' spans were cut from
         self.chunked_calls = 0
 
-    @classmethod
-    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, step: int,
-           verdicts: dict | None = None):
-        """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
-        among ``tensors`` (the mapped weights streamed) that splits into at least two chunks, each at most
-        half of ``step`` (the one computing and the one read ahead) and a power of two rows. ``verdicts``:
-        where the checks of earlier chunks of the same rows are kept (the streaming started afresh)."""
+    @staticmethod
+    def plain_weight(module, wrapped: bool = False):
+        """``module``'s weight where it is a plain ``nn.Linear`` (its class's forward, and no forward of its
+        own unless ``wrapped``: the caller's, which calls :meth:`forward`) over a contiguous 2-D CPU
+        weight; else None."""
         import torch
 
+        linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+        weight = module._parameters.get("weight") if linear and (wrapped or "forward" not in vars(module)) else None
+        if weight is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+            return None
+        return weight
+
+    @classmethod
+    def of(cls, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, step: int,
+           verdicts: dict | None = None, *, wrapped: bool = False):
+        """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
+        (:meth:`plain_weight`) among ``tensors`` (the mapped weights streamed) that splits into at least two
+        chunks, each at most half of ``step`` (the one computing and the one read ahead) and a power of
+        two rows. ``verdicts``: where the checks are kept, by the weight's geometry and the rows a chunk
+        (a module of the same geometry, or the streaming started afresh, takes what was found)."""
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
 
-        linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
-        weight = module._parameters.get("weight") if linear else None
-        if (weight is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu"
-                or not any(t.data_ptr() == weight.data_ptr() for t in tensors) or "forward" in vars(module)):
+        weight = cls.plain_weight(module, wrapped)
+        if weight is None or not any(t.data_ptr() == weight.data_ptr() for t in tensors):
             return None
         row = weight.shape[1] * weight.element_size()
-        per = (step // 2) // row if row else 0
+        half = step // 2
+        folios = half - FOLIO_BYTES >= 2 * FOLIO_BYTES  # chunks of two folios or more: cut at folio boundaries
+        per = (half - FOLIO_BYTES if folios else half) // row if row else 0
         per = 1 << (per.bit_length() - 1) if per else 0  # a power of two: a plan that moves a little keeps the chunks
         if per < 1 or per >= weight.shape[0]:
             return None
+        start, place = weight.data_ptr(), maps.place(weight.data_ptr())
+        rows = [*range(0, weight.shape[0], per), weight.shape[0]]
+        if folios and place is not None:
+            # Read and let go by whole 2 MiB windows of the file: a chunk's read takes the folio its last row
+            # ends in (the next chunk's first rows), its let-go stops before it. Cut at its rows instead,
+            # each chunk's two ends would be read as 4 KiB pages (up to 4 MiB of them a chunk), not folios.
+            def cut(r: int, up: bool) -> int:
+                if r in (0, weight.shape[0]):
+                    return start + r * row
+                off = place.offset + r * row
+                at = start + r * row - off % FOLIO_BYTES + (FOLIO_BYTES if up and off % FOLIO_BYTES else 0)
+                return min(max(at, start), start + weight.shape[0] * row)  # never past the weight's ends
+        else:
+            def cut(r: int, up: bool) -> int:
+                return start + r * row
         chunks = []
-        for lo in range(0, weight.shape[0], per):
-            hi = min(lo + per, weight.shape[0])
-            spans = layer_spans([tensor_extent(weight[lo:hi])])
-            chunks.append((lo, hi, spans, file_extents(spans, files, maps), folio_edges(spans, maps)))
+        for lo, hi in zip(rows, rows[1:]):
+            spans = layer_spans([(cut(lo, True), cut(hi, True) - cut(lo, True))])
+            gone = layer_spans([(cut(lo, False), cut(hi, False) - cut(lo, False))])
+            chunks.append((lo, hi, (spans, file_extents(spans, files, maps), folio_edges(spans, maps)),
+                           (gone, file_extents(gone, files, maps))))
         whole = layer_spans([tensor_extent(weight)])
-        exact = None if verdicts is None else verdicts.setdefault((id(module), weight.data_ptr(), per), {})
+        geometry = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.data_ptr() % 64, per)
+        exact = None if verdicts is None else verdicts.setdefault(geometry, {})
         return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
 
     def signature(self, x, weight, bias) -> tuple:
@@ -726,6 +803,13 @@ class RowChunks:
         if torch.is_autocast_enabled("cpu"):
             return False
         return type(self.module).forward is torch.nn.Linear.forward
+
+    def will_chunk(self, args: tuple) -> bool:
+        """Whether a call with positional ``args`` computes over the chunks (a kind found exact), each
+        read by :meth:`parts`: a caller that reads the whole weight first need not."""
+        x = args[0] if len(args) == 1 else None
+        weight, bias = self.module._parameters.get("weight"), self.module._parameters.get("bias")
+        return self._plain(x, weight, bias) and self.exact.get(self.signature(x, weight, bias)) is True
 
     def forward(self, *args, **kwargs):
         """The module's forward (``nn.Linear.forward``'s one input, by position or as ``input=``): whole,
@@ -774,12 +858,13 @@ class RowChunks:
         done = False
         try:
             reads[0] = self._read(0)
-            for j, (lo, hi, spans, extents, _) in enumerate(self.chunks):
+            for j, (lo, hi, _, gone) in enumerate(self.chunks):
                 if j + 1 < n:
                     reads[j + 1] = self._read(j + 1)  # queued after the let-go of the chunk before
-                reads[j].result()
+                if reads[j] is not None:
+                    reads[j].result()
                 yield lo, hi, F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
-                self.worker.let_go(spans, extents)
+                self.worker.let_go(*gone)
             done = True
         finally:
             if not done:
@@ -787,7 +872,9 @@ class RowChunks:
                 self.worker.drain()
 
     def _read(self, j: int):
-        lo, hi, spans, extents, edges = self.chunks[j]
+        lo, hi, (spans, extents, edges), _ = self.chunks[j]
+        if not spans.total_bytes:
+            return None  # its rows' folios came with the chunk before
         return self.worker.read_in(spans, f"{self.name} (rows {lo}-{hi})", edges, extents)
 
 

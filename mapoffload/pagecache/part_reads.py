@@ -108,21 +108,23 @@ class PartReads:
         self._pages.letting_go = self._pages.worker.let_go(spans, extents)
         return self._pages.letting_go
 
-    def enter(self, i: int, k: int) -> Future | None:
-        """Part ``k`` of streamed layer ``i`` is about to run: its read (started ahead, or now), and the
-        reads of the parts that ran after it the last time and fit the window beside it (:meth:`_next`)
-        started behind it; a part read ahead that is not among those now is let go first."""
+    def enter(self, i: int, k: int, read: bool = True) -> Future | None:
+        """Part ``k`` of streamed layer ``i`` is about to run: its read (started ahead, or now; not now
+        where ``read`` is False: it reads itself, chunk by chunk), and the reads of the parts that ran
+        after it the last time and fit the window beside it (:meth:`_next`) started behind it; a part
+        read ahead that is not among those now is let go first."""
         key = (i, k)
         with self._lock:
             if self._last is not None and self._last != key:
                 self._after[self._last] = key
             self._last = key
+            started = None
             if key in self._ahead:
-                read = self._ahead.pop(key)
-                if self._pages.watch and read is not None and read.done() and read.exception() is None:
+                started = self._ahead.pop(key)
+                if self._pages.watch and started is not None and started.done() and started.exception() is None:
                     self._missing += self._not_resident(i, k)  # read ahead into the thin share: kept?
-            else:
-                read = self.read(i, k)
+            elif read:
+                started = self.read(i, k)
             nexts = self._next(key)
             for stale in [p for p in self._ahead if p not in nexts]:
                 del self._ahead[stale]
@@ -130,7 +132,7 @@ class PartReads:
             for p in nexts:
                 if p not in self._ahead:
                     self._ahead[p] = self.read(*p)
-        return read
+        return started
 
     def _not_resident(self, i: int, k: int) -> int:
         """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""

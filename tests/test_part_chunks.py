@@ -1,0 +1,170 @@
+"""At depth 0 the largest parts compute over chunks of their rows, each read while the one before computes.
+
+The room holds one of a layer's largest parts (``test_part_readahead``'s SmallFirst blocks: three 128 KiB
+projections, then one of 768 KiB), so nothing of the next part can be read while it computes: the read
+and the compute took turns (issue 43). A plain ``nn.Linear`` part larger than half the window computes
+over chunks of its rows (``runtime.RowChunks``, as the head does): its pre-hook leaves its read to the
+chunks, each read on the page worker while the one before computes and let go after, within the window.
+Where the chunks compute the whole matmul's bits is the matmul library's matter, checked once per kind
+of input and weight geometry; these tests force the check's answer and compare with the same chunks
+computed by hand, so that they hold on every CPU kind.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mapoffload.offload import runtime
+from mapoffload.pagecache import pages as pages_module
+
+from fake_cgroups import fake_cap
+from room_stack import W, Stack
+from test_part_readahead import BIG, BLOCKS, EDGES, HEAD, IN_USE, MARGIN, SmallFirst, resident, small_first
+
+ROWS = W // 2  # a chunk: half the window (one largest part, BIG), in rows of 3 W / 4 floats
+NAMES = {0: "layer {i} (blocks.{i}.big) (rows 0-256)", 1: "layer {i} (blocks.{i}.big) (rows 256-512)"}
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
+
+
+def depth_0(tmp_file_dir, cap, **kw):
+    model, mgr, x, want = small_first(tmp_file_dir, cap, BIG + BIG // 4, **kw)
+    plan = mgr.residency
+    assert plan.parts and plan.depth == 0 and plan.window_bytes == BIG, plan.describe()
+    return model, mgr, x, want
+
+
+def by_hand(model, x):
+    """The model's output with each big part computed over the same chunks, by hand (no manager)."""
+    from safetensors.torch import load_file
+
+    ref = Stack(BLOCKS, HEAD, block_cls=SmallFirst)
+    ref.load_state_dict({k: v.clone() for k, v in load_file(model.path).items()})
+    for block in ref.blocks:
+        w = block.big.weight.detach()
+        block.big.forward = lambda h, w=w: torch.cat([F.linear(h, w[lo:lo + ROWS]) for lo in range(0, W, ROWS)], -1)
+    with torch.no_grad():
+        return ref(x)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The page worker's reads as they begin: name -> an Event."""
+    began: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+    real = pages_module.read_in
+
+    def read_in(spans, what="weights", *args, **kw):
+        with lock:
+            began.setdefault(what, threading.Event()).set()
+        return real(spans, what, *args, **kw)
+
+    monkeypatch.setattr(pages_module, "read_in", read_in)
+
+    def event(name: str) -> threading.Event:
+        with lock:
+            return began.setdefault(name, threading.Event())
+
+    event.began = began
+    return event
+
+
+def test_the_next_chunk_is_read_while_one_computes_and_the_part_is_read_once(tmp_file_dir, cap, monkeypatch, reads):
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap)
+    model.path = str(tmp_file_dir / "small_first.safetensors")
+    waited, peaks = [], []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        for i, block in enumerate(model.blocks):
+            if weight.data_ptr() == block.big.weight.data_ptr() and weight.shape[0] == ROWS:  # chunk 0 of layer i
+                waited.append(reads(NAMES[1].format(i=i)).wait(5))  # chunk 1's read began before chunk 0 computes
+                peaks.append(resident(mgr))
+        return real(inp, weight, bias)
+
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        first = model(x)  # the check: whole matmuls returned
+        assert torch.equal(first, want)
+        mgr.parts.pages.settle()
+        reads.began.clear()
+        monkeypatch.setattr(F, "linear", linear)
+        got = model(x)
+        monkeypatch.setattr(F, "linear", real)
+        mgr.parts.pages.settle()
+        names = set(reads.began)
+    assert torch.equal(got, by_hand(model, x))
+    assert waited == [True] * BLOCKS, waited
+    for i in range(BLOCKS):  # the big part read by its chunks, never whole
+        assert f"layer {i} (blocks.{i}.big)" not in names and NAMES[0].format(i=i) in names, sorted(names)
+    assert max(peaks) <= BIG + EDGES, peaks
+
+
+def test_one_check_for_each_geometry_of_weight_not_for_each_part(tmp_file_dir, cap, monkeypatch):
+    checks = []
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: checks.append(b._base.shape[-1]) or True)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap)
+    geometries = {b.big.weight.data_ptr() % 64 for b in model.blocks}  # the rest of the geometry is the same
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        for _ in range(3):
+            model(x)
+    assert checks == [W] * 2 * len(geometries), checks  # two chunks each, checked in the first forward only
+
+
+def test_where_the_chunks_are_not_exact_the_part_is_read_whole_and_computes_whole(tmp_file_dir, cap, monkeypatch,
+                                                                                   reads):
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: False)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap)
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        for _ in range(3):
+            reads.began.clear()
+            assert torch.equal(model(x), want)
+    assert all(f"layer {i} (blocks.{i}.big)" in reads.began for i in range(BLOCKS)), sorted(reads.began)
+    assert not any("rows" in name for name in reads.began), sorted(reads.began)
+
+
+def test_without_read_ahead_the_parts_are_not_chunked(tmp_file_dir, cap, monkeypatch, reads):
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap, prefetch_layers=0)
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    assert not any("rows" in name for name in reads.began), sorted(reads.began)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_inside_a_chunk_leaves_nothing_read_or_in_flight(tmp_file_dir, cap, monkeypatch, error):
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap)
+    model.path = str(tmp_file_dir / "small_first.safetensors")
+    real = F.linear
+    big = model.blocks[1].big.weight
+
+    def linear(inp, weight, bias=None):
+        if weight.data_ptr() == big.data_ptr() and weight.shape[0] == ROWS:  # chunk 0 of layer 1, chunk 1 in flight
+            raise error("inside a chunk")
+        return real(inp, weight, bias)
+
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        model(x)
+        monkeypatch.setattr(F, "linear", linear)
+        with pytest.raises(error):
+            model(x)
+        monkeypatch.setattr(F, "linear", real)
+        mgr.parts.pages.worker.drain()
+        assert not mgr.parts.pages.parts.reading_ahead and resident(mgr) <= EDGES, resident(mgr)
+        for _ in range(2):
+            assert torch.equal(model(x), by_hand(model, x))
+    assert not any("forward" in vars(m) for m in model.modules())  # the parts' forwards given back
