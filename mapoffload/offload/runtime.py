@@ -8,7 +8,9 @@ ahead into a reused read-around buffer is read again through its mapping), then 
 the layer loaded (the load target's ``ready``: the copy, or the read in place), the window the plan
 allows read ahead. After the layer (its always-call post-hook): its release and the recorded-graph
 check. Where the plan reads streamed layers part by part, each part's hooks read it in (the next parts'
-reads started behind it, to run while it computes, as deep as the plan's room) and let it go.
+reads started behind it, to run while it computes, as deep as the plan's room) and let it go; a plain
+linear part the window does not hold two of (depth 0) computes over chunks of its rows instead, each read
+while the one before computes, where they compute its bits (:class:`RowChunks`, its forward wrapped).
 Once the forward ended: what it added to the process's anonymous memory goes to the coordinator.
 
 One layer runs at a time (:class:`LayerTurn`): from its pre-hook to its post-hook the layer owns the
