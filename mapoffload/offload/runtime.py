@@ -152,7 +152,7 @@ class StackRuntime:
         # verdicts (by the weight's geometry: kept across plans).
         self._chunkable: set[tuple[int, int]] = set()
         self._rows: dict[tuple[int, int], tuple[int, RowChunks | None]] = {}
-        self._armed: dict[tuple[int, int], RowChunks] = {}
+        self._armed: dict[tuple[int, int], tuple[int, RowChunks]] = {}  # (the thread that armed it, the chunks)
         self._verdicts: dict[tuple, dict[tuple, bool]] = {}
         self._forward = threading.local()  # .on: this thread is in a forward of the model
         self._anon: int | None = None  # RssAnon at this forward's start (None: not measuring)
@@ -352,6 +352,9 @@ class StackRuntime:
         for h in self.part_handles:
             h.remove()
         self.part_handles = []
+        for _, rows in self._rows.values():
+            if rows is not None:
+                rows.stop()  # removed inside a chunk: the chunks left compute on, reading nothing
         self._chunkable.clear()
         self._rows.clear()
         self._armed.clear()
@@ -381,8 +384,12 @@ class StackRuntime:
         def forward(*args, **kwargs):
             """Part ``k`` of layer ``i``'s forward: over chunks of its rows where its pre-hook armed them
             (:meth:`_part_rows`; checked once per kind of input, :class:`RowChunks`), else its own."""
-            rows = self._armed.pop((i, k), None)
-            return (rows.forward if rows is not None else _class_forward(module))(*args, **kwargs)
+            armed = self._armed.pop((i, k), None)
+            if armed is not None and (armed[0] != threading.get_ident() or i not in self.turn.held()):
+                if armed[0] != threading.get_ident():
+                    self._armed[(i, k)] = armed  # another thread's, for its call (this one holds no turn)
+                armed = None  # armed for a call that never came (its layer left): this one computes as it is
+            return (armed[1].forward if armed is not None else _class_forward(module))(*args, **kwargs)
 
         return forward
 
@@ -401,7 +408,7 @@ class StackRuntime:
             chunked = rows is not None and rows.will_chunk(args)  # then its chunks are read as they compute
             read = pages.parts.enter(i, k, read=not chunked)  # and the next parts' started behind it, as room allows
             if rows is not None:
-                self._armed[(i, k)] = rows
+                self._armed[(i, k)] = (threading.get_ident(), rows)
             if read is not None:
                 read.result()
 
@@ -411,7 +418,9 @@ class StackRuntime:
         def post_hook(module, args, output):
             """Part ``k`` of layer ``i`` ran: let it go, when its layer streams part by part."""
             pages = self.sequencer.pages
-            self._armed.pop((i, k), None)
+            armed = self._armed.get((i, k))
+            if armed is not None and armed[0] == threading.get_ident():
+                del self._armed[(i, k)]  # this thread's, not run (its call went another way): not another's
             if i in self.turn.held() and pages.in_parts and pages.streams(i):
                 pages.parts.let_go(i, k)
 
@@ -672,6 +681,8 @@ class _StreamedModule:
         for undo in self._undo:
             undo()
         self._undo = []
+        if self.rows is not None:
+            self.rows.stop()  # removed inside a chunk: the chunks left compute on, reading nothing
         _core.advise_random(self.spans, False)
 
     def before(self, module, args) -> None:
@@ -712,6 +723,7 @@ class RowChunks:
     def __init__(self, module, name: str, weight, worker: PageWorker, chunks: list, whole: tuple,
                  exact: dict[tuple, bool] | None = None) -> None:
         self.module, self.name, self.weight, self.worker = module, name, weight, worker
+        self.stopped = False  # the hooks that read the chunks were removed (stop())
         self.chunks = chunks  # (first row, end row, (spans, extents, edges) read, (spans, extents) let go) of each
         self.whole = whole  # (spans, extents) of the whole weight: the pages two chunks share let go too
         self.exact = {} if exact is None else exact  # signature -> the chunks computed the whole matmul's bits
@@ -806,6 +818,11 @@ class RowChunks:
             return False
         return type(self.module).forward is torch.nn.Linear.forward
 
+    def stop(self) -> None:
+        """The manager's hooks were removed (or it closed), maybe inside a chunk: the chunks left of a call
+        compute on from the mapping (their faults read them), and nothing more is asked of the page worker."""
+        self.stopped = True
+
     def will_chunk(self, args: tuple) -> bool:
         """Whether a call with positional ``args`` computes over the chunks (a kind found exact), each
         read by :meth:`parts`: a caller that reads the whole weight first need not."""
@@ -866,16 +883,17 @@ class RowChunks:
                 if reads[j] is not None:
                     reads[j].result()
                 yield lo, hi, F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
-                self.worker.let_go(*gone)
+                if not self.stopped:
+                    self.worker.let_go(*gone)
             done = True
         finally:
-            if not done:
+            if not done and not self.stopped:
                 self.worker.let_go(*self.whole)  # queued after the reads in flight
                 self.worker.drain()
 
     def _read(self, j: int):
         lo, hi, (spans, extents, edges), _ = self.chunks[j]
-        if not spans.total_bytes:
+        if not spans.total_bytes or self.stopped:
             return None  # its rows' folios came with the chunk before
         return self.worker.read_in(spans, f"{self.name} (rows {lo}-{hi})", edges, extents)
 
