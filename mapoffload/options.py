@@ -76,9 +76,11 @@ class OffloadOptions:
         How streamed layers are read: ``"mapping"`` (through the file mapping, let go
         after use), ``"uncached"`` (``O_DIRECT`` around the page cache into ``1 + depth``
         reused buffers, on CUDA page-locked and copied by DMA; cached layers stay on the
-        mapping), or ``"auto"``: uncached as soon as the plan streams layers and their
-        files take ``O_DIRECT``, except while replicas of this cgroup map the same bytes
-        (the shared page cache serves them both) — docs/usage.md has the measurements.
+        mapping), or ``"auto"``: on a device (and the CPU twin), uncached as soon as the
+        plan streams layers and their files take ``O_DIRECT``, except while replicas of this
+        cgroup map the same bytes (the shared page cache serves them both); in place (``device="cpu"``)
+        through the mapping, and uncached where two warm forwards in a row read more than 1.2x
+        what the plan streams — docs/design.md has the measurements.
     available_bytes
         The host budget to plan against; None measures it when the plan is made
         (:func:`~mapoffload.host_memory_available_bytes`). It is the host's, shared by

@@ -6,6 +6,7 @@ forwards that read more than the plan streams, and not otherwise."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 
 import pytest
@@ -88,7 +89,18 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
     assert torch.equal(grads[0], want) and torch.equal(grads[1], want)
 
 
-def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_path):
+def thrashing(monkeypatch) -> None:
+    """Every forward of the process reads far more than its plans stream (``reads="auto"``'s measure):
+    two warm forwards in a row switch an in-place stack to reading around the cache (at its 4th)."""
+    counter = itertools.count(0, 1 << 40)
+    monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
+def test_auto_reads_around_the_cache_where_the_files_take_o_direct_on_the_device_path(ckpt, tmp_path, twin):
+    """On the device path (the CPU twin here) ``auto`` reads streamed layers around the cache from the first
+    streamed forward where their files take O_DIRECT; in place it reads through the mapping, which reads
+    at the floor (issue 43), and measures."""
     import shutil
 
     path, x, want = ckpt
@@ -97,19 +109,22 @@ def test_auto_reads_around_the_cache_where_the_files_take_o_direct(ckpt, tmp_pat
         shm = os.path.join("/dev/shm", f"mapoffload-test-{os.getpid()}.safetensors")
         shutil.copy(path, shm)
         places["tmpfs"] = shm
+    extra = {"cpu_twin": True, "host_store": "mapped"} if twin else {}
     try:
         for where, p in places.items():
             model = mapped(p)
-            with LayerwiseOffloadManager(model, "blocks", device="cpu",
-                                         page_cache_bytes=6 * _layer(model) + 4096) as mgr:
+            with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096,
+                                         **extra) as mgr:
                 assert mgr.reads.mode == "mapping"  # decided at the first forward
                 mgr.register_forward_hooks()
                 with torch.no_grad():
-                    assert torch.equal(model(x), want)
-                    assert torch.equal(model(x), want)
-                if where == "disk":
+                    for _ in range(3):
+                        assert torch.equal(model(x), want)
+                if where == "disk" and twin:
                     assert mgr.reads.mode == "uncached", mgr.reads.why
                     assert "O_DIRECT" in mgr.reads.why
+                elif where == "disk":  # measured: within the plan, so through the mapping
+                    assert mgr.reads.mode == "mapping" and "the plan streams" in mgr.reads.why, mgr.reads.why
                 else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
                     assert mgr.reads.mode == "mapping", mgr.reads.why
             # Nothing streams: nothing to decide.
@@ -192,6 +207,8 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     path, x, want = ckpt
     model = mapped(path)
     extra = {"cpu_twin": True, "host_store": "mapped"} if twin else {}
+    if not twin:
+        thrashing(monkeypatch)  # in place auto reads around only where the mapping thrashes
     with LayerwiseOffloadManager(model, "blocks", device="cpu", **extra) as mgr:
         assert mgr.residency.streamed and mgr.residency.cached, mgr.residency.describe()
         mgr.register_forward_hooks()
@@ -200,7 +217,8 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
             with torch.no_grad():
                 assert torch.equal(model(x), want), note
 
-        forward("alone")
+        for _ in range(1 if twin else 4):
+            forward("alone")
         assert mgr.reads.mode == "uncached", mgr.reads.why
         reader = mgr.parts.loads.source.reader
         assert reader.held_bytes > 0
