@@ -12,18 +12,16 @@ computed by hand, so that they hold on every CPU kind.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mapoffload.offload import runtime
-from mapoffload.pagecache import pages as pages_module
 
 from fake_cgroups import fake_cap
 from room_stack import W, Stack
-from test_part_readahead import BIG, BLOCKS, EDGES, HEAD, IN_USE, MARGIN, SmallFirst, resident, small_first
+from test_part_readahead import BIG, BLOCKS, EDGES, HEAD, IN_USE, MARGIN, ReadWatch, SmallFirst, resident, small_first
 
 ROWS = W // 2  # a chunk: half the window (one largest part, BIG), in rows of 3 W / 4 floats
 NAMES = {0: "layer {i} (blocks.{i}.big) (rows 0-256)", 1: "layer {i} (blocks.{i}.big) (rows 256-512)"}
@@ -56,24 +54,8 @@ def by_hand(model, x):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """The page worker's reads as they begin: name -> an Event."""
-    began: dict[str, threading.Event] = {}
-    lock = threading.Lock()
-    real = pages_module.read_in
-
-    def read_in(spans, what="weights", *args, **kw):
-        with lock:
-            began.setdefault(what, threading.Event()).set()
-        return real(spans, what, *args, **kw)
-
-    monkeypatch.setattr(pages_module, "read_in", read_in)
-
-    def event(name: str) -> threading.Event:
-        with lock:
-            return began.setdefault(name, threading.Event())
-
-    event.began = began
-    return event
+    """The page worker's reads as they begin (``ReadWatch``)."""
+    return ReadWatch(monkeypatch)
 
 
 def test_the_next_chunk_is_read_while_one_computes_and_the_part_is_read_once(tmp_file_dir, cap, monkeypatch, reads):
@@ -95,12 +77,12 @@ def test_the_next_chunk_is_read_while_one_computes_and_the_part_is_read_once(tmp
         first = model(x)  # the check: whole matmuls returned
         assert torch.equal(first, want)
         mgr.parts.pages.settle()
-        reads.began.clear()
+        reads.clear()
         monkeypatch.setattr(F, "linear", linear)
         got = model(x)
         monkeypatch.setattr(F, "linear", real)
         mgr.parts.pages.settle()
-        names = set(reads.began)
+        names = reads.names
     assert torch.equal(got, by_hand(model, x))
     assert waited == [True] * BLOCKS, waited
     for i in range(BLOCKS):  # the big part read by its chunks, never whole
@@ -127,10 +109,10 @@ def test_where_the_chunks_are_not_exact_the_part_is_read_whole_and_computes_whol
     with mgr, torch.no_grad():
         mgr.register_forward_hooks()
         for _ in range(3):
-            reads.began.clear()
+            reads.clear()
             assert torch.equal(model(x), want)
-    assert all(f"layer {i} (blocks.{i}.big)" in reads.began for i in range(BLOCKS)), sorted(reads.began)
-    assert not any("rows" in name for name in reads.began), sorted(reads.began)
+    assert all(f"layer {i} (blocks.{i}.big)" in reads.names for i in range(BLOCKS)), sorted(reads.names)
+    assert not any("rows" in name for name in reads.names), sorted(reads.names)
 
 
 def test_without_read_ahead_the_parts_are_not_chunked(tmp_file_dir, cap, monkeypatch, reads):
@@ -140,7 +122,7 @@ def test_without_read_ahead_the_parts_are_not_chunked(tmp_file_dir, cap, monkeyp
         mgr.register_forward_hooks()
         for _ in range(2):
             assert torch.equal(model(x), want)
-    assert not any("rows" in name for name in reads.began), sorted(reads.began)
+    assert not any("rows" in name for name in reads.names), sorted(reads.names)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

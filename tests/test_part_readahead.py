@@ -106,21 +106,41 @@ def test_the_depth_comes_from_the_room():
     assert none.depth == 0 and not none.readahead  # prefetch_layers=0: nothing read ahead, parts either
 
 
+class ReadWatch:
+    """The page worker's reads as they begin (``pages.read_in`` patched through ``mp``): ``watch(name)`` is
+    an Event set when the read of that name began (made on first ask), ``watch.names`` those begun."""
+
+    def __init__(self, mp) -> None:
+        self._began: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        real = pages_module.read_in
+
+        def read_in(spans, what="weights", *args, **kw):
+            self(what).set()
+            return real(spans, what, *args, **kw)
+
+        mp.setattr(pages_module, "read_in", read_in)
+
+    def __call__(self, name: str) -> threading.Event:
+        with self._lock:
+            return self._began.setdefault(name, threading.Event())
+
+    @property
+    def names(self) -> set[str]:
+        with self._lock:
+            return {n for n, e in self._began.items() if e.is_set()}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._began.clear()
+
+
 def test_the_next_parts_read_begins_before_the_part_before_it_has_computed(ckpt, cap, monkeypatch):
     """Each part's compute waits (in a hook after it) until the page worker has begun reading the part
     that runs next: without read-ahead that read begins only once the next part is about to run, and
     the wait times out."""
     path, x, want = ckpt
-    began: dict[str, threading.Event] = {}
-    lock = threading.Lock()
-    real = pages_module.read_in
-
-    def read_in(spans, what="weights", *args, **kw):
-        with lock:
-            began.setdefault(what, threading.Event()).set()
-        return real(spans, what, *args, **kw)
-
-    monkeypatch.setattr(pages_module, "read_in", read_in)
+    began = ReadWatch(monkeypatch)
     model, mgr = started(path, cap)
     names = [f"layer {i} (blocks.{i}.{p})" for i in range(BLOCKS) for p in ("norm", "a", "b", "c", "d")]
     waited: list[tuple[str, bool]] = []
@@ -130,9 +150,7 @@ def test_the_next_parts_read_begins_before_the_part_before_it_has_computed(ckpt,
         def hook(module, args, output):
             nxt = names.index(name) + 1
             if watching[0] and nxt < len(names) and not any(not ok for _, ok in waited):
-                with lock:
-                    event = began.setdefault(names[nxt], threading.Event())
-                waited.append((names[nxt], event.wait(5)))
+                waited.append((names[nxt], began(names[nxt]).wait(5)))
         return hook
 
     handles = [getattr(model.blocks[i], p).register_forward_hook(after(f"layer {i} (blocks.{i}.{p})"))
@@ -140,8 +158,7 @@ def test_the_next_parts_read_begins_before_the_part_before_it_has_computed(ckpt,
     with mgr, torch.no_grad():
         assert torch.equal(model(x), want)  # the order learnt
         mgr.parts.pages.settle()
-        with lock:
-            began.clear()
+        began.clear()
         watching[0] = True
         peaks = []
         handles += [getattr(model.blocks[i], p).register_forward_hook(lambda *a: peaks.append(resident(mgr)))
@@ -510,21 +527,10 @@ def before_b_runs(model, mgr, x, want, look) -> tuple[list, list[int]]:
     """A second forward (the first learns the order) where, as each block's b is about to run,
     ``look(i, began)`` is recorded (``began``: a read's name -> an Event set when the page worker began
     it), with the page cache's bytes then and after each big part."""
-    began: dict[str, threading.Event] = {}
-    lock = threading.Lock()
-    real = pages_module.read_in
-
-    def read_in(spans, what="weights", *args, **kw):
-        with lock:
-            began.setdefault(what, threading.Event()).set()
-        return real(spans, what, *args, **kw)
-
-    def event(name: str) -> threading.Event:
-        with lock:
-            return began.setdefault(name, threading.Event())
-
     seen: list = []
     peaks: list[int] = []
+
+    event = None  # the reads' watch, made inside the patch's context below
 
     def before_b(i):
         def hook(module, args):
@@ -534,11 +540,10 @@ def before_b_runs(model, mgr, x, want, look) -> tuple[list, list[int]]:
 
     with mgr, torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mgr.register_forward_hooks()
-        mp.setattr(pages_module, "read_in", read_in)
+        event = ReadWatch(mp)
         assert torch.equal(model(x), want)  # the order learnt
         mgr.parts.pages.settle()
-        with lock:
-            began.clear()
+        event.clear()
         handles = [model.blocks[i].b.register_forward_pre_hook(before_b(i)) for i in range(BLOCKS)]
         handles += [model.blocks[i].big.register_forward_hook(lambda *a: peaks.append(resident(mgr)))
                     for i in range(BLOCKS)]
