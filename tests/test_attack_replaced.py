@@ -95,11 +95,11 @@ def test_iter_cpu_weights_and_checksum_see_a_replacement_before_a_forward(stack,
         mgr.register_forward_hooks()
         model.blocks[3].weight = nn.Parameter(new.clone())
         before = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), checksum(mgr.iter_cpu_weights()),
-                  mgr.store_of("blocks.3.weight"))
+                  mgr.parts.store_of("blocks.3.weight"))
         with torch.no_grad():
             model(x)
         after = (torch.equal(dict(mgr.iter_cpu_weights())["blocks.3.weight"], new), checksum(mgr.iter_cpu_weights()),
-                 mgr.store_of("blocks.3.weight"))
+                 mgr.parts.store_of("blocks.3.weight"))
     assert before == after
 
 

@@ -110,7 +110,7 @@ def test_prefetch_into_a_recycled_buffer_waits_for_the_compute_still_reading_it(
         with torch.no_grad():
             _hold()  # the compute lags: the host queues every layer, its prefetches take recycled buffers
             got = model(xs).cpu()
-        assert mgr.peak_device_bytes < 6 * mgr.layer_bytes(0)  # buffers were recycled
+        assert mgr.peak_device_bytes < 6 * mgr.parts.layer_bytes(0)  # buffers were recycled
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 

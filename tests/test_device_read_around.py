@@ -48,7 +48,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
         with _twin(model, depth=depth, reads=mode) as mgr:
             plan = mgr.residency
             assert plan.depth == depth and len(plan.cached) == 3 and len(plan.streamed) == LAYERS - 3
-            assert mgr.reads.mode == mode
+            assert mgr.parts.reads.mode == mode
             mgr.register_forward_hooks()
             outs[mode] = _forwards(model, x, 1)
             if mode == "uncached":
@@ -98,7 +98,7 @@ def test_streamed_layers_stay_out_of_the_page_cache(ckpt):
         from mapoffload._native import _core
 
         file = mgr.parts.pages.extents(plan.cached[0])[0].file
-        kept = sum(mgr.layer_bytes(i) for i in plan.cached) + model.mix.weight.nbytes + model.mix.bias.nbytes
+        kept = sum(mgr.parts.layer_bytes(i) for i in plan.cached) + model.mix.weight.nbytes + model.mix.bias.nbytes
         assert _core.fd_range_resident_bytes(file.fd, 0, os.fstat(file.fd).st_size) <= kept + 2 * (2 << 20)
 
 
@@ -113,7 +113,7 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
     model = mixed_model(tmp_path, reference)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=0, reads="uncached") as mgr:
-        assert {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")} \
+        assert {mgr.parts.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")} \
             == {"mapped", "consolidated", "strided"}
         assert len(mgr.residency.streamed) == 4
         mgr.register_forward_hooks()
@@ -126,24 +126,24 @@ def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with _twin(model, reads="auto") as mgr:
-        assert mgr.reads.mode == "mapping"  # decided at the first forward
+        assert mgr.parts.reads.mode == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        if not mgr.reads.probe_uncached()[0]:
+        if not mgr.parts.reads.probe_uncached()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
-        assert mgr.reads.mode == "uncached", mgr.reads.why
-        assert "O_DIRECT" in mgr.reads.why
+        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
+        assert "O_DIRECT" in mgr.parts.reads.why
     # Nothing streams: nothing to decide.
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=1 << 40) as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 1)
-        assert mgr.reads.mode == "mapping"
+        assert mgr.parts.reads.mode == "mapping"
     # "mapping" keeps the device path on the mapping.
     with _twin(model, reads="mapping") as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 2)
-        assert mgr.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, ReadAroundSource)
+        assert mgr.parts.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, ReadAroundSource)
 
 
 @pytest.mark.parametrize("where", ["check", "read"])
@@ -170,7 +170,7 @@ def test_a_truncated_file_is_an_exception_and_the_buffers_come_back(ckpt, tmp_pa
             model(x)
         reader = mgr.parts.loads.source.reader
         assert reader.leased == 0 and mgr.parts.loads.source.outstanding == 0
-        assert not any(mgr.is_loaded(i) for i in range(LAYERS))
+        assert not any(mgr.parts.is_loaded(i) for i in range(LAYERS))
     assert reader.held_bytes == 0
 
 
@@ -253,20 +253,20 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     with _twin(model, reads="mapping", resident_layers=2) as mgr:
         mgr.register_forward_hooks()
         assert torch.equal(_forwards(model, x, 1)[0], want)
-        assert mgr.is_loaded(0) and mgr.is_loaded(1)
-        assert mgr.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
-        mgr.reads.read_around("a test")
-        assert isinstance(mgr.parts.loads.source, ReadAroundSource) and mgr.reads.why == "a test"
+        assert mgr.parts.is_loaded(0) and mgr.parts.is_loaded(1)
+        assert mgr.parts.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
+        mgr.parts.reads.read_around("a test")
+        assert isinstance(mgr.parts.loads.source, ReadAroundSource) and mgr.parts.reads.why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
-        assert not any(mgr.is_loaded(i) for i in range(LAYERS)) and mgr.parts.loads.source.reader.leased == 0
+        assert not any(mgr.parts.is_loaded(i) for i in range(LAYERS)) and mgr.parts.loads.source.reader.leased == 0
         made = sum(b.numel() for b in handed.values())
         pooled = mgr.parts.loads.pool.pooled()
-        assert mgr.device_bytes == made > 0  # released buffers stay pooled, none lost from the count
+        assert mgr.parts.device_bytes == made > 0  # released buffers stay pooled, none lost from the count
         assert {id(b) for b in pooled} == set(handed)  # every buffer back in the pool: none still in use
         assert all(torch.equal(y, want) for y in _forwards(model, x, 1))
         assert sum(b.numel() for b in handed.values()) == made  # the next forward reused them: none new
-    assert mgr.device_bytes == 0  # close() frees the pool
+    assert mgr.parts.device_bytes == 0  # close() frees the pool
 
 
 def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_reads_around(ckpt):
@@ -367,7 +367,7 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
         room = 6 * _layer(model) + 4096
         with LayerwiseOffloadManager(model, "blocks", device="cuda", host_store="mapped", prefetch_layers=2,
                                      page_cache_bytes=room, reads=mode) as mgr:
-            assert mgr.residency.streamed and mgr.reads.mode == mode
+            assert mgr.residency.streamed and mgr.parts.reads.mode == mode
             mgr.register_forward_hooks()
             with torch.no_grad():
                 outs[mode] = [model(x.cuda()).cpu() for _ in range(3)]

@@ -335,11 +335,11 @@ def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
         model = mapoffload.from_pretrained(cls, str(tmp_path), device="cpu", reads="uncached")
     managers = list(model.mapoffload_handle.managers.values())
     for m in managers:
-        m.replan(page_cache_bytes=0)
+        m.parts.replan(page_cache_bytes=0)
     assert torch.equal(expected, _forward(model, x))
     assert torch.equal(expected, _forward(model, x))  # the buffers reused
-    read = sum(m.parts.loads.source.reader.stats()["reads"] for m in managers if m.reads.mode == "uncached")
-    assert read > 0, [m.reads.why for m in managers]
+    read = sum(m.parts.loads.source.reader.stats()["reads"] for m in managers if m.parts.reads.mode == "uncached")
+    assert read > 0, [m.parts.reads.why for m in managers]
     model.mapoffload_handle.close()
 
 
@@ -361,7 +361,7 @@ def test_the_device_path_reading_around_the_page_cache_computes_the_same(tmp_pat
                                   reads="uncached", page_cache_bytes=0)
     try:
         mgr.register_forward_hooks()
-        assert mgr.reads.mode == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
+        assert mgr.parts.reads.mode == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
         assert torch.equal(expected, _forward(model, x))
         assert torch.equal(expected, _forward(model, x))  # the reader's buffers reused
         assert mgr.parts.loads.source.reader.stats()["reads"] >= 2 * len(mgr.layers)

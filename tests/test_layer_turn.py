@@ -76,7 +76,7 @@ def test_a_base_exception_inside_a_layer_leaves_the_turn_free(exc, where, twin):
     interrupt.armed = True
     with pytest.raises(exc):
         forward(model)
-    assert not mgr.is_loaded(2)  # released, not held for good
+    assert not mgr.parts.is_loaded(2)  # released, not held for good
     assert torch.equal(forward(model), want)  # the same thread
     assert torch.equal(run_in_thread(lambda: forward(model))[0], want)  # another thread
     interrupt.armed = True

@@ -67,7 +67,7 @@ def test_outputs_identical_and_only_resident_layers_hold_weights(ckpt, reference
         else:  # in place nothing moves: every layer holds its mapped weights, loaded or not
             assert real and regions.holds(block.fc1.weight), i
             assert torch.equal(block.fc1.weight, reference.blocks[i].fc1.weight), i
-        assert mgr.is_loaded(i) == (i < resident)
+        assert mgr.parts.is_loaded(i) == (i < resident)
     assert mgr.mapped_bytes > 0 and mgr.pinned_bytes == 0
     mgr.close()
 
@@ -98,7 +98,7 @@ def test_out_of_order_execution(ckpt, reference, order):
             x = model.blocks[i](x)
             x_ref = reference.blocks[i](x_ref)
     assert torch.equal(x, x_ref)
-    assert not any(mgr.is_loaded(i) for i in range(5))
+    assert not any(mgr.parts.is_loaded(i) for i in range(5))
 
 
 def test_mapped_stores_are_views_and_anonymous_bytes_do_not_grow(ckpt, reference):
@@ -128,7 +128,7 @@ def test_sync_skips_mapped_and_update_never_writes_the_file(ckpt, reference):
     assert cow_report([host]).anonymous_bytes == 0
     new = torch.full_like(reference.blocks[0].fc1.weight, 0.5)
     mgr.update_cpu_weights({name: new})
-    assert mgr.store_of(name) == "strided"  # now an owned tensor
+    assert mgr.parts.store_of(name) == "strided"  # now an owned tensor
     assert torch.equal(model.blocks[0].fc1.weight, new)  # loaded layer updated too
     mgr.release_layer(0)
     mgr.prefetch_layer(0, non_blocking=False)
@@ -167,7 +167,7 @@ def test_non_contiguous_weights_keep_their_strides(reference):
     model.blocks[1].fc1.weight = torch.nn.Parameter(t)
     expected_stride = t.stride()
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
-    assert mgr.store_of("blocks.1.fc1.weight") == "strided"
+    assert mgr.parts.store_of("blocks.1.fc1.weight") == "strided"
     mgr.prefetch_layer(1, non_blocking=False)
     assert model.blocks[1].fc1.weight.stride() == expected_stride
     assert torch.equal(model.blocks[1].fc1.weight, t)
@@ -258,17 +258,17 @@ def test_device_buffers_are_reused_and_accounted(ckpt):
     with torch.no_grad():
         model(IDS)
     peak = mgr.peak_device_bytes
-    held = mgr.device_bytes
+    held = mgr.parts.device_bytes
     with torch.no_grad():
         for _ in range(5):
             model(IDS)
-    assert mgr.peak_device_bytes == peak and mgr.device_bytes == held  # no new allocations
+    assert mgr.peak_device_bytes == peak and mgr.parts.device_bytes == held  # no new allocations
     per_layer = max(sum(s.dev_bytes.values()) for s in mgr.parts.sequencer.stores)
     assert peak <= 3 * per_layer
     mgr.load_all_layers()
-    assert all(mgr.is_loaded(i) for i in range(5))
+    assert all(mgr.parts.is_loaded(i) for i in range(5))
     mgr.release_all()
-    assert not any(mgr.is_loaded(i) for i in range(5))
+    assert not any(mgr.parts.is_loaded(i) for i in range(5))
 
 
 @pytest.mark.cuda

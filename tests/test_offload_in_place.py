@@ -37,7 +37,7 @@ def test_computes_from_the_mapping_without_a_copy(ckpt):
                 assert torch.equal(model(x), want)
         hook.remove()
         assert seen == [ptrs[10]] * 3  # layer 5's weight computed from its own mapped bytes
-        assert mgr.device_bytes == 0 and mgr.peak_device_bytes == 0
+        assert mgr.parts.device_bytes == 0 and mgr.peak_device_bytes == 0
         grown = rss_anon_bytes() - anon0
     assert grown < 2 * MIB, f"{grown} anonymous bytes for {mgr.mapped_bytes} of weights"  # not one layer's worth
     assert cow_report(hosts).anonymous_bytes == 0
@@ -131,7 +131,7 @@ def test_update_and_sync_in_direct_mode(ckpt):
         mgr.sync_layer_to_cpu(0)  # nothing to write back: the host store is what computes
         new = torch.zeros(OUT)
         mgr.update_cpu_weights({"blocks.0.bias": new})
-        assert mgr.store_of("blocks.0.bias") == "strided"
+        assert mgr.parts.store_of("blocks.0.bias") == "strided"
         assert torch.equal(model.blocks[0].bias, new)  # the loaded layer sees it
         with torch.no_grad():
             assert not torch.equal(model(x), want)

@@ -56,7 +56,7 @@ def test_recording_autograd_through_the_device_pipeline_is_refused_clearly():
             blocks_grad(model)
         assert "torch.no_grad" in str(info.value) and "blocks.0" in str(info.value)
         assert (info.value.layer, info.value.reason) == (0, "autograd recorded")
-        assert not any(mgr.is_loaded(i) for i in range(4))  # released, turn left
+        assert not any(mgr.parts.is_loaded(i) for i in range(4))  # released, turn left
         with torch.no_grad():
             assert torch.equal(model(IDS), want)
         # Grad mode on, nothing requiring grad: nothing is recorded, nothing refused.

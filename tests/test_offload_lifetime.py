@@ -28,7 +28,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
     want = no_grad_forward(reference)
     copier = Copier("cpu", threads=3, staging_bytes=4096, slots=2)
     mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", copier=copier, cpu_twin=True)
-    stores = {mgr.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")}
+    stores = {mgr.parts.store_of(n) for n in ("blocks.0.fc1.weight", "blocks.0.norm.weight", "blocks.1.fc2.weight")}
     assert stores == {"mapped", "consolidated", "strided"}
     mgr.register_forward_hooks()
     for _ in range(5):
@@ -36,7 +36,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
     # A weight made strided by update_cpu_weights joins the mix.
     name = "blocks.2.fc1.weight"
     mgr.update_cpu_weights({name: reference.blocks[2].fc1.weight})
-    assert mgr.store_of(name) == "strided"
+    assert mgr.parts.store_of(name) == "strided"
     for _ in range(3):
         assert torch.equal(no_grad_forward(model), want)
     # Each prefetch moves the layer's own bytes, and each consolidated host
@@ -45,7 +45,7 @@ def test_mixed_stores_in_one_dtype_compute_right_and_move_only_their_bytes(tmp_p
         before = copier.stats().bytes
         mgr.prefetch_layer(i, non_blocking=False)
         moved = copier.stats().bytes - before
-        assert moved <= 1.02 * mgr.layer_bytes(i) + 64 * 1024, (i, moved, mgr.layer_bytes(i))
+        assert moved <= 1.02 * mgr.parts.layer_bytes(i) + 64 * 1024, (i, moved, mgr.parts.layer_bytes(i))
         mgr.release_layer(i)
         store = mgr.parts.sequencer.stores[i]
         consolidated = [w for w in store.weights if w.store == "consolidated"]
@@ -123,11 +123,11 @@ def test_load_all_layers_keeps_them_through_a_forward(reference):
         mgr.register_forward_hooks()
         mgr.load_all_layers()
         assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
-        assert all(mgr.is_loaded(i) for i in range(4))
+        assert all(mgr.parts.is_loaded(i) for i in range(4))
         mgr.release_all()
-        assert not any(mgr.is_loaded(i) for i in range(4))
+        assert not any(mgr.parts.is_loaded(i) for i in range(4))
         assert torch.equal(no_grad_forward(model), no_grad_forward(reference))
-        assert not any(mgr.is_loaded(i) for i in range(4))
+        assert not any(mgr.parts.is_loaded(i) for i in range(4))
 
 
 def test_fault_while_streaming_releases_the_layer_and_recovers(tmp_path, reference):
@@ -149,7 +149,7 @@ def test_fault_while_streaming_releases_the_layer_and_recovers(tmp_path, referen
     with pytest.raises(MappingFaultError) as info:
         no_grad_forward(model)
     assert info.value.filename == str(path)
-    assert not any(mgr.is_loaded(i) for i in range(4))
+    assert not any(mgr.parts.is_loaded(i) for i in range(4))
     with open(path, "r+b") as f:  # whole again, same inode: the mapping sees it
         f.write(good)
     for _ in range(2):

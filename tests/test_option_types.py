@@ -129,7 +129,7 @@ def test_replan_refuses_a_wrong_page_cache_bytes(ckpt):
     model = _mapped_model(ckpt)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
         with pytest.raises(TypeError, match=r"page_cache_bytes.*1\.5"):
-            mgr.replan(1.5)
+            mgr.parts.replan(1.5)
 
 
 # --- paths a user types: ~ is the home folder ---------------------------------------------------

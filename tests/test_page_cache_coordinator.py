@@ -362,7 +362,7 @@ def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
         with torch.no_grad():
             assert torch.equal(model(x), want)
         assert enc.parts.loads.source.reader.held_bytes > 0
-        enc.replan()
+        enc.parts.replan()
         held = enc.parts.loads.source.reader.held_bytes
         assert held > 0 and coord.window_buffers == held
         assert coord.ranks == [] and coord.replicas == []  # no peers: nothing shared

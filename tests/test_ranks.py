@@ -295,7 +295,7 @@ def test_manager_streams_only_this_ranks_slice_with_a_ring_that_fits(tmp_path, m
     with LayerwiseOffloadManager(model, "blocks", device="cpu", host_store="mapped", local_ranks=4,
                                  available_bytes=512 * MIB, cpu_twin=True) as manager:
         assert manager.options.local_ranks == 4
-        assert manager.layer_bytes(0) * 2 == whole_layer  # each rank streams its half
+        assert manager.parts.layer_bytes(0) * 2 == whole_layer  # each rank streams its half
         # 4 rings of 8 x 8 MiB > 512 MiB / 8: slots divided by the local ranks.
         assert (manager.copier.slots, manager.copier.staging_bytes, manager.copier.threads) == (2, 8 * MIB, 2)
         assert manager.mapped_bytes == sum(p.nbytes for n, p in model.named_parameters() if "up." in n)

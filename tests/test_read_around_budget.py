@@ -83,7 +83,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_uncached(mgr) -> None:
-    capable, why = mgr.reads.probe_uncached()
+    capable, why = mgr.parts.reads.probe_uncached()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 
@@ -130,8 +130,8 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
         mgr.register_forward_hooks()
         for _ in range(5):
             forward(model, x, want)
-            assert mgr.reads.mode == "mapping", mgr.reads.why
-        assert "do not fit" in mgr.reads.why, mgr.reads.why
+            assert mgr.parts.reads.mode == "mapping", mgr.parts.reads.why
+        assert "do not fit" in mgr.parts.reads.why, mgr.parts.reads.why
         assert coord.buffers == 0
 
 
@@ -150,7 +150,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         mgr.register_forward_hooks()
         for _ in range(4):
             forward(model, x, want)
-        assert mgr.reads.mode == "uncached", mgr.reads.why
+        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
         # Charged from the switch on, before a buffer was made: 2 buffers of a layer.
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
@@ -161,13 +161,13 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         # reads through the mapping again (the head streamed too: they do not fit even so).
         cap(85, in_use=17 * MIB + mgr.parts.loads.source.reader.held_bytes)
         forward(model, x, want)
-        assert mgr.reads.mode == "mapping" and "do not fit" in mgr.reads.why, mgr.reads.why
+        assert mgr.parts.reads.mode == "mapping" and "do not fit" in mgr.parts.reads.why, mgr.parts.reads.why
         assert coord.buffers == 0 and mgr.parts.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
         # Room again: read around again.
         cap(100)
         forward(model, x, want)
-        assert mgr.reads.mode == "uncached", mgr.reads.why
+        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
         forward(model, x, want)
 
 

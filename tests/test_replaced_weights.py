@@ -64,7 +64,7 @@ def test_a_replaced_layer_weight_computes_through_the_manager(stack, way, path_k
         with torch.no_grad():
             for _ in range(2):  # the second forward too: nothing reverts it later
                 assert torch.equal(model(x), want(x))
-        assert mgr.store_of("blocks.3.weight") == "strided"  # an owned tensor now, counted as such
+        assert mgr.parts.store_of("blocks.3.weight") == "strided"  # an owned tensor now, counted as such
         assert mgr.pageable_bytes >= new.numel() * 4
     # closed: the model is given back with the new weight
     assert torch.equal(model.blocks[3].weight.detach(), new)
@@ -103,7 +103,7 @@ def test_only_some_layers_replaced(stack, path_kind):
             setattr(model.get_submodule(mod), attr, nn.Parameter(value.clone()))
         with torch.no_grad():
             assert torch.equal(model(x), _plain_with(ref, edits)(x))
-        assert mgr.store_of("blocks.1.weight") == "mapped"  # the others stay on their mapping
+        assert mgr.parts.store_of("blocks.1.weight") == "mapped"  # the others stay on their mapping
 
 
 @pytest.mark.parametrize("path_kind", PATHS)
@@ -141,7 +141,7 @@ def test_a_kept_layer_replaced_between_forwards(stack):
         mgr.register_forward_hooks()
         with torch.no_grad():
             model(x)  # layer 0 stays loaded on the "device"
-            assert mgr.is_loaded(0)
+            assert mgr.parts.is_loaded(0)
             model.blocks[0].weight = nn.Parameter(new.clone())
             assert torch.equal(model(x), _plain_with(ref, {"blocks.0.weight": new})(x))
 
@@ -268,7 +268,7 @@ def test_a_loaded_layer_written_in_place_on_the_twin_keeps_the_write(stack, writ
         for _ in range(2):
             assert torch.equal(model(x), want(x))
     if then != "close":
-        assert mgr.store_of("blocks.2.weight") == "strided"  # an owned copy now, counted as such
+        assert mgr.parts.store_of("blocks.2.weight") == "strided"  # an owned copy now, counted as such
         mgr.close()
     assert torch.equal(model.blocks[2].weight.detach(), new)
 
@@ -282,7 +282,7 @@ def test_a_resident_layer_written_in_place_on_the_twin_keeps_the_write(stack):
         mgr.register_forward_hooks()
         with torch.no_grad():
             model(x)
-            assert mgr.is_loaded(0)
+            assert mgr.parts.is_loaded(0)
             model.blocks[0].weight.mul_(0).add_(new)
             for _ in range(2):
                 assert torch.equal(model(x), _plain_with(ref, {"blocks.0.weight": new})(x))

@@ -182,7 +182,7 @@ def test_residency_under_a_cap_reports_the_bytes_read_each_forward(checkpoint):
     model = _load(checkpoint)
     with mapoffload.offload(model, device="cpu", layers="blocks") as handle:
         mgr = handle.managers["blocks"]
-        plan = mgr.replan(mgr.layer_bytes(0) * 2)
+        plan = mgr.parts.replan(mgr.parts.layer_bytes(0) * 2)
         assert plan.streamed
         blocks = handle.rows[0]
         assert blocks.read_per_forward == plan.streamed_bytes > 0

@@ -111,7 +111,7 @@ def test_the_cpu_twins_device_buffers_and_staging_are_counted(ckpt):
         handle.managers["blocks"] = mgr
         buffers = {r.unit: r for r in handle.rows}["buffers"]
         staging = mgr.copier.slots * mgr.copier.staging_bytes
-        assert buffers.anonymous_bytes == staging + mgr.device_bytes
-        assert mgr.device_bytes >= 2 * (2 * MIB)  # at least the layer running and the one prefetched
+        assert buffers.anonymous_bytes == staging + mgr.parts.device_bytes
+        assert mgr.parts.device_bytes >= 2 * (2 * MIB)  # at least the layer running and the one prefetched
         assert "staging" in handle.summary() and "device buffers" in handle.summary()
         handle.managers.clear()  # the manager's own close() gives the model back

@@ -86,7 +86,7 @@ def _where(model) -> dict:  # noqa: ANN001
     handle = getattr(model, "mapoffload_handle", None)  # the OffloadHandle every entry point returns
     managers = list(handle.managers.values()) if handle is not None else []
     out["managers"] = len(managers)
-    out["streaming"] = [{"reads": m.reads.mode, "resident": sum(m.parts.pages.resident_bytes()),
+    out["streaming"] = [{"reads": m.parts.reads.mode, "resident": sum(m.parts.pages.resident_bytes()),
                          "mapped": m.mapped_bytes, "repr": repr(m), **_device_path(m)} for m in managers]
     from mapoffload.pagecache.coordinator import coordinator
 
@@ -116,7 +116,7 @@ def _device_path(manager) -> dict:  # noqa: ANN001
     host = [t for _, t in manager.iter_cpu_weights()]
     return {"copied": manager.copier.stats().bytes - getattr(manager, "_test_copied", 0),
             "forwards": getattr(manager, "_test_forwards", None), "slots": manager.copier.slots,
-            "layers": len(manager.layers), "layer_bytes": [manager.layer_bytes(i) for i in range(len(manager.layers))],
+            "layers": len(manager.layers), "layer_bytes": [manager.parts.layer_bytes(i) for i in range(len(manager.layers))],
             "param_bytes": [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in manager.layers],
             "host_mapped": all(mapoffload.MappedRegions().classify(host)), "host_bytes": sum(t.nbytes for t in host)}
 

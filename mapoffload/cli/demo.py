@@ -327,7 +327,7 @@ def _offload(cfg: DemoConfig, run: _Setup, w: _Written, ld: _Loaded, say, failur
             f"anonymous memory grew by {format_bytes(anon)}, over the {format_bytes(w.budget)} host budget "
             f"({parts})"
         )
-    copy_s = sum(mgr.layer_bytes(i) / (gbps * 1e9) for i, gbps in enumerate(per_layer))
+    copy_s = sum(mgr.parts.layer_bytes(i) / (gbps * 1e9) for i, gbps in enumerate(per_layer))
     done = _Offloaded(same, turned, anon, parts, mgr.mapped_bytes, mgr.residency, per_layer, copy_s, t_off)
     mgr.close()
     if copier is not None:

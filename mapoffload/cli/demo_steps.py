@@ -108,7 +108,7 @@ def copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list
 
     per_layer = []
     for i in range(layers):
-        nbytes = mgr.layer_bytes(i)
+        nbytes = mgr.parts.layer_bytes(i)
         if not copies:
             where = "on the file mapping" if kept else "in host memory (the gate's copy)"
             say(f"      layer {i + 1}/{layers}: {format_bytes(nbytes)} {where}, computed from there")

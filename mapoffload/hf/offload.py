@@ -282,7 +282,7 @@ def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     params, buffers = _rest_tensors(model)
     rest_bytes = sum(tensor_bytes(p) for p in params)
     buffer_bytes = sum(tensor_bytes(b) for _, _, b in buffers)
-    streaming = max((m.layer_bytes(i) for m in handle.managers.values() for i in range(len(m.layers))), default=0)
+    streaming = max((m.parts.layer_bytes(i) for m in handle.managers.values() for i in range(len(m.layers))), default=0)
     streaming *= o.prefetch_layers + 1
     if dev.type == "cuda":
         free = torch.cuda.mem_get_info(dev)[0] if device_free_bytes is None else device_free_bytes

@@ -15,7 +15,9 @@ what the host measures (the host budget, the local ranks; the copier it makes fo
 :func:`make_copier`, has its staging ring shrunk for the local ranks). It plans the stores and holds
 its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the holders, the sequencer, the
 page-cache member, the reads policy, the runtime: the layer turn and the hooks); every method below is
-one of theirs.
+one of theirs. The facade has the fixed names only; what it does not say (a layer's bytes, whether it is
+loaded, a weight's store, the device buffers, how streamed layers are read, a share of the page cache given
+now) tools and tests ask ``manager.parts``.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
 the device path a released layer's holders hold placeholders (``holders.py``, ``placeholder.py``).
@@ -33,20 +35,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._checks import check_count
 from .._log import format_bytes, logger
 from ..options import HOST_STORES, READS, OffloadOptions, gather, shows_option_keywords
-from ..pagecache.coordinator import coordinator
 from .hooks import CallNames
-from .parts import Parts
+from .parts import Parts, layer_index
 from .sequencer import iter_cpu_weights, sync_layer_to_cpu, update_cpu_weights
-from .stores import MAPPED, LayerStore, Weight, host_bytes
+from .stores import MAPPED, host_bytes
 
 if TYPE_CHECKING:
     import torch
 
     from ..copier import Copier
-    from ..pagecache.read_policy import ReadPolicy
     from ..pagecache.residency import ResidencyPlan
     from .loads import Target
 
@@ -113,7 +112,6 @@ class LayerwiseOffloadManager:
         # an inference tensor cannot be written outside it (update_cpu_weights).
         with torch.inference_mode(False):
             self._stores, self.unmanaged = _plan.collect(model, self.layers, self.device)
-            self._by_name = {n: (s, w) for s in self._stores for w in s.weights for n in w.names}
             _plan.plan(self._stores, o.host_store, o.available_bytes, cuda=o.cuda, device=self.device,
                        local_ranks=o.local_ranks, in_place=o.in_place)
         owns_copier = copier is None
@@ -139,12 +137,6 @@ class LayerwiseOffloadManager:
                 # One mark on a weight's two forms: a second manager on these weights is refused, and named.
                 w.param._mapoffload_manager = w.placeholder._mapoffload_manager = mark
 
-    @property
-    def reads(self) -> ReadPolicy:
-        """How streamed layers are read now (``reads.mode``: ``"mapping"`` or ``"uncached"``) and why
-        (``reads.why``): the ``reads`` setting and its ``auto`` policy (``pagecache/read_policy.py``)."""
-        return self.parts.reads
-
     # -- accounting ------------------------------------------------------------------------
     @property
     def mapped_bytes(self) -> int:
@@ -161,38 +153,10 @@ class LayerwiseOffloadManager:
         return host_bytes(self._stores)["pageable"]
 
     @property
-    def device_bytes(self) -> int:
-        """Bytes of device buffers held now (in use or pooled for reuse)."""
-        return self.parts.loads.bytes
-
-    @property
     def peak_device_bytes(self) -> int:
         return self.parts.loads.peak_bytes
 
-    def layer_bytes(self, i: int) -> int:
-        """Bytes one prefetch of layer ``i`` moves."""
-        return self._stores[_index(i, self.layers)].nbytes
-
-    def store_of(self, name: str) -> str:
-        """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided``."""
-        self._adopt_all()
-        return self._weight(name)[1].store
-
     # -- residency -------------------------------------------------------------------------
-    def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan:
-        """Plan again which layers stay cached and which stream; returns the plan (also ``residency``).
-
-        ``page_cache_bytes`` gives these layers a share of their own from now
-        on (the other managers plan around it); None measures: the process's
-        page-cache coordinator plans every measured manager together against
-        one budget, and follows the cgroup's cap from then on (when the cap
-        changes, the next forward plans again).
-        """
-        check_count("page_cache_bytes", page_cache_bytes, none=True)
-        self.parts.member.given = page_cache_bytes
-        coordinator().replan()
-        return self.residency
-
     @property
     def residency(self) -> ResidencyPlan | None:
         """The page-cache plan for these layers: which stay cached, which stream (the coordinator's)."""
@@ -205,14 +169,14 @@ class LayerwiseOffloadManager:
 
         With ``non_blocking=False`` it also waits until the layer is usable.
         """
-        i = _index(i, self.layers)
+        i = layer_index(i, self.layers)
         self.parts.sequencer.prefetch(i)
         if not non_blocking:
             self.parts.sequencer.ensure(i)
 
     def release_layer(self, i: int) -> None:
         """Drop layer ``i``'s device copy (its parameters become placeholders; in place, their host tensors)."""
-        self.parts.sequencer.release(_index(i, self.layers))
+        self.parts.sequencer.release(layer_index(i, self.layers))
         self.parts.pages.settle()  # its let-go done before the caller can write a weight in place
 
     def release_all(self) -> None:
@@ -222,9 +186,6 @@ class LayerwiseOffloadManager:
     def load_all_layers(self) -> None:
         """Load every layer and keep it on the device until released explicitly."""
         self.parts.sequencer.load_all()
-
-    def is_loaded(self, i: int) -> bool:
-        return self.parts.sequencer.is_loaded(_index(i, self.layers))
 
     # -- hooks (runtime.py) ---------------------------------------------------------------------
     def register_forward_hooks(self) -> None:
@@ -248,32 +209,16 @@ class LayerwiseOffloadManager:
             turn.leave()
 
     # -- host weights (sequencer.py) -------------------------------------------------------
-    def _weight(self, name: str) -> tuple[LayerStore, Weight]:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"{name} is not a weight managed by this LayerwiseOffloadManager") from None
-
-    def _adopt_all(self) -> None:
-        """A weight the user replaced in the model is the weight from now on (refused ones logged), under
-        the layer turn: no forward of another thread is half-way through a layer meanwhile."""
-        turn = self.parts.runtime.turn
-        turn.enter()
-        try:
-            self.parts.sequencer.adopt_all(strict=False)
-        finally:
-            turn.leave()
-
     def iter_cpu_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, host tensor)`` for every managed weight, mapped ones included (a weight the user
         replaced in the model is adopted first: see :func:`~mapoffload.offload.sequencer.adopt_edits`)."""
-        self._adopt_all()
+        self.parts.adopt_all()
         return iter_cpu_weights(self._stores)
 
     def sync_layer_to_cpu(self, i: int) -> None:
         """Write layer ``i``'s device weights back to its host stores (never a mapped one: see
         :func:`~mapoffload.offload.sequencer.sync_layer_to_cpu`)."""
-        sync_layer_to_cpu(self.parts.sequencer, _index(i, self.layers))
+        sync_layer_to_cpu(self.parts.sequencer, layer_index(i, self.layers))
 
     def update_cpu_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterator) -> None:
         """Replace host weights; a mapped entry becomes an owned tensor, the file is never written.
@@ -283,7 +228,7 @@ class LayerwiseOffloadManager:
         weight), ``ValueError`` (another shape, a meta value), ``TypeError`` (not a tensor, a dtype
         that cannot be cast): see :func:`~mapoffload.offload.sequencer.update_cpu_weights`.
         """
-        update_cpu_weights(named_tensors, seq=self.parts.sequencer, pages=self.parts.pages, weight=self._weight,
+        update_cpu_weights(named_tensors, seq=self.parts.sequencer, pages=self.parts.pages, weight=self.parts.weight,
                            device=self.device)
 
     # -- teardown --------------------------------------------------------------------------
@@ -323,13 +268,6 @@ class LayerwiseOffloadManager:
             f"{format_bytes(self.mapped_bytes)} mapped, {format_bytes(self.pinned_bytes)} pinned, "
             f"{format_bytes(self.pageable_bytes)} pageable)"
         )
-
-
-def _index(i: int, layers: list) -> int:
-    """Layer ``i`` of ``layers`` (negative from the end), or an ``IndexError`` naming how many there are."""
-    if not -len(layers) <= i < len(layers):
-        raise IndexError(f"layer {i} out of range (model has {len(layers)} managed layers)")
-    return i % len(layers)
 
 
 def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOptions]], *,

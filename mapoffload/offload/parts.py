@@ -9,6 +9,9 @@ calls and what they do). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
 
+What the manager's facade does not say - a layer's bytes, whether it is loaded, a weight's store, the
+device buffers held, a share of the page cache given now - tools and tests ask ``manager.parts``.
+
 The load target is chosen in one place, :func:`load_target`: in place (``device="cpu"`` without the CPU
 twin), else device copies (CUDA, or the CPU twin's separate CPU buffers).
 """
@@ -34,9 +37,10 @@ from .holders import Holders
 if TYPE_CHECKING:
     from ..copier import Copier
     from ..options import OffloadOptions
-    from .stores import LayerStore
+    from ..pagecache.residency import ResidencyPlan
+    from .stores import LayerStore, Weight
 
-__all__ = ["Parts", "Target", "load_target"]
+__all__ = ["Parts", "Target", "layer_index", "load_target"]
 
 # Live stacks, for fork(): copies a parent had in flight never complete in
 # the child (its copier's workers stayed in the parent), so the child forgets
@@ -68,6 +72,8 @@ class Parts:
     member: StackMember
     reads: ReadPolicy
     runtime: StackRuntime
+    stores: list[LayerStore]  # one a layer
+    by_name: dict[str, tuple[LayerStore, Weight]]  # every managed weight's names
 
     @classmethod
     def build(cls, o: OffloadOptions, *, model: Any, layers: list, stores: list[LayerStore], name: str,
@@ -80,6 +86,8 @@ class Parts:
         from . import plan as _plan
 
         self = cls()
+        self.stores = stores
+        self.by_name = {n: (s, w) for s in stores for w in s.weights for n in w.names}
         self.pages = self.outside = self.member = self.sequencer = None  # type: ignore[assignment]
         loads = None
         try:
@@ -114,6 +122,56 @@ class Parts:
     def loads(self) -> Target:
         """The load path now (the sequencer's)."""
         return self.sequencer.loads
+
+    # -- for tools and tests (the facade says none of it) ----------------------------------------
+    def layer_bytes(self, i: int) -> int:
+        """Bytes one load of layer ``i`` moves (negative from the end)."""
+        return self.stores[layer_index(i, self.stores)].nbytes
+
+    def is_loaded(self, i: int) -> bool:
+        """Whether layer ``i`` is loaded now (on the device, or in place: ready to compute)."""
+        return self.sequencer.is_loaded(layer_index(i, self.stores))
+
+    def store_of(self, name: str) -> str:
+        """The host store of a managed weight: ``mapped``, ``consolidated`` or ``strided`` (a weight the user
+        replaced is adopted first)."""
+        self.adopt_all()
+        return self.weight(name)[1].store
+
+    def weight(self, name: str) -> tuple[LayerStore, Weight]:
+        """The store and the weight behind ``name``, or a ``KeyError`` naming it."""
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise KeyError(f"{name} is not a weight managed by this LayerwiseOffloadManager") from None
+
+    def adopt_all(self) -> None:
+        """A weight the user replaced in the model is the weight from now on (refused ones logged), under
+        the layer turn: no forward of another thread is half-way through a layer meanwhile."""
+        self.runtime.turn.enter()
+        try:
+            self.sequencer.adopt_all(strict=False)
+        finally:
+            self.runtime.turn.leave()
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device buffers held now (in use or pooled for reuse)."""
+        return self.loads.bytes
+
+    def replan(self, page_cache_bytes: int | None = None) -> ResidencyPlan | None:
+        """Plan again which layers stay cached and which stream; returns this stack's plan.
+
+        ``page_cache_bytes`` gives these layers a share of their own from now on (the other stacks plan
+        around it); None measures: the process's coordinator plans every measured stack together against
+        one budget, and follows the cgroup's cap from then on.
+        """
+        from .._checks import check_count
+
+        check_count("page_cache_bytes", page_cache_bytes, none=True)
+        self.member.given = page_cache_bytes
+        coordinator().replan()
+        return self.member.residency
 
     def abandon(self, loads: Target | None = None, owned_copier: Copier | None = None) -> None:
         """A start that failed: leave the coordinator, close what was opened."""
@@ -168,6 +226,13 @@ class Parts:
         self.runtime.turn.after_fork_in_child()
         self.pages.after_fork_in_child()
         self.sequencer.forget_in_flight()
+
+
+def layer_index(i: int, layers: list) -> int:
+    """Layer ``i`` of ``layers`` (negative from the end), or an ``IndexError`` naming how many there are."""
+    if not -len(layers) <= i < len(layers):
+        raise IndexError(f"layer {i} out of range (model has {len(layers)} managed layers)")
+    return i % len(layers)
 
 
 def load_target(o: OffloadOptions, stores: list[LayerStore], pages: LayerPages, copier: Copier | None, *,

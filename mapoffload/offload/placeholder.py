@@ -130,7 +130,7 @@ def _follow_requires_grad(w: OffloadedWeight) -> None:
     """``requires_grad`` set on a placeholder (``model.requires_grad_(False)`` between forwards) is set on
     the real parameter it stands for too: the manager's gradient rule and the model given back see it."""
     mgr = owner_of(w)
-    weight = getattr(mgr, "_by_name", {}).get(w._mo_name) if mgr is not None else None
+    weight = mgr.parts.by_name.get(w._mo_name) if mgr is not None else None
     if weight is not None and weight[1].param.requires_grad != w.requires_grad:
         weight[1].param.requires_grad_(w.requires_grad)
 

@@ -58,7 +58,7 @@ def _process_read_bytes() -> int | None:
 class ReadPolicy:
     """The ``reads`` setting of one manager, and the ``auto`` policy's state.
 
-    ``why`` says why streamed layers are read as they are (``manager.reads.why``).
+    ``why`` says why streamed layers are read as they are (``manager.parts.reads.why``).
 
     Parameters
     ----------

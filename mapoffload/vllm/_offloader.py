@@ -189,7 +189,7 @@ def start_managers(model: torch.nn.Module, taker: LayerTaker) -> OffloadHandle:
         bounded = f" (prefetch_layers={asked}: {len(stack)} layers offloaded)" if depth < asked else ""
         logger.info("mapoffload: vLLM offload (%s): %d layers (%s) stay on the mapping and stream to %s "
                     "through the copier%s: %d staging slots of %s, prefetch depth %d%s", taker.request.why,
-                    len(stack), format_bytes(sum(manager.layer_bytes(i) for i in range(len(stack)))),
+                    len(stack), format_bytes(sum(manager.parts.layer_bytes(i) for i in range(len(stack)))),
                     options.device,
                     " (the device pipeline's CPU twin)" if options.cpu_twin else "", copier.slots,
                     format_bytes(copier.staging_bytes), depth, bounded)
