@@ -157,6 +157,31 @@ def test_a_given_share_is_planned_around(ckpt, cap):
             assert dec.residency.budget == coord.room
 
 
+def test_given_shares_only_show_no_measured_plan_left_from_before(ckpt, cap):
+    """Once no measured stack is left, the coordinator shows the given shares, not the last measured plan:
+    the head's bytes, the room and the budget of a closed manager's plan are gone (they were shown on, and
+    ``streamed_since`` expected the head's bytes every forward)."""
+    path, x, want = ckpt
+    cap(100)
+    model = mapped(path)
+    coord = coordinator_module.coordinator()
+    with LayerwiseOffloadManager(model, "dec", device="cpu"):
+        assert coord.always_bytes > 0 and coord.budget is not None
+    given = 3 * MIB
+    with LayerwiseOffloadManager(model, "enc", device="cpu", page_cache_bytes=given) as enc:
+        assert enc.residency.budget == given
+        assert (coord.always_bytes, coord.always_streamed, coord.budget) == (0, False, None)
+        assert coord.room == given and coord.window_buffers == coord.working_buffers == 0
+        assert "share 3.00 MiB of page cache" in coord.describe(), coord.describe()
+        assert "0 B read every forward outside the stacks" in coord.describe(), coord.describe()
+        enc.register_forward_hooks()
+        _, marks = coord.streamed_since(None)
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        expected, _ = coord.streamed_since(marks)
+        assert expected == enc.residency.streamed_bytes  # the stack's own, no head counted
+
+
 def test_a_warm_head_is_not_other_memory(ckpt, cap):
     path, x, _ = ckpt
     cap(100)

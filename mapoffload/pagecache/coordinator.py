@@ -261,6 +261,12 @@ class PageCacheCoordinator:
         if not measured:
             if self.peers.published is not None:
                 self.peers.withdraw()  # the record named measured managers' bytes: none is left to share them
+            # Nothing of the last measured plan stays shown or expected (the budget, the head's bytes, the
+            # buffers charged, the peers): the room is the given shares.
+            self.budget, self.room, self._last = None, sum(m.given for m in given), LastMeasure()
+            self.window_buffers = self.working_buffers = self.buffers = self.always_bytes = self.cache_extra = 0
+            self.always_streamed = False
+            self.replicas, self.ranks, self._others = [], [], 0
             return
         always = always_read_of(measured)
         self.always_bytes = sum(n for _, n in always)
