@@ -102,6 +102,25 @@ def test_one_check_for_each_geometry_of_weight_not_for_each_part(tmp_file_dir, c
     assert checks == [W] * 2 * len(geometries), checks  # two chunks each, checked in the first forward only
 
 
+def test_a_forward_finds_every_part_s_chunks_with_one_snapshot_of_the_mappings(tmp_file_dir, cap, monkeypatch):
+    """The chunks' file places come from one ``/proc/self/maps`` snapshot a forward, not one a part."""
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = depth_0(tmp_file_dir, cap)
+    views = []
+    real = runtime.RowChunks.of.__func__
+
+    def of(cls, module, name, tensors, worker, files, maps, *args, **kwargs):
+        views.append(maps)
+        return real(cls, module, name, tensors, worker, files, maps, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.RowChunks, "of", classmethod(of))
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        model(x)
+    assert len(views) == BLOCKS and len({id(v) for v in views}) == 1, views  # found once, in the first forward
+
+
 def test_where_the_chunks_are_not_exact_the_part_is_read_whole_and_computes_whole(tmp_file_dir, cap, monkeypatch,
                                                                                    reads):
     monkeypatch.setattr(runtime, "_same_bits", lambda a, b: False)

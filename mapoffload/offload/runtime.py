@@ -154,6 +154,7 @@ class StackRuntime:
         self._rows: dict[tuple[int, int], tuple[int, RowChunks | None]] = {}
         self._armed: dict[tuple[int, int], tuple[int, RowChunks]] = {}  # (the thread that armed it, the chunks)
         self._verdicts: dict[tuple, dict[tuple, bool]] = {}
+        self._maps = None  # one /proc/self/maps snapshot for the parts' chunks a forward finds (a MapsView)
         self._forward = threading.local()  # .on: this thread is in a forward of the model
         self._anon: int | None = None  # RssAnon at this forward's start (None: not measuring)
         self._peak = 0  # the most sampled since
@@ -203,6 +204,7 @@ class StackRuntime:
             self.outside.stream(plan.always_streamed, plan.window_bytes, plan.window_bytes // (1 + plan.depth))
         self._anon = self._peak = (_anon() or None) if c.samples_anon else None  # 0: unreadable, not measured
         self._forward.on = True  # in a forward of the model: parts read ahead may cross from layer to layer
+        self._maps = None  # a snapshot of this forward's, made when a part's chunks are first found
         self.sequencer.pages.parts.let_go_ahead()  # what an interrupted forward read ahead; the order learnt afresh
         if self.sequencer.pages.in_parts:
             self._register_parts()
@@ -375,7 +377,8 @@ class StackRuntime:
 
             part = self.sequencer.stores[i].parts[k]
             mapped = [w.host for w in part.weights if w.store == MAPPED]
-            rows = RowChunks.of(module, f"layer {i} ({part.name})", mapped, pages.worker, pages.files, MapsView(),
+            self._maps = maps = self._maps or MapsView()  # one parse of /proc/self/maps a forward, not one a part
+            rows = RowChunks.of(module, f"layer {i} ({part.name})", mapped, pages.worker, pages.files, maps,
                                 step, self._verdicts, wrapped=True)
             known = self._rows[(i, k)] = (step, rows)
         return known[1]
