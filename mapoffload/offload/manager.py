@@ -13,14 +13,14 @@ plan's ``depth`` ahead and let go right after use.
 The manager takes its options whole (``mapoffload.OffloadOptions``), completed by :func:`resolve` with
 what the host measures (the host budget, the local ranks; the copier it makes for itself,
 :func:`make_copier`, has its staging ring shrunk for the local ranks). It plans the stores and holds
-its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the holders, the sequencer, the
+its parts as ``manager.parts`` (``parts.py``: the pages, the load target, the sequencer and its holders, the
 page-cache member, the reads policy, the runtime: the layer turn and the hooks); every method below is
 one of theirs. The facade has the fixed names only; what it does not say (a layer's bytes, whether it is
 loaded, a weight's store, the device buffers, how streamed layers are read, a share of the page cache given
 now) tools and tests ask ``manager.parts``.
 
 Lifetime: in place the model stays a normal model (its parameters the mapped tensors themselves); on
-the device path a released layer's holders hold placeholders (``holders.py``, ``placeholder.py``).
+the device path a released layer's holders hold placeholders (``sequencer.py``, ``placeholder.py``).
 ``remove_forward_hooks()`` and ``close()`` give the model back whole. The manager is a context manager.
 
 The host memory its machinery holds besides the weights' stores (:func:`held_buffers`, counted by
@@ -238,7 +238,7 @@ class LayerwiseOffloadManager:
         Idempotent; never raises for a copy that failed earlier.
         """
         parts = self.parts
-        if parts.holders.closed:
+        if parts.sequencer.closed:
             return
         # Under the layer turn (see remove_forward_hooks): once closed, no
         # hook or prefetch engages the placeholders again.
@@ -246,7 +246,7 @@ class LayerwiseOffloadManager:
         try:
             self.remove_forward_hooks()
             parts.give_back()
-            parts.holders.closed = True
+            parts.sequencer.closed = True
         finally:
             parts.runtime.turn.leave()
         try:

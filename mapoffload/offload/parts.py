@@ -1,8 +1,8 @@
 """The parts one :class:`~mapoffload.LayerwiseOffloadManager` is a facade over, and their lifetime.
 
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
-path (``loads``: in place or device copies), its holders (``holders``), the sequencer
-(``sequencer``: loaded, kept, the window), the mapped weights outside the layers (``runtime.OutsideWeights``), its
+path (``loads``: in place or device copies), the sequencer (``sequencer``: loaded, kept, what the weights'
+holders hold), the mapped weights outside the layers (``runtime.OutsideWeights``), its
 page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
 policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
 calls and what they do). :meth:`Parts.build` makes
@@ -32,7 +32,6 @@ from .device_copies import DeviceCopies
 from .loads import InPlace, ReadAroundSource, Target, layer_buffer_bytes
 from .runtime import OutsideWeights, StackRuntime
 from .sequencer import Sequencer
-from .holders import Holders
 
 if TYPE_CHECKING:
     from ..copier import Copier
@@ -66,7 +65,6 @@ class Parts:
     """One stack's parts (see the module); made by :meth:`build`."""
 
     pages: LayerPages
-    holders: Holders
     sequencer: Sequencer
     outside: OutsideWeights
     member: StackMember
@@ -93,9 +91,8 @@ class Parts:
         try:
             self.pages = LayerPages(stores, o.kernel_caps)  # opens the files behind the mapped weights now
             loads = load_target(o, stores, self.pages, copier, owns_copier=owns_copier)
-            self.holders = Holders(model, stores, in_place=o.in_place)
-            self.sequencer = Sequencer(stores, loads, self.holders, resident_layers=o.resident_layers, pages=self.pages,
-                                       device=o.device)
+            self.sequencer = Sequencer(stores, loads, model=model, in_place=o.in_place,
+                                       resident_layers=o.resident_layers, pages=self.pages, device=o.device)
             # The mapped weights outside the layers: checked before each forward, streamed where the plan says.
             self.outside = OutsideWeights(model, layers, self.pages.files, self.pages.worker)
             # The page-cache plan is the process's (every stack under one budget): this stack's
@@ -206,10 +203,10 @@ class Parts:
         """Release every layer and give the model its real parameters back (host data); nothing once given
         back. What the user replaced is adopted first (or, refused, left as they made it): the model is given
         back with the weights that last computed, or theirs - never the old ones silently."""
-        if self.holders.engaged:
+        if self.sequencer.engaged:
             self.sequencer.adopt_all(strict=False)
             self.sequencer.release_all(strict=False)
-            self.holders.disengage()
+            self.sequencer.disengage()
 
     def forget_at_fork(self) -> None:
         """From now on, a forked child runs :meth:`after_fork_in_child` (while these parts live)."""

@@ -5,8 +5,8 @@ stack's weights. When a layer is loaded, and which are read ahead, is the runtim
 It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready) and the
 layers kept by ``load_all_layers``, and drives the load
 path (``loads``: in place or device copies, each read through the mapping or around the page cache)
-and the holders (:class:`~mapoffload.offload.holders.Holders`) through their interfaces. No
-hooks and no per-forward policy (``runtime.py``: autograd, the reads policy, once-per-forward checks).
+and what the model's holders of the weights hold. No hooks and no per-forward policy (``runtime.py``:
+autograd, the reads policy, once-per-forward checks).
 
 Host weights read and replaced (below the class): the manager's ``iter_cpu_weights`` (and
 :func:`checksum` over them), ``sync_layer_to_cpu`` and ``update_cpu_weights``, and the user's own
@@ -17,11 +17,20 @@ update replaces it with an owned tensor and never writes to the file.
 A weight the user replaces in the model between forwards (``layer.weight = nn.Parameter(new)``,
 ``layer.weight.data = new``, ``model.load_state_dict(sd, assign=True)``, or an in-place update of a
 loaded layer's values) is the weight that computes from then on: the sequencer finds the edit
-(:meth:`~mapoffload.offload.holders.Holders.edits`) before it loads, releases or gives back the layer, and
+(:meth:`Sequencer.edits`) before it loads, releases or gives back the layer, and
 :func:`adopt_edits` takes it - in place (``device="cpu"``) the new parameter itself becomes the weight
 (an owned tensor, ``strided``), on the device path its values are written into the host store - or
 refuses it with a :class:`ReplacedWeightError` naming the weight and what is wrong (another shape,
 dtype or device, no values, a weight offloaded already).
+
+The holders (each managed weight's ``module._parameters[attr]``): in place (``device="cpu"``) a holder
+always holds the real parameter, its data the host tensor (the mapped view itself); a placeholder only
+stands in for it while a conversion runs (:func:`~mapoffload.offload.placeholder.stand_in`). On the
+device path a holder holds the real parameter with its device data while the layer is loaded, and the
+shape-correct placeholder otherwise. Engaged, the holders follow the loads; disengaged
+(``remove_forward_hooks``, ``close``), every holder holds the real parameter with its host data: the
+model is whole. What the holders were last given is recorded on each weight (``held``, and ``bound``:
+where the parameter's data was then), so that a user's edit between forwards is found.
 """
 
 
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._log import logger
 from .hooks import ReplacedWeightError
@@ -40,14 +49,28 @@ if TYPE_CHECKING:
 
     from ..pagecache.layer_pages import LayerPages
     from .loads import Load, Target
-    from .holders import Holders
 
-__all__ = ["ReplacedWeightError", "Sequencer", "adopt_edits", "checksum", "iter_cpu_weights", "sync_layer_to_cpu",
-           "update_cpu_weights"]
+__all__ = ["ReplacedWeightError", "Sequencer", "adopt_edits", "checksum", "data_key", "iter_cpu_weights",
+           "sync_layer_to_cpu", "update_cpu_weights"]
+
+
+def data_key(t: torch.Tensor) -> tuple:
+    """Where a tensor's data is and how it is laid out: equal keys, the same data."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (each in-place write through it bumps it; writes through ``.data``
+    do not); None for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class Sequencer:
-    """Load, keep and release a stack's layers.
+    """Load, keep and release a stack's layers, and bind the model's holders of their weights to what
+    they compute with.
 
     Parameters
     ----------
@@ -55,8 +78,10 @@ class Sequencer:
         One :class:`~mapoffload.offload.stores.LayerStore` per layer.
     loads
         The load path (``start``/``ready``/``value``/``release``/``drop_in_flight``).
-    holders
-        The stack's holders: a ready layer's weights are bound to what they compute with.
+    model
+        The model (its conversions are guarded while the holders are engaged).
+    in_place
+        The layers compute from their host stores (``device="cpu"``): holders keep the real parameters.
     resident_layers
         The first N layers are never released by a step once loaded.
     pages, device
@@ -64,11 +89,14 @@ class Sequencer:
         with (:meth:`adopt_edits`).
     """
 
-    def __init__(self, stores: list[LayerStore], loads: Target, holders: Holders, *,
+    def __init__(self, stores: list[LayerStore], loads: Target, *, model: object, in_place: bool,
                  resident_layers: int, pages: LayerPages, device: torch.device) -> None:
         self.stores = stores
         self.loads = loads
-        self.holders = holders
+        self.model = model
+        self.in_place = in_place
+        self.engaged = False  # the holders follow the loads
+        self.closed = False  # never engaged again (the manager closed)
         self.pages = pages
         self.device = device
         self.resident_layers = resident_layers
@@ -80,7 +108,7 @@ class Sequencer:
         """Weights of layer ``i`` the user replaced since they were bound become the weights that compute,
         or are refused (:func:`~mapoffload.offload.sequencer.adopt_edits`): run before anything reads
         the layer's host stores or binds over its holders."""
-        edits = self.holders.edits(self.stores[i])
+        edits = self.edits(self.stores[i])
         load = self.loaded.get(i)
         if edits and load is not None and not load.ready:
             self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
@@ -91,17 +119,88 @@ class Sequencer:
     def adopt_all(self, *, strict: bool = True) -> None:
         """:meth:`adopt_edits` for every layer (before the stores are read: a query, the model given back);
         nothing once closed (the model is the user's)."""
-        if self.holders.closed:
+        if self.closed:
             return
         for i in range(len(self.stores)):
             self.adopt_edits(i, strict=strict)
 
     def engage(self) -> None:
-        """Engage the holders (idempotent; raises once closed), adopting what the user replaced while the
-        model was whole."""
-        if not self.holders.engaged and not self.holders.closed:
-            self.adopt_all()
-        self.holders.engage()
+        """Engage the holders, adopting first what the user replaced while the model was whole: bind every
+        holder as released (placeholders on the device path) and guard the model's conversions.
+
+        Idempotent; raises once closed.
+        """
+        if self.closed:
+            raise RuntimeError("this LayerwiseOffloadManager is closed")
+        if self.engaged:
+            return
+        self.adopt_all()
+        from .placeholder import guard_conversions, stand_in  # imports torch
+
+        for s in self.stores:
+            for w in s.weights:
+                self.bind(w, None)
+                if self.in_place:
+                    stand_in(w.param, w.placeholder)  # answers conversions for the real parameter
+
+        guard_conversions(self.model)  # model.to(dtype) refuses before converting anything
+        self.engaged = True
+
+    def disengage(self) -> None:
+        """Give the model its real parameters back (host data); the layers were released before."""
+        from .placeholder import stand_in, unguard_conversions
+
+        for s in self.stores:
+            for w in s.weights:
+                if data_key(w.param) == w.bound:  # else new .data the user gave it, refused: it stays theirs
+                    w.param.data = w.host
+                stand_in(w.param, None)
+                for module, attr in w.holders:
+                    if module._parameters.get(attr) is w.held:  # a refused edit stays the user's
+                        module._parameters[attr] = w.param
+                self.note(w, w.param)
+
+        unguard_conversions(self.model)
+        self.engaged = False
+
+    # -- the holders -----------------------------------------------------------------------
+    def bind(self, w: Weight, data: torch.Tensor | None) -> None:
+        """Its holders hold the real parameter with ``data``, or (None) with its host data in place, the placeholder
+        on the device path."""
+        if data is None:
+            w.param.data = w.host  # never left pointing into a recycled device buffer
+            target = w.param if self.in_place else w.placeholder
+        else:
+            w.param.data = data
+            target = w.param
+        for module, attr in w.holders:
+            module._parameters[attr] = target
+        self.note(w, target)
+
+    def note(self, w: Weight, held: Any) -> None:
+        """Record what ``w``'s holders hold now (``held``), where its parameter's data is and the parameter's
+        version (its in-place writes: see :meth:`edits`)."""
+        w.held = held
+        w.bound = data_key(w.param)
+        w.version = _version(w.param)
+
+    def edits(self, store: LayerStore) -> list[tuple[Weight, list[Any]]]:
+        """The weights of ``store`` the user changed since they were bound: ``(weight, what each of its
+        holders hold now)`` (None where a holder was emptied; the parameter itself, for new ``.data``)."""
+        out = []
+        for w in store.weights:
+            if w.held is None:
+                continue  # never bound: the manager is still being made
+            now = [module._parameters.get(attr) for module, attr in w.holders]
+            if any(p is not w.held for p in now):
+                out.append((w, now))
+            elif data_key(w.param) != w.bound or (not self.in_place and _version(w.param) != w.version):
+                # On the device path a write into the parameter (load_state_dict without assign, an
+                # in-place op under no_grad) lands in a device buffer the next release recycles: it is
+                # taken into the host store like a replacement. In place the parameter's data is the host
+                # store itself, so the write is already the weight.
+                out.append((w, [w.param] * len(now)))
+        return out
 
     # -- one layer -------------------------------------------------------------------------
     def prefetch(self, i: int) -> None:
@@ -127,14 +226,14 @@ class Sequencer:
             # behind a mapping is whole again.
             self.release(i)
             raise
-        if self.holders.edits(self.stores[i]):
+        if self.edits(self.stores[i]):
             # Replaced while it loaded (a prefetch, another layer's hook): what it read is the old
             # weight's. The edit is adopted as the layer is let go, and the layer loaded afresh.
             self.release(i)
             self.ensure(i)
             return
         for w in self.stores[i].weights:
-            self.holders.bind(w, self.loads.value(w, load))
+            self.bind(w, self.loads.value(w, load))
         load.ready = True
         load.handle = None
 
@@ -145,14 +244,14 @@ class Sequencer:
         if load is None:
             return
         try:
-            if self.holders.engaged:  # not loaded now: an edit is written into the host store, not the load
+            if self.engaged:  # not loaded now: an edit is written into the host store, not the load
                 self.adopt_edits(i, strict=strict)
         finally:
-            if self.holders.engaged:
-                refused = {id(w) for w, _ in self.holders.edits(self.stores[i])}  # left as the user made them
+            if self.engaged:
+                refused = {id(w) for w, _ in self.edits(self.stores[i])}  # left as the user made them
                 for w in self.stores[i].weights:
                     if id(w) not in refused:
-                        self.holders.bind(w, None)
+                        self.bind(w, None)
             self.loads.release(i, load)
 
     def is_loaded(self, i: int) -> bool:
@@ -305,11 +404,11 @@ def _write(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, valu
         if seq.loads.copies:
             seq.loads.value(w, seq.loaded[store.index]).copy_(value)
         else:
-            seq.holders.bind(w, w.host)
-    elif seq.holders.in_place or not seq.holders.engaged:
+            seq.bind(w, w.host)
+    elif seq.in_place or not seq.engaged:
         w.param.data = w.host
     if w.held is not None:
-        seq.holders.note(w, w.held)  # the data the library bound is no user's edit
+        seq.note(w, w.held)  # the data the library bound is no user's edit
     return settled
 
 
@@ -329,7 +428,7 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         being given back) the edit is logged and left as the user made it.
     """
     for w, now in edits:
-        why = refusal(w, now, in_place=seq.holders.in_place) or _shared(seq, w, now[0])
+        why = refusal(w, now, in_place=seq.in_place) or _shared(seq, w, now[0])
         if why is not None:
             msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
             if strict:
@@ -338,7 +437,7 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
             continue
         _adopt(seq, pages, store, w, now[0], device=device)
         logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
-                    "in place, an owned tensor" if seq.holders.in_place else "written into its host store")
+                    "in place, an owned tensor" if seq.in_place else "written into its host store")
 
 
 def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
@@ -382,7 +481,7 @@ def _shared(seq: Sequencer, w: Weight, new: torch.Tensor) -> str | None:
     path the values are copied into ``w``'s store, so sharing is harmless there."""
     from ..memory.regions import tensor_extent, tensor_spans
 
-    if not seq.holders.in_place or new.device.type != "cpu":
+    if not seq.in_place or new.device.type != "cpu":
         return None
     addr, n = tensor_extent(new)
     others = [o for s in seq.stores for o in s.weights if o is not w and o.host is not None]
@@ -420,22 +519,22 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
         w.placeholder.requires_grad_(new.requires_grad)
     elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
         w.param.data = new.detach()
-    if seq.holders.in_place:
+    if seq.in_place:
         value = w.param.data
         w.host, w.store = value, STRIDED  # owned by the model now (possibly the user's view of a mapping)
         w.stride, w.contiguous, w.nbytes = tuple(value.stride()), value.is_contiguous(), tensor_extent(value)[1]
-        if seq.holders.engaged:
+        if seq.engaged:
             stand_in(w.param, w.placeholder)
         store.invalidate()
         pages.forget(store.index)
         seq.loads.forget(store.index)
-        seq.holders.bind(w, w.host if seq.is_loaded(store.index) else None)
+        seq.bind(w, w.host if seq.is_loaded(store.index) else None)
         return
     value = w.param.data.detach().to(device="cpu")
     w.param.data = w.host  # what the holders bind next (never the user's CPU tensor besides the store)
-    seq.holders.note(w, w.held)
+    seq.note(w, w.held)
     _write(seq, pages, store, w, value, device=device, settled=False)
     if seq.is_loaded(store.index):
-        seq.holders.bind(w, seq.loads.value(w, seq.loaded[store.index]))
-    elif seq.holders.engaged:
-        seq.holders.bind(w, None)
+        seq.bind(w, seq.loads.value(w, seq.loaded[store.index]))
+    elif seq.engaged:
+        seq.bind(w, None)
