@@ -20,8 +20,12 @@ import torch.nn.functional as F
 from mapoffload.offload import runtime
 
 from fake_cgroups import fake_cap
-from room_stack import W, Stack
+from room_stack import PART_BYTES, W, Stack
+from room_stack import mapped as mapped_from
+from stacks import save_reference
 from test_part_readahead import BIG, BLOCKS, EDGES, HEAD, IN_USE, MARGIN, ReadWatch, SmallFirst, resident, small_first
+
+from mapoffload import LayerwiseOffloadManager, drop_page_cache
 
 ROWS = W // 2  # a chunk: half the window (one largest part, BIG), in rows of 3 W / 4 floats
 NAMES = {0: "layer {i} (blocks.{i}.big) (rows 0-256)", 1: "layer {i} (blocks.{i}.big) (rows 256-512)"}
@@ -169,3 +173,74 @@ def test_an_error_inside_a_chunk_leaves_nothing_read_or_in_flight(tmp_file_dir, 
         for _ in range(2):
             assert torch.equal(model(x), by_hand(model, x))
     assert not any("forward" in vars(m) for m in model.modules())  # the parts' forwards given back
+
+
+def two_big(tmp_file_dir, cap):
+    """``room_stack``'s blocks (a norm, then two 2 MiB projections, up and down) at depth 0: each projection
+    is the window, each computes over two chunks of 1 MiB."""
+    torch.manual_seed(0)
+    path, x, want = save_reference(Stack(BLOCKS, HEAD), torch.randn(3, W), tmp_file_dir / "two_big.safetensors")
+    drop_page_cache(str(path))
+    cap(IN_USE + MARGIN + W * HEAD * 4 + PART_BYTES + PART_BYTES // 4)
+    model = mapped_from(path, lambda: Stack(BLOCKS, HEAD))
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    plan = mgr.residency
+    assert plan.parts and plan.depth == 0 and plan.window_bytes == PART_BYTES, plan.describe()
+    return model, mgr, x, want
+
+
+def test_the_first_chunk_of_the_next_part_is_read_behind_the_last_chunk_of_the_part_before(tmp_file_dir, cap,
+                                                                                          monkeypatch, reads):
+    """At depth 0 nothing of a part could be read while the part before it computed: now, as the last chunk of
+    ``up`` computes, the first chunk of ``down`` (which ran after it the last time) is being read, within the
+    window, and ``down`` reads the rest chunk by chunk."""
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = two_big(tmp_file_dir, cap)
+    head = "layer {i} (blocks.{i}.down) (its first chunk)"
+    began, peaks = [], []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        for i, block in enumerate(model.blocks):
+            up, down = block.up.weight, block.down.weight
+            if weight.data_ptr() == up[W:].data_ptr() and weight.shape[0] == W:  # up's last chunk
+                began.append(reads(head.format(i=i)).wait(5))  # down's first chunk read before it computes
+            if weight.data_ptr() == down.data_ptr() and weight.shape[0] == W // 2:  # down's first chunk
+                peaks.append(resident(mgr))
+        return real(inp, weight, bias)
+
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)  # the first: the checks, the order learnt
+        mgr.parts.pages.settle()
+        reads.clear()
+        monkeypatch.setattr(F, "linear", linear)
+        got = model(x)
+        monkeypatch.setattr(F, "linear", real)
+        mgr.parts.pages.settle()
+        names = reads.names
+        assert not mgr.parts.pages.parts.reading_ahead  # nothing left read ahead after the forward
+    assert began == [True] * BLOCKS, began
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for i in range(BLOCKS):  # down read by its chunks, never whole
+        assert f"layer {i} (blocks.{i}.down)" not in names, sorted(names)
+    assert max(peaks) <= PART_BYTES + EDGES, peaks
+
+
+def test_a_part_read_ahead_by_its_first_chunk_that_computes_whole_is_read_whole(tmp_file_dir, cap, monkeypatch,
+                                                                               reads):
+    """``down``'s chunks are found inexact (so it computes whole) while ``up``'s are exact: its first chunk,
+    read behind ``up``'s last, is not all it gets: the whole part is read before it computes."""
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: b._base.shape[-1] == 2 * W)  # up's outputs only
+    model, mgr, x, want = two_big(tmp_file_dir, cap)
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        mgr.parts.pages.settle()
+        reads.clear()
+        got = model(x)
+        mgr.parts.pages.settle()
+        names = reads.names
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for i in range(BLOCKS):
+        assert {f"layer {i} (blocks.{i}.down) (its first chunk)", f"layer {i} (blocks.{i}.down)"} <= names, sorted(names)

@@ -105,7 +105,8 @@ def test_a_forward_reads_each_byte_once_at_every_room(ckpt, cap, monkeypatch, la
     parts_read: list = []  # (layer, part) read whole; a part computing over chunks of its rows, its name
     real, chunks = PartReads.read, runtime.RowChunks.parts
     monkeypatch.setattr(PartReads, "read", lambda self, i, k: (parts_read.append((i, k)), real(self, i, k))[1])
-    monkeypatch.setattr(runtime.RowChunks, "parts", lambda self, *a: (parts_read.append(self.name), chunks(self, *a))[1])
+    monkeypatch.setattr(runtime.RowChunks, "parts",
+                        lambda self, *a, **kw: (parts_read.append(self.name), chunks(self, *a, **kw))[1])
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", prefetch_layers=1) as mgr:
         plan = mgr.residency

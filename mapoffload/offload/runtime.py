@@ -63,6 +63,8 @@ from .hooks import Hook, wrap_forward
 from .stores import MAPPED
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from ..pagecache.member import StackMember
@@ -354,9 +356,10 @@ class StackRuntime:
         for h in self.part_handles:
             h.remove()
         self.part_handles = []
-        for _, rows in self._rows.values():
+        for (i, k), (_, rows) in self._rows.items():
             if rows is not None:
                 rows.stop()  # removed inside a chunk: the chunks left compute on, reading nothing
+            self.sequencer.pages.parts.chunked(i, k, None)
         self._chunkable.clear()
         self._rows.clear()
         self._armed.clear()
@@ -380,6 +383,9 @@ class StackRuntime:
             self._maps = maps = self._maps or MapsView()  # one parse of /proc/self/maps a forward, not one a part
             rows = RowChunks.of(module, f"layer {i} ({part.name})", mapped, pages.worker, pages.files, maps,
                                 step, self._verdicts, wrapped=True)
+            if rows is not None:  # its last chunk reads the first of the part after it (PartReads.read_next_head)
+                rows.on_last = functools.partial(pages.parts.read_next_head, i, k)
+            pages.parts.chunked(i, k, rows.chunks[0][2] if rows is not None else None)
             known = self._rows[(i, k)] = (step, rows)
         return known[1]
 
@@ -732,6 +738,8 @@ class RowChunks:
         self.exact = {} if exact is None else exact  # signature -> the chunks computed the whole matmul's bits
         self.cut = (weight.data_ptr(), weight.shape, weight.stride())  # the weight the chunks' spans were cut from
         self.chunked_calls = 0
+        self.on_last: Callable[[int], None] | None = None  # called with the bytes held as the last chunk computes
+        self.shared = 0  # bytes two chunks share (a folio, where they are cut at folio boundaries)
 
     @staticmethod
     def plain_weight(module, wrapped: bool = False):
@@ -791,7 +799,9 @@ class RowChunks:
         whole = layer_spans([tensor_extent(weight)])
         geometry = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.data_ptr() % 64, per)
         exact = None if verdicts is None else verdicts.setdefault(geometry, {})
-        return cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
+        rows = cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
+        rows.shared = FOLIO_BYTES if folios and place is not None else 0
+        return rows
 
     def signature(self, x, weight, bias) -> tuple:
         """What the BLAS chooses its blocking by: shapes, strides, dtypes, alignment, threads, and the
@@ -862,16 +872,17 @@ class RowChunks:
             return whole
         self.chunked_calls += 1
         out = None
-        with contextlib.closing(self.parts(x, weight, bias)) as parts:
+        with contextlib.closing(self.parts(x, weight, bias, last=self.on_last)) as parts:
             for lo, hi, part in parts:
                 if out is None:
                     out = torch.empty(*part.shape[:-1], weight.shape[0], dtype=part.dtype, device=part.device)
                 out[..., lo:hi] = part
         return out
 
-    def parts(self, x, weight, bias):
+    def parts(self, x, weight, bias, last: Callable[[int], None] | None = None):
         """``(first row, end row, F.linear over those rows)`` of each chunk in turn, each chunk read in on
-        the page worker while the one before computes, and let go after. Left early (an error, a
+        the page worker while the one before computes, and let go after; ``last(bytes held)`` called as
+        the last chunk is about to compute (what reads behind it). Left early (an error, a
         KeyboardInterrupt, a check that found a chunk unequal), what was read ahead is let go."""
         import torch.nn.functional as F
 
@@ -885,6 +896,8 @@ class RowChunks:
                     reads[j + 1] = self._read(j + 1)  # queued after the let-go of the chunk before
                 if reads[j] is not None:
                     reads[j].result()
+                if j + 1 == n and last is not None and not self.stopped:
+                    last(self.chunks[j][2][0].total_bytes + self.shared)  # its rows and what it shares
                 yield lo, hi, F.linear(x, weight[lo:hi], None if bias is None else bias[lo:hi])
                 if not self.stopped:
                     self.worker.let_go(*gone)

@@ -8,7 +8,9 @@ learnt as the parts run: a forward that goes another way reads on demand, as wit
 part read ahead that is not among the next ones now is let go first. The page worker runs the reads in
 the order asked, after the let-go of the part that ran before, so no more than the plan's window
 (``1 + depth`` of the largest part, in bytes) is in the page cache at once. At depth 0 (the window is
-one largest part) the smaller parts are still read ahead within it, unless ``prefetch_layers`` is 0.
+one largest part) the smaller parts are still read ahead within it, unless ``prefetch_layers`` is 0; a
+part that reads itself in chunks of its rows (``offload.runtime.RowChunks``) has its first chunk read
+behind the last chunk of the part before it (:meth:`PartReads.read_next_head`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class PartReads:
         self._last: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self._missing = 0  # bytes of parts read ahead found missing when they ran (the thin share watched)
+        # Parts that read themselves in chunks of their rows: (spans, extents, edges) of each one's first chunk;
+        # the parts in _ahead whose first chunk only was read (behind the last chunk of the part before).
+        self._heads: dict[tuple[int, int], tuple] = {}
+        self._head_only: set[tuple[int, int]] = set()
 
     # -- what each part is -------------------------------------------------------------------
     def sizes(self, i: int) -> list[int]:
@@ -121,18 +127,52 @@ class PartReads:
             started = None
             if key in self._ahead:
                 started = self._ahead.pop(key)
-                if self._pages.watch and started is not None and started.done() and started.exception() is None:
+                if key in self._head_only:  # its first chunk only
+                    self._head_only.discard(key)
+                    if read:  # it computes whole after all: the rest is read too
+                        started = self.read(i, k)
+                elif self._pages.watch and started is not None and started.done() and started.exception() is None:
                     self._missing += self._not_resident(i, k)  # read ahead into the thin share: kept?
             elif read:
                 started = self.read(i, k)
             nexts = self._next(key)
             for stale in [p for p in self._ahead if p not in nexts]:
                 del self._ahead[stale]
+                self._head_only.discard(stale)
                 self.let_go(*stale)
             for p in nexts:
                 if p not in self._ahead:
                     self._ahead[p] = self.read(*p)
         return started
+
+    def chunked(self, i: int, k: int, head: tuple | None) -> None:
+        """Part ``k`` of layer ``i`` reads itself in chunks of its rows, ``head`` its first chunk's ``(spans,
+        extents, edges)``; None: it does not (any more)."""
+        with self._lock:
+            if head is None:
+                self._heads.pop((i, k), None)
+            else:
+                self._heads[(i, k)] = head
+
+    def read_next_head(self, i: int, k: int, held: int) -> None:
+        """Part ``k`` of layer ``i`` computes its last chunk, ``held`` bytes of it in the page cache: the first
+        chunk of the part that ran after it the last time starts reading behind it, where that part is of
+        the same layer, streamed, reads itself in chunks (:meth:`chunked`) and the plan's window holds both.
+        At depth 0 (the window one largest part) nothing else of the next part could be read while this
+        one computed (issue 43)."""
+        plan = self._pages.plan
+        if plan is None or not plan.parts or not plan.readahead:
+            return
+        with self._lock:
+            nxt = self._after.get((i, k))
+            head = self._heads.get(nxt) if nxt is not None else None
+            if (head is None or nxt[0] != i or nxt in self._ahead or not self._pages.streams(i)
+                    or held + head[0].total_bytes > plan.window_bytes):
+                return
+            spans, extents, edges = head
+            what = f"layer {i} ({self._pages.stores[i].parts[nxt[1]].name}) (its first chunk)"
+            self._ahead[nxt] = self._pages.worker.read_in(spans, what, edges, extents)
+            self._head_only.add(nxt)
 
     def _not_resident(self, i: int, k: int) -> int:
         """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""
@@ -169,6 +209,7 @@ class PartReads:
         and start the next forward's order afresh."""
         with self._lock:
             ahead, self._ahead, self._last = self._ahead, {}, None
+            self._head_only.clear()
             for p in ahead:
                 self.let_go(*p)
 
@@ -189,9 +230,13 @@ class PartReads:
         with self._lock:
             for p in [p for p in self._ahead if p[0] == i]:
                 del self._ahead[p]
+                self._head_only.discard(p)
                 self.let_go(*p)
+            for p in [p for p in self._heads if p[0] == i]:
+                del self._heads[p]  # cut from the weights as they were
         self._geometry.pop(i, None)
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         self._ahead, self._last = {}, None  # the parent's reads: the pages are the parent's to let go
+        self._head_only = set()
