@@ -710,11 +710,11 @@ class RowChunks:
     """A linear module's weight larger than the room, computed over chunks of its rows where that is exact.
 
     A head larger than the room is read by its own faults as its one matmul runs, and the matmul walks
-    the weight more than once: the 125 MiB head of a 1.64 GiB Llama read 787 MB a forward that way (6.3x),
-    a third of the forward's reads (issue 43). Over chunks of its rows (each ``F.linear`` of the input and
-    the chunk's rows, into the output's columns), each chunk is read in whole on the page worker while
-    the one before it computes, and let go after: the weight is read once, two chunks at a time in the
-    room (a chunk is half of the one layer or part the window holds ``1 + depth`` of).
+    the weight more than once: several times its bytes a forward (issue 43, ``docs/benchmarks.md``).
+    Over chunks of its rows (each ``F.linear`` of the input and the chunk's rows, into the output's
+    columns), each chunk is read in whole on the page worker while the one before it computes, and let
+    go after: the weight is read once, two chunks at a time in the room (a chunk is half of the one
+    layer or part the window holds ``1 + depth`` of).
 
     Whether the chunks compute the same bits as the whole matmul is the BLAS's matter: it picks its
     blocking and kernels by the shapes, strides, alignment and threads, never by the values, and the

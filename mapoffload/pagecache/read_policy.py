@@ -7,8 +7,8 @@ device path (a target that copies), uncached once the plan streams layers and th
 through the shared page cache while replicas map the same bytes; else (in place, or files without
 ``O_DIRECT``) measured with ``/proc/self/io``, and around the cache when two warm forwards in a row
 read more than ``READ_AROUND_RATIO`` x what the plans stream. In place the page-cache path reads at the
-floor and was the faster one where both fit (issue 43: at room 4 and at +50 %, 0.90x / 0.46x the
-checkpoint against 1.09x / 0.58x around the cache, 5-33 % faster, 65-120 MiB less anonymous memory). Switching gives the stack's load
+floor and is the faster one where both fit, with less anonymous memory (``docs/benchmarks.md``,
+``capped_forward.py``). Switching gives the stack's load
 target a read-around source (``read_around``, given by the stack: ``offload.loads.ReadAroundSource``);
 pausing it reads through the mapping again.
 """
