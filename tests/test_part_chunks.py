@@ -56,6 +56,24 @@ def by_hand(model, x):
         return ref(x)
 
 
+def second_forward(model, mgr, x, want, reads, monkeypatch, linear=None):
+    """With ``mgr``'s hooks: a first forward (the checks, whole matmuls returned; the order learnt), then a
+    second with ``F.linear`` replaced by ``linear`` (None: kept) whose output and the reads begun in it are
+    returned; afterwards nothing is left read ahead and the manager is closed."""
+    real = F.linear
+    with mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        mgr.parts.pages.settle()
+        reads.clear()
+        monkeypatch.setattr(F, "linear", linear or real)
+        got = model(x)
+        monkeypatch.setattr(F, "linear", real)
+        mgr.parts.pages.settle()
+        assert not mgr.parts.pages.parts.reading_ahead  # nothing left read ahead after the forward
+        return got, reads.names
+
+
 @pytest.fixture
 def reads(monkeypatch):
     """The page worker's reads as they begin (``ReadWatch``)."""
@@ -76,17 +94,7 @@ def test_the_next_chunk_is_read_while_one_computes_and_the_part_is_read_once(tmp
                 peaks.append(resident(mgr))
         return real(inp, weight, bias)
 
-    with mgr, torch.no_grad():
-        mgr.register_forward_hooks()
-        first = model(x)  # the check: whole matmuls returned
-        assert torch.equal(first, want)
-        mgr.parts.pages.settle()
-        reads.clear()
-        monkeypatch.setattr(F, "linear", linear)
-        got = model(x)
-        monkeypatch.setattr(F, "linear", real)
-        mgr.parts.pages.settle()
-        names = reads.names
+    got, names = second_forward(model, mgr, x, want, reads, monkeypatch, linear)
     assert torch.equal(got, by_hand(model, x))
     assert waited == [True] * BLOCKS, waited
     for i in range(BLOCKS):  # the big part read by its chunks, never whole
@@ -209,17 +217,7 @@ def test_the_first_chunk_of_the_next_part_is_read_behind_the_last_chunk_of_the_p
                 peaks.append(resident(mgr))
         return real(inp, weight, bias)
 
-    with mgr, torch.no_grad():
-        mgr.register_forward_hooks()
-        assert torch.equal(model(x), want)  # the first: the checks, the order learnt
-        mgr.parts.pages.settle()
-        reads.clear()
-        monkeypatch.setattr(F, "linear", linear)
-        got = model(x)
-        monkeypatch.setattr(F, "linear", real)
-        mgr.parts.pages.settle()
-        names = reads.names
-        assert not mgr.parts.pages.parts.reading_ahead  # nothing left read ahead after the forward
+    got, names = second_forward(model, mgr, x, want, reads, monkeypatch, linear)
     assert began == [True] * BLOCKS, began
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     for i in range(BLOCKS):  # down read by its chunks, never whole
@@ -233,14 +231,7 @@ def test_a_part_read_ahead_by_its_first_chunk_that_computes_whole_is_read_whole(
     read behind ``up``'s last, is not all it gets: the whole part is read before it computes."""
     monkeypatch.setattr(runtime, "_same_bits", lambda a, b: b._base.shape[-1] == 2 * W)  # up's outputs only
     model, mgr, x, want = two_big(tmp_file_dir, cap)
-    with mgr, torch.no_grad():
-        mgr.register_forward_hooks()
-        assert torch.equal(model(x), want)
-        mgr.parts.pages.settle()
-        reads.clear()
-        got = model(x)
-        mgr.parts.pages.settle()
-        names = reads.names
+    got, names = second_forward(model, mgr, x, want, reads, monkeypatch)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     for i in range(BLOCKS):
         assert {f"layer {i} (blocks.{i}.down) (its first chunk)", f"layer {i} (blocks.{i}.down)"} <= names, sorted(names)
