@@ -5,15 +5,19 @@ At depth 0 (test_part_chunks' SmallFirst stack: the window holds one 768 KiB ``b
 the chunks. These tests replace the part's weight, give it a bias, call it on its own, run forwards on
 two threads, remove or close the manager from inside a chunk, copy and pickle the model, record
 autograd, replace a part's input from a user's pre-hook, fork, move the cap between forwards and turn
-read-ahead off. The check's answer is forced (``runtime._same_bits``) so that the chunks are taken on
-any CPU; outputs are compared bit for bit with a plain model whose big parts compute over the same
-chunks by hand where the chunks are taken (:func:`reference`), with the plain model where not.
+read-ahead off; on test_part_chunks' ``two_big`` stack (``up`` then ``down``, each the window) they attack
+the read of ``down``'s first chunk behind ``up``'s last (``PartReads.read_next_head``): errors, close and
+removal around it, weights replaced, forwards that skip ``down``, threads and a fork. The check's answer
+is forced (``runtime._same_bits``) so that the chunks are taken on any CPU; outputs are compared bit for
+bit with a plain model whose big parts compute over the same chunks by hand where the chunks are taken
+(:func:`reference`), with the plain model where not.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import pathlib
 import pickle
 import threading
 
@@ -492,3 +496,366 @@ def test_without_read_ahead_nothing_is_chunked_whatever_the_cap(tmp_file_dir, ca
             for _ in range(2):
                 assert torch.equal(run(model, x), want)
         assert chunked_calls(mgr) == 0 and not mgr.parts.runtime._armed
+
+
+# --- the next part's first chunk read behind the last chunk of the part before (two_big: up, then down) ---
+
+
+HEAD_OF = "layer {i} (blocks.{i}.down) (its first chunk)"
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The page worker's reads as they begin (test_part_readahead's ``ReadWatch``)."""
+    from test_part_readahead import ReadWatch
+
+    return ReadWatch(monkeypatch)
+
+
+def two_big_engaged(tmp_file_dir, cap):
+    """test_part_chunks' two_big stack, hooks on, one forward run (the checks, the order learnt) and one chunked
+    (each ``up``'s last chunk reading ``down``'s first behind it)."""
+    from test_part_chunks import two_big
+
+    model, mgr, x, want = two_big(tmp_file_dir, cap)
+    path = tmp_file_dir / "two_big.safetensors"
+    mgr.register_forward_hooks()
+    run(model, x)  # the first of each geometry checked (whole), the others chunked
+    before = chunked_calls(mgr)
+    assert torch.equal(run(model, x), run(two_big_reference(path), x))
+    assert chunked_calls(mgr) - before == 2 * BLOCKS, rows_of(mgr)
+    return model, mgr, x, want, path
+
+
+def by_rows(linear: nn.Linear, rows: int) -> None:
+    """``linear`` computes over chunks of ``rows`` rows by hand, its weight looked up at each call."""
+    def forward(h, m=linear):
+        return torch.cat([F.linear(h, m.weight[lo:lo + rows]) for lo in range(0, m.weight.shape[0], rows)], -1)
+
+    linear.forward = forward
+
+
+def two_big_reference(path, chunked=range(BLOCKS), edit=None) -> nn.Module:
+    """The plain two_big model (edited by ``edit``), ``up`` and ``down`` of the blocks in ``chunked`` computed
+    over their chunks (half the window each: W rows of ``up``, W / 2 of ``down``) by hand."""
+    from safetensors.torch import load_file
+
+    ref = Stack(BLOCKS, HEAD)
+    ref.load_state_dict({k: v.clone() for k, v in load_file(str(path)).items()})
+    drop_page_cache(str(path))  # what load_file read is not the manager's to count
+    if edit is not None:
+        with torch.no_grad():
+            edit(ref)
+    for i in chunked:
+        by_rows(ref.blocks[i].up, W)
+        by_rows(ref.blocks[i].down, W // 2)
+    return ref
+
+
+def is_last_chunk_of_up(model, weight, i=None) -> bool:
+    blocks = model.blocks if i is None else [model.blocks[i]]
+    return any(weight.data_ptr() == b.up.weight[W:].data_ptr() and weight.shape[0] == W for b in blocks)
+
+
+def is_first_chunk_of_down(model, weight, i=None) -> bool:
+    blocks = model.blocks if i is None else [model.blocks[i]]
+    return any(weight.data_ptr() == b.down.weight.data_ptr() and weight.shape[0] == W // 2 for b in blocks)
+
+
+def left_nothing(mgr) -> None:
+    """Nothing read ahead outstanding, nothing of the streamed layers left in the page cache (edges aside)."""
+    from test_part_readahead import EDGES, resident
+
+    mgr.parts.pages.settle()
+    assert not mgr.parts.pages.parts.reading_ahead, mgr.parts.pages.parts._ahead
+    assert not mgr.parts.pages.parts._head_only
+    assert resident(mgr) <= EDGES, resident(mgr)
+
+
+@pytest.mark.parametrize("where", ["up's last chunk", "down's first chunk"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_around_the_head_read_behind_the_last_chunk(tmp_file_dir, cap, exact, monkeypatch, reads, where,
+                                                             error):
+    """Raised in layer 1's ``up`` last chunk (``down``'s first chunk queued behind it), or in ``down``'s first
+    chunk (its head taken from the reads ahead): nothing stays read ahead or resident, and later forwards compute
+    the chunks' output."""
+    model, mgr, x, want, path = two_big_engaged(tmp_file_dir, cap)
+    real = F.linear
+    hit = is_last_chunk_of_up if where == "up's last chunk" else is_first_chunk_of_down
+
+    def linear(inp, weight, bias=None):
+        if hit(model, weight, 1):
+            assert reads(HEAD_OF.format(i=1)).wait(5)  # down's first chunk was queued (and began)
+            raise error("inside a chunk")
+        return real(inp, weight, bias)
+
+    chunks = run(two_big_reference(path), x)
+    with mgr:
+        mgr.parts.pages.settle()
+        monkeypatch.setattr(F, "linear", linear)
+        with pytest.raises(error):
+            run(model, x)
+        monkeypatch.setattr(F, "linear", real)
+        left_nothing(mgr)
+        for _ in range(2):
+            reads.clear()
+            assert torch.equal(run(model, x), chunks)
+            assert HEAD_OF.format(i=1) in reads.names, sorted(reads.names)  # still read behind up
+            left_nothing(mgr)
+    assert torch.equal(run(model, x), want)
+
+
+@pytest.mark.parametrize("how", ["close", "remove_forward_hooks"])
+def test_remove_or_close_from_inside_the_last_chunk_after_the_head_read(tmp_file_dir, cap, exact, monkeypatch, reads,
+                                                                       how):
+    model, mgr, x, want, path = two_big_engaged(tmp_file_dir, cap)
+    real = F.linear
+    done = []
+
+    def linear(inp, weight, bias=None):
+        if not done and is_last_chunk_of_up(model, weight, 1):
+            assert reads(HEAD_OF.format(i=1)).wait(5)
+            done.append(mgr.parts.pages.parts.reading_ahead)
+            getattr(mgr, how)()
+        return real(inp, weight, bias)
+
+    monkeypatch.setattr(F, "linear", linear)
+    got = run(model, x)
+    monkeypatch.setattr(F, "linear", real)
+    assert done == [True]
+    # up's chunks of layers 0 and 1 and down's of layer 0 went on; the rest computes whole
+    ref = two_big_reference(path, [0])
+    by_rows(ref.blocks[1].up, W)
+    assert torch.equal(got, run(ref, x))
+    assert not mgr.parts.pages.parts.reading_ahead and not mgr.parts.pages.parts._head_only
+    assert not mgr.parts.pages.parts._heads  # the chunked parts unregistered with the hooks
+    if how == "close":
+        assert not mgr.parts.pages.worker.running, "a page worker thread started after close()"
+    else:
+        mgr.register_forward_hooks()
+        chunks = run(two_big_reference(path), x)
+        for _ in range(2):
+            reads.clear()
+            assert torch.equal(run(model, x), chunks)
+        assert HEAD_OF.format(i=1) in reads.names, sorted(reads.names)  # registered again with the hooks
+        left_nothing(mgr)
+        mgr.close()
+        assert not mgr.parts.pages.worker.running
+    assert torch.equal(run(model, x), want)
+
+
+# --- the layer's stores changed between forwards ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["parameter", "data"])
+def test_downs_weight_replaced_its_old_first_chunk_is_not_read(tmp_file_dir, cap, exact, reads, how):
+    model, mgr, x, _, path = two_big_engaged(tmp_file_dir, cap)
+    torch.manual_seed(1)
+    new = torch.randn(W, 2 * W)
+
+    def edit(m):
+        if how == "parameter":
+            m.blocks[1].down.weight = nn.Parameter(new.clone())
+        else:
+            m.blocks[1].down.weight.data = new.clone()
+
+    ref = two_big_reference(path, [0, 2, 3], edit=edit)
+    by_rows(ref.blocks[1].up, W)  # layer 1's up still computes over its chunks; down, replaced, whole
+    want_edited = run(ref, x)
+    with mgr:
+        with torch.no_grad():
+            edit(model)
+        for _ in range(3):
+            reads.clear()
+            assert torch.equal(run(model, x), want_edited)
+            assert HEAD_OF.format(i=1) not in reads.names, sorted(reads.names)  # the old weight's rows: not read
+            assert HEAD_OF.format(i=2) in reads.names, sorted(reads.names)
+            left_nothing(mgr)
+    assert torch.equal(run(model, x), run(two_big_reference(path, [], edit=edit), x))
+
+
+def test_a_layers_stores_changed_elsewhere_down_is_still_read_behind_up(tmp_file_dir, cap, exact, reads):
+    """Layer 1's norm weight replaced (a mapped weight become owned: ``PartReads.forget(1)``): its ``up`` and
+    ``down`` are the mappings they were, chunked as before; ``down``'s first chunk is still read behind ``up``'s
+    last."""
+    model, mgr, x, _, path = two_big_engaged(tmp_file_dir, cap)
+
+    def edit(m):
+        m.blocks[1].norm.weight = nn.Parameter(m.blocks[1].norm.weight.detach() * 2)
+
+    chunks = run(two_big_reference(path, edit=edit), x)
+    with mgr:
+        with torch.no_grad():
+            edit(model)
+        for _ in range(3):
+            reads.clear()
+            assert torch.equal(run(model, x), chunks)
+            left_nothing(mgr)
+        # Regression: forget(1) dropped the first-chunk spans of all of layer 1's chunked parts, while the
+        # runtime kept their RowChunks (the same step) and so never registered them again (_part_rows calls
+        # PartReads.chunked only when it cuts new chunks): down's first chunk was never read ahead again.
+        assert HEAD_OF.format(i=1) in reads.names, sorted(reads.names)
+
+
+# --- the forward taking another way --------------------------------------------------------------------
+
+
+class SkipsDown(nn.Module):
+    """room_stack's Block whose ``down`` is skipped while ``SkipsDown.skip`` holds its ``id``."""
+
+    skip: frozenset = frozenset()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.up = nn.Linear(W, 2 * W, bias=False)
+        self.down = nn.Linear(2 * W, W, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(self.norm(x)))
+        return x + (h[..., :W] if id(self) in SkipsDown.skip else self.down(h))
+
+
+def test_a_forward_that_skips_down_lets_its_first_chunk_go(tmp_file_dir, cap, exact, monkeypatch, reads):
+    from room_stack import PART_BYTES
+    from stacks import io_read_bytes
+    from test_part_readahead import EDGES, resident
+
+    monkeypatch.setattr(SkipsDown, "skip", frozenset())
+    torch.manual_seed(0)
+    path, x, _ = save_reference(Stack(BLOCKS, HEAD, block_cls=SkipsDown), torch.randn(3, W),
+                                tmp_file_dir / "two_big.safetensors")
+    drop_page_cache(str(path))
+    cap(IN_USE + MARGIN + W * HEAD * 4 + PART_BYTES + PART_BYTES // 4)
+    model = mapped_from(path, lambda: Stack(BLOCKS, HEAD, block_cls=SkipsDown))
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    assert mgr.residency.parts and mgr.residency.depth == 0 and mgr.residency.window_bytes == PART_BYTES
+
+    def reference():
+        ref = two_big_reference(path)
+        for mine, theirs in zip(model.blocks, ref.blocks):
+            if id(mine) in SkipsDown.skip:
+                theirs.down.forward = lambda h: h[..., :W]
+        return ref
+
+    real = F.linear
+    peaks = []
+
+    def linear(inp, weight, bias=None):
+        if is_first_chunk_of_down(model, weight) or is_last_chunk_of_up(model, weight):
+            peaks.append(resident(mgr))
+        return real(inp, weight, bias)
+
+    with mgr:
+        mgr.register_forward_hooks()
+        for _ in range(3):
+            run(model, x)  # the checks; the order learnt
+        streamed = mgr.residency.streamed_bytes
+        monkeypatch.setattr(F, "linear", linear)
+        for skip in ([1], [], [0, 2], [0, 1, 2, 3], [], [3], []):
+            SkipsDown.skip = frozenset(id(model.blocks[i]) for i in skip)
+            want = run(reference(), x)
+            reads.clear()
+            mgr.parts.pages.settle()
+            before = io_read_bytes()
+            assert torch.equal(run(model, x), want), skip
+            mgr.parts.pages.settle()
+            read = io_read_bytes() - before
+            assert read <= streamed + 2 * 4096 * 5 * BLOCKS, (skip, read, streamed)
+            left_nothing(mgr)
+            assert max(peaks) <= PART_BYTES + EDGES, (skip, peaks)
+        monkeypatch.setattr(F, "linear", real)
+
+
+def test_two_threads_running_forwards_over_the_heads_read_ahead(tmp_file_dir, cap, exact):
+    model, mgr, x, want, path = two_big_engaged(tmp_file_dir, cap)
+    chunks = run(two_big_reference(path), x)
+    outcomes: list = []
+
+    def loop():
+        for _ in range(6):
+            try:
+                outcomes.append(torch.equal(run(model, x), chunks))
+            except BaseException as e:  # noqa: BLE001
+                outcomes.append(repr(e))
+
+    with mgr:
+        threads = [threading.Thread(target=loop, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "hung"
+        assert outcomes == [True] * 12, outcomes
+        assert not mgr.parts.runtime._armed
+        left_nothing(mgr)
+        assert torch.equal(run(model, x), chunks)
+    assert torch.equal(run(model, x), want)
+
+
+def test_a_child_forked_inside_the_last_chunk_with_the_head_read_in_flight(tmp_file_dir, tmp_path):
+    """The parent forks from inside layer 1's ``up`` last chunk, ``down``'s first chunk queued behind it: the
+    child (its reads ahead the parent's, forgotten) finishes that forward and runs others, each right, and
+    leaves nothing read ahead; so does the parent."""
+    from child import describe, run_python
+
+    proc = run_python(f"""
+import os, pathlib, sys, torch
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})  # these tests, not a copy in the folder it runs from
+import torch.nn.functional as F
+from mapoffload.offload import runtime
+from mapoffload.pagecache import coordinator as coordinator_module
+from fake_cgroups import v2_cap
+import test_attack_part_chunks as t
+from test_part_chunks import two_big
+from child import reap
+runtime._same_bits = lambda a, b: True
+root = {str(tmp_path / "cg")!r}
+coordinator_module.CGROUP_ROOT = root
+cap = lambda limit: v2_cap(root, int(limit), t.IN_USE, 0, 0)
+files = pathlib.Path({str(tmp_file_dir)!r})
+model, mgr, x, want = two_big(files, cap)
+mgr.register_forward_hooks()
+chunks = t.run(t.two_big_reference(files / "two_big.safetensors"), x)
+for _ in range(2):
+    t.run(model, x)
+assert torch.equal(t.run(model, x), chunks)
+real, forked = F.linear, []
+
+def linear(inp, weight, bias=None):
+    if not forked and t.is_last_chunk_of_up(model, weight, 1):
+        assert mgr.parts.pages.parts.reading_ahead  # down's first chunk queued behind this one
+        forked.append(os.fork())
+    return real(inp, weight, bias)
+
+F.linear = linear
+got = t.run(model, x)
+F.linear = real
+if forked[0] == 0:
+    code = 0
+    try:
+        if not torch.equal(got, chunks):
+            code = 3
+        mgr.parts.pages.settle()
+        if mgr.parts.pages.parts.reading_ahead:
+            code = 7
+        for _ in range(2):
+            if not torch.equal(t.run(model, x), chunks):
+                code = 3
+        mgr.close()
+        if t.part_forwards(model) or not torch.equal(t.run(model, x), want):
+            code = 5
+    except BaseException as e:
+        print("child:", type(e).__name__, e, flush=True)
+        code = 4
+    os._exit(code)
+code = reap(forked[0], 60)
+assert torch.equal(got, chunks)
+mgr.parts.pages.settle()
+assert not mgr.parts.pages.parts.reading_ahead
+assert torch.equal(t.run(model, x), chunks)
+mgr.close()
+print("child", code)
+""", timeout=120, env={"OMP_NUM_THREADS": "1", "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB": str(MARGIN / (1 << 20)),
+                       "MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
+    assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)

@@ -372,9 +372,13 @@ class StackRuntime:
         plan = self.member.residency
         pages = self.sequencer.pages
         if plan is None or not plan.readahead or 2 * pages.parts.sizes(i)[k] <= plan.window_bytes:
+            if self._rows.pop((i, k), None) is not None:
+                pages.parts.chunked(i, k, None)  # not in chunks now: its first chunk is read ahead no more
             return None
         step = plan.window_bytes // (1 + plan.depth)
         known = self._rows.get((i, k))
+        if known is not None and known[1] is not None and not pages.parts.is_chunked(i, k):
+            known = None  # its first chunk dropped (the layer's stores changed: PartReads.forget): cut again
         if known is None or known[0] != step:
             from ..pagecache.file_places import MapsView
 

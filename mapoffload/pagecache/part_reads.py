@@ -154,6 +154,11 @@ class PartReads:
             else:
                 self._heads[(i, k)] = head
 
+    def is_chunked(self, i: int, k: int) -> bool:
+        """Whether part ``k`` of layer ``i`` has its first chunk registered (:meth:`chunked`; dropped by
+        :meth:`forget` when the layer's stores change)."""
+        return (i, k) in self._heads
+
     def read_next_head(self, i: int, k: int, held: int) -> None:
         """Part ``k`` of layer ``i`` computes its last chunk, ``held`` bytes of it in the page cache: the first
         chunk of the part that ran after it the last time starts reading behind it, where that part is of
@@ -166,8 +171,10 @@ class PartReads:
         with self._lock:
             nxt = self._after.get((i, k))
             head = self._heads.get(nxt) if nxt is not None else None
-            if (head is None or nxt[0] != i or nxt in self._ahead or not self._pages.streams(i)
-                    or held + head[0].total_bytes > plan.window_bytes):
+            if head is None or nxt[0] != i or nxt in self._ahead or not self._pages.streams(i):
+                return
+            ahead = sum(self._bytes(p) for p in self._ahead)  # whatever else is read ahead, counted whole
+            if held + ahead + head[0].total_bytes > plan.window_bytes:
                 return
             spans, extents, edges = head
             what = f"layer {i} ({self._pages.stores[i].parts[nxt[1]].name}) (its first chunk)"
