@@ -50,7 +50,7 @@ grown = rss_anon_bytes() - before
 rows = {r.unit: r for r in handle.rows}
 text = handle.summary()
 total = sum(r.anonymous_bytes for r in rows.values())
-print(json.dumps({"grown": grown, "read": rows["blocks"].read_per_forward, "layer": handle.managers["blocks"].layer_bytes(0),
+print(json.dumps({"grown": grown, "read": rows["blocks"].read_per_forward, "layer": handle.managers["blocks"].parts.layer_bytes(0),
                   "buffers": [rows["buffers"].how, rows["buffers"].nbytes, rows["buffers"].anonymous_bytes]
                   if "buffers" in rows else None, "text": text, "total": format_bytes(total)}))
 handle.close()
