@@ -572,6 +572,7 @@ def left_nothing(mgr) -> None:
     assert resident(mgr) <= EDGES, resident(mgr)
 
 
+@pytest.mark.slow  # the fast part stays within 5 minutes (README)
 @pytest.mark.parametrize("where", ["up's last chunk", "down's first chunk"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_an_error_around_the_head_read_behind_the_last_chunk(tmp_file_dir, cap, exact, monkeypatch, reads, where,
@@ -716,6 +717,7 @@ class SkipsDown(nn.Module):
         return x + (h[..., :W] if id(self) in SkipsDown.skip else self.down(h))
 
 
+@pytest.mark.slow  # the fast part stays within 5 minutes (README)
 def test_a_forward_that_skips_down_lets_its_first_chunk_go(tmp_file_dir, cap, exact, monkeypatch, reads):
     from room_stack import PART_BYTES
     from stacks import io_read_bytes
@@ -767,6 +769,7 @@ def test_a_forward_that_skips_down_lets_its_first_chunk_go(tmp_file_dir, cap, ex
         monkeypatch.setattr(F, "linear", real)
 
 
+@pytest.mark.slow  # the fast part stays within 5 minutes (README)
 def test_two_threads_running_forwards_over_the_heads_read_ahead(tmp_file_dir, cap, exact):
     model, mgr, x, want, path = two_big_engaged(tmp_file_dir, cap)
     chunks = run(two_big_reference(path), x)
@@ -793,6 +796,7 @@ def test_two_threads_running_forwards_over_the_heads_read_ahead(tmp_file_dir, ca
     assert torch.equal(run(model, x), want)
 
 
+@pytest.mark.slow  # the fast part stays within 5 minutes (README)
 def test_a_child_forked_inside_the_last_chunk_with_the_head_read_in_flight(tmp_file_dir, tmp_path):
     """The parent forks from inside layer 1's ``up`` last chunk, ``down``'s first chunk queued behind it: the
     child (its reads ahead the parent's, forgotten) finishes that forward and runs others, each right, and
