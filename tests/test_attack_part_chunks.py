@@ -30,7 +30,7 @@ from mapoffload import LayerwiseOffloadManager, drop_page_cache
 from mapoffload.offload import runtime
 from mapoffload.offload.hooks import OffloadedCopyError
 
-from room_stack import W, Stack
+from room_stack import Block, W, Stack
 from room_stack import mapped as mapped_from
 from stacks import save_reference
 from fake_cgroups import fake_cap
@@ -225,9 +225,8 @@ def test_a_big_part_called_on_its_own_after_a_forward_interrupted_before_it(tmp_
 # --- two threads ---------------------------------------------------------------------------------------
 
 
-def test_two_threads_running_forwards_at_once(tmp_file_dir, cap, exact):
-    model, mgr, x, want, path = engaged(tmp_file_dir, cap)
-    chunks = run(reference(path), x)
+def two_threads(model, mgr, x, chunks) -> None:
+    """Two threads run 6 forwards each at once: every output equals ``chunks``, nothing hangs or stays armed."""
     outcomes: list = []
 
     def loop():
@@ -237,15 +236,20 @@ def test_two_threads_running_forwards_at_once(tmp_file_dir, cap, exact):
             except BaseException as e:  # noqa: BLE001
                 outcomes.append(repr(e))
 
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "hung"
+    assert outcomes == [True] * 12, outcomes
+    assert not mgr.parts.runtime._armed
+
+
+def test_two_threads_running_forwards_at_once(tmp_file_dir, cap, exact):
+    model, mgr, x, want, path = engaged(tmp_file_dir, cap)
     with mgr:
-        threads = [threading.Thread(target=loop, daemon=True) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "hung"
-        assert outcomes == [True] * 12, outcomes
-        assert not mgr.parts.runtime._armed
+        two_threads(model, mgr, x, run(reference(path), x))
     assert torch.equal(run(model, x), want)
 
 
@@ -701,16 +705,10 @@ def test_a_layers_stores_changed_elsewhere_down_is_still_read_behind_up(tmp_file
 # --- the forward taking another way --------------------------------------------------------------------
 
 
-class SkipsDown(nn.Module):
+class SkipsDown(Block):
     """room_stack's Block whose ``down`` is skipped while ``SkipsDown.skip`` holds its ``id``."""
 
     skip: frozenset = frozenset()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(W)
-        self.up = nn.Linear(W, 2 * W, bias=False)
-        self.down = nn.Linear(2 * W, W, bias=False)
 
     def forward(self, x):
         h = torch.tanh(self.up(self.norm(x)))
@@ -773,24 +771,8 @@ def test_a_forward_that_skips_down_lets_its_first_chunk_go(tmp_file_dir, cap, ex
 def test_two_threads_running_forwards_over_the_heads_read_ahead(tmp_file_dir, cap, exact):
     model, mgr, x, want, path = two_big_engaged(tmp_file_dir, cap)
     chunks = run(two_big_reference(path), x)
-    outcomes: list = []
-
-    def loop():
-        for _ in range(6):
-            try:
-                outcomes.append(torch.equal(run(model, x), chunks))
-            except BaseException as e:  # noqa: BLE001
-                outcomes.append(repr(e))
-
     with mgr:
-        threads = [threading.Thread(target=loop, daemon=True) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "hung"
-        assert outcomes == [True] * 12, outcomes
-        assert not mgr.parts.runtime._armed
+        two_threads(model, mgr, x, chunks)
         left_nothing(mgr)
         assert torch.equal(run(model, x), chunks)
     assert torch.equal(run(model, x), want)
