@@ -17,7 +17,7 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
   mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
                 (its layers streamed by the layerwise manager; the handle's
                 summary() is in the JSON, handle.close() at the end;
-                reads="auto": streamed layers read around the page
+                reads="auto": streamed layers read uncached the page
                 cache (O_DIRECT) from the first forward that streams where
                 the files take it, else through the mapping until two warm
                 forwards read > 1.2x the plan - the JSON's read_mode says
@@ -34,12 +34,12 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
                 twin over the layers (LayerwiseOffloadManager(cpu_twin=True,
                 host_store="mapped")): each layer copied through the copier
                 into CPU buffers, as a GPU run copies it - from the mapping,
-                or read around the page cache into the reader's buffers and
+                or read uncached into the reader's buffers and
                 copied from them (reads="uncached"); the weights outside
                 the layers stay in place on the mapping
   cuda-mapping, cuda-uncached  (not run by default; needs a GPU) the same load
                 with device="cuda": layers streamed to the GPU through the
-                copier from the mapping, or read around the page cache into
+                copier from the mapping, or read uncached into
                 page-locked reader buffers and copied from them by DMA
                 (reads="uncached"); the rest on the GPU. The CUDA
                 context is made before the baseline (its host memory is not
@@ -337,7 +337,7 @@ def child(args: argparse.Namespace) -> None:
     if args.contender == "transformers":  # on an fp8 folder: transformers' dequantizing load
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype)
         model.eval()
-    elif args.contender == "mapoffload-uncached":  # streamed layers read around the page cache from the start
+    elif args.contender == "mapoffload-uncached":  # streamed layers read uncached from the start
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="uncached")
     elif args.contender.startswith("twin-"):  # the device pipeline, its CPU twin, over the layers
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cpu", reads="mapping")
@@ -345,7 +345,7 @@ def child(args: argparse.Namespace) -> None:
         twin = mapoffload.LayerwiseOffloadManager(model, "model.layers", device="cpu", cpu_twin=True,
                                                   host_store="mapped", reads=args.contender[len("twin-"):])
         twin.register_forward_hooks()
-    elif cuda:  # the device pipeline on a GPU, from the mapping or read around the page cache
+    elif cuda:  # the device pipeline on a GPU, from the mapping or read uncached
         model = mapoffload.from_pretrained(AutoModelForCausalLM, args.folder, device="cuda",
                                            reads="auto" if args.contender == "cuda-fp8"
                                            else args.contender[len("cuda-"):])

@@ -17,7 +17,7 @@ permitted).
                MADV_POPULATE_READ, use, MADV_COLD+MADV_PAGEOUT
                (``_core.populate_read`` / ``_core.advise_pageout``)
   a0) mapping-readahead  the same without MADV_RANDOM|MADV_HUGEPAGE (the
-               kernel's default read-around: what a kernel without large-folio
+               kernel's default readahead: what a kernel without large-folio
                faults, or a manager without the advice, gets)
   b) uncached  ``UncachedReader`` (O_DIRECT into 2 reused page-aligned buffers),
                per layer read, use, release
@@ -156,7 +156,7 @@ def child(args: argparse.Namespace) -> None:
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         base = whole.data_ptr()
-        if args.variant != "mapping-readahead":  # as the layerwise manager sets: 2 MiB folio reads, no read-around
+        if args.variant != "mapping-readahead":  # as the layerwise manager sets: 2 MiB folio reads, no readahead
             advise_random(SpanArray([base], [size]), True)
         pool = ThreadPoolExecutor(max_workers=1)  # as the manager's page worker: reads and let-gos in order
         pool.submit(int).result()

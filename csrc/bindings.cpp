@@ -126,7 +126,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("page_size", [] { return page_size(); });
 
-  // Reading around the page cache (csrc/uncached_read.hpp).
+  // Reading uncached (csrc/uncached_read.hpp).
   m.attr("O_DIRECT_ALIGN") = kODirectAlign;
   m.def("uncached_span", &uncached_span, py::arg("offset"), py::arg("length"),
         "Bytes read_ranges writes at a range's destination: the O_DIRECT_ALIGN-aligned superset of "
@@ -160,7 +160,7 @@ PYBIND11_MODULE(_core, m) {
      py::arg("io_bytes") = uint64_t{4} << 20, py::arg("threads") = 2u, py::arg("paths") = py::none(),
      "Read file bytes [offset, offset + length) of each fd to dsts[i] + offset % O_DIRECT_ALIGN (dsts "
      "O_DIRECT_ALIGN-aligned, uncached_span bytes each, not overlapping), with the GIL released, in I/Os of "
-     "io_bytes on `threads` threads. O_DIRECT fds (open_for_reading) read around the page cache; others, and "
+     "io_bytes on `threads` threads. O_DIRECT fds (open_for_reading) read uncached; others, and "
      "O_DIRECT fds the filesystem refuses (they lose O_DIRECT), read with pread, then POSIX_FADV_DONTNEED. "
      "Returns ('uncached' | 'buffered', bytes transferred) per range. A file that ends before its range raises "
      "MappingFaultError naming it; other I/O errors OSError.");
@@ -370,7 +370,7 @@ PYBIND11_MODULE(_core, m) {
     return first;
   }, py::arg("spans"), py::arg("on") = true, py::arg("hugepage") = true,
      "madvise(MADV_RANDOM) (on) or MADV_NORMAL (off) over each span: faults read their own page only, "
-     "no read-around. With on and hugepage, MADV_HUGEPAGE first. Returns 0 or the errno of the first refusal.");
+     "no readahead. With on and hugepage, MADV_HUGEPAGE first. Returns 0 or the errno of the first refusal.");
   m.def("read_ahead", [](const SpanArray& s, uint64_t step) {
     py::gil_scoped_release nogil;
     uint64_t calls = 0;

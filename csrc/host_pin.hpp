@@ -1,7 +1,7 @@
 // Page-locking host memory that the CUDA runtime did not allocate
 // (cudaHostRegister), so that a device copy DMAs straight from it.
 //
-// Used for the buffers a layer is read into around the page cache: pinned,
+// Used for the buffers a layer is read into uncached: pinned,
 // the copies from them need no staging slot (one copy, not two). The runtime
 // comes from cuda_api (dlopen): nothing here needs a CUDA toolkit to build.
 #pragma once

@@ -74,7 +74,7 @@ class OffloadOptions:
         buys nothing there), or ``"mapped"``, ``"pinned"``, ``"pageable"`` where possible.
     reads
         How streamed layers are read: ``"mapping"`` (through the file mapping, let go
-        after use), ``"uncached"`` (``O_DIRECT`` around the page cache into ``1 + depth``
+        after use), ``"uncached"`` (``O_DIRECT`` into ``1 + depth``
         reused buffers, on CUDA page-locked and copied by DMA; cached layers stay on the
         mapping), or ``"auto"``: on a device (and the CPU twin), uncached as soon as the
         plan streams layers and their files take ``O_DIRECT``, except while replicas of this

@@ -81,7 +81,7 @@ def test_a_gate_that_copies_when_copies_would_not_fit_fails_the_demo(monkeypatch
 
 
 def test_a_budget_smaller_than_what_streaming_needs_is_refused_not_failed(tmp_path):
-    # Half of a 2-layer checkpoint is one layer: the one layer's read-around buffer
+    # Half of a 2-layer checkpoint is one layer: the one layer's uncached buffer
     # the library streams through already fills it, so the check could not tell a
     # copy of the weights from it (it used to run and fail, outputs identical).
     r = run_cli("demo", "--layers", "2", "--width", "256", cwd=tmp_path)
@@ -90,7 +90,7 @@ def test_a_budget_smaller_than_what_streaming_needs_is_refused_not_failed(tmp_pa
     err = r.stderr
     assert err.startswith("mapoffload demo: error: --layers 2 --width 256: a 3.01 MiB budget (half the 6.02 MiB "
                           "checkpoint) is below what streaming needs at the least"), err
-    assert "read-around buffer 4.00 MiB" in err and "use --layers 4 or more" in err and "--host-gib" in err
+    assert "uncached buffer 4.00 MiB" in err and "use --layers 4 or more" in err and "--host-gib" in err
     assert "[1/5]" not in r.stdout
 
 
@@ -309,10 +309,10 @@ def test_the_gate_line_says_the_room_the_reserve_leaves():
 
 
 def test_in_place_says_what_the_anonymous_growth_is(small_run):
-    # "no copy is made" beside a growth of the read-around window's size
+    # "no copy is made" beside a growth of the uncached window's size
     rc, text = small_run
     mode = text.splitlines()[0]
-    assert "no copy is made" not in mode and "read-around buffers" in mode, mode
+    assert "no copy is made" not in mode and "uncached buffers" in mode, mode
     growth = next(line for line in text.splitlines() if "host anonymous growth" in line)
-    if "read-around window" in growth:
+    if "uncached window" in growth:
         assert "the streamed layers read from the file into reused buffers" in growth, growth

@@ -1,7 +1,7 @@
 """The device path reads ahead as in place does (issue 43): on the CPU twin - the device pipeline, its
 copier and its side stream, with CPU buffers - the next layer's copy runs while a layer computes, and
 is done by the time that layer's compute ends. (The CUDA streams' order is checked on the stand-in
-runtime by test_device_read_around_cuda.py and test_copier_cuda.py.)"""
+runtime by test_device_uncached_cuda.py and test_copier_cuda.py.)"""
 
 from __future__ import annotations
 

@@ -323,9 +323,9 @@ def test_fp8_moe_conversion_is_reused_exactly(tmp_path, fp8):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "t5", "clip", "bert", "qwen2_vl"])
-def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
+def test_layers_read_uncached_compute_the_same(tmp_path, arch):
     """Every streamed layer read with O_DIRECT into reused buffers (page_cache_bytes=0): outputs equal
-    transformers' on architectures the read-around path was not built around."""
+    transformers' on architectures the uncached path was not built around."""
     cls, kind = build(arch, str(tmp_path))
     ref = cls.from_pretrained(str(tmp_path)).eval()
     x = inputs(kind, ref.config)
@@ -344,8 +344,8 @@ def test_layers_read_around_the_page_cache_compute_the_same(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_the_device_path_reading_around_the_page_cache_computes_the_same(tmp_path, arch):
-    """The device pipeline's read-around (CPU twin: O_DIRECT into reader buffers, copied into
+def test_the_device_path_reading_uncached_computes_the_same(tmp_path, arch):
+    """The device pipeline's uncached (CPU twin: O_DIRECT into reader buffers, copied into
     the twin's layer buffers), every layer streamed: outputs equal transformers'."""
     from mapoffload import LayerwiseOffloadManager
 

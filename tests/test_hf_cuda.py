@@ -1,12 +1,12 @@
 """The conformance matrix on a GPU: ``mapoffload.from_pretrained(cls, folder,
 device="cuda")`` against transformers' own model on the same device, on every
 architecture of the zoo — with the plan's defaults, and with every layer
-streamed (a host of 0 GiB), read through the mapping and read around the page
+streamed (a host of 0 GiB), read through the mapping and read uncached the page
 cache into page-locked buffers (``reads="uncached"``). Needs a CUDA
 device (``cuda`` marker): skipped elsewhere.
 
 The streamed runs must equal each other bit for bit (the same kernels on the
-same bytes: a misplaced byte in the read-around path shows); against
+same bytes: a misplaced byte in the uncached path shows); against
 transformers' own model on the device, the output is compared to the GPU's
 rounding (the same kernels run, but on buffers of another layout).
 """

@@ -1,5 +1,5 @@
 """Page-locking host memory through the native CUDA loader (``_core.host_register``,
-``_core.HostPin``) and the read-around buffers that use it
+``_core.HostPin``) and the uncached buffers that use it
 (``UncachedReader(pin_device=)``), under the stand-in runtime (tests/fakecuda):
 registered once, unregistered exactly once - on ``unregister()``, when the
 reader closes or is dropped, when a buffer grows, comes back after close or is

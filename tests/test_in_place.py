@@ -3,7 +3,7 @@ stays a normal model between forwards. Its parameters are the mapped tensors
 themselves (the same objects, on the file mapping), ``state_dict()`` and
 comparing a weight work, a forward outside ``no_grad`` gives the reference's
 output, and input gradients are exact - through the mapping and with the
-streamed layers read around the page cache alike. The device path (its CPU
+streamed layers read uncached alike. The device path (its CPU
 twin here) keeps placeholders and refuses gradients with a typed error."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_input_gradients_in_place_are_exact(ckpt, reads, frozen):
     (want_g,) = torch.autograd.grad(want_y.square().sum(), xr)
     with _manager(model, reads) as mgr:
         mgr.register_forward_hooks()
-        # A layer loaded ahead under no_grad (into a reused read-around buffer) is read
+        # A layer loaded ahead under no_grad (into a reused uncached buffer) is read
         # again through its mapping when it runs with autograd recording.
         with torch.no_grad():
             mgr.prefetch_layer(0, non_blocking=False)

@@ -447,5 +447,5 @@ def test_the_manager_reads_ahead_by_capability(ckpt, twin):
     assert reads["large-folios"] == 0
     # Streamed layers are let go after each forward: the second reads each of
     # them ahead again (the first may find some warm: the weights outside the
-    # layers are read with read-around, neighbouring layers' bytes among it).
+    # layers are read with readahead, neighbouring layers' bytes among it).
     assert reads["no-large-folios"] >= len(streamed), reads

@@ -110,7 +110,7 @@ def test_letting_a_streamed_layer_go_keeps_the_cached_ones(ckpt, caps):
             assert held == _layer_bytes(model, i), (i, held)
 
 
-def test_reading_a_streamed_layer_around_the_cache_reads_its_bytes_not_the_file(ckpt):
+def test_reading_a_streamed_layer_uncached_reads_its_bytes_not_the_file(ckpt):
     path, x, want = ckpt
     model = _mapped(path)
     layer = _layer_bytes(model, 0)

@@ -108,7 +108,7 @@ def _vm_flags(lo: int, hi: int) -> list[str]:
     return flags
 
 
-def test_managed_spans_get_no_read_around_until_closed(ckpt):
+def test_managed_spans_get_no_readahead_until_closed(ckpt):
     path, x, _ = ckpt
     model = mapped(path)
     ptrs = [p.data_ptr() for p in model.blocks.parameters()]

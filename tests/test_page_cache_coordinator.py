@@ -373,7 +373,7 @@ def test_a_peers_resident_bytes_are_measured_here_not_taken_from_its_record(tmp_
     assert measure_resident(Peer(1, peer.ranges, 1, 1, 0, ((st.st_dev, st.st_ino, str(fifo)),))) is None
 
 
-def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
+def test_uncached_buffers_are_not_counted_twice(ckpt, cap):
     """The O_DIRECT buffers hold the streaming window in anonymous memory: the measure counts them as
     other memory, the plan reserves the window itself - so they are added back, once."""
     path, x, want = ckpt
@@ -393,7 +393,7 @@ def test_read_around_buffers_are_not_counted_twice(ckpt, cap):
         assert coord.ranks == [] and coord.replicas == []  # no peers: nothing shared
         # 85 MiB cap - 10 MiB in use - the 66.65625 MiB margin (64 + 85/32) = 8749056 bytes usable;
         # less the dec stack and the head, read every forward outside enc (7 Linear(512, 512));
-        # plus the read-around buffers, added back once (the plan reserves that window itself).
+        # plus the uncached buffers, added back once (the plan reserves that window itself).
         dec_and_head = 7 * (WIDTH * WIDTH + WIDTH) * 4
         assert coord.budget.usable == 8749056 and coord.always_bytes == dec_and_head
         assert coord.room == 8749056 - dec_and_head + held > 0

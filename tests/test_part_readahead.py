@@ -90,7 +90,7 @@ def test_the_depth_comes_from_the_room():
                         (LAYER_BYTES + 1 * PART_BYTES, 4), (2 * LAYER_BYTES - 1, 4)):
         plan = plan_shared([sizes], room, prefetch_layers=[1], parts=[PART_BYTES])[0]
         assert (plan.unit, plan.depth, plan.window_bytes) == (PART, depth, (1 + depth) * PART_BYTES), (room, plan)
-        assert plan.window_layers == 1  # the read-around buffers a plan charges are layers: parts take none more
+        assert plan.window_layers == 1  # the uncached buffers a plan charges are layers: parts take none more
     # Two layers fit: whole layers, one read ahead.
     whole = plan_shared([sizes], 2 * LAYER_BYTES, prefetch_layers=[1], parts=[PART_BYTES])[0]
     assert (whole.unit, whole.depth) == (LAYER, 1)

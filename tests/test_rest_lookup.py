@@ -1,5 +1,5 @@
 """The rest's lookup tables (embeddings no head shares) read the rows a forward
-looks up, not the kernel's read-around of each: under a tight cap a 125 MiB
+looks up, not the kernel's fault-around of each: under a tight cap a 125 MiB
 table read 131-216 MiB a forward for 128 rows (issue 18, the rest's first
 fault), the disk's read_ahead_kb being 8 MiB."""
 
@@ -76,14 +76,14 @@ def test_an_untied_embedding_is_advised_random_and_set_back_on_close(tmp_path):
         with torch.inference_mode():
             model(torch.tensor([[1, 2, 3]]))
         assert "rr" in _vm_flags(_middle(model.embed.weight))
-        assert "rr" not in _vm_flags(_middle(model.head.weight))  # read whole: read-around helps it
+        assert "rr" not in _vm_flags(_middle(model.head.weight))  # read whole: readahead helps it
         assert mgr.parts.outside.table_bytes == model.embed.weight.nbytes
     finally:
         mgr.close()
     assert "rr" not in _vm_flags(_middle(model.embed.weight))
 
 
-def test_a_tied_embedding_is_read_whole_by_the_head_and_keeps_its_read_around(tmp_path):
+def test_a_tied_embedding_is_read_whole_by_the_head_and_keeps_its_readahead(tmp_path):
     model, _ = _loaded(tmp_path, tied=True)
     with _manager(model) as mgr:
         with torch.inference_mode():
@@ -92,7 +92,7 @@ def test_a_tied_embedding_is_read_whole_by_the_head_and_keeps_its_read_around(tm
         assert mgr.parts.outside.table_bytes == 0
 
 
-def test_a_cold_lookup_reads_its_rows_not_the_read_around(tmp_path):
+def test_a_cold_lookup_reads_its_rows_not_the_readahead(tmp_path):
     model, path = _loaded(tmp_path)
     drop_page_cache(path)  # save_file left the table cached
     with _manager(model):
@@ -105,7 +105,7 @@ def test_a_cold_lookup_reads_its_rows_not_the_read_around(tmp_path):
         with torch.inference_mode():
             model.embed(torch.tensor([[11, 1700, 3300, 4090]]))  # four rows far from those
         grew = resident_bytes([model.embed.weight])[0] - before
-    # Four rows of 1 KiB: a page each, not megabytes of read-around each.
+    # Four rows of 1 KiB: a page each, not megabytes of readahead each.
     assert 0 < grew <= 4 * 2 * 4096, grew
 
 

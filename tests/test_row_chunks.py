@@ -363,7 +363,7 @@ def test_chunks_of_two_folios_or_more_are_read_and_let_go_at_the_file_s_folio_bo
     assert [len(c[2][2]) for c in rows.chunks] == [1, 0, 0, 1, 0]
 
     drop_page_cache(str(path))
-    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))  # as the manager does: no read-around, 2 MiB folios
+    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))  # as the manager does: no readahead, 2 MiB folios
     seen = []
     real = F.linear
 

@@ -1,5 +1,5 @@
 """summary() counts every anonymous byte mapoffload holds: besides the weights'
-host stores, the buffers its machinery keeps (read-around buffers, the
+host stores, the buffers its machinery keeps (uncached buffers, the
 copier's staging slots, the CPU twin's device buffers, fp8 working buffers),
 in the table and its totals, checked against the process's own RssAnon."""
 
@@ -57,9 +57,9 @@ handle.close()
 """
 
 
-def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
+def test_uncached_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
     """In a fresh process (the allocator holds no memory freed by earlier work), so that its RssAnon
-    growth over two forwards is what the offload made: the read-around buffers."""
+    growth over two forwards is what the offload made: the uncached buffers."""
     path, x, want = ckpt
     torch.save(x, tmp_path / "x.pt")
     torch.save(want, tmp_path / "want.pt")
@@ -70,7 +70,7 @@ def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
                           cwd=tmp_path)  # not the source folder: the installed package
     assert proc.returncode == 0, describe(proc)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["read"] > 0, "the cap must make layers stream (else nothing is read around)"
+    assert got["read"] > 0, "the cap must make layers stream (else nothing is read uncached)"
     # Two 2 MiB layers in flight at most (1 + prefetch depth): the growth is the buffers, measured.
     assert got["grown"] >= 3 * MIB, got["grown"]
     how, nbytes, anonymous = got["buffers"]
@@ -81,7 +81,7 @@ def test_read_around_buffers_are_in_the_table_and_its_totals(ckpt, tmp_path):
     assert got["grown"] <= anonymous + MIB, (anonymous, got["grown"])
     assert anonymous <= 2 * 2 * got["layer"], anonymous
     text = got["text"]
-    assert "read-around buffers" in text and "nothing is copied" not in text
+    assert "uncached buffers" in text and "nothing is copied" not in text
     total_line = next(line for line in text.splitlines() if line.startswith("total"))
     assert got["total"] in total_line, (total_line, got["total"])
 

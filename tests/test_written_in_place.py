@@ -1,7 +1,7 @@
 """A mapped weight written in place before offloading (a LoRA merged with
-``+=``) holds bytes the file does not: reading its layer around the page cache
+``+=``) holds bytes the file does not: reading its layer uncached
 (``O_DIRECT``) would compute with the file's bytes. Such a layer is read
-through its mapping, on both read-around paths (in place, the device
+through its mapping, on both uncached paths (in place, the device
 pipeline's CPU twin), and the outputs are those of the edited model."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_a_layer_written_in_place_is_read_through_its_mapping(ckpt, extra, caplo
             with torch.no_grad():
                 for _ in range(2):
                     assert torch.equal(model(x), want)
-            assert mgr.parts.loads.source.reader.stats()["reads"] > 0  # the other layers were still read around
+            assert mgr.parts.loads.source.reader.stats()["reads"] > 0  # the other layers were still read uncached
     said = [r.getMessage() for r in caplog.records if "written in place" in r.getMessage()]
     assert any("blocks.2" in m or "layer 2" in m for m in said), said
     assert any("blocks.7" in m or "layer 7" in m for m in said), said

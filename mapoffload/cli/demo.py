@@ -50,7 +50,7 @@ def _mode(device, cpu_twin: bool) -> tuple[str, str]:
                             "CPU buffers, as a GPU run copies it (those buffers are host memory here)")
     return "in place", ("in place on the CPU: layers compute where the load left them (the file mapping, unless "
                         "copies fit and the gate copies); no copy of the weights is kept to run them, but the "
-                        "layers the page-cache plan streams may be read from the file into reused read-around "
+                        "layers the page-cache plan streams may be read from the file into reused uncached "
                         "buffers (anonymous memory: the growth the report shows)")
 
 

@@ -2,7 +2,7 @@
 and what it asks of the machine, checked before anything is written.
 
 The demo's budget must hold what streaming needs at the least, whatever the
-budget (:func:`streaming_floor`: one layer's read-around buffer, on the device
+budget (:func:`streaming_floor`: one layer's uncached buffer, on the device
 path the copier's staging ring, the run's bookkeeping); below that the
 library's own buffers alone exceed it, and the check could not tell a copy of
 the weights from them, so such a budget is refused with the sizes that would
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 # twice that and more.
 BOOKKEEPING_BYTES = 1 << 20
 BOOKKEEPING_PER_TENSOR_BYTES = 4 << 10
-# The read-around buffers (``pagecache/uncached_read.py``) grow in 2 MiB steps.
-READ_AROUND_QUANTUM = 2 << 20
+# The uncached buffers (``pagecache/uncached_read.py``) grow in 2 MiB steps.
+UNCACHED_QUANTUM = 2 << 20
 
 
 def _round_up(n: int, q: int) -> int:
@@ -53,7 +53,7 @@ def streaming_floor(mode: str, layer_bytes: int, tensors: int) -> list[tuple[str
     """What streaming needs of host memory at the least, whatever the budget, as (what, bytes).
 
     With a budget that leaves no page cache to plan, the library streams one
-    layer at a time: read around the page cache into one buffer (when the
+    layer at a time: read uncached into one buffer (when the
     folder takes ``O_DIRECT``: counted anyway), on the device path copied
     through the copier's staging ring into the layer's device buffers (host
     memory in the CPU twin). Plus the run's bookkeeping (``tensors`` in all).
@@ -63,8 +63,8 @@ def streaming_floor(mode: str, layer_bytes: int, tensors: int) -> list[tuple[str
     parts = []
     if mode == "cpu twin":
         parts.append(("one layer's twin buffer", layer_bytes))
-    parts.append(("its read-around buffer" if parts else "one layer's read-around buffer",
-                  _round_up(layer_bytes, READ_AROUND_QUANTUM)))
+    parts.append(("its uncached buffer" if parts else "one layer's uncached buffer",
+                  _round_up(layer_bytes, UNCACHED_QUANTUM)))
     if mode != "in place":
         _, slot_bytes, slots = resolve_settings()
         parts.append(("the copier's staging ring", slot_bytes * slots))

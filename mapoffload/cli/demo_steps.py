@@ -129,7 +129,7 @@ def copy_layers(mgr, layers: int, device, copies: bool, kept: bool, say) -> list
 def library_buffers(mgr, copier, mode: str, report) -> str:
     """The library's own host buffers, as it accounts them (capacities: at most what is resident),
     the gate's copies first when it copied: one phrase for the budget's line."""
-    buffers = [("read-around window", mgr.parts.loads.window_bytes)]
+    buffers = [("uncached window", mgr.parts.loads.window_bytes)]
     if copier is not None:
         buffers.append(("staging ring", copier.ring_bytes))
     if mode == "cpu twin":
@@ -137,7 +137,7 @@ def library_buffers(mgr, copier, mode: str, report) -> str:
     buffers = [(name, n) for name, n in buffers if n]
     if not report.keep_mapping:
         buffers.insert(0, ("the gate's copies", report.bytes_copied))
-    notes = {"read-around window": " (the streamed layers read from the file into reused buffers, in place too: "
+    notes = {"uncached window": " (the streamed layers read from the file into reused buffers, in place too: "
                                    "no copy of the weights is kept)"}
     return ("the library's buffers (capacity): " + ", ".join(f"{name} {format_bytes(n)}{notes.get(name, '')}"
                                                              for name, n in buffers)

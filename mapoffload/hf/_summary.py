@@ -245,10 +245,10 @@ def stack_row(unit: str, m: LayerwiseOffloadManager, *, available: int | None, h
     mapped, anonymous, pinned, _, total, written = measure(_manager_hosts(m))
     what = "modules" if modules else "layers"
     held = held_buffers(m.parts.loads, m.copier, m.device)
-    read_around = next((b for b in held if b.what == "read-around buffers"), None)
-    if m.copier is None and read_around is not None:
+    uncached = next((b for b in held if b.what == "uncached buffers"), None)
+    if m.copier is None and uncached is not None:
         how, where = IN_PLACE, ("computes on the CPU from the host tensors; the streamed layers are read from "
-                                f"the file into reused read-around buffers ({format_bytes(read_around.nbytes)}, "
+                                f"the file into reused uncached buffers ({format_bytes(uncached.nbytes)}, "
                                 "row 'buffers'), the cached ones compute from the mapping")
     elif m.copier is None:
         how, where = IN_PLACE, "computes on the CPU from the host tensors; nothing is copied"
@@ -307,7 +307,7 @@ REUSED = "reused"
 def buffers_row(managers: Iterable[LayerwiseOffloadManager], model: torch.nn.Module | None = None,
                 component: str = "") -> OffloadRow | None:
     """The row of the working buffers the managers' machinery holds now
-    (:mod:`mapoffload.offload.manager`: read-around buffers, staging slots,
+    (:mod:`mapoffload.offload.manager`: uncached buffers, staging slots,
     the CPU twin's device buffers) and, for a model with fp8 weights, the
     process's fp8 working buffers; None when there are none. Not weights:
     its ``nbytes`` is 0, so it is no part of "a full host copy"."""

@@ -316,7 +316,7 @@ class PageCacheBudget:
     ``cache_extra`` more bytes of weights, checks at each cached layer's use
     that its pages stayed resident, and drops back to ``margin`` once they
     did not (:class:`~mapoffload.pagecache.coordinator.PageCacheCoordinator`).
-    Anonymous memory the plan sizes (read-around buffers) is never taken
+    Anonymous memory the plan sizes (uncached buffers) is never taken
     from it: too little room there is the OOM killer, not a re-read.
     """
 

@@ -14,7 +14,7 @@ together, ``manager.parts``):
   is put on the model's modules (eager hooks that refuse copies, the patch registry) and the errors
   several parts raise.
 - where a layer computes and where its bytes come from: ``loads`` (the ``Load`` record, the target
-  interface, in place, and the read-around source; the mapping is ``pagecache.read_source``) and
+  interface, in place, and the uncached source; the mapping is ``pagecache.read_source``) and
   ``device_copies`` (device buffers from its pool). The stack's pages (``pagecache.layer_pages``) and
   how its streamed layers are read (``pagecache.read_policy``, the ``auto`` policy) are page-cache
   policy, in ``mapoffload.pagecache``.

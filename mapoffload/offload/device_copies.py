@@ -1,10 +1,10 @@
 """The device target: each layer copied into device buffers through the native copier (CUDA, or the CPU twin).
 
 Through the mapping (the source :data:`~mapoffload.pagecache.read_source.MAPPING`, and every layer a
-read-around source declines), a load copies the layer's host stores into device buffers from the
+uncached source declines), a load copies the layer's host stores into device buffers from the
 device pool, on a copy stream; a release gives the buffers back to the pool.
 
-Read around the page cache (a :class:`~mapoffload.offload.loads.ReadAroundSource`): under a host
+Read uncached (a :class:`~mapoffload.offload.loads.UncachedSource`): under a host
 cap too tight for the streaming window, copying a streamed layer out of its mapping makes the kernel
 evict pages of the layers in use and read them again, as on the CPU (issue 18). Then a streamed
 layer's file bytes are read with ``O_DIRECT`` into one of the source's ``1 + depth`` reused buffers -
@@ -29,7 +29,7 @@ copies behind the compute queued meanwhile.
 
 Autograd: unlike in place, a layer run with autograd recording is not sent back to the mapping: its
 weights are device buffers on either path (the device pool's recycling rule refuses a recorded graph
-there), and the read-around buffer itself never reaches autograd.
+there), and the uncached buffer itself never reaches autograd.
 
 Device buffers (:class:`DevicePool`): a pool per size. A buffer given back is reused by the next layer of
 the same size; reuse is ordered by the copier, not the pool: every prefetch's copies wait for the work
@@ -130,7 +130,7 @@ class DeviceCopies(Target):
 
     @property
     def pin_device(self) -> int | None:
-        """The CUDA device a read-around source's buffers are page-locked for (None: the CPU twin)."""
+        """The CUDA device an uncached source's buffers are page-locked for (None: the CPU twin)."""
         return self.device.index if self._cuda else None
 
     def compute_stream(self):
@@ -141,7 +141,7 @@ class DeviceCopies(Target):
     # -- through the mapping -------------------------------------------------------------------
     def start(self, i: int) -> Load:
         if self.source.takes(i):
-            return self._start_around(i)
+            return self._start_uncached(i)
         self._pages.spans(i)  # MADV_HUGEPAGE + MADV_RANDOM before the copier reads the pages
         if self._pages.streams(i):
             self._pages.before_streamed_read(i)
@@ -169,7 +169,7 @@ class DeviceCopies(Target):
         return Load(buffers, handle)
 
     def ready(self, i: int, load: Load) -> None:
-        job = load.around
+        job = load.uncached
         if job is not None:
             self._pages.check(i)
             self._wait(job)
@@ -193,7 +193,7 @@ class DeviceCopies(Target):
         return device_view(w, load.buffers[w.dtype])
 
     def release(self, i: int, load: Load) -> None:
-        job = load.around
+        job = load.uncached
         if job is None:
             # Never recycle a buffer a copy may still write.
             wait_quietly(load, i)
@@ -204,7 +204,7 @@ class DeviceCopies(Target):
         except Exception:
             logger.debug("released layer %d after a failed load", i, exc_info=True)
         self._give_back(job)
-        load.around = None
+        load.uncached = None
         for buf in load.buffers.values():
             self.pool.give(buf)
         # The read left the page cache alone, but others may have filled it
@@ -214,7 +214,7 @@ class DeviceCopies(Target):
 
     def drop_in_flight(self, load: Load) -> None:
         """Give ``load``'s buffers back (in a forked child: nothing writes them here)."""
-        job = load.around
+        job = load.uncached
         if job is not None and not job.returned:
             # In a forked child: neither the parent's read nor its copies run
             # here. A buffer the read handed over is an ordinary lease here
@@ -227,8 +227,8 @@ class DeviceCopies(Target):
         for buf in load.buffers.values():
             self.pool.give(buf)
 
-    # -- around the page cache -----------------------------------------------------------------
-    def _start_around(self, i: int) -> Load:
+    # -- uncached -----------------------------------------------------------------------------
+    def _start_uncached(self, i: int) -> Load:
         store = self._stores[i]
         buffers = {dtype: self.pool.take(n) for dtype, n in store.dev_bytes.items()}
         compute = self.compute_stream()
@@ -244,7 +244,7 @@ class DeviceCopies(Target):
         copy_from = functools.partial(self._copy_from, store, self.source.places(i), buffers,
                                       self.copy_stream or compute)
         job = ReadThenCopy(read, copy_from)
-        return Load(buffers, job, around=job)
+        return Load(buffers, job, uncached=job)
 
     def _copy_from(self, store: LayerStore, where: list, buffers: dict, stream: Any,
                    buf: UncachedBuffer) -> CopyHandle:
@@ -271,7 +271,7 @@ class DeviceCopies(Target):
         )
 
     def _give_back(self, job: ReadThenCopy) -> None:
-        """The load is done with its read-around buffer (copies done, or the read or its copies failed)."""
+        """The load is done with its uncached buffer (copies done, or the read or its copies failed)."""
         if job.returned:
             return
         job.returned = True

@@ -1,16 +1,16 @@
-"""A layer made ready to compute: the :class:`Load` record, the in-place target, and the read-around source.
+"""A layer made ready to compute: the :class:`Load` record, the in-place target, and the uncached source.
 
 A load *target* is where a layer computes: :class:`InPlace` (``device="cpu"``: from its host stores or
-a read-around buffer, nothing copied) or :class:`~mapoffload.offload.device_copies.DeviceCopies` (CUDA,
+an uncached buffer, nothing copied) or :class:`~mapoffload.offload.device_copies.DeviceCopies` (CUDA,
 or the CPU twin: device buffers the native copier fills). Each holds a *source*
-(:mod:`~mapoffload.pagecache.read_source`: the mapping, or reads around the page cache) and answers one
+(:mod:`~mapoffload.pagecache.read_source`: the mapping, or reads uncached) and answers one
 interface, which the sequencer drives:
 
 - ``start(i)`` begins loading layer ``i`` (a :class:`Load`); ``ready(i, load)`` waits until it can
   compute (raises on a failed read); ``value(w, load)`` is the tensor weight ``w`` computes with;
   ``release(i, load)`` gives its buffers back; ``drop_in_flight(load)`` forgets it in a forked child;
 - ``recycles(i)`` / ``reuses(load)``: whether autograd must not keep what it computes from;
-- ``source`` (swapped by the reads policy), ``window_bytes`` / ``planned_bytes`` (its read-around
+- ``source`` (swapped by the reads policy), ``window_bytes`` / ``planned_bytes`` (its uncached
   buffers, for the page-cache plan), ``bytes`` / ``peak_bytes`` (device buffers), ``forget(i)``,
   ``close()``.
 
@@ -21,7 +21,7 @@ load, whether it takes the layer (``takes``):
 
 - :data:`~mapoffload.pagecache.read_source.MAPPING` takes none: every layer is read through its
   mapping (read in, or copied from it, and let go after use by the page-cache side).
-- :class:`ReadAroundSource` takes a streamed layer when a buffer is free: its file bytes are read with
+- :class:`UncachedSource` takes a streamed layer when a buffer is free: its file bytes are read with
   ``O_DIRECT`` (:class:`~mapoffload.pagecache.uncached_read.UncachedReader`) into one of ``1 + depth``
   reused, page-aligned buffers (the plan's streaming window, in anonymous memory instead of the page
   cache; page-locked on CUDA), and the target computes from that buffer (in place) or copies from it
@@ -29,7 +29,7 @@ load, whether it takes the layer (``takes``):
   the file's: :func:`written_in_place`) or whose files are not held open, and every layer while paused.
 
 Under a cap too tight for the streaming window, reading a streamed layer through its mapping makes the
-kernel evict pages of the layer in use and read them again (issue 18); reading it around the page cache
+kernel evict pages of the layer in use and read them again (issue 18); reading it uncached
 reads it once. ``pagecache.read_policy.ReadPolicy`` decides which source a stack's target holds.
 """
 
@@ -50,24 +50,24 @@ if TYPE_CHECKING:
     import torch
 
 
-__all__ = ["InPlace", "Load", "ReadAroundSource", "Target", "file_places", "layer_buffer_bytes", "wait_quietly", "written_in_place"]
+__all__ = ["InPlace", "Load", "UncachedSource", "Target", "file_places", "layer_buffer_bytes", "wait_quietly", "written_in_place"]
 
 
 class Load:
     """One layer being loaded or loaded: its device buffers per dtype, the work in flight.
 
-    ``around`` is the layer's read around the page cache (None: read through its mapping), kept until
-    the layer is released: in place a :class:`AroundRead` (its ``buffer`` what the layer computes
+    ``uncached`` is the layer's read uncached (None: read through its mapping), kept until
+    the layer is released: in place a :class:`UncachedRead` (its ``buffer`` what the layer computes
     from), on the device path the read-then-copy job.
     """
 
-    __slots__ = ("around", "buffers", "handle", "ready")
+    __slots__ = ("buffers", "uncached", "handle", "ready")
 
-    def __init__(self, buffers: dict, handle: Any, around: Any = None) -> None:
+    def __init__(self, buffers: dict, handle: Any, uncached: Any = None) -> None:
         self.buffers = buffers
-        self.handle = handle  # a CopyHandle, a page read or a read around (``wait()``), or None
+        self.handle = handle  # a CopyHandle, a page read or a read uncached (``wait()``), or None
         self.ready = False  # bound: its parameters hold the real weights
-        self.around = around
+        self.uncached = uncached
 
 
 class _PagesRead:
@@ -82,8 +82,8 @@ class _PagesRead:
         self.future.result()
 
 
-class AroundRead:
-    """A layer's bytes being read around the page cache (a Future of a UncachedBuffer); ``buffer`` once
+class UncachedRead:
+    """A layer's bytes being read uncached (a Future of a UncachedBuffer); ``buffer`` once
     waited for."""
 
     __slots__ = ("buffer", "future")
@@ -126,7 +126,7 @@ class Target(ABC):
 
     source: Source = MAPPING
     copies: bool  # True: it copies into device buffers (write_back then keeps them current)
-    pin_device: int | None = None  # the CUDA device read-around buffers are page-locked for
+    pin_device: int | None = None  # the CUDA device uncached buffers are page-locked for
 
     @property
     @abstractmethod
@@ -168,17 +168,17 @@ class Target(ABC):
 
     @property
     def window_bytes(self) -> int:
-        """Anonymous memory holding the streaming window instead of the page cache (read-around buffers)."""
+        """Anonymous memory holding the streaming window instead of the page cache (uncached buffers)."""
         return self.source.window_bytes
 
     @property
     def planned_bytes(self) -> int:
-        """The read-around buffers as the page-cache plan charges them (0: through the mapping)."""
+        """The uncached buffers as the page-cache plan charges them (0: through the mapping)."""
         return self.source.planned_bytes
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the target's own machinery holds now, read-around buffers apart (0 in place)."""
+        """Host memory the target's own machinery holds now, uncached buffers apart (0 in place)."""
         return 0
 
     @property
@@ -194,7 +194,7 @@ class Target(ABC):
 class InPlace(Target):
     """Compute from the host stores (``device="cpu"``): loading reads mapped pages in.
 
-    With a read-around source a streamed layer's file bytes are read into one of the source's reused
+    With an uncached source a streamed layer's file bytes are read into one of the source's reused
     buffers and its weights bind to views of the buffer; cached layers compute from their mapping. A
     layer that finds no buffer free (more layers loaded than the window: ``load_all_layers``), or that
     runs with autograd recording (a buffer reused by the next layer cannot be saved for a backward:
@@ -218,8 +218,8 @@ class InPlace(Target):
         import torch
 
         if not torch.is_grad_enabled() and self.source.takes(i):
-            read = AroundRead(self.source.read(i))
-            return Load({}, read, around=read)
+            read = UncachedRead(self.source.read(i))
+            return Load({}, read, uncached=read)
         read = self._pages.read_in(i)
         return Load({}, None if read is None else _PagesRead(read))
 
@@ -229,27 +229,27 @@ class InPlace(Target):
             load.handle.wait()
 
     def value(self, w: Weight, load: Load) -> torch.Tensor:
-        if load.around is not None and load.around.buffer is not None:
-            view = self.source.view(w, load.around.buffer)
+        if load.uncached is not None and load.uncached.buffer is not None:
+            view = self.source.view(w, load.uncached.buffer)
             if view is not None:
                 return view
         return w.host
 
     def release(self, i: int, load: Load) -> None:
         wait_quietly(load, i)
-        if load.around is not None:
+        if load.uncached is not None:
             self.source.done()
-            buf = load.around.result_quietly()
+            buf = load.uncached.result_quietly()
             if buf is not None:
                 buf.release()
-        # Computed from its mapping: let its pages go before they push a cached layer out. Read around,
+        # Computed from its mapping: let its pages go before they push a cached layer out. Read uncached,
         # the read left the page cache alone, but others may have filled it with this layer's bytes
-        # (the weights outside the layers fault with read-around; the mapping path before a switch).
+        # (the weights outside the layers fault with readahead; the mapping path before a switch).
         self._pages.let_go(i)
 
     def drop_in_flight(self, load: Load) -> None:
         """In a forked child: forget a load the parent had in flight."""
-        if load.around is not None:
+        if load.uncached is not None:
             self.source.done()  # the parent's read: its buffer is the parent's worker's
 
     def recycles(self, i: int) -> bool:
@@ -258,17 +258,17 @@ class InPlace(Target):
 
     def reuses(self, load: Load) -> bool:
         """Whether this load computes from a buffer the next loads reuse (read again for autograd)."""
-        return load.around is not None
+        return load.uncached is not None
 
     def close(self) -> None:
         self.source.close()
 
 
-class ReadAroundSource:
-    """Streamed layers read around the page cache (``O_DIRECT``) into ``buffers`` reused buffers.
+class UncachedSource:
+    """Streamed layers read uncached (``O_DIRECT``) into ``buffers`` reused buffers.
 
     While paused (``paused``, a :class:`~mapoffload.pagecache.read_source.PauseReason`: replicas share
-    the page cache, the plan's room no longer holds the buffers) it takes no layer - they are read through the mapping - and loads already read around
+    the page cache, the plan's room no longer holds the buffers) it takes no layer - they are read through the mapping - and loads already read uncached
     finish as they are. Pausing drops the reader's free buffers (they would hold the window in anonymous
     memory beside the page cache that now holds it); resumed, it makes new ones.
 
@@ -277,7 +277,7 @@ class ReadAroundSource:
     stores, pages
         The stack's layer stores and its pages (files held open, extents, the plan).
     buffers
-        Read-around buffers (the plan's window, ``1 + depth``), each of the largest layer's bytes.
+        Uncached buffers (the plan's window, ``1 + depth``), each of the largest layer's bytes.
     pin_device
         The CUDA device to page-lock the buffers for (DMA straight from them); None: pageable.
     """
@@ -299,7 +299,7 @@ class ReadAroundSource:
         self._written: set[str] = set()  # layers logged as written in place (written_in_place)
         self.paused: PauseReason | None = None
 
-    reads_around = True
+    reads_uncached = True
 
     @property
     def mode(self) -> str:
@@ -308,7 +308,7 @@ class ReadAroundSource:
 
     @property
     def buffers(self) -> int:
-        """The read-around buffers the reader may hold at once (the plan's window)."""
+        """The uncached buffers the reader may hold at once (the plan's window)."""
         return self.reader.buffers
 
     @property
@@ -357,7 +357,7 @@ class ReadAroundSource:
         return where
 
     def takes(self, i: int) -> bool:
-        """Whether layer ``i`` is read around the page cache now (streamed, a buffer free, its files
+        """Whether layer ``i`` is read uncached now (streamed, a buffer free, its files
         held open, its pages the file's)."""
         return not (self.paused or not self._pages.streams(i) or getattr(self._pages, "in_parts", False)
                     or self.outstanding >= self.reader.buffers
@@ -376,7 +376,7 @@ class ReadAroundSource:
         self.outstanding -= 1
 
     def view(self, w: Weight, buf: Any) -> torch.Tensor | None:
-        """Weight ``w``'s tensor in ``buf`` (its layer's buffer); None when it is not read around."""
+        """Weight ``w``'s tensor in ``buf`` (its layer's buffer); None when it is not read uncached."""
         placed = self._placed.get(id(w))
         if w.store != MAPPED or placed is None:
             return None
@@ -395,7 +395,7 @@ class ReadAroundSource:
 
 
 def layer_buffer_bytes(stores: list[LayerStore], pages: LayerPages) -> int:
-    """Bytes of the read-around buffer the largest layer's mapped weights take (0: none mapped)."""
+    """Bytes of the uncached buffer the largest layer's mapped weights take (0: none mapped)."""
     from ..pagecache.uncached_read import buffer_capacity
 
     return max((buffer_capacity([(e.first, e.end) for e in pages.extents(i)])
@@ -406,7 +406,7 @@ def written_in_place(store: LayerStore, said: set[str]) -> bool:
     """True when a mapped weight of the layer has pages the process wrote in place
     (copy-on-write: a LoRA merged with ``+=``, an edit before offloading).
 
-    Those bytes are no longer the file's, so reading the file around the page
+    Those bytes are no longer the file's, so reading the file uncached,
     cache (``O_DIRECT``) would compute with the file's values: such a layer is
     read through its mapping. Checked at each load (pagemap, a few
     microseconds a MiB), so an edit made between forwards counts too; where

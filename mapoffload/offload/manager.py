@@ -24,7 +24,7 @@ the device path a released layer's holders hold placeholders (``sequencer.py``, 
 ``remove_forward_hooks()`` and ``close()`` give the model back whole. The manager is a context manager.
 
 The host memory its machinery holds besides the weights' stores (:func:`held_buffers`, counted by
-``summary()``): the read-around buffers (anonymous; page-locked on CUDA), the copier's staging slots
+``summary()``): the uncached buffers (anonymous; page-locked on CUDA), the copier's staging slots
 (pinned on CUDA; anonymous for the CPU twin) and the CPU twin's "device" buffers, each entry with the
 identity of its holder so that a copier several managers share is counted once.
 """
@@ -364,7 +364,7 @@ def held_buffers(loads: Target, copier: Copier | None, device: torch.device) -> 
     out: list[HeldBuffers] = []
     source = loads.source
     held, pinned = source.held_bytes, source.pinned_bytes
-    out.append(HeldBuffers("read-around buffers", held - pinned, pinned, id(source)))
+    out.append(HeldBuffers("uncached buffers", held - pinned, pinned, id(source)))
     ring = copier.ring_bytes if copier is not None else 0
     if ring:
         cuda = copier.device.type == "cuda"

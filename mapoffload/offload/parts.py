@@ -29,7 +29,7 @@ from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
 from ..pagecache.read_policy import ReadPolicy
 from .device_copies import DeviceCopies
-from .loads import InPlace, ReadAroundSource, Target, layer_buffer_bytes
+from .loads import InPlace, UncachedSource, Target, layer_buffer_bytes
 from .runtime import OutsideWeights, StackRuntime
 from .sequencer import Sequencer
 
@@ -55,10 +55,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _read_around(stores: list[LayerStore], pages: LayerPages, buffers: int,
-                 pin_device: int | None) -> ReadAroundSource:
-    """The stack's read-around source, as :class:`~mapoffload.pagecache.read_policy.ReadPolicy` asks for one."""
-    return ReadAroundSource(stores, pages, buffers, pin_device=pin_device)
+def _uncached_source(stores: list[LayerStore], pages: LayerPages, buffers: int,
+                 pin_device: int | None) -> UncachedSource:
+    """The stack's uncached source, as :class:`~mapoffload.pagecache.read_policy.ReadPolicy` asks for one."""
+    return UncachedSource(stores, pages, buffers, pin_device=pin_device)
 
 
 class Parts:
@@ -102,13 +102,13 @@ class Parts:
                                       always_read=_plan.always_read_tensors, owner=owner,
                                       parts=self.pages.parts.largest if o.in_place else None)
             self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
-                                     read_around=functools.partial(_read_around, stores, self.pages),
+                                     uncached_source=functools.partial(_uncached_source, stores, self.pages),
                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
             self.runtime = StackRuntime(self.sequencer, self.member, self.reads, self.outside, in_place=o.in_place,
                                         owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
-                self.reads.read_around("reads='uncached'")
+                self.reads.read_uncached("reads='uncached'")
                 coordinator().place_buffers()  # its buffers are charged before they are made
         except BaseException:
             self.abandon(loads, copier if owns_copier else None)

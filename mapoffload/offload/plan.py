@@ -202,7 +202,7 @@ def lookup_tables(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list
     """The mapped parameters outside the layers that only ``nn.Embedding``/``EmbeddingBag`` modules hold.
 
     A forward reads a few rows of each (one per token), never the table: a
-    fault's read-around there (the device's ``read_ahead_kb``, 8 MiB on some
+    fault's readahead there (the device's ``read_ahead_kb``, 8 MiB on some
     disks) reads megabytes per row, and under a tight cap, where the table is
     not kept cached, the whole table or more every forward. A tied table,
     also held by a head, is read whole and is not one.

@@ -4,7 +4,7 @@ Once per forward of the model (its pre-hook, before anything reads the mapping):
 the forward for the page-cache coordinator, let the ``reads`` policy choose, check the mapped weights
 outside the layers and stream them where the plan has no room for them. Per layer (its pre-hook,
 holding the layer turn): autograd's rule (refused on reused device buffers; in place, a layer read
-ahead into a reused read-around buffer is read again through its mapping), then the step (:func:`read_ahead`):
+ahead into a reused uncached buffer is read again through its mapping), then the step (:func:`read_ahead`):
 the layer loaded (the load target's ``ready``: the copy, or the read in place), the window the plan
 allows read ahead. After the layer (its always-call post-hook): its release and the recorded-graph
 check. Where the plan reads streamed layers part by part, each part's hooks read it in (the next parts'
@@ -35,11 +35,11 @@ the room; else its own faults read them, 2 MiB folios at a time under ``MADV_HUG
 ``MADV_RANDOM``, or a linear head's chunks of rows where they compute its bits: :class:`RowChunks`) and
 lets them go after it ran, so that they never push the layers' pages out. The lookup
 tables (embeddings no head shares) are set ``MADV_RANDOM``: a lookup faults a few rows, and a fault's
-read-around read 131-216 MiB of a 125 MiB table per forward under a tight cap.
+uncached read 131-216 MiB of a 125 MiB table per forward under a tight cap.
 
 **Autograd** (:func:`refuse_weight_gradients`, :func:`refuse_recorded_graph`). In place a layer computes
 from its host tensors, which stay where they are after it ran: gradients are exact (a layer read ahead
-into a reused read-around buffer is read again through its mapping when autograd records). On the device
+into a reused uncached buffer is read again through its mapping when autograd records). On the device
 path a layer computes from device buffers that later layers are copied into: a graph recorded through them
 would compute a backward from other layers' weights, so such a forward is refused with
 :class:`OffloadedGradientError`, naming the layer and why.
@@ -414,8 +414,8 @@ class StackRuntime:
             if i not in self.turn.held() or not pages.in_parts or not pages.streams(i):
                 return
             load = self.sequencer.loaded.get(i)
-            if load is None or load.around is not None:
-                return  # not loaded by this stack's turn, or read around the page cache whole
+            if load is None or load.uncached is not None:
+                return  # not loaded by this stack's turn, or read uncached whole
             self._sample()
             rows = self._part_rows(i, k, module) if (i, k) in self._chunkable else None
             chunked = rows is not None and rows.will_chunk(args)  # then its chunks are read as they compute
@@ -576,7 +576,7 @@ class OutsideWeights:
         spans = layer_spans([tensor_extent(t) for t in tables])
         err = _core.advise_random(spans, True, False)
         if err:
-            logger.info("lookup tables keep the kernel's read-around (madvise MADV_RANDOM: errno %d)", err)
+            logger.info("lookup tables keep the kernel's fault-around (madvise MADV_RANDOM: errno %d)", err)
             _core.advise_random(spans, False)
             return
         self._advised = spans

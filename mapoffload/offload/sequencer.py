@@ -4,7 +4,7 @@ stack's weights. When a layer is loaded, and which are read ahead, is the runtim
 
 It holds the stack's loads (each a :class:`~mapoffload.offload.loads.Load`, in flight or ready) and the
 layers kept by ``load_all_layers``, and drives the load
-path (``loads``: in place or device copies, each read through the mapping or around the page cache)
+path (``loads``: in place or device copies, each read through the mapping or uncached)
 and what the model's holders of the weights hold. No hooks and no per-forward policy (``runtime.py``:
 autograd, the reads policy, once-per-forward checks).
 

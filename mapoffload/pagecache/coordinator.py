@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from .._log import format_bytes, logger
 from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
 from .peers import PeerLink, PeerRegistry
-from .read_around_fit import read_around_fits
+from .uncached_fit import uncached_fits
 from .residency import plan_residency, plan_shared, smallest_window
 from .room import ForwardMemory, LastMeasure, anon_now, cap_text as _cap_text, read_cap, refuse_without_room
 
@@ -80,7 +80,7 @@ class PageCacheCoordinator:
         self.room = 0
         self.window_buffers = 0
         self.working_buffers = 0  # staging rings and CPU-twin buffers the plan charges (StackMember.host_bytes)
-        self.buffers = 0  # read-around buffers the plan charges (ReadAroundSource.planned_bytes, every member)
+        self.buffers = 0  # uncached buffers the plan charges (UncachedSource.planned_bytes, every member)
         self.always_bytes = 0
         self.replicas: list[int] = []
         self.ranks: list[int] = []
@@ -281,7 +281,7 @@ class PageCacheCoordinator:
         self.budget = budget
         # Unclamped (the budget's usable is never below 0): what is over the limit is not room for anyone.
         room = budget.limit - budget.other_bytes - budget.margin - sum(m.given for m in given) - self.always_bytes
-        # Read-around buffers hold the streaming window in anonymous memory, which
+        # Uncached buffers hold the streaming window in anonymous memory, which
         # the measure counted as "other"; the plan reserves that window itself -
         # every buffer a reader may make, made yet or not (_planned_buffers).
         self.window_buffers = sum(m.window_bytes for m in measured)
@@ -315,8 +315,8 @@ class PageCacheCoordinator:
         self._place(measured, sizes, windows, cached, extra, str(budget))
 
     def place_buffers(self) -> None:
-        """The last measure placed again with the read-around buffers as they are now (a stack began or
-        stopped reading around; a full plan if the members changed). Not measured again: mid-run the
+        """The last measure placed again with the uncached buffers as they are now (a stack began or
+        stopped reading uncached; a full plan if the members changed). Not measured again: mid-run the
         allocator holds what the last forward's activations left, which the margin is there for."""
         with self._lock:
             self._place_last(afresh=self.budget is None)
@@ -356,15 +356,15 @@ class PageCacheCoordinator:
         if len(self.members()) > 1 or self.replicas or self.ranks:
             logger.info("page cache: %s", self.describe())
 
-    def read_around_fits(self, member: StackMember, need: int) -> tuple[bool, str]:
+    def uncached_fits(self, member: StackMember, need: int) -> tuple[bool, str]:
         """Whether ``member`` may read its streamed layers around the page cache into ``need`` bytes of
-        buffers under the last measured plan, and why not (:func:`.read_around_fit.read_around_fits`)."""
+        buffers under the last measured plan, and why not (:func:`.uncached_fit.uncached_fits`)."""
         with self._lock:
             last = self._last
             if self.budget is None:
                 return True, ""
             where = f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}"
-            return read_around_fits(last.measured(), last.sizes, last.windows, room=self.room,
+            return uncached_fits(last.measured(), last.sizes, last.windows, room=self.room,
                                     cache_extra=self.cache_extra, member=member, need=need, where=where,
                                     parts=last.parts or None)
 

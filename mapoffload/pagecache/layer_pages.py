@@ -94,7 +94,7 @@ class LayerPages:
             spans = layer_spans([(w.host.data_ptr(), w.nbytes) for w in self.stores[i].weights if w.store == MAPPED])
             maps = MapsView() if maps is None else maps
             self._extents[i] = file_extents(spans, self.files, maps)
-            # The manager reads these pages itself: a fault's read-around would
+            # The manager reads these pages itself: a fault's readahead would
             # bring a neighbouring layer back in, unmapped, where letting it go
             # cannot reach it. MADV_RANDOM (+ MADV_HUGEPAGE), by kernel capability.
             self.worker.advise(spans, self._extents[i])

@@ -2,7 +2,7 @@
 
 The coordinator (``coordinator.py``) plans every stack of the process against one budget. What it
 needs of a stack - its layers' mapped sizes and resident bytes, the file ranges they read, its
-read-around buffers, the share it was given, where to carry a plan out - is this object, made and
+uncached buffers, the share it was given, where to carry a plan out - is this object, made and
 registered by the stack's owner (a :class:`~mapoffload.LayerwiseOffloadManager`). The coordinator
 talks to members only, never to the managers' insides; the page-cache layer imports nothing of the
 offload parts: the stack's pages and load path are duck-typed here (:class:`StackPages`,
@@ -38,8 +38,8 @@ class StackPages(Protocol):
 
 
 class StackBuffers(Protocol):
-    """What a member reads of its stack's load path: the read-around window it holds
-    (``window_bytes``) and, where it reads around the page cache, ``planned_bytes``; the host memory
+    """What a member reads of its stack's load path: the uncached window it holds
+    (``window_bytes``) and, where it reads uncached, ``planned_bytes``; the host memory
     of its own machinery (``host_bytes`` now, ``planned_host_bytes`` at the most: an owned copier's
     ring, the CPU twin's buffers; 0 in place)."""
 
@@ -117,12 +117,12 @@ class StackMember:
 
     @property
     def window_bytes(self) -> int:
-        """Read-around buffers the stack holds (the streaming window in anonymous memory)."""
+        """Uncached buffers the stack holds (the streaming window in anonymous memory)."""
         return self.loads.window_bytes
 
     @property
     def buffer_bytes(self) -> int:
-        """Read-around buffers the plan charges now (0 where the stack reads through the mapping)."""
+        """Uncached buffers the plan charges now (0 where the stack reads through the mapping)."""
         return self.loads.planned_bytes
 
     @property
@@ -171,7 +171,7 @@ def cached_lost(members: Sequence[StackMember]) -> int:
 
 
 def planned_buffers(members: Sequence[StackMember]) -> int:
-    """Read-around buffers of ``members`` as the plan charges them (``StackMember.buffer_bytes``)."""
+    """Uncached buffers of ``members`` as the plan charges them (``StackMember.buffer_bytes``)."""
     return sum(m.buffer_bytes for m in members)
 
 

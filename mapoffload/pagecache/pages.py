@@ -72,7 +72,7 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles, maps: MapsView | No
     float32 scales sit with every other layer's scales at the file's start,
     its bf16 norms in the middle, its codes at the end. One range from the
     first to the last would hold most of the file: a let-go dropping it
-    dropped the cached layers, a read around the cache read it all (issue 17
+    dropped the cached layers, a read uncached read it all (issue 17
     at base + 50 %: 1.1 GB read a forward for 73 MiB streamed).
 
     Each file is held open (``files``) from here on, so that later checks
@@ -389,7 +389,7 @@ class PageWorker:
             return None
         caps = self.caps(extents)
         # The manager reads these pages itself (populate, 2 MiB folios, or a
-        # read-ahead first): a fault's read-around would bring a neighbouring
+        # read-ahead first): a fault's readahead would bring a neighbouring
         # layer back in, unmapped, where letting it go cannot reach it.
         _core.advise_random(spans, True, caps.large_folios)
         return caps

@@ -85,7 +85,7 @@ class Peer:
     resident_bytes: int
     window_bytes: int
     paths: tuple[tuple[int, int, str], ...] = ()  # (dev, inode, path) of each file, to measure it here
-    buffer_bytes: int = 0  # anonymous read-around buffers holding its streaming window
+    buffer_bytes: int = 0  # anonymous uncached buffers holding its streaming window
 
 
 def overlap_bytes(a: tuple[tuple[int, int, int, int], ...], b: tuple[tuple[int, int, int, int], ...]) -> int:
@@ -386,7 +386,7 @@ def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, min
     """Split ``room`` (measured with the peers' memory as "other") with the peers under the same cap.
 
     ``mine`` is this process's mapped bytes, ``ranges_of()`` its file ranges (read only when there are
-    peers). What a rank holds now (its cache and its read-around buffers) was "other memory" in the
+    peers). What a rank holds now (its cache and its uncached buffers) was "other memory" in the
     measure: it is added back, then the room is split by mapped bytes; replicas take nothing of it.
     """
     share = PeerShare(room)
@@ -398,7 +398,7 @@ def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, min
             share.replicas.append(p.pid)
         else:
             share.ranks.append(p.pid)
-            share.room += resident_now(p) + p.buffer_bytes  # its cache and its read-around buffers
+            share.room += resident_now(p) + p.buffer_bytes  # its cache and its uncached buffers
             share.others += p.mapped_bytes
     if share.others:
         share.room = share.room * mine // (mine + share.others)

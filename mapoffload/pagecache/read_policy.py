@@ -1,15 +1,15 @@
-"""How a stack's streamed layers are read: through the mapping, or around the page cache (``O_DIRECT``).
+"""How a stack's streamed layers are read: through the mapping, or uncached (``O_DIRECT``).
 
 ``reads=`` of :class:`~mapoffload.OffloadOptions`: ``"mapping"``, ``"uncached"`` (``O_DIRECT``), or
 ``"auto"`` - the policy here, decided at each forward's start (:meth:`ReadPolicy.choose`): on the
 device path (a target that copies), uncached once the plan streams layers and their files take
-``O_DIRECT`` and the plan's room holds the buffers (``PageCacheCoordinator.read_around_fits``);
+``O_DIRECT`` and the plan's room holds the buffers (``PageCacheCoordinator.uncached_fits``);
 through the shared page cache while replicas map the same bytes; else (in place, or files without
-``O_DIRECT``) measured with ``/proc/self/io``, and around the cache when two warm forwards in a row
-read more than ``READ_AROUND_RATIO`` x what the plans stream. In place the page-cache path reads at the
+``O_DIRECT``) measured with ``/proc/self/io``, and uncached when two warm forwards in a row
+read more than ``THRASH_RATIO`` x what the plans stream. In place the page-cache path reads at the
 floor and is the faster one where both fit, with less anonymous memory (``docs/benchmarks.md``,
 ``capped_forward.py``). Switching gives the stack's load
-target a read-around source (``read_around``, given by the stack: ``offload.loads.ReadAroundSource``);
+target an uncached source (``uncached_source``, given by the stack: ``offload.loads.UncachedSource``);
 pausing it reads through the mapping again.
 """
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .member import StackMember
     from .read_source import Source
 
-__all__ = ["READ_AROUND_RATIO", "ReadTarget", "ReadPolicy"]
+__all__ = ["THRASH_RATIO", "ReadTarget", "ReadPolicy"]
 
 
 class ReadTarget(Protocol):
@@ -36,11 +36,11 @@ class ReadTarget(Protocol):
 
     source: Source  # swapped here: the target itself is never replaced
     copies: bool  # it copies into device buffers (False: it computes in place)
-    pin_device: int | None  # the CUDA device read-around buffers are page-locked for (when it copies)
+    pin_device: int | None  # the CUDA device uncached buffers are page-locked for (when it copies)
 
 # A warm forward reading more than this times what the plan streams (and the
 # weights read every forward) is the kernel re-reading evicted pages.
-READ_AROUND_RATIO = 1.2
+THRASH_RATIO = 1.2
 
 
 def _process_read_bytes() -> int | None:
@@ -71,24 +71,24 @@ class ReadPolicy:
     pages
         The stack's pages (the files behind the streamed layers).
     cuda
-        The device path is on CUDA (read-around buffers are then pinned).
-    read_around
-        ``read_around(buffers, pin_device)``: a new read-around source of that many buffers.
+        The device path is on CUDA (uncached buffers are then pinned).
+    uncached_source
+        ``uncached_source(buffers, pin_device)``: a new uncached source of that many buffers.
     buffer_bytes
-        Bytes of one read-around buffer (the largest layer's mapped weights; 0: none mapped).
+        Bytes of one uncached buffer (the largest layer's mapped weights; 0: none mapped).
     """
 
     def __init__(self, setting: str, target: ReadTarget, member: StackMember, pages: LayerPages, *,
-                 cuda: bool, read_around: Callable[[int, int | None], Source],
+                 cuda: bool, uncached_source: Callable[[int, int | None], Source],
                  buffer_bytes: Callable[[], int]) -> None:
         self._loads, self._member, self._pages, self._cuda = target, member, pages, cuda
-        self._new_source, self._buffer_bytes = read_around, buffer_bytes
+        self._new_source, self._buffer_bytes = uncached_source, buffer_bytes
         self.setting = setting
         self.why = ""
         self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
         self._forward_marks: dict[int, int] | None = None  # every stack's forwards then (coordinator)
         self._forwards = 0
-        self._excess = 0  # warm forwards in a row that read more than READ_AROUND_RATIO x the plan
+        self._excess = 0  # warm forwards in a row that read more than THRASH_RATIO x the plan
         self._uncached_capable: bool | None = None  # the streamed layers' files take O_DIRECT (auto; probed once)
         self._uncached_why = ""  # what the probe said when they do
         self._refused = ""  # why auto reads through the mapping where the files take O_DIRECT
@@ -103,11 +103,11 @@ class ReadPolicy:
         return self._loads.source
 
     def _window_buffers(self) -> int:
-        """Read-around buffers for the streaming window: the layer computing and the plan's depth ahead."""
+        """Uncached buffers for the streaming window: the layer computing and the plan's depth ahead."""
         plan = self._member.residency
         return plan.window_layers if plan is not None else 1 + self._member.prefetch_layers
 
-    def read_around(self, why: str) -> None:
+    def read_uncached(self, why: str) -> None:
         """From the next layer on, read streamed layers around the page cache (``O_DIRECT``).
 
         In place they compute from the buffers they are read into; on the
@@ -117,19 +117,19 @@ class ReadPolicy:
         name = self._member.name
         if self.mode == "uncached":
             return
-        if self._source.reads_around:  # paused: read around again
+        if self._source.reads_uncached:  # paused: read uncached again
             self._source.resume()
             self.why = why
-            logger.info("%s: streamed layers are read around the page cache again: %s", name, why)
+            logger.info("%s: streamed layers are read uncached again: %s", name, why)
             return
         loads = self._loads
         if not loads.copies:
             pin = None
-            where = "read around the page cache (O_DIRECT)"
+            where = "read uncached (O_DIRECT)"
         else:
             pin = loads.pin_device
-            where = ("read around the page cache (O_DIRECT) into pinned buffers and copied from them"
-                     if self._cuda else "read around the page cache (O_DIRECT) and copied from the buffers")
+            where = ("read uncached (O_DIRECT) into pinned buffers and copied from them"
+                     if self._cuda else "read uncached (O_DIRECT) and copied from the buffers")
         # The plan charges its buffers (the member reads them off the same target).
         loads.source = self._new_source(self._window_buffers(), pin)
         self.why = why
@@ -156,7 +156,7 @@ class ReadPolicy:
 
     def choose(self) -> None:
         """``reads="auto"``, at a forward's start: on the device path, uncached once layers stream and
-        their files take ``O_DIRECT``; else measure what the last forward read, and read around the
+        their files take ``O_DIRECT``; else measure what the last forward read, and read uncached the
         cache when it thrashed (see the module)."""
         name, member = self._member.name, self._member
         if self.setting != "auto":
@@ -173,14 +173,14 @@ class ReadPolicy:
             self.why = why
             return
         if self.mode == "uncached":
-            fits, why = coordinator().read_around_fits(member, self._source.planned_bytes)
+            fits, why = coordinator().uncached_fits(member, self._source.planned_bytes)
             if not fits:  # the cap or the plan changed under the buffers: through the mapping again
                 self._source.pause(PauseReason.NO_ROOM)
                 self.why = self._refused = why
                 logger.info("%s: %s", name, why)
                 coordinator().place_buffers()
             return
-        if self._source.reads_around and self._source.paused:
+        if self._source.reads_uncached and self._source.paused:
             # Paused for replicas that are gone, or for room the plan now has.
             replicas_gone = self._source.paused is PauseReason.REPLICAS
             self._try("no replica maps these bytes now" if replicas_gone or not self._uncached_why
@@ -209,26 +209,26 @@ class ReadPolicy:
         if self._forwards < 2:
             return  # the first forward reads the cached set in too
         read = now - last
-        self._excess = self._excess + 1 if read > READ_AROUND_RATIO * expected else 0
+        self._excess = self._excess + 1 if read > THRASH_RATIO * expected else 0
         self.why = (f"{self._refused + '; ' if self._refused else ''}the last forward read "
                     f"{format_bytes(read)}, the plan streams {format_bytes(expected)} "
                     f"({read / max(expected, 1):.2f}x)")
         if self._excess >= 2:
-            self._try(self.why + f", twice in a row over {READ_AROUND_RATIO}x")
+            self._try(self.why + f", twice in a row over {THRASH_RATIO}x")
 
     def _try(self, why: str) -> bool:
-        """``auto``: read around the page cache from the next layer on where the plan's room holds the
-        buffers and reads no more with them (``coordinator.read_around_fits``); else say why not."""
+        """``auto``: read uncached from the next layer on where the plan's room holds the
+        buffers and reads no more with them (``coordinator.uncached_fits``); else say why not."""
         source = self._source
-        count = source.buffers if source.reads_around else self._window_buffers()
+        count = source.buffers if source.reads_uncached else self._window_buffers()
         per_buffer = self._buffer_bytes()
-        fits, refused = coordinator().read_around_fits(self._member, count * per_buffer)
+        fits, refused = coordinator().uncached_fits(self._member, count * per_buffer)
         if not fits:
             if refused != self._refused:
                 logger.info("%s: %s", self._member.name, refused)
             self.why = self._refused = refused
             return False
         self._refused = ""
-        self.read_around(why)
+        self.read_uncached(why)
         coordinator().place_buffers()  # the plan charges the buffers from now on
         return True

@@ -2,8 +2,8 @@
 
 A load target (``offload.loads.InPlace``, ``offload.device_copies.DeviceCopies``) holds one
 :class:`Source` and asks it, at each load, whether it takes the layer (:meth:`Source.takes`).
-:data:`MAPPING` takes none: every layer is read through its mapping. A read-around source
-(``offload.loads.ReadAroundSource``) takes streamed layers and reads them around the page cache
+:data:`MAPPING` takes none: every layer is read through its mapping. An uncached source
+(``offload.loads.UncachedSource``) takes streamed layers and reads them around the page cache
 (``O_DIRECT``); :mod:`.read_policy` decides which one a stack's target holds.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["MAPPING", "MappingSource", "PauseReason", "Source"]
 
 
 class PauseReason(enum.Enum):
-    """Why a read-around source takes no layer for now (its layers are read through the mapping)."""
+    """Why an uncached source takes no layer for now (its layers are read through the mapping)."""
 
     REPLICAS = "replicas"  # other processes map the same bytes: one read through the page cache serves all
     NO_ROOM = "no room"  # the page-cache plan's room no longer holds the buffers (the cap or the plan changed)
@@ -35,8 +35,8 @@ class Source(Protocol):
 
     mode: str  # "uncached" while it takes layers, else "mapping"
     paused: PauseReason | None  # why it takes none for now (None: it is not paused)
-    reads_around: bool  # it reads around the page cache when not paused (False: the mapping)
-    buffers: int  # the read-around buffers it may hold at once (0: none)
+    reads_uncached: bool  # it reads uncached when not paused (False: the mapping)
+    buffers: int  # the uncached buffers it may hold at once (0: none)
     window_bytes: int  # the buffers it holds (the streaming window in anonymous memory)
     planned_bytes: int  # the buffers as the page-cache plan charges them
     held_bytes: int  # host bytes of its buffers now
@@ -58,7 +58,7 @@ class MappingSource:
 
     mode = "mapping"
     paused: PauseReason | None = None
-    reads_around = False
+    reads_uncached = False
     buffers = 0
     window_bytes = 0
     planned_bytes = 0

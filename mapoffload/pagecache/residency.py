@@ -31,7 +31,7 @@ def window_bytes(depth: int, largest: int) -> int:
     each counted as the largest layer (``largest`` bytes).
 
     The one definition: a plan keeps it beside the cached set (:func:`plan_residency`,
-    :func:`plan_shared`), a stack reads ahead no deeper (the sequencer's window), and read-around
+    :func:`plan_shared`), a stack reads ahead no deeper (the sequencer's window), and uncached
     buffers hold it instead of the page cache (``1 + depth`` of them: :attr:`ResidencyPlan.window_layers`).
     """
     return (1 + depth) * largest
@@ -202,7 +202,7 @@ def _unit_and_depth(largest: int, part: int, prefetch: int, room: int, windows: 
     Parts read ahead may also take ``spare`` (the cached set's thin share of the margin): they are page
     cache the kernel can reclaim, like the cached layers, and are watched the same way (a part read
     ahead that is missing at its use gives the thin share back). Whole layers may not: their window may
-    be read-around buffers, anonymous memory."""
+    be uncached buffers, anonymous memory."""
     if not largest:
         return largest, prefetch
     split = 0 < part < largest and (room < largest * windows or (
@@ -230,13 +230,13 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
 
     ``cache_only`` bytes beyond ``budget`` may hold cached layers but never
     the streaming window: the window's depth is chosen within ``budget``
-    (read-around buffers are anonymous memory, which the kernel cannot
+    (uncached buffers are anonymous memory, which the kernel cannot
     reclaim), the cached set fills what is left of both. Each plan's
     ``budget`` is the room with ``cache_only`` in it.
 
     ``buffers`` bytes of anonymous memory the stacks' machinery holds while
-    layers stream (read-around buffers: the window read into them instead of
-    the page cache, one set per stack that reads around) are charged like
+    layers stream (uncached buffers: the window read into them instead of
+    the page cache, one set per stack that reads uncached) are charged like
     the window: what is kept beside the cached layers is the larger of the
     two, never the sum (the buffers *are* the window of a stack that reads
     around) and never less than the buffers.

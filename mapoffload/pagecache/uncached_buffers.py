@@ -1,6 +1,6 @@
 """What a :class:`~mapoffload.pagecache.uncached_read.UncachedReader` reads into: files, buffers, leases.
 
-:class:`UncachedFile` is one file opened for reading around the page cache (``O_DIRECT``, or buffered
+:class:`UncachedFile` is one file opened for reading uncached (``O_DIRECT``, or buffered
 where the filesystem has none); a slab is one page-aligned buffer the reader owns (page-locked on
 the device path); a :class:`UncachedBuffer` is a slab leased to one read, with the file bytes it holds
 and views of them. Layout: the byte at file offset ``x`` lands at a buffer address congruent to ``x``
@@ -42,7 +42,7 @@ def buffer_capacity(ranges: Sequence[tuple[int, int]]) -> int:
 
 
 class UncachedFile:
-    """One file opened for reading around the page cache.
+    """One file opened for reading uncached.
 
     Attributes
     ----------
@@ -105,7 +105,7 @@ class Slab:
         try:
             pin.unregister()
         except Exception:
-            logger.debug("cudaHostUnregister of a read-around buffer failed", exc_info=True)
+            logger.debug("cudaHostUnregister of an uncached buffer failed", exc_info=True)
         return self.capacity if pinned else 0
 
 
@@ -157,7 +157,7 @@ class UncachedBuffer:
 
     @property
     def method(self) -> str:
-        """``"uncached"`` when every extent was read around the page cache, else ``"buffered"``."""
+        """``"uncached"`` when every extent was read uncached, else ``"buffered"``."""
         return "uncached" if all(m == "uncached" for m in self.methods) else "buffered"
 
     @property

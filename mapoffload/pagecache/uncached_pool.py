@@ -146,7 +146,7 @@ class SlabPool:
                 self.pin_failures += 1
                 self.pin_why = f"cudaHostRegister refused: {e}"
             log = logger.warning if first else logger.debug
-            log("a read-around buffer of %s could not be page-locked (%s): copies from it are staged",
+            log("an uncached buffer of %s could not be page-locked (%s): copies from it are staged",
                 format_bytes(slab.capacity), e)
             return
         with self._cond:

@@ -165,7 +165,7 @@ class UncachedReader:
         if method != "uncached":
             logger.info("%s is read with plain reads, its pages dropped after them: %s", path, why)
         else:
-            logger.debug("%s is read around the page cache (O_DIRECT)", path)
+            logger.debug("%s is read uncached (O_DIRECT)", path)
         return f
 
     # --- reads ----------------------------------------------------------------------------------

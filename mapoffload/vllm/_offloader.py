@@ -178,7 +178,7 @@ def start_managers(model: torch.nn.Module, taker: LayerTaker) -> OffloadHandle:
     options = taker.request.options
     asked = options.prefetch_layers
     # A layer prefetches the ones after it in its stack: no deeper than the stack (a deeper depth
-    # would only size read-around buffers for layers that are not there).
+    # would only size uncached buffers for layers that are not there).
     depths = [min(asked, max(0, len(stack) - 1)) for stack in taker.stacks]
     managers = start_stacks(model, [(stack, options if depth == asked else options.replace(prefetch_layers=depth))
                                     for stack, depth in zip(taker.stacks, depths)])

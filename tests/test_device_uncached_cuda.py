@@ -1,9 +1,9 @@
-"""The device target reading around the page cache (``DeviceCopies`` with a ``ReadAroundSource``) on the CUDA side, through the stand-in runtime (tests/fakecuda):
-streamed layers are copied from pinned read-around buffers by DMA (no staging,
+"""The device target reading uncached (``DeviceCopies`` with a ``UncachedSource``) on the CUDA side, through the stand-in runtime (tests/fakecuda):
+streamed layers are copied from pinned uncached buffers by DMA (no staging,
 no pageable source), a buffer is read into again only after the device copies
 from it completed (a held stream proves it), every registration is undone at
 close, and a refused registration falls back to staged copies. Each scenario
-(tests/device_read_around_scenarios.py) runs in a child interpreter."""
+(tests/device_uncached_scenarios.py) runs in a child interpreter."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _on_the_stand_in(fakecuda_runtime):
 def run_scenario(name: str, *args, timeout: float = 60) -> None:
     proc = run_python(
         f"import faulthandler; faulthandler.dump_traceback_later({timeout - 5}, exit=True)\n"
-        f"import device_read_around_scenarios as s\ns.scenario_{name}(*{args!r})\n",
+        f"import device_uncached_scenarios as s\ns.scenario_{name}(*{args!r})\n",
         timeout=timeout,
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, describe(proc)

@@ -1,4 +1,4 @@
-"""Streamed layers read around the page cache (``reads="uncached"``):
+"""Streamed layers read uncached (``reads="uncached"``):
 outputs equal, the streamed layers never enter the page cache, a warm
 forward reads the streamed bytes once; ``"auto"`` switches after two warm
 forwards that read more than the plan streams, and not otherwise."""
@@ -91,13 +91,13 @@ def test_under_autograd_a_layer_reads_through_its_mapping_and_gradients_are_exac
 
 def thrashing(monkeypatch) -> None:
     """Every forward of the process reads far more than its plans stream (``reads="auto"``'s measure):
-    two warm forwards in a row switch an in-place stack to reading around the cache (at its 4th)."""
+    two warm forwards in a row switch an in-place stack to reading uncached (at its 4th)."""
     counter = itertools.count(0, 1 << 40)
     monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
 
 
 @pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
-def test_auto_reads_around_the_cache_where_the_files_take_o_direct_on_the_device_path(ckpt, tmp_path, twin):
+def test_auto_reads_uncached_where_the_files_take_o_direct_on_the_device_path(ckpt, tmp_path, twin):
     """On the device path (the CPU twin here) ``auto`` reads streamed layers around the cache from the first
     streamed forward where their files take O_DIRECT; in place it reads through the mapping, which reads
     at the floor (issue 43), and measures."""
@@ -125,7 +125,7 @@ def test_auto_reads_around_the_cache_where_the_files_take_o_direct_on_the_device
                     assert "O_DIRECT" in mgr.parts.reads.why
                 elif where == "disk":  # measured: within the plan, so through the mapping
                     assert mgr.parts.reads.mode == "mapping" and "the plan streams" in mgr.parts.reads.why, mgr.parts.reads.why
-                else:  # tmpfs pages are the file: nothing to read around (the weights are not even page cache)
+                else:  # tmpfs pages are the file: nothing to read uncached (the weights are not even page cache)
                     assert mgr.parts.reads.mode == "mapping", mgr.parts.reads.why
             # Nothing streams: nothing to decide.
             with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=1 << 40) as mgr:
@@ -181,7 +181,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
 def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_bytes(ckpt, monkeypatch, tmp_path,
                                                                                      twin):
     # O_DIRECT reads are each process's own: two replicas streaming in step read 1.31x the
-    # pair's bound reading around, 0.72x through the page cache they share (shared_cap.py).
+    # pair's bound reading uncached, 0.72x through the page cache they share (shared_cap.py).
     from mapoffload.pagecache import coordinator as coordinator_module
     from mapoffload.pagecache.peers import PeerLink
 
@@ -208,7 +208,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     model = mapped(path)
     extra = {"cpu_twin": True, "host_store": "mapped"} if twin else {}
     if not twin:
-        thrashing(monkeypatch)  # in place auto reads around only where the mapping thrashes
+        thrashing(monkeypatch)  # in place auto reads uncached only where the mapping thrashes
     with LayerwiseOffloadManager(model, "blocks", device="cpu", **extra) as mgr:
         assert mgr.residency.streamed and mgr.residency.cached, mgr.residency.describe()
         mgr.register_forward_hooks()
@@ -228,7 +228,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
         for _ in range(2):
             forward("with a replica")
         assert mgr.parts.reads.mode == "mapping" and "replicas (pid 4242)" in mgr.parts.reads.why
-        assert reader.stats()["reads"] == reads  # nothing read around while paused
+        assert reader.stats()["reads"] == reads  # nothing read uncached while paused
         assert reader.held_bytes == 0 and mgr.parts.loads.window_bytes == 0  # its buffers went
         replicas.clear()
         coord.replan()
@@ -241,7 +241,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     """Two models in one process (a pipeline's components, two models served side by side): the
     process's read counter between two forwards of one holds the other's forwards too. Judged
     against one forward of each, five forwards of the other read "too much" and switched the first
-    to read-around; against what each ran since, they read exactly the plans."""
+    to uncached; against what each ran since, they read exactly the plans."""
     path, x, want = ckpt
     a, b = mapped(path), mapped(path)
     share = 6 * _layer(a) + 4096

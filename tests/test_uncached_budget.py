@@ -1,6 +1,6 @@
 """Every buffer mapoffload makes counts against the page-cache budget it plans (issue 25).
 
-Read-around buffers are anonymous memory: the plan charges them before they
+Uncached buffers are anonymous memory: the plan charges them before they
 exist (``1 + depth`` of the largest layer's bytes, from its first page to its last), never
 beside the window they replace (once), and ``reads="auto"`` reads
 around the page cache only where the room the plan has for the layers holds
@@ -30,7 +30,7 @@ LAYERS, WIDTH = 24, 720  # 720 * 720 * 4 = 2025 KiB a layer
 HEAD = 2674  # 720 * 2674 * 4 = 7,701,120 bytes, read every forward outside the layers
 LAYER = WIDTH * WIDTH * 4
 HEAD_BYTES = WIDTH * HEAD * 4
-# A layer's read-around buffer: its bytes from the first page to the last (a page more at each end at most).
+# A layer's uncached buffer: its bytes from the first page to the last (a page more at each end at most).
 BUFFER = (LAYER, LAYER + 8 * KIB)
 
 
@@ -89,13 +89,13 @@ def takes_uncached(mgr) -> None:
 
 
 def thrashing(monkeypatch) -> None:
-    """Every forward reads far more than the plan streams: in place, ``reads="auto"`` tries reading around
+    """Every forward reads far more than the plan streams: in place, ``reads="auto"`` tries reading uncached
     the cache at the 4th forward (two warm forwards in a row over 1.2x)."""
     counter = itertools.count(0, 1 << 40)
     monkeypatch.setattr(read_policy, "_process_read_bytes", lambda: next(counter))
 
 
-def test_plan_charges_read_around_buffers_once_and_whole():
+def test_plan_charges_uncached_buffers_once_and_whole():
     sizes = [10] * 6
     base = plan_shared([sizes], 45, prefetch_layers=[1])[0]
     assert base.cached == (0, 1) and base.depth == 1  # 45 - a window of 2 x 10
@@ -104,7 +104,7 @@ def test_plan_charges_read_around_buffers_once_and_whole():
     # Buffers larger than the window (grown to 2 x 16) take the cached set's room.
     more = plan_shared([sizes], 45, prefetch_layers=[1], buffers=32)[0]
     assert more.cached == (0,) and more.cached_bytes + 32 <= 45
-    # Two stacks reading around hold a set each: the plan keeps their sum beside the cached layers.
+    # Two stacks reading uncached hold a set each: the plan keeps their sum beside the cached layers.
     plans = plan_shared([sizes, sizes], 60, prefetch_layers=[1, 1], buffers=40)
     assert sum(p.cached_bytes for p in plans) + 40 <= 60 and [p.cached for p in plans] == [(0, 1), ()]
     # Buffers left over where everything else would fit still count.
@@ -135,11 +135,11 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
         assert coord.buffers == 0
 
 
-def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckpt, cap, monkeypatch):
+def test_auto_reads_uncached_where_the_room_holds_the_buffers_and_charges_them(ckpt, cap, monkeypatch):
     path, x, want = ckpt
-    thrashing(monkeypatch)  # in place auto reads around only where the mapping thrashes
+    thrashing(monkeypatch)  # in place auto reads uncached only where the mapping thrashes
     # 100 MiB - 10 - 67.125 = 23424 KiB usable, less the head: 15903 KiB for the layers. Through the
-    # mapping: a window of 2 x 2025 KiB, 5 layers cached; reading around: 2 buffers of a layer, still 5.
+    # mapping: a window of 2 x 2025 KiB, 5 layers cached; reading uncached: 2 buffers of a layer, still 5.
     cap(100)
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr:
@@ -164,7 +164,7 @@ def test_auto_reads_around_where_the_room_holds_the_buffers_and_charges_them(ckp
         assert mgr.parts.reads.mode == "mapping" and "do not fit" in mgr.parts.reads.why, mgr.parts.reads.why
         assert coord.buffers == 0 and mgr.parts.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
-        # Room again: read around again.
+        # Room again: read uncached again.
         cap(100)
         forward(model, x, want)
         assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why

@@ -1,10 +1,10 @@
-"""The device path with streamed layers read around the page cache
-(``reads="uncached"``, ``DeviceCopies`` with a ``ReadAroundSource``), run through its CPU twin:
+"""The device path with streamed layers read uncached
+(``reads="uncached"``, ``DeviceCopies`` with a ``UncachedSource``), run through its CPU twin:
 outputs bit-identical to the mapping path, the reader's buffers reused and all
 returned, the streamed layers kept out of the page cache, failures raised,
 ``close()`` with a read in flight clean. The CUDA side (pinned buffers, DMA,
 buffer release ordered after the device copies) is in
-test_device_read_around_cuda.py; a real-GPU run is at the end here."""
+test_device_uncached_cuda.py; a real-GPU run is at the end here."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mapoffload import Copier, LayerwiseOffloadManager, MappingFaultError
-from mapoffload.offload.loads import ReadAroundSource
+from mapoffload.offload.loads import UncachedSource
 from mapoffload.pagecache.uncached_read import UncachedReader
 
 from stacks import LAYERS, drain, layer_resident, mapped, warm_read_bytes
@@ -53,7 +53,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
             outs[mode] = _forwards(model, x, 1)
             if mode == "uncached":
                 loads = mgr.parts.loads
-                assert isinstance(loads.source, ReadAroundSource)
+                assert isinstance(loads.source, UncachedSource)
                 reader = loads.source.reader
                 assert reader.buffers == 1 + depth
                 allocations = reader.stats()["allocations"]
@@ -65,7 +65,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
                 # Reused, not reallocated per forward; nothing leased between forwards.
                 assert reader.stats()["allocations"] == allocations and reader.held_bytes == held
                 assert reader.leased == 0 and loads.source.outstanding == 0
-                # Every streamed layer was read around the cache, once per forward, and copied
+                # Every streamed layer was read uncached, once per forward, and copied
                 # from its buffer without staging (the twin's unstaged copy: a plain memcpy).
                 assert reader.stats()["reads"] == 4 * len(plan.streamed)
                 assert mgr.copier.stats().unstaged_bytes - direct0 == 3 * plan.streamed_bytes
@@ -122,7 +122,7 @@ def test_mixed_stores_in_a_streamed_layer(tmp_path):
         assert mgr.parts.loads.source.reader.stats()["reads"] == 12
 
 
-def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
+def test_auto_reads_uncached_where_the_files_take_o_direct(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with _twin(model, reads="auto") as mgr:
@@ -143,7 +143,7 @@ def test_auto_reads_around_where_the_files_take_o_direct(ckpt):
     with _twin(model, reads="mapping") as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 2)
-        assert mgr.parts.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, ReadAroundSource)
+        assert mgr.parts.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, UncachedSource)
 
 
 @pytest.mark.parametrize("where", ["check", "read"])
@@ -255,8 +255,8 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.parts.is_loaded(0) and mgr.parts.is_loaded(1)
         assert mgr.parts.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
-        mgr.parts.reads.read_around("a test")
-        assert isinstance(mgr.parts.loads.source, ReadAroundSource) and mgr.parts.reads.why == "a test"
+        mgr.parts.reads.read_uncached("a test")
+        assert isinstance(mgr.parts.loads.source, UncachedSource) and mgr.parts.reads.why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
         assert not any(mgr.parts.is_loaded(i) for i in range(LAYERS)) and mgr.parts.loads.source.reader.leased == 0
@@ -269,8 +269,8 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
     assert mgr.parts.device_bytes == 0  # close() frees the pool
 
 
-def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_reads_around(ckpt):
-    """Weights are device buffers either way: a layer under autograd keeps the read-around path, and recording a
+def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_reads_uncached(ckpt):
+    """Weights are device buffers either way: a layer under autograd keeps the uncached path, and recording a
     graph through the recycled device buffers is refused as on the mapping path."""
     path, x, want = ckpt
     model = mapped(path)
@@ -281,7 +281,7 @@ def test_autograd_is_refused_as_on_the_device_pipeline_and_no_grad_reads_around(
         with pytest.raises(RuntimeError, match="device pipeline"):
             model(x.clone().requires_grad_(True))
         assert mgr.parts.loads.source.outstanding == 0
-        assert torch.equal(model(x), want)  # grad mode on, nothing recorded: runs, read around
+        assert torch.equal(model(x), want)  # grad mode on, nothing recorded: runs, read uncached
         assert mgr.parts.loads.source.reader.stats()["reads"] > 0
 
 
@@ -384,7 +384,7 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
 
 
 def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monkeypatch):
-    # A KeyboardInterrupt in release()'s wait leaves that load holding its read-around
+    # A KeyboardInterrupt in release()'s wait leaves that load holding its uncached
     # buffer (the copies may still read it); the layer stays loaded and the next turn
     # releases it. Were it lost, the count of loads holding a buffer would stay raised
     # and, once at the number of buffers, every streamed layer would quietly go back
@@ -412,7 +412,7 @@ def test_ctrl_c_while_a_release_waits_for_its_copies_loses_no_buffer(ckpt, monke
         reads = loads.source.reader.stats()["reads"]
         for out in _forwards(model, x, 3):
             assert torch.equal(out, want)
-        # Every streamed layer of the three forwards was still read around the cache (one
+        # Every streamed layer of the three forwards was still read uncached (one
         # more may be the interrupted forward's read-ahead, counted when its worker ran).
         assert loads.source.reader.stats()["reads"] - reads >= 3 * len(mgr.residency.streamed)
         assert loads.source.outstanding == 0 and loads.source.reader.leased == 0

@@ -1,12 +1,12 @@
-"""Scenarios for test_device_read_around_cuda.py: each runs in a child interpreter.
+"""Scenarios for test_device_uncached_cuda.py: each runs in a child interpreter.
 
-The device target reading around the page cache (``DeviceCopies`` with a ``ReadAroundSource``) on the CUDA
+The device target reading uncached (``DeviceCopies`` with a ``UncachedSource``) on the CUDA
 side, driven through the stand-in runtime
 (tests/fakecuda) without torch's CUDA: the layer's "device buffers" are the
 stand-in's device memory, the compute stream is a stand-in stream, and the
 manager's calls (``start``, ``ready``, ``release``) are made in the order its
 hooks make them. The stand-in's engine reads a pinned source only when it
-reaches the copy, so a read-around buffer given back (and read into again)
+reaches the copy, so an uncached buffer given back (and read into again)
 before the copies from it ran shows up as wrong bytes on the device.
 """
 
@@ -27,7 +27,7 @@ LAYERS = 4
 
 
 class _Pages:
-    """The page-cache side, reduced to what the read-around path asks: every layer streams."""
+    """The page-cache side, reduced to what the uncached path asks: every layer streams."""
 
     def __init__(self, extents: list) -> None:
         self._extents = extents
@@ -88,13 +88,13 @@ class _Pool:
 
 
 class Setup:
-    """A checkpoint file of LAYERS layers mapped read-only, and a device target reading around the page cache
+    """A checkpoint file of LAYERS layers mapped read-only, and a device target reading uncached
     on the stand-in."""
 
     def __init__(self, folder: str, buffers: int, *, fail_register: bool = False) -> None:
         from mapoffload import _core
         from mapoffload.offload.device_copies import DeviceCopies
-        from mapoffload.offload.loads import ReadAroundSource
+        from mapoffload.offload.loads import UncachedSource
         from mapoffload.pagecache.pages import Extent
         from mapoffload.offload.stores import MAPPED, LayerStore, Weight
         from mapoffload.copier import Copier
@@ -146,7 +146,7 @@ class Setup:
         # Copies on the given stream (no side stream: no torch CUDA), into the stand-in's buffers.
         self.loads = OnTheStandIn(self.stores, self.pages, torch.device("cuda", 0), copier, owns_copier=False,
                                   side_stream=False, pool=self.pool)
-        self.loads.source = ReadAroundSource(self.stores, self.pages, buffers, pin_device=0)
+        self.loads.source = UncachedSource(self.stores, self.pages, buffers, pin_device=0)
         self.reader = self.loads.source.reader
         torch.cuda.synchronize = lambda device=None: fake.device_synchronize()  # close() syncs the device
 
@@ -177,11 +177,11 @@ def scenario_buffer_waits_for_the_device_copies(folder: str) -> None:
     gate = hold_stream(fake, s.stream, timeout=20)  # the engine waits: the copies are queued, not done
     loaded = loads.start(0)
     loads.ready(0, loaded)  # stream-ordered: returns once the copies are queued
-    job = loaded.around
+    job = loaded.uncached
     assert job.buffer.pinned and not job.done() and not job.returned
     assert reader.leased == 1 and loads.source.outstanding == 1  # ready() did not give the buffer back
     other = loads.start(1)  # the one buffer is taken: layer 1 goes through its mapping, nothing waits
-    assert other.around is None
+    assert other.uncached is None
     try:
         reader.read(s.path, 0, 4096, timeout=0.05)
         raise AssertionError("a read took the buffer the device copies still read")
@@ -211,7 +211,7 @@ def scenario_early_release_is_caught(folder: str) -> None:
     gate = hold_stream(s.fake, s.stream, timeout=20)
     loaded = s.loads.start(0)
     s.loads.ready(0, loaded)
-    job = loaded.around
+    job = loaded.uncached
     buf = job.buffer
     base = buf.data.data_ptr()
     job.returned = True
@@ -221,7 +221,7 @@ def scenario_early_release_is_caught(folder: str) -> None:
     with s.reader.read(s.path, e.first, e.end) as again:  # the same buffer, other bytes (layer 1's)
         assert again.data.data_ptr() == base
     gate.set()
-    loaded.around.wait()
+    loaded.uncached.wait()
     dev0 = loaded.buffers[torch.uint8]
     assert s.landed(dev0) != s.expected(0, dev0), "the stand-in did not catch a buffer reused under its copies"
     s.loads.release(0, loaded)
