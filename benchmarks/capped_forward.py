@@ -398,7 +398,7 @@ def child(args: argparse.Namespace) -> None:
     if handle is not None:
         from mapoffload.pagecache.coordinator import coordinator
 
-        row["read_mode"] = {name: [m.parts.reads.mode, m.parts.reads.why] for name, m in handle.managers.items()}
+        row["read_mode"] = {name: [m.parts.member.reads_mode, m.parts.member.reads_why] for name, m in handle.managers.items()}
         # The plan after the forwards (it may have changed: a cap hit gives the thin margin back).
         row["page_cache_after"] = coordinator().describe()
         row["thin_margin_failed"] = coordinator().thin_margin_failed
@@ -406,13 +406,13 @@ def child(args: argparse.Namespace) -> None:
                               if m.residency is not None}
         handle.close()
     if args.contender.startswith("twin-"):
-        row["read_mode"] = {"model.layers": [twin.parts.reads.mode, twin.parts.reads.why]}
+        row["read_mode"] = {"model.layers": [twin.parts.member.reads_mode, twin.parts.member.reads_why]}
         row["twin_plan"] = twin.residency.describe()
         twin.close()
     if args.contender.startswith("plain"):
         from mapoffload.pagecache.coordinator import coordinator
 
-        row["read_mode"] = {"model.layers": [plain.parts.reads.mode, plain.parts.reads.why]}
+        row["read_mode"] = {"model.layers": [plain.parts.member.reads_mode, plain.parts.member.reads_why]}
         row["page_cache_after"] = coordinator().describe()
         row["plans_after"] = {"model.layers": plain.residency.describe()}
         plain.close()

@@ -103,7 +103,7 @@ CHILD = textwrap.dedent(
     c = coordinator()
     json.dump({"pid": os.getpid(), "reads": reads, "secs": secs, "trace": trace, "plan": mgr.residency.describe(),
                "budget": mgr.residency.budget, "ranks": c.ranks, "replicas": c.replicas,
-               "page_cache": str(c.budget), "read_mode": [mgr.parts.reads.mode, mgr.parts.reads.why]}, open(out, "w"))
+               "page_cache": str(c.budget), "read_mode": [mgr.parts.member.reads_mode, mgr.parts.member.reads_why]}, open(out, "w"))
     mgr.close()
     """
 )

@@ -48,7 +48,7 @@ def test_outputs_equal_the_mapping_path_and_buffers_are_reused(ckpt, depth):
         with _twin(model, depth=depth, reads=mode) as mgr:
             plan = mgr.residency
             assert plan.depth == depth and len(plan.cached) == 3 and len(plan.streamed) == LAYERS - 3
-            assert mgr.parts.reads.mode == mode
+            assert mgr.parts.member.reads_mode == mode
             mgr.register_forward_hooks()
             outs[mode] = _forwards(model, x, 1)
             if mode == "uncached":
@@ -126,24 +126,24 @@ def test_auto_reads_uncached_where_the_files_take_o_direct(ckpt):
     path, x, want = ckpt
     model = mapped(path)
     with _twin(model, reads="auto") as mgr:
-        assert mgr.parts.reads.mode == "mapping"  # decided at the first forward
+        assert mgr.parts.member.reads_mode == "mapping"  # decided at the first forward
         mgr.register_forward_hooks()
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
-        if not mgr.parts.reads.probe_uncached()[0]:
+        if not mgr.parts.member.probe_uncached()[0]:
             pytest.skip("the checkpoint's folder takes no O_DIRECT here (tmpfs?)")
-        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
-        assert "O_DIRECT" in mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
+        assert "O_DIRECT" in mgr.parts.member.reads_why
     # Nothing streams: nothing to decide.
     with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store="mapped",
                                  page_cache_bytes=1 << 40) as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 1)
-        assert mgr.parts.reads.mode == "mapping"
+        assert mgr.parts.member.reads_mode == "mapping"
     # "mapping" keeps the device path on the mapping.
     with _twin(model, reads="mapping") as mgr:
         mgr.register_forward_hooks()
         _forwards(model, x, 2)
-        assert mgr.parts.reads.mode == "mapping" and not isinstance(mgr.parts.loads.source, UncachedSource)
+        assert mgr.parts.member.reads_mode == "mapping" and not isinstance(mgr.parts.loads.source, UncachedSource)
 
 
 @pytest.mark.parametrize("where", ["check", "read"])
@@ -255,8 +255,8 @@ def test_switching_with_layers_loaded_through_the_mapping(ckpt, monkeypatch):
         assert torch.equal(_forwards(model, x, 1)[0], want)
         assert mgr.parts.is_loaded(0) and mgr.parts.is_loaded(1)
         assert mgr.parts.device_bytes == sum(b.numel() for b in handed.values()) >= 2 * _layer(model)
-        mgr.parts.reads.read_uncached("a test")
-        assert isinstance(mgr.parts.loads.source, UncachedSource) and mgr.parts.reads.why == "a test"
+        mgr.parts.member.read_uncached("a test")
+        assert isinstance(mgr.parts.loads.source, UncachedSource) and mgr.parts.member.reads_why == "a test"
         assert all(torch.equal(y, want) for y in _forwards(model, x, 2))
         mgr.release_all()
         assert not any(mgr.parts.is_loaded(i) for i in range(LAYERS)) and mgr.parts.loads.source.reader.leased == 0
@@ -367,7 +367,7 @@ def test_cuda_uncached_reads_match_the_mapping_path(ckpt):
         room = 6 * _layer(model) + 4096
         with LayerwiseOffloadManager(model, "blocks", device="cuda", host_store="mapped", prefetch_layers=2,
                                      page_cache_bytes=room, reads=mode) as mgr:
-            assert mgr.residency.streamed and mgr.parts.reads.mode == mode
+            assert mgr.residency.streamed and mgr.parts.member.reads_mode == mode
             mgr.register_forward_hooks()
             with torch.no_grad():
                 outs[mode] = [model(x.cuda()).cpu() for _ in range(3)]

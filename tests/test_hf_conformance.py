@@ -338,8 +338,8 @@ def test_layers_read_uncached_compute_the_same(tmp_path, arch):
         m.parts.replan(page_cache_bytes=0)
     assert torch.equal(expected, _forward(model, x))
     assert torch.equal(expected, _forward(model, x))  # the buffers reused
-    read = sum(m.parts.loads.source.reader.stats()["reads"] for m in managers if m.parts.reads.mode == "uncached")
-    assert read > 0, [m.parts.reads.why for m in managers]
+    read = sum(m.parts.loads.source.reader.stats()["reads"] for m in managers if m.parts.member.reads_mode == "uncached")
+    assert read > 0, [m.parts.member.reads_why for m in managers]
     model.mapoffload_handle.close()
 
 
@@ -361,7 +361,7 @@ def test_the_device_path_reading_uncached_computes_the_same(tmp_path, arch):
                                   reads="uncached", page_cache_bytes=0)
     try:
         mgr.register_forward_hooks()
-        assert mgr.parts.reads.mode == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
+        assert mgr.parts.member.reads_mode == "uncached" and len(mgr.residency.streamed) == len(mgr.layers)
         assert torch.equal(expected, _forward(model, x))
         assert torch.equal(expected, _forward(model, x))  # the reader's buffers reused
         assert mgr.parts.loads.source.reader.stats()["reads"] >= 2 * len(mgr.layers)

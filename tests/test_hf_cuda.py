@@ -42,7 +42,7 @@ def _ours(cls, folder, x, **kwargs):
         with torch.no_grad():
             outs = [first_output(model(**x)).cpu() for _ in range(2)]  # a cold forward and a warm one
         streamed = sum(len(m.residency.streamed) for m in handle.managers.values() if m.residency is not None)
-        modes = {m.parts.reads.mode for m in handle.managers.values()}
+        modes = {m.parts.member.reads_mode for m in handle.managers.values()}
     finally:
         handle.close()
     assert torch.equal(outs[0], outs[1]), f"{cls.__name__}: the warm forward differs from the cold one"

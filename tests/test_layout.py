@@ -189,7 +189,7 @@ def test_nothing_process_wide_in_the_offload_parts():
 
 def test_page_cache_policy_is_in_the_page_cache_layer():
     names = set(module_graph())
-    for policy in ("layer_pages", "read_policy", "read_source"):
+    for policy in ("layer_pages", "member", "read_source"):
         assert f"mapoffload.pagecache.{policy}" in names
         assert f"mapoffload.offload.{policy}" not in names
 

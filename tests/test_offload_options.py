@@ -49,7 +49,7 @@ def test_old_names_are_refused_as_unknown_naming_the_current_ones(ckpt):
                                         r"device, .*reads"):
         LayerwiseOffloadManager(model, "blocks", device="cpu", stream_reads="mapping")
     with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="mapping") as m:
-        assert not hasattr(m, "stream_reads") and m.parts.reads.mode == "mapping"
+        assert not hasattr(m, "stream_reads") and m.parts.member.reads_mode == "mapping"
 
 
 def test_every_entry_point_takes_the_options_or_its_keywords(ckpt):

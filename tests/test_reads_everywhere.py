@@ -19,7 +19,7 @@ def test_offload_passes_reads_to_a_streamed_rest(ckpt, reads):
     model = mapped(path).eval()
     with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", reads=reads) as handle:
         assert sorted(handle.managers) == ["blocks", "rest"]
-        assert {m.parts.reads.mode for m in handle.managers.values()} == {reads}
+        assert {m.parts.member.reads_mode for m in handle.managers.values()} == {reads}
         with torch.no_grad():
             assert torch.equal(model(x), want)
 
@@ -36,7 +36,7 @@ def test_offload_pipeline_passes_reads_to_every_component(ckpt):
     a, b = mapped(path).eval(), mapped(path).eval()
     with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", reads="uncached") as handle:
         managers = [m for h in handle.components.values() for m in h.managers.values()]
-        assert len(managers) == 2 and {m.parts.reads.mode for m in managers} == {"uncached"}
+        assert len(managers) == 2 and {m.parts.member.reads_mode for m in managers} == {"uncached"}
         with torch.no_grad():
             assert torch.equal(a(x), want) and torch.equal(b(x), want)
 
@@ -52,5 +52,5 @@ def test_pipeline_from_pretrained_takes_reads(tmp_path):
     pipe = mapoffload.pipeline_from_pretrained(diffusers.DDPMPipeline, tmp_path, device="cpu",
                                                reads="uncached")
     managers = [m for h in pipe.mapoffload_handle.components.values() for m in h.managers.values()]
-    assert managers and {m.parts.reads.mode for m in managers} == {"uncached"}
+    assert managers and {m.parts.member.reads_mode for m in managers} == {"uncached"}
     pipe.mapoffload_handle.close()

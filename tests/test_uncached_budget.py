@@ -18,7 +18,7 @@ from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
 from mapoffload.pagecache import coordinator as coordinator_module
-from mapoffload.pagecache import read_policy
+from mapoffload.pagecache import member
 from mapoffload.pagecache.residency import plan_shared
 from mapoffload.memory.budget import ENV_HOST_AVAILABLE_GIB
 
@@ -83,7 +83,7 @@ def forward(model, x, want) -> None:
 
 
 def takes_uncached(mgr) -> None:
-    capable, why = mgr.parts.reads.probe_uncached()
+    capable, why = mgr.parts.member.probe_uncached()
     if not capable:
         pytest.skip(f"the checkpoint's files are not read with O_DIRECT here: {why}")
 
@@ -92,7 +92,7 @@ def thrashing(monkeypatch) -> None:
     """Every forward reads far more than the plan streams: in place, ``reads="auto"`` tries reading uncached
     the cache at the 4th forward (two warm forwards in a row over 1.2x)."""
     counter = itertools.count(0, 1 << 40)
-    monkeypatch.setattr(read_policy, "_process_read_bytes", lambda: next(counter))
+    monkeypatch.setattr(member, "_process_read_bytes", lambda: next(counter))
 
 
 def test_plan_charges_uncached_buffers_once_and_whole():
@@ -130,8 +130,8 @@ def test_auto_reads_through_the_mapping_where_the_room_cannot_hold_the_buffers(c
         mgr.register_forward_hooks()
         for _ in range(5):
             forward(model, x, want)
-            assert mgr.parts.reads.mode == "mapping", mgr.parts.reads.why
-        assert "do not fit" in mgr.parts.reads.why, mgr.parts.reads.why
+            assert mgr.parts.member.reads_mode == "mapping", mgr.parts.member.reads_why
+        assert "do not fit" in mgr.parts.member.reads_why, mgr.parts.member.reads_why
         assert coord.buffers == 0
 
 
@@ -150,7 +150,7 @@ def test_auto_reads_uncached_where_the_room_holds_the_buffers_and_charges_them(c
         mgr.register_forward_hooks()
         for _ in range(4):
             forward(model, x, want)
-        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
         # Charged from the switch on, before a buffer was made: 2 buffers of a layer.
         assert buffers_of(2, coord.buffers), coord.buffers
         charged = coord.buffers
@@ -161,13 +161,13 @@ def test_auto_reads_uncached_where_the_room_holds_the_buffers_and_charges_them(c
         # reads through the mapping again (the head streamed too: they do not fit even so).
         cap(85, in_use=17 * MIB + mgr.parts.loads.source.reader.held_bytes)
         forward(model, x, want)
-        assert mgr.parts.reads.mode == "mapping" and "do not fit" in mgr.parts.reads.why, mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "mapping" and "do not fit" in mgr.parts.member.reads_why, mgr.parts.member.reads_why
         assert coord.buffers == 0 and mgr.parts.loads.source.reader.held_bytes == 0  # the free buffers dropped
         forward(model, x, want)
         # Room again: read uncached again.
         cap(100)
         forward(model, x, want)
-        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
         forward(model, x, want)
 
 

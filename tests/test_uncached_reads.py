@@ -17,7 +17,7 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 from stacks import drain, layer_resident, mapped, warm_read_bytes
 
 # The stream-reads policy's module (its /proc/self/io reader is replaced here).
-offload_module = importlib.import_module("mapoffload.pagecache.read_policy")
+offload_module = importlib.import_module("mapoffload.pagecache.member")
 
 
 def _layer(model) -> int:
@@ -30,7 +30,7 @@ def test_uncached_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
     layer = _layer(model)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * layer + 4096,
                                  reads="uncached") as mgr:
-        assert mgr.parts.reads.mode == "uncached"
+        assert mgr.parts.member.reads_mode == "uncached"
         plan = mgr.residency
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
@@ -115,24 +115,24 @@ def test_auto_reads_uncached_where_the_files_take_o_direct_on_the_device_path(ck
             model = mapped(p)
             with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096,
                                          **extra) as mgr:
-                assert mgr.parts.reads.mode == "mapping"  # decided at the first forward
+                assert mgr.parts.member.reads_mode == "mapping"  # decided at the first forward
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     for _ in range(3):
                         assert torch.equal(model(x), want)
                 if where == "disk" and twin:
-                    assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
-                    assert "O_DIRECT" in mgr.parts.reads.why
+                    assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
+                    assert "O_DIRECT" in mgr.parts.member.reads_why
                 elif where == "disk":  # measured: within the plan, so through the mapping
-                    assert mgr.parts.reads.mode == "mapping" and "the plan streams" in mgr.parts.reads.why, mgr.parts.reads.why
+                    assert mgr.parts.member.reads_mode == "mapping" and "the plan streams" in mgr.parts.member.reads_why, mgr.parts.member.reads_why
                 else:  # tmpfs pages are the file: nothing to read uncached (the weights are not even page cache)
-                    assert mgr.parts.reads.mode == "mapping", mgr.parts.reads.why
+                    assert mgr.parts.member.reads_mode == "mapping", mgr.parts.member.reads_why
             # Nothing streams: nothing to decide.
             with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=1 << 40) as mgr:
                 mgr.register_forward_hooks()
                 with torch.no_grad():
                     model(x)
-                assert mgr.parts.reads.mode == "mapping"
+                assert mgr.parts.member.reads_mode == "mapping"
     finally:
         if "tmpfs" in places:
             os.unlink(places["tmpfs"])
@@ -163,9 +163,9 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
     path, x, want = ckpt
     model = mapped(path)
     with LayerwiseOffloadManager(model, "blocks", device="cpu", page_cache_bytes=6 * _layer(model) + 4096) as mgr:
-        assert mgr.parts.reads.mode == "mapping"
+        assert mgr.parts.member.reads_mode == "mapping"
         # As on a file system without O_DIRECT: the reads decide.
-        monkeypatch.setattr(mgr.parts.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
+        monkeypatch.setattr(mgr.parts.member, "probe_uncached", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
         monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
@@ -173,8 +173,8 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
         with torch.no_grad():
             for _ in range(len(reads) + 1):
                 assert torch.equal(model(x), want)
-        assert mgr.parts.reads.mode == ("uncached" if switched else "mapping"), mgr.parts.reads.why
-        assert "the plan streams" in mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == ("uncached" if switched else "mapping"), mgr.parts.member.reads_why
+        assert "the plan streams" in mgr.parts.member.reads_why
 
 
 @pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
@@ -219,7 +219,7 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
 
         for _ in range(1 if twin else 4):
             forward("alone")
-        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
         reader = mgr.parts.loads.source.reader
         assert reader.held_bytes > 0
         replicas.append(4242)
@@ -227,13 +227,13 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
         reads = reader.stats()["reads"]
         for _ in range(2):
             forward("with a replica")
-        assert mgr.parts.reads.mode == "mapping" and "replicas (pid 4242)" in mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "mapping" and "replicas (pid 4242)" in mgr.parts.member.reads_why
         assert reader.stats()["reads"] == reads  # nothing read uncached while paused
         assert reader.held_bytes == 0 and mgr.parts.loads.window_bytes == 0  # its buffers went
         replicas.clear()
         coord.replan()
         forward("alone again")
-        assert mgr.parts.reads.mode == "uncached", mgr.parts.reads.why
+        assert mgr.parts.member.reads_mode == "uncached", mgr.parts.member.reads_why
         assert reader.stats()["reads"] > reads
 
 
@@ -250,7 +250,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
             LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
         for model, mgr in ((a, ma), (b, mb)):
-            monkeypatch.setattr(mgr.parts.reads, "probe_uncached", lambda: (False, "tmpfs, say"))
+            monkeypatch.setattr(mgr.parts.member, "probe_uncached", lambda: (False, "tmpfs, say"))
             mgr.register_forward_hooks()
             streamed = mgr.residency.streamed_bytes
             assert streamed > 0
@@ -261,5 +261,5 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
                 assert torch.equal(a(x), want)
                 for _ in range(5):
                     assert torch.equal(b(x), want)
-        assert ma.parts.reads.mode == mb.parts.reads.mode == "mapping", (ma.parts.reads.why, mb.parts.reads.why)
-        assert "the plan streams" in ma.parts.reads.why and "(1.00x)" in ma.parts.reads.why, ma.parts.reads.why
+        assert ma.parts.member.reads_mode == mb.parts.member.reads_mode == "mapping", (ma.parts.member.reads_why, mb.parts.member.reads_why)
+        assert "the plan streams" in ma.parts.member.reads_why and "(1.00x)" in ma.parts.member.reads_why, ma.parts.member.reads_why

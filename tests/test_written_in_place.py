@@ -41,7 +41,7 @@ def test_a_layer_written_in_place_is_read_through_its_mapping(ckpt, extra, caplo
         with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0,
                                      **extra) as mgr:
             mgr.register_forward_hooks()
-            assert mgr.parts.reads.mode == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
+            assert mgr.parts.member.reads_mode == "uncached" and len(mgr.residency.streamed) == len(model.blocks)
             with torch.no_grad():
                 for _ in range(2):
                     assert torch.equal(model(x), want)

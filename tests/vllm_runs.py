@@ -86,7 +86,7 @@ def _where(model) -> dict:  # noqa: ANN001
     handle = getattr(model, "mapoffload_handle", None)  # the OffloadHandle every entry point returns
     managers = list(handle.managers.values()) if handle is not None else []
     out["managers"] = len(managers)
-    out["streaming"] = [{"reads": m.parts.reads.mode, "resident": sum(m.parts.pages.resident_bytes()),
+    out["streaming"] = [{"reads": m.parts.member.reads_mode, "resident": sum(m.parts.pages.resident_bytes()),
                          "mapped": m.mapped_bytes, "repr": repr(m), **_device_path(m)} for m in managers]
     from mapoffload.pagecache.coordinator import coordinator
 

@@ -16,7 +16,7 @@ together, ``manager.parts``):
 - where a layer computes and where its bytes come from: ``loads`` (the ``Load`` record, the target
   interface, in place, and the uncached source; the mapping is ``pagecache.read_source``) and
   ``device_copies`` (device buffers from its pool). The stack's pages (``pagecache.layer_pages``) and
-  how its streamed layers are read (``pagecache.read_policy``, the ``auto`` policy) are page-cache
+  how its streamed layers are read (``pagecache.member``, the ``auto`` policy) are page-cache
   policy, in ``mapoffload.pagecache``.
 
 ``mapoffload.offload`` is also the Hugging Face entry point's name in ``mapoffload``'s namespace

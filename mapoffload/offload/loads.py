@@ -30,7 +30,7 @@ load, whether it takes the layer (``takes``):
 
 Under a cap too tight for the streaming window, reading a streamed layer through its mapping makes the
 kernel evict pages of the layer in use and read them again (issue 18); reading it uncached
-reads it once. ``pagecache.read_policy.ReadPolicy`` decides which source a stack's target holds.
+reads it once. ``pagecache.member.StackMember`` (its reads policy) decides which source a stack's target holds.
 """
 
 from __future__ import annotations

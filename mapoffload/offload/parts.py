@@ -3,8 +3,8 @@
 For one stack of layers: its pages (``pagecache.layer_pages``: spans, files, page reads and let-gos), its load
 path (``loads``: in place or device copies), the sequencer (``sequencer``: loaded, kept, what the weights'
 holders hold), the mapped weights outside the layers (``runtime.OutsideWeights``), its
-page-cache member (``pagecache.member``: what the process's coordinator plans), the reads
-policy (``pagecache.read_policy``), and its runtime (``runtime``: the layer turn, the hooks torch
+page-cache member (``pagecache.member``: what the process's coordinator plans, and how streamed
+layers are read), and its runtime (``runtime``: the layer turn, the hooks torch
 calls and what they do). :meth:`Parts.build` makes
 them in order and, when one fails, closes what was made; :meth:`Parts.close` and
 :meth:`Parts.after_fork_in_child` are the stack's end and a forked child's start.
@@ -27,7 +27,6 @@ from .._log import logger
 from ..pagecache.coordinator import coordinator
 from ..pagecache.layer_pages import LayerPages
 from ..pagecache.member import StackMember
-from ..pagecache.read_policy import ReadPolicy
 from .device_copies import DeviceCopies
 from .loads import InPlace, UncachedSource, Target, layer_buffer_bytes
 from .runtime import OutsideWeights, StackRuntime
@@ -57,7 +56,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _uncached_source(stores: list[LayerStore], pages: LayerPages, buffers: int,
                  pin_device: int | None) -> UncachedSource:
-    """The stack's uncached source, as :class:`~mapoffload.pagecache.read_policy.ReadPolicy` asks for one."""
+    """The stack's uncached source, as its :class:`~mapoffload.pagecache.member.StackMember` asks for one."""
     return UncachedSource(stores, pages, buffers, pin_device=pin_device)
 
 
@@ -68,7 +67,6 @@ class Parts:
     sequencer: Sequencer
     outside: OutsideWeights
     member: StackMember
-    reads: ReadPolicy
     runtime: StackRuntime
     stores: list[LayerStore]  # one a layer
     by_name: dict[str, tuple[LayerStore, Weight]]  # every managed weight's names
@@ -96,19 +94,20 @@ class Parts:
             # The mapped weights outside the layers: checked before each forward, streamed where the plan says.
             self.outside = OutsideWeights(model, layers, self.pages.files, self.pages.worker)
             # The page-cache plan is the process's (every stack under one budget): this stack's
-            # part of it is its member.
+            # part of it, and how its streamed layers are read, is its member.
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
                                       always_read=_plan.always_read_tensors, owner=owner,
-                                      parts=self.pages.parts.largest if o.in_place else None)
-            self.reads = ReadPolicy(o.reads, loads, self.member, self.pages, cuda=o.cuda,
-                                     uncached_source=functools.partial(_uncached_source, stores, self.pages),
-                                     buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages))
-            self.runtime = StackRuntime(self.sequencer, self.member, self.reads, self.outside, in_place=o.in_place,
+                                      parts=self.pages.parts.largest if o.in_place else None,
+                                      reads=o.reads, cuda=o.cuda,
+                                      uncached_source=functools.partial(_uncached_source, stores, self.pages),
+                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages),
+                                      host=coordinator())
+            self.runtime = StackRuntime(self.sequencer, self.member, self.outside, in_place=o.in_place,
                                         owner=weakref.ref(owner))
             coordinator().join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
-                self.reads.read_uncached("reads='uncached'")
+                self.member.read_uncached("reads='uncached'")
                 coordinator().place_buffers()  # its buffers are charged before they are made
         except BaseException:
             self.abandon(loads, copier if owns_copier else None)

@@ -68,7 +68,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..pagecache.member import StackMember
-    from ..pagecache.read_policy import ReadPolicy
     from ..pagecache.residency import ResidencyPlan
     from .sequencer import Sequencer
     from .stores import LayerStore
@@ -127,9 +126,7 @@ class StackRuntime:
     sequencer
         The stack's sequencer (its loads, stores, pages and window).
     member
-        The stack's page-cache member (its plan, its forwards counted).
-    reads
-        The stack's ``reads`` policy.
+        The stack's page-cache member (its plan, its forwards counted, its ``reads`` policy).
     outside
         The mapped weights outside the layers, checked once per forward.
     in_place
@@ -138,12 +135,11 @@ class StackRuntime:
         A weak reference to the manager (named when a copy of the model is refused).
     """
 
-    def __init__(self, sequencer: Sequencer, member: StackMember, reads: ReadPolicy, outside: OutsideWeights, *,
+    def __init__(self, sequencer: Sequencer, member: StackMember, outside: OutsideWeights, *,
                  in_place: bool, owner: Any = None) -> None:
         self.turn = LayerTurn()  # the stack's: the manager takes it too, to remove the hooks or close
         self.sequencer = sequencer
         self.member = member
-        self.reads = reads
         self.outside = outside
         self.in_place = in_place
         self.owner = owner
@@ -197,7 +193,7 @@ class StackRuntime:
         c = coordinator()
         c.follow_cap()
         c.note_forward(self.member)
-        self.reads.choose()
+        self.member.choose_reads()
         self.outside.check()
         plan = self.member.residency
         if plan is None:

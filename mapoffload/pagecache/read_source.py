@@ -4,7 +4,7 @@ A load target (``offload.loads.InPlace``, ``offload.device_copies.DeviceCopies``
 :class:`Source` and asks it, at each load, whether it takes the layer (:meth:`Source.takes`).
 :data:`MAPPING` takes none: every layer is read through its mapping. An uncached source
 (``offload.loads.UncachedSource``) takes streamed layers and reads them around the page cache
-(``O_DIRECT``); :mod:`.read_policy` decides which one a stack's target holds.
+(``O_DIRECT``); :mod:`.member` (the stack's reads policy) decides which one a stack's target holds.
 """
 
 from __future__ import annotations
