@@ -418,26 +418,42 @@ def test_a_users_pre_hook_replaces_a_big_parts_input(tmp_file_dir, cap, exact, k
 # --- fork -----------------------------------------------------------------------------------------------
 
 
-def test_a_forked_child_runs_a_forward_after_the_chunks_read(tmp_file_dir, tmp_path):
-    from child import describe, run_python
-
-    proc = run_python(f"""
-import os, pathlib, torch
+def _fork_script(tmp_file_dir, tmp_path, build: str, reference: str, body: str) -> str:
+    """A fork attack's child script: the fake cap, ``build`` (a stack of ``test_part_chunks``) made in
+    ``tmp_file_dir`` with its hooks on, ``chunks`` the outputs of ``reference`` (the plain model computing
+    in chunks), then ``body``."""
+    return f"""
+import os, pathlib, sys, torch
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})  # these tests, not a copy in the folder it runs from
 from mapoffload.offload import runtime
-from mapoffload.offload.hooks import patched
 from mapoffload.pagecache import coordinator as coordinator_module
 from fake_cgroups import v2_cap
 import test_attack_part_chunks as t
-from test_part_chunks import depth_0
+from test_part_chunks import {build}
 from child import reap
 runtime._same_bits = lambda a, b: True
 root = {str(tmp_path / "cg")!r}
 coordinator_module.CGROUP_ROOT = root
 cap = lambda limit: v2_cap(root, int(limit), t.IN_USE, 0, 0)
 files = pathlib.Path({str(tmp_file_dir)!r})
-model, mgr, x, want = depth_0(files, cap)
+model, mgr, x, want = {build}(files, cap)
 mgr.register_forward_hooks()
-chunks = t.run(t.reference(files / t.NAME), x)
+chunks = t.run({reference}, x)
+""" + body
+
+
+def _run_fork(script: str, tmp_path) -> None:
+    """Run a fork attack's script; it prints ``child 0`` where the child exited cleanly."""
+    from child import describe, run_python
+
+    proc = run_python(script, timeout=120, env={"OMP_NUM_THREADS": "1",
+                                                "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB": str(MARGIN / (1 << 20)),
+                                                "MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
+    assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)
+
+
+def test_a_forked_child_runs_a_forward_after_the_chunks_read(tmp_file_dir, tmp_path):
+    _run_fork(_fork_script(tmp_file_dir, tmp_path, "depth_0", "t.reference(files / t.NAME)", """
 t.run(model, x)
 assert torch.equal(t.run(model, x), chunks)
 calls = t.chunked_calls(mgr)
@@ -462,9 +478,7 @@ assert torch.equal(t.run(model, x), chunks)
 mgr.close()
 assert not t.part_forwards(model)
 print("child", code)
-""", timeout=120, env={"OMP_NUM_THREADS": "1", "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB": str(MARGIN / (1 << 20)),
-                       "MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
-    assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)
+"""), tmp_path)
 
 
 # --- the plan moving between forwards -----------------------------------------------------------------
@@ -783,26 +797,8 @@ def test_a_child_forked_inside_the_last_chunk_with_the_head_read_in_flight(tmp_f
     """The parent forks from inside layer 1's ``up`` last chunk, ``down``'s first chunk queued behind it: the
     child (its reads ahead the parent's, forgotten) finishes that forward and runs others, each right, and
     leaves nothing read ahead; so does the parent."""
-    from child import describe, run_python
-
-    proc = run_python(f"""
-import os, pathlib, sys, torch
-sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})  # these tests, not a copy in the folder it runs from
+    _run_fork(_fork_script(tmp_file_dir, tmp_path, "two_big", 't.two_big_reference(files / "two_big.safetensors")', """
 import torch.nn.functional as F
-from mapoffload.offload import runtime
-from mapoffload.pagecache import coordinator as coordinator_module
-from fake_cgroups import v2_cap
-import test_attack_part_chunks as t
-from test_part_chunks import two_big
-from child import reap
-runtime._same_bits = lambda a, b: True
-root = {str(tmp_path / "cg")!r}
-coordinator_module.CGROUP_ROOT = root
-cap = lambda limit: v2_cap(root, int(limit), t.IN_USE, 0, 0)
-files = pathlib.Path({str(tmp_file_dir)!r})
-model, mgr, x, want = two_big(files, cap)
-mgr.register_forward_hooks()
-chunks = t.run(t.two_big_reference(files / "two_big.safetensors"), x)
 for _ in range(2):
     t.run(model, x)
 assert torch.equal(t.run(model, x), chunks)
@@ -842,6 +838,4 @@ assert not mgr.parts.pages.parts.reading_ahead
 assert torch.equal(t.run(model, x), chunks)
 mgr.close()
 print("child", code)
-""", timeout=120, env={"OMP_NUM_THREADS": "1", "MAPOFFLOAD_PAGE_CACHE_MARGIN_MIB": str(MARGIN / (1 << 20)),
-                       "MAPOFFLOAD_PEERS_DIR": str(tmp_path / "peers")})
-    assert proc.returncode == 0 and "child 0" in proc.stdout, describe(proc)
+"""), tmp_path)
