@@ -73,6 +73,18 @@ def layer_resident(mgr: LayerwiseOffloadManager, i: int) -> int:
     return sum(resident_bytes([hosts[f"blocks.{i}.weight"], hosts[f"blocks.{i}.bias"]]))
 
 
+def assert_streamed_not_cached(mgr: LayerwiseOffloadManager) -> None:
+    """After the page worker drained: streamed layers read uncached never went through the page cache -
+    what is resident of them are bytes in a large folio with a cached neighbour (at most one 2 MiB folio
+    at each end of the cached set) - and every cached layer is resident."""
+    drain(mgr)
+    plan = mgr.residency
+    streamed_resident = [layer_resident(mgr, i) for i in plan.streamed]
+    assert sum(streamed_resident) <= 2 * (2 << 20), streamed_resident
+    for i in plan.cached:
+        assert layer_resident(mgr, i) > 0
+
+
 SQUARE_WIDTH, SQUARE_LAYERS = 512, 8  # 1 MiB a layer (fp32, no bias)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
-from stacks import drain, layer_resident, mapped, warm_read_bytes
+from stacks import assert_streamed_not_cached, mapped, warm_read_bytes
 
 # The stream-reads policy's module (its /proc/self/io reader is replaced here).
 offload_module = importlib.import_module("mapoffload.pagecache.member")
@@ -35,14 +35,7 @@ def test_uncached_reads_compute_the_same_and_leave_the_page_cache_alone(ckpt):
         assert plan.streamed and plan.cached
         mgr.register_forward_hooks()
         read = warm_read_bytes(model, x, want, path)
-        drain(mgr)
-        # Streamed layers never went through the page cache: what is resident of
-        # them are bytes in a large folio with a cached neighbour (at most one
-        # 2 MiB folio at each end of the cached set).
-        streamed_resident = [layer_resident(mgr, i) for i in plan.streamed]
-        assert sum(streamed_resident) <= 2 * (2 << 20), streamed_resident
-        for i in plan.cached:
-            assert layer_resident(mgr, i) > 0
+        assert_streamed_not_cached(mgr)
         # A warm forward reads the streamed layers once (whole aligned blocks: a page more at each end).
         assert plan.streamed_bytes <= read <= plan.streamed_bytes + len(plan.streamed) * 2 * 4096 + 65536, read
         assert mgr.parts.loads.source.reader.stats()["uncached_bytes"] > 0
