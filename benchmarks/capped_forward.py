@@ -17,8 +17,8 @@ checkpoint files are dropped with ``mapoffload.drop_page_cache``):
   mapoffload    mapoffload.from_pretrained(AutoModelForCausalLM, folder, device="cpu")
                 (its layers streamed by the layerwise manager; the handle's
                 summary() is in the JSON, handle.close() at the end;
-                reads="auto": streamed layers read uncached the page
-                cache (O_DIRECT) from the first forward that streams where
+                reads="auto": streamed layers read uncached
+                (O_DIRECT) from the first forward that streams where
                 the files take it, else through the mapping until two warm
                 forwards read > 1.2x the plan - the JSON's read_mode says
                 which)

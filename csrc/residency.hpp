@@ -156,7 +156,7 @@ int64_t private_page_bytes(uint64_t addr, uint64_t nbytes);
 // force_page_cache_ra), a cap that differs per device and per open file: it
 // is measured here, not guessed. mincore counts a page as soon as it is in the
 // page cache, I/O still in flight included, so nothing waits for the disk.
-// Readahead reads only what is asked (no readahead): nothing beyond the
+// readahead(2) reads only what is asked (no fault-around window): nothing beyond the
 // span's first and last page is read. Where a call reads nothing (readahead
 // off, memory short) the next starts `step` bytes further; those pages are
 // left to the faults. Where the thread's read bytes are not kept, or a file

@@ -1,6 +1,6 @@
 """Scenarios for test_device_uncached_cuda.py: each runs in a child interpreter.
 
-The device target reading uncached (``DeviceCopies`` with a ``UncachedSource``) on the CUDA
+The device target reading uncached (``DeviceCopies`` with an ``UncachedSource``) on the CUDA
 side, driven through the stand-in runtime
 (tests/fakecuda) without torch's CUDA: the layer's "device buffers" are the
 stand-in's device memory, the compute stream is a stand-in stream, and the

@@ -1,5 +1,5 @@
 """The device path with streamed layers read uncached
-(``reads="uncached"``, ``DeviceCopies`` with a ``UncachedSource``), run through its CPU twin:
+(``reads="uncached"``, ``DeviceCopies`` with an ``UncachedSource``), run through its CPU twin:
 outputs bit-identical to the mapping path, the reader's buffers reused and all
 returned, the streamed layers kept out of the page cache, failures raised,
 ``close()`` with a read in flight clean. The CUDA side (pinned buffers, DMA,

@@ -1,4 +1,4 @@
-"""The device target reading uncached (``DeviceCopies`` with a ``UncachedSource``) on the CUDA side, through the stand-in runtime (tests/fakecuda):
+"""The device target reading uncached (``DeviceCopies`` with an ``UncachedSource``) on the CUDA side, through the stand-in runtime (tests/fakecuda):
 streamed layers are copied from pinned uncached buffers by DMA (no staging,
 no pageable source), a buffer is read into again only after the device copies
 from it completed (a held stream proves it), every registration is undone at

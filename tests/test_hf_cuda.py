@@ -1,8 +1,8 @@
 """The conformance matrix on a GPU: ``mapoffload.from_pretrained(cls, folder,
 device="cuda")`` against transformers' own model on the same device, on every
 architecture of the zoo — with the plan's defaults, and with every layer
-streamed (a host of 0 GiB), read through the mapping and read uncached the page
-cache into page-locked buffers (``reads="uncached"``). Needs a CUDA
+streamed (a host of 0 GiB), read through the mapping and read uncached
+into page-locked buffers (``reads="uncached"``). Needs a CUDA
 device (``cuda`` marker): skipped elsewhere.
 
 The streamed runs must equal each other bit for bit (the same kernels on the

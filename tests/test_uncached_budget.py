@@ -90,7 +90,7 @@ def takes_uncached(mgr) -> None:
 
 def thrashing(monkeypatch) -> None:
     """Every forward reads far more than the plan streams: in place, ``reads="auto"`` tries reading uncached
-    the cache at the 4th forward (two warm forwards in a row over 1.2x)."""
+    at the 4th forward (two warm forwards in a row over 1.2x)."""
     counter = itertools.count(0, 1 << 40)
     monkeypatch.setattr(member, "_process_read_bytes", lambda: next(counter))
 

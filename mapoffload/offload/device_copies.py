@@ -1,6 +1,6 @@
 """The device target: each layer copied into device buffers through the native copier (CUDA, or the CPU twin).
 
-Through the mapping (the source :data:`~mapoffload.pagecache.read_source.MAPPING`, and every layer a
+Through the mapping (the source :data:`~mapoffload.pagecache.read_source.MAPPING`, and every layer an
 uncached source declines), a load copies the layer's host stores into device buffers from the
 device pool, on a copy stream; a release gives the buffers back to the pool.
 

@@ -83,7 +83,7 @@ class _PagesRead:
 
 
 class UncachedRead:
-    """A layer's bytes being read uncached (a Future of a UncachedBuffer); ``buffer`` once
+    """A layer's bytes being read uncached (a Future of an UncachedBuffer); ``buffer`` once
     waited for."""
 
     __slots__ = ("buffer", "future")
@@ -364,7 +364,7 @@ class UncachedSource:
                     or not self.places(i) or written_in_place(self._stores[i], self._written))
 
     def read(self, i: int) -> Future:
-        """Start reading layer ``i``'s file bytes into a buffer (a Future of a ``UncachedBuffer``); give it
+        """Start reading layer ``i``'s file bytes into a buffer (a Future of an ``UncachedBuffer``); give it
         back with :meth:`done`."""
         extents = [(e.file, e.first, e.end) for e in self._pages.extents(i)]
         future = self.reader.read_extents_async(extents)
@@ -406,8 +406,8 @@ def written_in_place(store: LayerStore, said: set[str]) -> bool:
     """True when a mapped weight of the layer has pages the process wrote in place
     (copy-on-write: a LoRA merged with ``+=``, an edit before offloading).
 
-    Those bytes are no longer the file's, so reading the file uncached,
-    cache (``O_DIRECT``) would compute with the file's values: such a layer is
+    Those bytes are no longer the file's, so reading the file uncached
+    (``O_DIRECT``) would compute with the file's values: such a layer is
     read through its mapping. Checked at each load (pagemap, a few
     microseconds a MiB), so an edit made between forwards counts too; where
     pagemap cannot be read the layer takes the mapping (always right). Logged

@@ -55,7 +55,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _uncached_source(stores: list[LayerStore], pages: LayerPages, buffers: int,
-                 pin_device: int | None) -> UncachedSource:
+                     pin_device: int | None) -> UncachedSource:
     """The stack's uncached source, as its :class:`~mapoffload.pagecache.member.StackMember` asks for one."""
     return UncachedSource(stores, pages, buffers, pin_device=pin_device)
 
@@ -95,20 +95,21 @@ class Parts:
             self.outside = OutsideWeights(model, layers, self.pages.files, self.pages.worker)
             # The page-cache plan is the process's (every stack under one budget): this stack's
             # part of it, and how its streamed layers are read, is its member.
+            host = coordinator()
             self.member = StackMember(name=name, model=model, layers=layers, pages=self.pages, loads=loads,
                                       prefetch_layers=o.prefetch_layers, given=o.page_cache_bytes,
                                       always_read=_plan.always_read_tensors, owner=owner,
                                       parts=self.pages.parts.largest if o.in_place else None,
                                       reads=o.reads, cuda=o.cuda,
                                       uncached_source=functools.partial(_uncached_source, stores, self.pages),
-                                      buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages),
-                                      host=coordinator())
+                                      layer_buffer_bytes=functools.partial(layer_buffer_bytes, stores, self.pages),
+                                      host=host)
             self.runtime = StackRuntime(self.sequencer, self.member, self.outside, in_place=o.in_place,
                                         owner=weakref.ref(owner))
-            coordinator().join(self.member)  # plans the page cache for every manager, this one included
+            host.join(self.member)  # plans the page cache for every manager, this one included
             if o.reads == "uncached":
                 self.member.read_uncached("reads='uncached'")
-                coordinator().place_buffers()  # its buffers are charged before they are made
+                host.place_buffers()  # its buffers are charged before they are made
         except BaseException:
             self.abandon(loads, copier if owns_copier else None)
             raise

@@ -35,7 +35,7 @@ the room; else its own faults read them, 2 MiB folios at a time under ``MADV_HUG
 ``MADV_RANDOM``, or a linear head's chunks of rows where they compute its bits: :class:`RowChunks`) and
 lets them go after it ran, so that they never push the layers' pages out. The lookup
 tables (embeddings no head shares) are set ``MADV_RANDOM``: a lookup faults a few rows, and a fault's
-uncached read 131-216 MiB of a 125 MiB table per forward under a tight cap.
+readahead read 131-216 MiB of a 125 MiB table per forward under a tight cap.
 
 **Autograd** (:func:`refuse_weight_gradients`, :func:`refuse_recorded_graph`). In place a layer computes
 from its host tensors, which stay where they are after it ran: gradients are exact (a layer read ahead

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 from .._log import format_bytes, logger
 from .member import always_read_of, cached_lost, file_ranges_of, planned_buffers
 from .peers import PeerLink, PeerRegistry
-from .uncached_fit import uncached_fits
 from .residency import plan_residency, plan_shared, smallest_window
 from .room import ForwardMemory, LastMeasure, anon_now, cap_text as _cap_text, read_cap, refuse_without_room
+from .uncached_fit import uncached_fits
 
 if TYPE_CHECKING:
     from ..memory.budget import PageCacheBudget
@@ -365,8 +365,8 @@ class PageCacheCoordinator:
                 return True, ""
             where = f"{'a ' + _cap_text(self._cap) + ' cap' if self._cap else 'this host'}"
             return uncached_fits(last.measured(), last.sizes, last.windows, room=self.room,
-                                    cache_extra=self.cache_extra, member=member, need=need, where=where,
-                                    parts=last.parts or None)
+                                 cache_extra=self.cache_extra, member=member, need=need, where=where,
+                                 parts=last.parts or None)
 
     # -- what it shows -----------------------------------------------------------------------
     def layer_residency(self) -> list[tuple[str, list[int]]]:

@@ -131,8 +131,8 @@ class StackMember:
         The device path is on CUDA (uncached buffers are then pinned).
     uncached_source
         ``uncached_source(buffers, pin_device)``: a new uncached source of that many buffers.
-    buffer_bytes
-        Bytes of one uncached buffer (the largest layer's mapped weights; 0: none mapped).
+    layer_buffer_bytes
+        ``() -> bytes`` of one uncached buffer (the largest layer's mapped weights; 0: none mapped).
     host
         The coordinator that plans it (:class:`PlanHost`; the process's).
     """
@@ -141,8 +141,8 @@ class StackMember:
                  prefetch_layers: int, given: int | None,
                  always_read: Callable[[Any, list], list[tuple[Any, int]]], owner: object,
                  parts: Callable[[], int] | None = None, reads: str = "mapping", cuda: bool = False,
-                 uncached_source: Callable[[int, int | None], Source] | None = None,
-                 buffer_bytes: Callable[[], int] = lambda: 0, host: PlanHost) -> None:
+                 uncached_source: Callable[[int, int | None], Source], layer_buffer_bytes: Callable[[], int],
+                 host: PlanHost) -> None:
         self.name = name
         self.model = model
         self.layers = layers
@@ -158,7 +158,7 @@ class StackMember:
         # How streamed layers are read (the reads policy's state).
         self.reads = reads
         self.reads_why = ""
-        self._cuda, self._new_source, self._buffer_bytes = cuda, uncached_source, buffer_bytes
+        self._cuda, self._new_source, self._layer_buffer_bytes = cuda, uncached_source, layer_buffer_bytes
         self._reads_at_forward: int | None = None  # this process's read bytes at the last forward's start
         self._forward_marks: dict[int, int] | None = None  # every stack's forwards then (coordinator)
         self._forwards = 0
@@ -286,8 +286,8 @@ class StackMember:
 
     def choose_reads(self) -> None:
         """``reads="auto"``, at a forward's start: on the device path, uncached once layers stream and
-        their files take ``O_DIRECT``; else measure what the last forward read, and read uncached the
-        cache when it thrashed (see the module)."""
+        their files take ``O_DIRECT``; else measure what the last forward read, and read uncached
+        when it thrashed (see the module)."""
         name = self.name
         if self.reads != "auto":
             return
@@ -314,7 +314,7 @@ class StackMember:
             # Paused for replicas that are gone, or for room the plan now has.
             replicas_gone = self._source.paused is PauseReason.REPLICAS
             self._try_uncached("no replica maps these bytes now" if replicas_gone or not self._uncached_why
-                      else self._uncached_why)
+                               else self._uncached_why)
             return
         plan = self.residency
         if plan is None or not plan.streamed:
@@ -351,7 +351,7 @@ class StackMember:
         buffers and reads no more with them (``coordinator.uncached_fits``); else say why not."""
         source = self._source
         count = source.buffers if source.reads_uncached else self._window_buffers()
-        per_buffer = self._buffer_bytes()
+        per_buffer = self._layer_buffer_bytes()
         fits, refused = self._host.uncached_fits(self, count * per_buffer)
         if not fits:
             if refused != self._refused:

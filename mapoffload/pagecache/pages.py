@@ -72,7 +72,7 @@ def file_extents(spans: _core.SpanArray, files: MappedFiles, maps: MapsView | No
     float32 scales sit with every other layer's scales at the file's start,
     its bf16 norms in the middle, its codes at the end. One range from the
     first to the last would hold most of the file: a let-go dropping it
-    dropped the cached layers, a read uncached read it all (issue 17
+    dropped the cached layers, an uncached read read it all (issue 17
     at base + 50 %: 1.1 GB read a forward for 73 MiB streamed).
 
     Each file is held open (``files``) from here on, so that later checks

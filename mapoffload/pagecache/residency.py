@@ -239,7 +239,7 @@ def plan_shared(members: list[list[int]], budget: int, *, always_bytes: int = 0,
     the page cache, one set per stack that reads uncached) are charged like
     the window: what is kept beside the cached layers is the larger of the
     two, never the sum (the buffers *are* the window of a stack that reads
-    around) and never less than the buffers.
+    uncached) and never less than the buffers.
 
     ``parts`` holds each stack's largest part (the submodule of a layer with
     the most mapped bytes; 0: the stack is read a layer at a time only). A

@@ -23,7 +23,7 @@ __all__ = ["O_DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "UncachedBuffer", "U
 
 
 class BufferOwner(Protocol):
-    """What a buffer needs of the reader that made it (a ``UncachedReader``): to take its slab back."""
+    """What a buffer needs of the reader that made it (an ``UncachedReader``): to take its slab back."""
 
     def _give_back(self, slab: Slab) -> None: ...
 

@@ -24,8 +24,8 @@ __all__ = ["uncached_fits"]
 
 
 def uncached_fits(measured: Sequence[StackMember | None], sizes: list, windows: int, *, room: int,
-                     cache_extra: int, member: StackMember, need: int, where: str,
-                     parts: list[int] | None = None) -> tuple[bool, str]:
+                  cache_extra: int, member: StackMember, need: int, where: str,
+                  parts: list[int] | None = None) -> tuple[bool, str]:
     """``(fits, why not)`` for ``member`` reading uncached into ``need`` bytes of buffers.
 
     ``measured``, ``sizes`` and ``windows`` are the last measured plan's stacks (None: collected
@@ -46,8 +46,8 @@ def uncached_fits(measured: Sequence[StackMember | None], sizes: list, windows: 
               parts=parts)
     mine = planned_buffers([member])
     mapping = plan_shared(sizes, room, buffers=others, **kw)
-    around = plan_shared(sizes, room, buffers=others + max(need, mine), **kw)
-    more = sum(p.streamed_bytes for p in around) - sum(p.streamed_bytes for p in mapping)
+    uncached = plan_shared(sizes, room, buffers=others + max(need, mine), **kw)
+    more = sum(p.streamed_bytes for p in uncached) - sum(p.streamed_bytes for p in mapping)
     if more > 0:
         return False, (f"its uncached buffers ({format_bytes(need)}) would take the room of cached "
                        f"layers ({format_bytes(more)} more read per forward): streamed layers are read "

@@ -287,7 +287,7 @@ class UncachedReader:
         reader = reader_ref()
         if reader is None:
             return
-        logger.debug("a UncachedBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
+        logger.debug("an UncachedBuffer of %s was dropped without release(); not reused", format_bytes(capacity))
         reader._slabs.lost(capacity, pinned)
 
     def trim(self) -> int:

@@ -16,8 +16,8 @@ from mapoffload import LayerwiseOffloadManager, MappingFaultError
 
 from stacks import assert_streamed_not_cached, mapped, warm_read_bytes
 
-# The stream-reads policy's module (its /proc/self/io reader is replaced here).
-offload_module = importlib.import_module("mapoffload.pagecache.member")
+# The reads policy's module (StackMember's: its /proc/self/io reader is replaced here).
+member_module = importlib.import_module("mapoffload.pagecache.member")
 
 
 def _layer(model) -> int:
@@ -86,7 +86,7 @@ def thrashing(monkeypatch) -> None:
     """Every forward of the process reads far more than its plans stream (``reads="auto"``'s measure):
     two warm forwards in a row switch an in-place stack to reading uncached (at its 4th)."""
     counter = itertools.count(0, 1 << 40)
-    monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
+    monkeypatch.setattr(member_module, "_process_read_bytes", lambda: next(counter))
 
 
 @pytest.mark.parametrize("twin", [False, True], ids=["in-place", "twin"])
@@ -161,7 +161,7 @@ def test_auto_switches_after_two_warm_forwards_that_read_too_much(ckpt, monkeypa
         monkeypatch.setattr(mgr.parts.member, "probe_uncached", lambda: (False, "tmpfs, say"))
         unit = mgr.residency.streamed_bytes / 10
         counter = iter([0] + [int(sum(reads[:k + 1]) * unit) for k in range(len(reads))])
-        monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: next(counter))
+        monkeypatch.setattr(member_module, "_process_read_bytes", lambda: next(counter))
         mgr.register_forward_hooks()
         with torch.no_grad():
             for _ in range(len(reads) + 1):
@@ -239,7 +239,7 @@ def test_auto_judges_a_forward_by_what_every_model_read_since_it(ckpt, monkeypat
     a, b = mapped(path), mapped(path)
     share = 6 * _layer(a) + 4096
     read = [0]
-    monkeypatch.setattr(offload_module, "_process_read_bytes", lambda: read[0])
+    monkeypatch.setattr(member_module, "_process_read_bytes", lambda: read[0])
     with LayerwiseOffloadManager(a, "blocks", device="cpu", page_cache_bytes=share) as ma, \
             LayerwiseOffloadManager(b, "blocks", device="cpu", page_cache_bytes=share) as mb:
         for model, mgr in ((a, ma), (b, mb)):
