@@ -442,6 +442,26 @@ chunks = t.run({reference}, x)
 """ + body
 
 
+def forked_child(model, mgr, x, chunks, want, before=lambda: 0, after=lambda: 0) -> int:
+    """A fork attack's child, its exit code (0: right): ``before()``, two forwards equal to ``chunks``,
+    ``after()`` (each a code, 0 when right), then ``mgr`` closed and the model plain again (5 if not); 3: a
+    forward differed, 4: it raised."""
+    code = 0
+    try:
+        code = before()
+        for _ in range(2):
+            if not torch.equal(run(model, x), chunks):
+                code = code or 3
+        code = code or after()
+        mgr.close()
+        if part_forwards(model) or not torch.equal(run(model, x), want):
+            code = code or 5
+    except BaseException as e:
+        print("child:", type(e).__name__, e, flush=True)
+        code = 4
+    return code
+
+
 def _run_fork(script: str, tmp_path) -> None:
     """Run a fork attack's script; it prints ``child 0`` where the child exited cleanly."""
     from child import describe, run_python
@@ -459,20 +479,8 @@ assert torch.equal(t.run(model, x), chunks)
 calls = t.chunked_calls(mgr)
 pid = os.fork()
 if pid == 0:
-    code = 0
-    try:
-        for _ in range(2):
-            if not torch.equal(t.run(model, x), chunks):
-                code = 3
-        if t.chunked_calls(mgr) != calls + 2 * t.BLOCKS:
-            code = 6
-        mgr.close()
-        if t.part_forwards(model) or not torch.equal(t.run(model, x), want):
-            code = 5
-    except BaseException as e:
-        print("child:", type(e).__name__, e, flush=True)
-        code = 4
-    os._exit(code)
+    os._exit(t.forked_child(model, mgr, x, chunks, want,
+                            after=lambda: 6 if t.chunked_calls(mgr) != calls + 2 * t.BLOCKS else 0))
 code = reap(pid, 60)
 assert torch.equal(t.run(model, x), chunks)
 mgr.close()
@@ -814,23 +822,10 @@ F.linear = linear
 got = t.run(model, x)
 F.linear = real
 if forked[0] == 0:
-    code = 0
-    try:
-        if not torch.equal(got, chunks):
-            code = 3
+    def settled():
         mgr.parts.pages.settle()
-        if mgr.parts.pages.parts.reading_ahead:
-            code = 7
-        for _ in range(2):
-            if not torch.equal(t.run(model, x), chunks):
-                code = 3
-        mgr.close()
-        if t.part_forwards(model) or not torch.equal(t.run(model, x), want):
-            code = 5
-    except BaseException as e:
-        print("child:", type(e).__name__, e, flush=True)
-        code = 4
-    os._exit(code)
+        return 3 if not torch.equal(got, chunks) else 7 if mgr.parts.pages.parts.reading_ahead else 0
+    os._exit(t.forked_child(model, mgr, x, chunks, want, before=settled))
 code = reap(forked[0], 60)
 assert torch.equal(got, chunks)
 mgr.parts.pages.settle()
