@@ -10,9 +10,14 @@ only then mapped, instead of faulted in 4 KiB at a time; without
 ``MADV_POPULATE_READ`` its pages are touched a byte each under the SIGBUS
 guard; without ``MADV_PAGEOUT`` a let-go is ``POSIX_FADV_DONTNEED`` only.
 
-One worker thread per manager runs the native calls (``madvise``; the GIL
-is released while the kernel works) in the order they were asked for, so a
-streamed layer is let go before the next one is read under a tight budget.
+Two worker threads per manager run the native calls (``madvise``; the GIL
+is released while the kernel works): one reads, one lets go, each in the
+order asked. A read starts only once every let-go asked before it is done, so
+a streamed layer is let go before the next one is read under a tight budget,
+as with one queue; a let-go waits only for the reads asked before it that
+touch its bytes. The let-go's CPU (``MADV_PAGEOUT`` of a part's small folios,
+~0.6 ms for 15 MiB) then runs beside the reads already queued instead of
+between them (issue 43).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from .._log import logger
 from .._runs import merge_runs
@@ -330,8 +335,27 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = (), caps: KernelCaps 
     return KEPT, left
 
 
+def _bounds(spans: _core.SpanArray) -> tuple[int, int]:
+    """The address range ``[lo, hi)`` that holds every span (empty: ``(0, 0)``)."""
+    if not len(spans):
+        return 0, 0
+    return min(spans.addrs), max(a + n for a, n in zip(spans.addrs, spans.sizes))
+
+
+def _after(deps: list[Future], work, *args) -> None:
+    """Run ``work(*args)`` once ``deps`` are done (how they ended is theirs to report)."""
+    if deps:
+        wait(deps)
+    work(*args)
+
+
 class PageWorker:
-    """A single worker thread for page-cache calls; made again after a fork.
+    """Two worker threads for page-cache calls, a reader and a letter-go; made again after a fork.
+
+    A read waits for every let-go asked before it (the page cache never holds more than the order of
+    the calls allows, as with one queue); a let-go waits for the reads asked before it whose bytes
+    it touches (what it lets go is in the cache by then), and for nothing else: it runs while the
+    reads queued before it do (see the module).
 
     Parameters
     ----------
@@ -355,7 +379,10 @@ class PageWorker:
 
     def __init__(self, kernel_caps: str | KernelCaps | None = None) -> None:
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the reads
+        self._letter: ThreadPoolExecutor | None = None  # the let-gos
+        self._letting: list[Future] = []  # let-gos asked, not seen done
+        self._reading: list[tuple[int, int, Future]] = []  # reads asked, not seen done: (lo, hi, future)
         # How each let-go ended (PAGEOUT, DRAINED, KEPT, REFUSED, DROPPED), and the bytes kept in all.
         self.let_go_counts: dict[str, int] = {}
         self.kept_bytes = 0
@@ -396,7 +423,15 @@ class PageWorker:
 
     def read_in(self, spans: _core.SpanArray, what: str = "weights", edges: _core.SpanArray | None = None,
                 extents: list[Extent] = ()) -> Future:
-        return self._executor().submit(self._read_in, spans, what, edges, self.caps(extents))
+        """Read ``spans`` in on the reader thread, after every let-go asked before (see :func:`read_in`)."""
+        caps = self.caps(extents)
+        with self._lock:
+            pool, _ = self._pools()
+            self._letting = [f for f in self._letting if not f.done()]
+            fut = pool.submit(_after, list(self._letting), self._read_in, spans, what, edges, caps)
+            self._reading = [r for r in self._reading if not r[2].done()]
+            self._reading.append((*_bounds(spans), fut))
+        return fut
 
     def _read_in(self, spans: _core.SpanArray, what: str, edges: _core.SpanArray | None, caps: KernelCaps) -> None:
         self.read_ahead_calls += read_in(spans, what, edges, caps)
@@ -405,14 +440,25 @@ class PageWorker:
         """On the calling thread, before the copier reads a layer: see :func:`before_copy`."""
         self.read_ahead_calls += before_copy(spans, edges, self.caps(extents))
 
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-pages")
-            return self._pool
+    def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The reader's and the let-go's threads, made at first use (the lock held)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-pages")
+            self._letter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mapoffload-letgo")
+        return self._pool, self._letter
 
     def let_go(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> Future:
-        return self._executor().submit(self._let_go, spans, extents, self.caps(extents))
+        """Let ``spans`` go on the let-go thread, after the reads asked before that touch them."""
+        caps = self.caps(extents)
+        lo, hi = _bounds(spans)
+        with self._lock:
+            _, letter = self._pools()
+            self._reading = [r for r in self._reading if not r[2].done()]
+            deps = [f for a, b, f in self._reading if a < hi and lo < b]
+            fut = letter.submit(_after, deps, self._let_go, spans, extents, caps)
+            self._letting = [f for f in self._letting if not f.done()]
+            self._letting.append(fut)
+        return fut
 
     def _let_go(self, spans: _core.SpanArray, extents: list[Extent], caps: KernelCaps | None = None) -> None:
         how, left = let_go(spans, extents, caps)
@@ -421,7 +467,7 @@ class PageWorker:
 
     @property
     def running(self) -> bool:
-        """The worker's thread exists (made at the first read-in or let-go, gone at close)."""
+        """The worker's threads exist (made at the first read-in or let-go, gone at close)."""
         return self._pool is not None
 
     def drain(self) -> None:
@@ -434,22 +480,26 @@ class PageWorker:
         the user's code: at the end of a forward, after a module streamed on its own, after a release.
         """
         with self._lock:
-            pool = self._pool
-        if pool is None:
-            return
-        try:
-            pool.submit(lambda: None).result()
-        except RuntimeError:  # shut down meanwhile (closed): close() finished what was asked
-            pass
+            pools = (self._pool, self._letter)
+        for pool in pools:
+            if pool is None:
+                continue
+            try:
+                pool.submit(lambda: None).result()
+            except RuntimeError:  # shut down meanwhile (closed): close() finished what was asked
+                pass
 
     def after_fork_in_child(self) -> None:
-        """The parent's thread does not exist here: forget it (its queued work never runs)."""
+        """The parent's threads do not exist here: forget them (their queued work never runs)."""
         self._lock = threading.Lock()
-        self._pool = None
+        self._pool = self._letter = None
+        self._letting, self._reading = [], []
 
     def close(self) -> None:
-        """Finish what was asked, stop the thread. Idempotent."""
+        """Finish what was asked, stop the threads. Idempotent."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = (self._pool, self._letter)
+            self._pool = self._letter = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)

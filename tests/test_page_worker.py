@@ -1,0 +1,152 @@
+"""The page worker's two threads (issue 43): a let-go runs beside the reads queued before it, yet the
+order that bounds the page cache holds - a read starts only after every let-go asked before it, and a
+let-go of bytes still being read waits for that read.
+
+The native calls are replaced by ones that record and block, so the order is observed, not timed.
+"""
+
+import threading
+
+import pytest
+
+from mapoffload._native import _core
+from mapoffload.pagecache import pages
+from mapoffload.pagecache.pages import PageWorker
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Each read and let-go records ``(kind, first address)`` when it starts and waits for its gate."""
+    log: list[tuple[str, int, str]] = []
+    gates: dict[int, threading.Event] = {}
+
+    def gate(addr):
+        return gates.setdefault(addr, threading.Event())
+
+    def read_in(spans, what="weights", edges=None, caps=None):
+        log.append(("read", spans.addrs[0], "start"))
+        assert gate(spans.addrs[0]).wait(10), "a read was never let through"
+        log.append(("read", spans.addrs[0], "end"))
+        return 0
+
+    def let_go(spans, extents=(), caps=None):
+        log.append(("let go", spans.addrs[0], "start"))
+        assert gate(spans.addrs[0]).wait(10), "a let-go was never let through"
+        log.append(("let go", spans.addrs[0], "end"))
+        return pages.PAGEOUT, 0
+
+    monkeypatch.setattr(pages, "read_in", read_in)
+    monkeypatch.setattr(pages, "let_go", let_go)
+    return log, gate
+
+
+def _span(mib: int) -> _core.SpanArray:
+    return _core.SpanArray([mib * MIB], [MIB])
+
+
+def _wait_for(log, entry):
+    for _ in range(1000):
+        if entry in log:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{entry} never happened: {log}")
+
+
+def test_a_let_go_runs_beside_a_read_queued_before_it(calls):
+    log, gate = calls
+    w = PageWorker("large-folios")
+    try:
+        reading = w.read_in(_span(10))
+        _wait_for(log, ("read", 10 * MIB, "start"))
+        gate(20 * MIB).set()
+        w.let_go(_span(20)).result(timeout=10)  # another part's bytes: done while the read still runs
+        assert not reading.done()
+        gate(10 * MIB).set()
+        reading.result(timeout=10)
+    finally:
+        for e in (10, 20):
+            gate(e * MIB).set()
+        w.close()
+
+
+def test_a_read_starts_only_after_the_let_gos_asked_before_it(calls):
+    log, gate = calls
+    w = PageWorker("large-folios")
+    try:
+        letting = w.let_go(_span(20))
+        _wait_for(log, ("let go", 20 * MIB, "start"))
+        reading = w.read_in(_span(30))
+        threading.Event().wait(0.2)
+        assert ("read", 30 * MIB, "start") not in log  # the page cache would hold both
+        gate(20 * MIB).set()
+        gate(30 * MIB).set()
+        letting.result(timeout=10)
+        reading.result(timeout=10)
+        assert log.index(("let go", 20 * MIB, "end")) < log.index(("read", 30 * MIB, "start"))
+    finally:
+        for e in (20, 30):
+            gate(e * MIB).set()
+        w.close()
+
+
+def test_a_let_go_of_bytes_being_read_waits_for_the_read(calls):
+    log, gate = calls
+    w = PageWorker("large-folios")
+    try:
+        reading = w.read_in(_core.SpanArray([10 * MIB], [4 * MIB]))
+        _wait_for(log, ("read", 10 * MIB, "start"))
+        letting = w.let_go(_core.SpanArray([12 * MIB], [MIB]))  # inside the read: after it, or it stays
+        threading.Event().wait(0.2)
+        assert ("let go", 12 * MIB, "start") not in log
+        gate(12 * MIB).set()
+        gate(10 * MIB).set()
+        reading.result(timeout=10)
+        letting.result(timeout=10)
+        assert log.index(("read", 10 * MIB, "end")) < log.index(("let go", 12 * MIB, "start"))
+    finally:
+        for e in (10, 12):
+            gate(e * MIB).set()
+        w.close()
+
+
+def test_a_failed_read_does_not_hold_the_let_go_back(monkeypatch):
+    def read_in(spans, what="weights", edges=None, caps=None):
+        raise OSError("the file went away")
+
+    went: list[int] = []
+    monkeypatch.setattr(pages, "read_in", read_in)
+    monkeypatch.setattr(pages, "let_go", lambda spans, extents=(), caps=None: (went.append(1), (pages.PAGEOUT, 0))[1])
+    w = PageWorker("large-folios")
+    try:
+        reading = w.read_in(_span(10))
+        w.let_go(_span(10)).result(timeout=10)
+        with pytest.raises(OSError, match="went away"):
+            reading.result(timeout=10)
+        assert went == [1]
+    finally:
+        w.close()
+
+
+def test_drain_waits_for_both_threads(calls):
+    log, gate = calls
+    w = PageWorker("large-folios")
+    try:
+        w.read_in(_span(10))
+        w.let_go(_span(20))
+        drained = threading.Thread(target=w.drain)
+        drained.start()
+        drained.join(0.2)
+        assert drained.is_alive()
+        gate(10 * MIB).set()
+        drained.join(0.2)
+        assert drained.is_alive()  # the let-go is still held
+        gate(20 * MIB).set()
+        drained.join(10)
+        assert not drained.is_alive()
+        assert {e[:2] for e in log if e[2] == "end"} == {("read", 10 * MIB), ("let go", 20 * MIB)}
+    finally:
+        for e in (10, 20):
+            gate(e * MIB).set()
+        w.close()
