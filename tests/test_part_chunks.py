@@ -225,6 +225,30 @@ def test_the_first_chunk_of_the_next_part_is_read_behind_the_last_chunk_of_the_p
     assert max(peaks) <= PART_BYTES + EDGES, peaks
 
 
+def test_the_next_layers_first_parts_are_read_behind_the_last_chunk_of_a_layer(tmp_file_dir, cap, monkeypatch,
+                                                                            reads):
+    """Behind ``down``'s last chunk, the last part of a layer, the next layer's first parts that fit the window
+    beside it start reading (here its norm: ``up``'s first chunk does not fit beside the chunk computing),
+    not only a next part of the same layer; the page cache holds no more than the window all along."""
+    monkeypatch.setattr(runtime, "_same_bits", lambda a, b: True)
+    model, mgr, x, want = two_big(tmp_file_dir, cap)
+    began, peaks = [], []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        for i, block in enumerate(model.blocks[:-1]):
+            down = block.down.weight
+            if weight.data_ptr() == down[W // 2:].data_ptr() and weight.shape[0] == W // 2:  # down's last chunk
+                began.append(reads(f"layer {i + 1} (blocks.{i + 1}.norm)").wait(5))
+                peaks.append(resident(mgr))
+        return real(inp, weight, bias)
+
+    got, names = second_forward(model, mgr, x, want, reads, monkeypatch, linear)
+    assert began == [True] * (BLOCKS - 1), began
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert max(peaks) <= PART_BYTES + EDGES, peaks
+
+
 def test_a_part_read_ahead_by_its_first_chunk_that_computes_whole_is_read_whole(tmp_file_dir, cap, monkeypatch,
                                                                                reads):
     """``down``'s chunks are found inexact (so it computes whole) while ``up``'s are exact: its first chunk,

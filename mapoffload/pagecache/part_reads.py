@@ -135,14 +135,7 @@ class PartReads:
                     self._missing += self._not_resident(i, k)  # read ahead into the thin share: kept?
             elif read:
                 started = self.read(i, k)
-            nexts = self._next(key)
-            for stale in [p for p in self._ahead if p not in nexts]:
-                del self._ahead[stale]
-                self._head_only.discard(stale)
-                self.let_go(*stale)
-            for p in nexts:
-                if p not in self._ahead:
-                    self._ahead[p] = self.read(*p)
+            self._start(self._next(key, self._room(key)))
         return started
 
     def chunked(self, i: int, k: int, head: tuple | None) -> None:
@@ -160,52 +153,69 @@ class PartReads:
         return (i, k) in self._heads
 
     def read_next_head(self, i: int, k: int, held: int) -> None:
-        """Part ``k`` of layer ``i`` computes its last chunk, ``held`` bytes of it in the page cache: the first
-        chunk of the part that ran after it the last time starts reading behind it, where that part is of
-        the same layer, streamed, reads itself in chunks (:meth:`chunked`) and the plan's window holds both.
-        At depth 0 (the window one largest part) nothing else of the next part could be read while this
-        one computed (issue 43)."""
-        plan = self._pages.plan
-        if plan is None or not plan.parts or not plan.readahead:
-            return
+        """Part ``k`` of layer ``i`` computes its last chunk, ``held`` bytes of it in the page cache: the parts
+        that ran after it the last time start reading behind it, as many as the plan's window holds beside
+        it and what is read ahead already (:meth:`_next`: whole parts, then the first chunk of one that
+        reads itself in chunks), the next layer's first parts included. At depth 0 (the window one largest
+        part) nothing else could be read while this one computed (issue 43)."""
         with self._lock:
-            nxt = self._after.get((i, k))
-            head = self._heads.get(nxt) if nxt is not None else None
-            if head is None or nxt[0] != i or nxt in self._ahead or not self._pages.streams(i):
-                return
-            ahead = sum(self._bytes(p) for p in self._ahead)  # whatever else is read ahead, counted whole
-            if held + ahead + head[0].total_bytes > plan.window_bytes:
-                return
-            spans, extents, edges = head
-            what = f"layer {i} ({self._pages.stores[i].parts[nxt[1]].name}) (its first chunk)"
-            self._ahead[nxt] = self._pages.worker.read_in(spans, what, edges, extents)
-            self._head_only.add(nxt)
-
+            room = self._room((i, k), held) - sum(self._bytes(p) for p in self._ahead)
+            self._start(self._next((i, k), room, passing=set(self._ahead)), keep=True)
     def _not_resident(self, i: int, k: int) -> int:
         """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""
         spans = self._part(i, k)[0]
         return max(0, spans.total_bytes - sum(_core.resident_bytes(spans))) if len(spans) else 0
 
-    def _next(self, key: tuple[int, int]) -> list[tuple[int, int]]:
-        """The parts to read ahead of ``key``: those that ran after it the last time, in that order, streamed
-        ones only, as many as fit the plan's window beside it. The window is counted in bytes (``1 + depth``
-        of the largest part): behind a small part (a norm, an attention projection) more than ``depth``
-        parts fit, so the read of a large one begins while the small ones before it compute (issue 43)."""
+    def _room(self, key: tuple[int, int], held: int | None = None) -> int:
+        """Bytes of the plan's window left beside part ``key`` (``held`` of it in the page cache; None: all
+        of it); -1 where nothing is read ahead (no plan by parts, or no read-ahead)."""
         plan = self._pages.plan
         if plan is None or not plan.parts or not plan.readahead:
-            return []
-        room = plan.window_bytes - self._bytes(key)
-        out: list[tuple[int, int]] = []
-        p = key
-        while True:
+            return -1
+        return plan.window_bytes - (self._bytes(key) if held is None else held)
+
+    def _next(self, key: tuple[int, int], room: int, passing: set = frozenset()) -> dict[tuple[int, int], bool]:
+        """The parts to read ahead of ``key`` within ``room`` bytes: those that ran after it the last time,
+        in that order, streamed ones only, each whole while it fits, then the first chunk of one that reads
+        itself in chunks (:meth:`chunked`) where that fits; part -> whether its first chunk only. Parts in
+        ``passing`` are walked over, their bytes counted by the caller. The window is counted in bytes
+        (``1 + depth`` of the largest part): behind a small part (a norm, an attention projection) more than
+        ``depth`` parts fit, so the read of a large one begins while the small ones before it compute."""
+        out: dict[tuple[int, int], bool] = {}
+        p, seen = key, {key}
+        while room >= 0:
             p = self._after.get(p)
-            if p is None or p == key or p in out or not self._pages.streams(p[0]):
+            if p is None or p in seen or not self._pages.streams(p[0]):
                 break
+            seen.add(p)
+            if p in passing:
+                continue
             room -= self._bytes(p)
-            if room < 0:
-                break
-            out.append(p)
+            if room >= 0:
+                out[p] = False
+            elif p in self._heads and room + self._bytes(p) >= self._heads[p][0].total_bytes:
+                out[p] = True
         return out
+
+    def _start(self, nexts: dict[tuple[int, int], bool], keep: bool = False) -> None:
+        """Read ``nexts`` ahead (:meth:`_next`; the lock held): the parts read ahead that are not among them
+        let go first (unless ``keep``), a part whose first chunk only was read read whole where it now fits."""
+        if not keep:
+            for stale in [p for p in self._ahead if p not in nexts]:
+                del self._ahead[stale]
+                self._head_only.discard(stale)
+                self.let_go(*stale)
+        for p, head in nexts.items():
+            if p in self._ahead and (head or p not in self._head_only):
+                continue  # read as it is asked (a part read whole stays so: it was counted whole)
+            if head:
+                spans, extents, edges = self._heads[p]
+                what = f"layer {p[0]} ({self._pages.stores[p[0]].parts[p[1]].name}) (its first chunk)"
+                self._ahead[p] = self._pages.worker.read_in(spans, what, edges, extents)
+                self._head_only.add(p)
+            else:
+                self._ahead[p] = self.read(*p)
+                self._head_only.discard(p)
 
     def _bytes(self, p: tuple[int, int]) -> int:
         """Mapped bytes of part ``p`` (as its reads count them)."""
