@@ -380,3 +380,58 @@ def test_chunks_of_two_folios_or_more_are_read_and_let_go_at_the_file_s_folio_bo
     assert max(seen) <= 2 * 4 * MIB + 2 * FOLIO_BYTES, [s / MIB for s in seen]
     assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
     worker.close()
+
+
+def test_where_the_step_holds_more_chunks_more_are_read_ahead_within_it(tmp_file_dir, monkeypatch):
+    """A step of three 4 MiB chunks and the folio the computing one shares with the one before: while a chunk
+    computes the next two are read (the second's read has begun), and the page cache never holds more than
+    the step (and the weight's two 4 KiB ends). The chunks' outputs are the same."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from mapoffload import load_checkpoint
+    from mapoffload.pagecache import pages
+    from mapoffload.pagecache.file_places import MapsView
+    from mapoffload.pagecache.mapped_file import MappedFiles
+    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker, layer_spans
+
+    rows_, cols = 5 * 1024, 1024  # 20 MiB in chunks of 1024 rows (4 MiB)
+    path = tmp_file_dir / "w.safetensors"
+    save_file({"a": torch.randn(1000), "weight": torch.randn(rows_, cols)}, str(path))
+    head = torch.nn.Linear(cols, rows_, bias=False, device="meta")
+    load_checkpoint(head, str(path), keep_mapping=True, strict=False)
+    w = head.weight
+    maps, worker = MapsView(), PageWorker()
+    step = 3 * 4 * MIB + FOLIO_BYTES
+    rows = runtime.RowChunks.of(head, "w", [w.data], worker, MappedFiles(), maps, step)
+    assert rows is not None and [c[1] - c[0] for c in rows.chunks] == [1024] * 5
+    began: dict[str, threading.Event] = {}
+    real_read = pages.read_in
+
+    def read_in(spans, what="weights", *args, **kw):
+        began.setdefault(what, threading.Event()).set()
+        return real_read(spans, what, *args, **kw)
+
+    monkeypatch.setattr(pages, "read_in", read_in)
+    drop_page_cache(str(path))
+    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))
+    seen, second_ahead = [], []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        seen.append(sum(resident_bytes([w])))
+        if weight.data_ptr() == w[1024].data_ptr():  # chunk 1 computes: chunk 3's read has begun
+            second_ahead.append(began.setdefault("w (rows 3072-4096)", threading.Event()).wait(5))
+        return real(inp, weight, bias)
+
+    x = torch.randn(3, cols)
+    monkeypatch.setattr(F, "linear", linear)
+    got = torch.cat([part for _, _, part in rows.parts(x, w, None)], -1)
+    monkeypatch.setattr(F, "linear", real)
+    worker.drain()
+    assert second_ahead == [True]
+    assert max(seen) <= step + 2 * 4 * KIB, [s / MIB for s in seen]
+    assert sum(resident_bytes([w])) <= 2 * 4 * KIB, "let go after"
+    assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
+    worker.close()

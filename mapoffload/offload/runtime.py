@@ -713,8 +713,8 @@ class RowChunks:
     the weight more than once: several times its bytes a forward (issue 43, ``docs/benchmarks.md``).
     Over chunks of its rows (each ``F.linear`` of the input and the chunk's rows, into the output's
     columns), each chunk is read in whole on the page worker while the one before it computes, and let
-    go after: the weight is read once, two chunks at a time in the room (a chunk is half of the one
-    layer or part the window holds ``1 + depth`` of).
+    go after: the weight is read once, as many chunks at a time as the room holds, two at least (a chunk
+    is at most half of the one layer or part the window holds ``1 + depth`` of).
 
     Whether the chunks compute the same bits as the whole matmul is the BLAS's matter: it picks its
     blocking and kernels by the shapes, strides, alignment and threads, never by the values, and the
@@ -740,6 +740,7 @@ class RowChunks:
         self.chunked_calls = 0
         self.on_last: Callable[[int], None] | None = None  # called with the bytes held as the last chunk computes
         self.shared = 0  # bytes two chunks share (a folio, where they are cut at folio boundaries)
+        self.step = 0  # the bytes the chunks may hold in the page cache at once (more than two read ahead)
 
     @staticmethod
     def plain_weight(module, wrapped: bool = False):
@@ -801,6 +802,7 @@ class RowChunks:
         exact = None if verdicts is None else verdicts.setdefault(geometry, {})
         rows = cls(module, name, weight, worker, chunks, (whole, file_extents(whole, files, maps)), exact)
         rows.shared = FOLIO_BYTES if folios and place is not None else 0
+        rows.step = step
         return rows
 
     def signature(self, x, weight, bias) -> tuple:
@@ -868,7 +870,7 @@ class RowChunks:
             logger.info("%s: its matmul over %d chunks of rows %s the whole one for inputs of shape %s on %d "
                         "threads: %s", self.name, len(self.chunks), "computes every bit of" if exact else
                         "does not compute the bits of", tuple(x.shape), torch.get_num_threads(),
-                        "chunks read one ahead from now on" if exact else "computed whole (read by its faults)")
+                        "chunks read ahead from now on" if exact else "computed whole (read by its faults)")
             return whole
         self.chunked_calls += 1
         out = None
@@ -881,19 +883,23 @@ class RowChunks:
 
     def parts(self, x, weight, bias, last: Callable[[int], None] | None = None):
         """``(first row, end row, F.linear over those rows)`` of each chunk in turn, each chunk read in on
-        the page worker while the one before computes, and let go after; ``last(bytes held)`` called as
+        the page worker while the ones before compute (as many ahead as fit the step, one at least), and
+        let go after; ``last(bytes held)`` called as
         the last chunk is about to compute (what reads behind it). Left early (an error, a
         KeyboardInterrupt, a check that found a chunk unequal), what was read ahead is let go."""
         import torch.nn.functional as F
 
         n = len(self.chunks)
         reads: list = [None] * n
+        asked = 0  # the chunks whose reads were asked
         done = False
         try:
-            reads[0] = self._read(0)
             for j, (lo, hi, _, gone) in enumerate(self.chunks):
-                if j + 1 < n:
-                    reads[j + 1] = self._read(j + 1)  # queued after the let-go of the chunk before
+                # The next chunks, as many as fit the step beside this one (the next always does), each queued
+                # after the let-go of the chunk before: a read waits for the let-gos asked before it.
+                while asked < n and (asked <= j + 1 or self._fit(j, asked)):
+                    reads[asked] = self._read(asked)
+                    asked += 1
                 if reads[j] is not None:
                     reads[j].result()
                 if j + 1 == n and last is not None and not self.stopped:
@@ -906,6 +912,11 @@ class RowChunks:
             if not done and not self.stopped:
                 self.worker.let_go(*self.whole)  # queued after the reads in flight
                 self.worker.drain()
+
+    def _fit(self, j: int, last: int) -> bool:
+        """Whether chunks ``j`` to ``last`` fit the step together, with the folio chunk ``j`` shares with the
+        one before (in the page cache until ``j`` is let go)."""
+        return self.shared + sum(c[2][0].total_bytes for c in self.chunks[j:last + 1]) <= self.step
 
     def _read(self, j: int):
         lo, hi, (spans, extents, edges), _ = self.chunks[j]
