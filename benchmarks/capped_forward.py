@@ -96,7 +96,8 @@ Columns:
   fwd / tf            over transformers' under the same cap in the same run
   disk s              read MB/fwd at the disk's sequential bandwidth (measured
                       once: the checkpoint dropped from the page cache, then
-                      read with 8 MiB reads)
+                      read with 8 MiB reads and, dropped again, mapped and
+                      populated in 2 MiB folios; the faster: _common.disk_read)
   fwd / disk          fwd s over disk s (1.0: the forward runs at the speed of
                       the disk)
   fwd / limit         fwd s over the limit: the larger of the contender's own
@@ -721,7 +722,8 @@ def main(argv=None) -> int:
         sizes["layer_bytes"] = args.layer_bytes = largest_layer_bytes(folder)
         args.calibration = {}
         disk = disk_bandwidth(folder)
-        print(f"disk: {disk['disk_gb_s']:.2f} GB/s sequential ({disk['disk_bytes'] / MIB:.0f} MiB, 8 MiB reads, cold)")
+        print(f"disk: {disk['disk_gb_s']:.2f} GB/s sequential ({disk['disk_bytes'] / MIB:.0f} MiB, cold; the faster of "
+              f"8 MiB reads, {disk['disk_gb_s_read']:.2f}, and mapped in 2 MiB folios, {disk['disk_gb_s_mapped'] or 0:.2f})")
         results, logits = [], {}
         for contender, cap in plan:
             out = os.path.join(work, f"logits-{contender}-{cap}.pt")

@@ -18,8 +18,8 @@ own made under this process's cgroup:
 Each run calls the pipeline twice (``--steps`` steps, guidance 4.5, ``--size`` pixels, the prompt given
 as embeddings: no tokenizer files), the first warming up; the second's transformer calls are the steps
 timed (each a forward of the transformer over the batch of two that guidance makes), with the bytes the
-process read in each (``/proc/self/io``). The disk's speed is measured once (a cold sequential read of
-the pipeline's files).
+process read in each (``/proc/self/io``). The disk's speed is measured once (cold sequential reads of
+the pipeline's files, the faster of ``read()`` and a mapping populated in 2 MiB folios: ``_common.disk_read``).
 
 Printed, as a table and JSON (``--json``): for each run the limit, the step (s, the mean of the second
 call's steps), the reads per step over the transformer's bytes, the disk time for those reads, step over
