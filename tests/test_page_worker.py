@@ -71,44 +71,38 @@ def test_a_let_go_runs_beside_a_read_queued_before_it(calls):
         w.close()
 
 
-def test_a_read_starts_only_after_the_let_gos_asked_before_it(calls):
+def _held_back(calls, first, second) -> None:
+    """``first()`` asked and begun, then ``second()``: ``second`` does not begin while ``first`` is held, and
+    begins only after it ended. Each is ``(kind, address, ask)``: ``ask(worker)`` returns its future."""
     log, gate = calls
     w = PageWorker("large-folios")
     try:
-        letting = w.let_go(_span(20))
-        _wait_for(log, ("let go", 20 * MIB, "start"))
-        reading = w.read_in(_span(30))
+        one = first[2](w)
+        _wait_for(log, (first[0], first[1], "start"))
+        two = second[2](w)
         threading.Event().wait(0.2)
-        assert ("read", 30 * MIB, "start") not in log  # the page cache would hold both
-        gate(20 * MIB).set()
-        gate(30 * MIB).set()
-        letting.result(timeout=10)
-        reading.result(timeout=10)
-        assert log.index(("let go", 20 * MIB, "end")) < log.index(("read", 30 * MIB, "start"))
+        assert (second[0], second[1], "start") not in log
+        gate(second[1]).set()
+        gate(first[1]).set()
+        one.result(timeout=10)
+        two.result(timeout=10)
+        assert log.index((first[0], first[1], "end")) < log.index((second[0], second[1], "start"))
     finally:
-        for e in (20, 30):
-            gate(e * MIB).set()
+        gate(first[1]).set()
+        gate(second[1]).set()
         w.close()
+
+
+def test_a_read_starts_only_after_the_let_gos_asked_before_it(calls):
+    """Another part's bytes: the page cache would hold both."""
+    _held_back(calls, ("let go", 20 * MIB, lambda w: w.let_go(_span(20))),
+               ("read", 30 * MIB, lambda w: w.read_in(_span(30))))
 
 
 def test_a_let_go_of_bytes_being_read_waits_for_the_read(calls):
-    log, gate = calls
-    w = PageWorker("large-folios")
-    try:
-        reading = w.read_in(_core.SpanArray([10 * MIB], [4 * MIB]))
-        _wait_for(log, ("read", 10 * MIB, "start"))
-        letting = w.let_go(_core.SpanArray([12 * MIB], [MIB]))  # inside the read: after it, or it stays
-        threading.Event().wait(0.2)
-        assert ("let go", 12 * MIB, "start") not in log
-        gate(12 * MIB).set()
-        gate(10 * MIB).set()
-        reading.result(timeout=10)
-        letting.result(timeout=10)
-        assert log.index(("read", 10 * MIB, "end")) < log.index(("let go", 12 * MIB, "start"))
-    finally:
-        for e in (10, 12):
-            gate(e * MIB).set()
-        w.close()
+    """Inside the read's bytes: let go before they are in, they would stay."""
+    _held_back(calls, ("read", 10 * MIB, lambda w: w.read_in(_core.SpanArray([10 * MIB], [4 * MIB]))),
+               ("let go", 12 * MIB, lambda w: w.let_go(_core.SpanArray([12 * MIB], [MIB]))))
 
 
 def test_a_failed_read_does_not_hold_the_let_go_back(monkeypatch):

@@ -316,25 +316,61 @@ def test_a_head_whose_rows_are_not_a_multiple_of_the_chunk(tmp_file_dir, cap, th
         torch.set_num_threads(before)
 
 
+def _mapped_linear(tmp_file_dir, rows_: int, cols: int):
+    """A bias-free linear of ``rows_ x cols`` whose weight is a view of a safetensors file, placed after
+    another tensor so that it starts inside a 2 MiB folio of the file; and the file's path."""
+    from safetensors.torch import save_file
+
+    from mapoffload import load_checkpoint
+
+    path = tmp_file_dir / "w.safetensors"
+    save_file({"a": torch.randn(1000), "weight": torch.randn(rows_, cols)}, str(path))
+    head = torch.nn.Linear(cols, rows_, bias=False, device="meta")
+    load_checkpoint(head, str(path), keep_mapping=True, strict=False)
+    return head, path
+
+
+def _compute_in_chunks(rows, path, monkeypatch, also=None) -> list[int]:
+    """``rows``' chunks computed from a cold weight advised as the manager advises it; the weight's resident
+    bytes at each chunk's matmul returned (``also(weight)`` called there too). Checked: the chunks' outputs,
+    and nothing left resident after but the weight's two 4 KiB ends."""
+    from mapoffload.pagecache.pages import layer_spans
+
+    w = rows.weight
+    drop_page_cache(str(path))
+    rows.worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))  # as the manager does: no readahead, 2 MiB folios
+    seen: list[int] = []
+    real = F.linear
+
+    def linear(inp, weight, bias=None):
+        seen.append(sum(resident_bytes([w])))
+        if also is not None:
+            also(weight)
+        return real(inp, weight, bias)
+
+    x = torch.randn(3, w.shape[1])
+    monkeypatch.setattr(F, "linear", linear)
+    got = torch.cat([part for _, _, part in rows.parts(x, w, None)], -1)
+    monkeypatch.setattr(F, "linear", real)
+    rows.worker.drain()
+    assert sum(resident_bytes([w])) <= 2 * 4 * KIB, "let go after"
+    assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
+    return seen
+
+
 def test_chunks_of_two_folios_or_more_are_read_and_let_go_at_the_file_s_folio_boundaries(tmp_file_dir, monkeypatch):
     """Chunks of at least two 2 MiB folios are read by whole folios of the file: a chunk's read ends at the
     folio boundary after its last row (taking the next chunk's first rows), its let-go at the one before,
     so that only the weight's two ends are read as 4 KiB pages (cut at the rows, each chunk's two ends
     were: up to 4 MiB of them a chunk, at 5-10x the kernel CPU a byte of a folio's). What a chunk computes
     with is resident when it computes, two chunks and two folios at most, and nothing after."""
-    from safetensors.torch import save_file
-
-    from mapoffload import load_checkpoint
     from mapoffload.pagecache.file_places import MapsView
     from mapoffload.pagecache.mapped_file import MappedFiles
-    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker, layer_spans
+    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker
 
-    rows_, cols = 4096 + 100, 1024  # 16.4 MiB, rows of 4 KiB; the last chunk a short one
-    path = tmp_file_dir / "w.safetensors"
-    save_file({"a": torch.randn(1000), "weight": torch.randn(rows_, cols)}, str(path))  # unaligned in the file
-    head = torch.nn.Linear(cols, rows_, bias=False, device="meta")
-    load_checkpoint(head, str(path), keep_mapping=True, strict=False)
+    head, path = _mapped_linear(tmp_file_dir, 4096 + 100, 1024)  # 16.4 MiB, rows of 4 KiB; the last chunk short
     w = head.weight
+    cols = w.shape[1]
     maps, worker = MapsView(), PageWorker()
     off = maps.place(w.data_ptr()).offset
     assert off % FOLIO_BYTES, "the weight should start inside a folio"
@@ -362,23 +398,8 @@ def test_chunks_of_two_folios_or_more_are_read_and_let_go_at_the_file_s_folio_bo
     # Only the weight's two ends are 4 KiB pages: no chunk inside has edges.
     assert [len(c[2][2]) for c in rows.chunks] == [1, 0, 0, 1, 0]
 
-    drop_page_cache(str(path))
-    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))  # as the manager does: no readahead, 2 MiB folios
-    seen = []
-    real = F.linear
-
-    def linear(inp, weight, bias=None):
-        seen.append(sum(resident_bytes([w])))
-        return real(inp, weight, bias)
-
-    x = torch.randn(3, cols)
-    monkeypatch.setattr(F, "linear", linear)
-    got = torch.cat([part for _, _, part in rows.parts(x, w, None)], -1)
-    monkeypatch.setattr(F, "linear", real)
-    worker.drain()
-    assert sum(resident_bytes([w])) <= 2 * 4 * KIB, "let go after"
+    seen = _compute_in_chunks(rows, path, monkeypatch)
     assert max(seen) <= 2 * 4 * MIB + 2 * FOLIO_BYTES, [s / MIB for s in seen]
-    assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
     worker.close()
 
 
@@ -388,23 +409,16 @@ def test_where_the_step_holds_more_chunks_more_are_read_ahead_within_it(tmp_file
     the step (and the weight's two 4 KiB ends). The chunks' outputs are the same."""
     import threading
 
-    from safetensors.torch import save_file
-
-    from mapoffload import load_checkpoint
     from mapoffload.pagecache import pages
     from mapoffload.pagecache.file_places import MapsView
     from mapoffload.pagecache.mapped_file import MappedFiles
-    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker, layer_spans
+    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker
 
-    rows_, cols = 5 * 1024, 1024  # 20 MiB in chunks of 1024 rows (4 MiB)
-    path = tmp_file_dir / "w.safetensors"
-    save_file({"a": torch.randn(1000), "weight": torch.randn(rows_, cols)}, str(path))
-    head = torch.nn.Linear(cols, rows_, bias=False, device="meta")
-    load_checkpoint(head, str(path), keep_mapping=True, strict=False)
+    head, path = _mapped_linear(tmp_file_dir, 5 * 1024, 1024)  # 20 MiB in chunks of 1024 rows (4 MiB)
     w = head.weight
-    maps, worker = MapsView(), PageWorker()
+    worker = PageWorker()
     step = 3 * 4 * MIB + FOLIO_BYTES
-    rows = runtime.RowChunks.of(head, "w", [w.data], worker, MappedFiles(), maps, step)
+    rows = runtime.RowChunks.of(head, "w", [w.data], worker, MappedFiles(), MapsView(), step)
     assert rows is not None and [c[1] - c[0] for c in rows.chunks] == [1024] * 5
     began: dict[str, threading.Event] = {}
     real_read = pages.read_in
@@ -414,24 +428,13 @@ def test_where_the_step_holds_more_chunks_more_are_read_ahead_within_it(tmp_file
         return real_read(spans, what, *args, **kw)
 
     monkeypatch.setattr(pages, "read_in", read_in)
-    drop_page_cache(str(path))
-    worker.advise(layer_spans([(w.data_ptr(), w.nbytes)]))
-    seen, second_ahead = [], []
-    real = F.linear
+    second_ahead = []
 
-    def linear(inp, weight, bias=None):
-        seen.append(sum(resident_bytes([w])))
-        if weight.data_ptr() == w[1024].data_ptr():  # chunk 1 computes: chunk 3's read has begun
+    def chunk_1_computes(weight):  # chunk 3's read has begun
+        if weight.data_ptr() == w[1024].data_ptr():
             second_ahead.append(began.setdefault("w (rows 3072-4096)", threading.Event()).wait(5))
-        return real(inp, weight, bias)
 
-    x = torch.randn(3, cols)
-    monkeypatch.setattr(F, "linear", linear)
-    got = torch.cat([part for _, _, part in rows.parts(x, w, None)], -1)
-    monkeypatch.setattr(F, "linear", real)
-    worker.drain()
+    seen = _compute_in_chunks(rows, path, monkeypatch, chunk_1_computes)
     assert second_ahead == [True]
     assert max(seen) <= step + 2 * 4 * KIB, [s / MIB for s in seen]
-    assert sum(resident_bytes([w])) <= 2 * 4 * KIB, "let go after"
-    assert torch.equal(got, torch.cat([real(x, w[lo:hi]) for lo, hi, *_ in rows.chunks], -1))
     worker.close()
