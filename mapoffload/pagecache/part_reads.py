@@ -9,8 +9,9 @@ part read ahead that is not among the next ones now is let go first. The page wo
 the order asked, after the let-go of the part that ran before, so no more than the plan's window
 (``1 + depth`` of the largest part, in bytes) is in the page cache at once. At depth 0 (the window is
 one largest part) the smaller parts are still read ahead within it, unless ``prefetch_layers`` is 0; a
-part that reads itself in chunks of its rows (``offload.runtime.RowChunks``) has its first chunk read
-behind the last chunk of the part before it (:meth:`PartReads.read_next_head`).
+part that reads itself in chunks of its rows (``offload.runtime.RowChunks``) and does not fit whole has
+its first chunk read ahead where that fits, and behind the last chunk of a part the next parts that fit
+are read, the next layer's first ones included (:meth:`PartReads.read_next_head`).
 """
 
 from __future__ import annotations
