@@ -258,17 +258,25 @@ def test_a_forward_that_goes_another_way_lets_the_wrong_part_go(ckpt, cap):
             return real(self, x)
         return x + self.d(torch.tanh(self.c(torch.tanh(self.a(self.norm(x))))))
 
-    peaks = []
+    peaks, asked = [], []
+    worker = type(mgr.parts.pages.worker)
+    real_read, real_let_go = worker.read_in, worker.let_go
     with mgr, torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(Block, "forward", forward)
         assert torch.equal(model(x), want)
         for i in range(BLOCKS):
             for p in ("a", "c", "d"):
                 getattr(model.blocks[i], p).register_forward_hook(lambda *a: peaks.append(resident(mgr)))
+        mp.setattr(worker, "read_in", lambda w, spans, what="weights", *a: (asked.append(what), real_read(
+            w, spans, what, *a))[1])
+        mp.setattr(worker, "let_go", lambda w, spans, *a: (asked.append(spans.addrs[0]), real_let_go(w, spans, *a))[1])
         skip[0] = True
         with torch.no_grad():
             plain_skip = model(x)
         skip[0] = False
+        for i in range(BLOCKS):  # b's let-go asked before c's read on demand, which waits for it
+            b = min(t.data_ptr() for t in model.blocks[i].b.parameters())
+            assert asked.index(b) < asked.index(f"layer {i} (blocks.{i}.c)"), asked
         assert torch.equal(model(x), want)
         assert max(peaks) <= 2 * PART_BYTES + EDGES, [p / MIB for p in peaks]
         assert resident(mgr) <= EDGES

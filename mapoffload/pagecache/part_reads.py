@@ -125,6 +125,8 @@ class PartReads:
             if self._last is not None and self._last != key:
                 self._after[self._last] = key
             self._last = key
+            nexts = self._next(key, self._room(key))
+            self._drop_stale(nexts, key)  # let go before this part's read is asked: it waits for them
             started = None
             if key in self._ahead:
                 started = self._ahead.pop(key)
@@ -136,7 +138,7 @@ class PartReads:
                     self._missing += self._not_resident(i, k)  # read ahead into the thin share: kept?
             elif read:
                 started = self.read(i, k)
-            self._start(self._next(key, self._room(key)))
+            self._start(nexts)
         return started
 
     def chunked(self, i: int, k: int, head: tuple | None) -> None:
@@ -198,14 +200,19 @@ class PartReads:
                 out[p] = True
         return out
 
+    def _drop_stale(self, nexts: dict[tuple[int, int], bool], but: tuple[int, int] | None = None) -> None:
+        """Let go the parts read ahead that are not among ``nexts`` (nor ``but``, the part about to run; the
+        lock held): a part read ahead for a forward that went another way."""
+        for stale in [p for p in self._ahead if p not in nexts and p != but]:
+            del self._ahead[stale]
+            self._head_only.discard(stale)
+            self.let_go(*stale)
+
     def _start(self, nexts: dict[tuple[int, int], bool], keep: bool = False) -> None:
         """Read ``nexts`` ahead (:meth:`_next`; the lock held): the parts read ahead that are not among them
         let go first (unless ``keep``), a part whose first chunk only was read read whole where it now fits."""
         if not keep:
-            for stale in [p for p in self._ahead if p not in nexts]:
-                del self._ahead[stale]
-                self._head_only.discard(stale)
-                self.let_go(*stale)
+            self._drop_stale(nexts)
         for p, head in nexts.items():
             if p in self._ahead and (head or p not in self._head_only):
                 continue  # read as it is asked (a part read whole stays so: it was counted whole)
