@@ -144,3 +144,20 @@ def test_drain_waits_for_both_threads(calls):
         for e in (10, 20):
             gate(e * MIB).set()
         w.close()
+
+
+def test_a_let_go_between_the_spans_of_a_read_does_not_wait_for_it(calls):
+    """A read of two spans far apart (an fp8 weight's scales at the file's start, its codes at the end): the
+    let-go of another part's bytes between them runs beside it."""
+    log, gate = calls
+    w = PageWorker("large-folios")
+    try:
+        reading = w.read_in(_core.SpanArray([10 * MIB, 40 * MIB], [MIB, MIB]))
+        _wait_for(log, ("read", 10 * MIB, "start"))
+        gate(20 * MIB).set()
+        w.let_go(_span(20)).result(timeout=10)
+        assert not reading.done()
+    finally:
+        for e in (10, 20):
+            gate(e * MIB).set()
+        w.close()

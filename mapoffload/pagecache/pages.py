@@ -335,11 +335,23 @@ def let_go(spans: _core.SpanArray, extents: list[Extent] = (), caps: KernelCaps 
     return KEPT, left
 
 
-def _bounds(spans: _core.SpanArray) -> tuple[int, int]:
-    """The address range ``[lo, hi)`` that holds every span (empty: ``(0, 0)``)."""
-    if not len(spans):
-        return 0, 0
-    return min(spans.addrs), max(a + n for a, n in zip(spans.addrs, spans.sizes))
+def _ranges(spans: _core.SpanArray) -> list[tuple[int, int]]:
+    """Each span's ``[start, end)``, in address order."""
+    return sorted((a, a + n) for a, n in zip(spans.addrs, spans.sizes) if n)
+
+
+def _touch(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of ranges share a byte (a part's weights may lie far apart in a file - an
+    fp8 weight's scales and codes - so their bounds alone would overlap other parts' reads)."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
 
 
 def _after(deps: list[Future], work, *args) -> None:
@@ -382,7 +394,7 @@ class PageWorker:
         self._pool: ThreadPoolExecutor | None = None  # the reads
         self._letter: ThreadPoolExecutor | None = None  # the let-gos
         self._letting: list[Future] = []  # let-gos asked, not seen done
-        self._reading: list[tuple[int, int, Future]] = []  # reads asked, not seen done: (lo, hi, future)
+        self._reading: list[tuple[list, Future]] = []  # reads asked, not seen done: (their ranges, future)
         # How each let-go ended (PAGEOUT, DRAINED, KEPT, REFUSED, DROPPED), and the bytes kept in all.
         self.let_go_counts: dict[str, int] = {}
         self.kept_bytes = 0
@@ -429,8 +441,8 @@ class PageWorker:
             pool, _ = self._pools()
             self._letting = [f for f in self._letting if not f.done()]
             fut = pool.submit(_after, list(self._letting), self._read_in, spans, what, edges, caps)
-            self._reading = [r for r in self._reading if not r[2].done()]
-            self._reading.append((*_bounds(spans), fut))
+            self._reading = [r for r in self._reading if not r[1].done()]
+            self._reading.append((_ranges(spans), fut))
         return fut
 
     def _read_in(self, spans: _core.SpanArray, what: str, edges: _core.SpanArray | None, caps: KernelCaps) -> None:
@@ -450,11 +462,11 @@ class PageWorker:
     def let_go(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> Future:
         """Let ``spans`` go on the let-go thread, after the reads asked before that touch them."""
         caps = self.caps(extents)
-        lo, hi = _bounds(spans)
+        mine = _ranges(spans)
         with self._lock:
             _, letter = self._pools()
-            self._reading = [r for r in self._reading if not r[2].done()]
-            deps = [f for a, b, f in self._reading if a < hi and lo < b]
+            self._reading = [r for r in self._reading if not r[1].done()]
+            deps = [f for theirs, f in self._reading if _touch(mine, theirs)]
             fut = letter.submit(_after, deps, self._let_go, spans, extents, caps)
             self._letting = [f for f in self._letting if not f.done()]
             self._letting.append(fut)
