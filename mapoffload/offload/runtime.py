@@ -883,10 +883,10 @@ class RowChunks:
 
     def parts(self, x, weight, bias, last: Callable[[int], None] | None = None):
         """``(first row, end row, F.linear over those rows)`` of each chunk in turn, each chunk read in on
-        the page worker while the ones before compute (as many ahead as fit the step, one at least), and
-        let go after; ``last(bytes held)`` called as
-        the last chunk is about to compute (what reads behind it). Left early (an error, a
-        KeyboardInterrupt, a check that found a chunk unequal), what was read ahead is let go."""
+        the page worker while the ones before it compute (as many ahead as fit the step, one at least),
+        and let go after; ``last(bytes held)`` called as the last chunk is about to compute (what reads
+        behind it). Left early (an error, a KeyboardInterrupt, a check that found a chunk unequal), what
+        was read ahead is let go."""
         import torch.nn.functional as F
 
         n = len(self.chunks)

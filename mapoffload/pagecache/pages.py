@@ -362,7 +362,7 @@ def _after(deps: list[Future], work, *args) -> None:
 
 
 class PageWorker:
-    """Two worker threads for page-cache calls, a reader and a letter-go; made again after a fork.
+    """Two worker threads for page-cache calls, one that reads and one that lets go; made again after a fork.
 
     A read waits for every let-go asked before it (the page cache never holds more than the order of
     the calls allows, as with one queue); a let-go waits for the reads asked before it whose bytes

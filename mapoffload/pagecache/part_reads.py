@@ -164,6 +164,7 @@ class PartReads:
         with self._lock:
             room = self._room((i, k), held) - sum(self._bytes(p) for p in self._ahead)
             self._start(self._next((i, k), room, passing=set(self._ahead)), keep=True)
+
     def _not_resident(self, i: int, k: int) -> int:
         """Bytes of part ``k`` of layer ``i`` not resident now (read ahead, and taken by the kernel since)."""
         spans = self._part(i, k)[0]
