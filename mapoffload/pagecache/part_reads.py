@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .._native import _core
 from .file_places import MapsView
@@ -126,7 +126,9 @@ class PartReads:
                 self._after[self._last] = key
             self._last = key
             nexts = self._next(key, self._room(key))
-            self._drop_stale(nexts, key)  # let go before this part's read is asked: it waits for them
+            # A part read ahead for a forward that went another way: let go before this part's read is
+            # asked, which waits for it.
+            self._drop_ahead(lambda p: p not in nexts and p != key)
             started = None
             if key in self._ahead:
                 started = self._ahead.pop(key)
@@ -201,19 +203,18 @@ class PartReads:
                 out[p] = True
         return out
 
-    def _drop_stale(self, nexts: dict[tuple[int, int], bool], but: tuple[int, int] | None = None) -> None:
-        """Let go the parts read ahead that are not among ``nexts`` (nor ``but``, the part about to run; the
-        lock held): a part read ahead for a forward that went another way."""
-        for stale in [p for p in self._ahead if p not in nexts and p != but]:
-            del self._ahead[stale]
-            self._head_only.discard(stale)
-            self.let_go(*stale)
+    def _drop_ahead(self, which: Callable[[tuple[int, int]], bool]) -> None:
+        """Let go the parts read ahead that ``which`` names, and forget them (the lock held)."""
+        for p in [p for p in self._ahead if which(p)]:
+            del self._ahead[p]
+            self._head_only.discard(p)
+            self.let_go(*p)
 
     def _start(self, nexts: dict[tuple[int, int], bool], keep: bool = False) -> None:
         """Read ``nexts`` ahead (:meth:`_next`; the lock held): the parts read ahead that are not among them
         let go first (unless ``keep``), a part whose first chunk only was read read whole where it now fits."""
         if not keep:
-            self._drop_stale(nexts)
+            self._drop_ahead(lambda p: p not in nexts)
         for p, head in nexts.items():
             if p in self._ahead and (head or p not in self._head_only):
                 continue  # read as it is asked (a part read whole stays so: it was counted whole)
@@ -254,10 +255,7 @@ class PartReads:
         """Layer ``i``'s stores changed: its parts read ahead let go (by the spans they were read by), its
         parts measured again at their next read."""
         with self._lock:
-            for p in [p for p in self._ahead if p[0] == i]:
-                del self._ahead[p]
-                self._head_only.discard(p)
-                self.let_go(*p)
+            self._drop_ahead(lambda p: p[0] == i)
             for p in [p for p in self._heads if p[0] == i]:
                 del self._heads[p]  # cut from the weights as they were
         self._geometry.pop(i, None)
