@@ -399,6 +399,7 @@ class PageWorker:
         self.let_go_counts: dict[str, int] = {}
         self.kept_bytes = 0
         self.read_ahead_calls = 0
+        self._counting = threading.Lock()  # read_ahead_calls: counted by the reader and the copier's threads
         self._given = kernel_caps if isinstance(kernel_caps, KernelCaps) else overrides(kernel_caps)
         self._caps: dict[int | None, KernelCaps] = {}  # device (st_dev) -> its capabilities
 
@@ -446,11 +447,15 @@ class PageWorker:
         return fut
 
     def _read_in(self, spans: _core.SpanArray, what: str, edges: _core.SpanArray | None, caps: KernelCaps) -> None:
-        self.read_ahead_calls += read_in(spans, what, edges, caps)
+        self._count(read_in(spans, what, edges, caps))
 
     def before_copy(self, spans: _core.SpanArray, edges: _core.SpanArray | None, extents: list[Extent] = ()) -> None:
         """On the calling thread, before the copier reads a layer: see :func:`before_copy`."""
-        self.read_ahead_calls += before_copy(spans, edges, self.caps(extents))
+        self._count(before_copy(spans, edges, self.caps(extents)))
+
+    def _count(self, calls: int) -> None:
+        with self._counting:
+            self.read_ahead_calls += calls
 
     def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """The reader's and the let-go's threads, made at first use (the lock held)."""
@@ -503,7 +508,7 @@ class PageWorker:
 
     def after_fork_in_child(self) -> None:
         """The parent's threads do not exist here: forget them (their queued work never runs)."""
-        self._lock = threading.Lock()
+        self._lock, self._counting = threading.Lock(), threading.Lock()
         self._pool = self._letter = None
         self._letting, self._reading = [], []
 
