@@ -749,7 +749,7 @@ class RowChunks:
         weight; else None."""
         import torch
 
-        linear = isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+        linear = isinstance(module, torch.nn.Linear) and _linear_forward(type(module))
         weight = module._parameters.get("weight") if linear and (wrapped or "forward" not in vars(module)) else None
         if weight is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
             return None
@@ -812,16 +812,16 @@ class RowChunks:
 
         return (tuple(x.shape), tuple(x.stride()), x.dtype, x.data_ptr() % 64, weight.dtype, bias is None,
                 bias.dtype if bias is not None else None, torch.get_num_threads(),
-                torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision())
+                torch.backends.mkldnn.enabled, _matmul_precision())
 
     def _plain(self, x, weight, bias) -> bool:
         """Whether this call may take the chunks (else the module's own forward): a plain strided CPU tensor
-        (not sparse, nested or a functorch transform's), the weight the chunks were cut from (the same
+        (not a subclass, sparse, nested or a functorch transform's), the weight the chunks were cut from (the same
         storage, shape and strides), no autograd recorded, no autocast, ``nn.Linear``'s own forward."""
         import torch
 
-        if not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested or x.device.type != "cpu":
-            return False
+        if type(x) is not torch.Tensor or x.layout is not torch.strided or x.is_nested or x.device.type != "cpu":
+            return False  # a subclass's own ops (and the type of what they return) are its forward's matter
         wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
         if wrapped is not None and wrapped(x):
             return False
@@ -831,7 +831,7 @@ class RowChunks:
             return False
         if torch.is_autocast_enabled("cpu"):
             return False
-        return type(self.module).forward is torch.nn.Linear.forward
+        return _linear_forward(type(self.module))
 
     def stop(self) -> None:
         """The manager's hooks were removed (or it closed), maybe inside a chunk: the chunks left of a call
@@ -923,6 +923,35 @@ class RowChunks:
         if not spans.total_bytes or self.stopped:
             return None  # its rows' folios came with the chunk before
         return self.worker.read_in(spans, f"{self.name} (rows {lo}-{hi})", edges, extents)
+
+
+def _linear_forward(cls) -> bool:
+    """Whether ``cls.forward`` is ``nn.Linear``'s own as torch defines it: not a forward patched onto
+    ``nn.Linear`` (before mapoffload was imported or after), which the chunks would not compute."""
+    import torch
+
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    return (forward is torch.nn.Linear.forward and code is not None and code.co_name == "forward"
+            and getattr(forward, "__qualname__", None) == "Linear.forward"
+            and code.co_filename.replace("\\", "/").endswith("torch/nn/modules/linear.py"))
+
+
+def _matmul_precision() -> tuple:
+    """The fp32 matmul precision settings (a kind of input's part: one may pick a bf16 kernel). Read one
+    by one: ``torch.get_float32_matmul_precision()`` raises where one backend's ``fp32_precision`` was set
+    through the newer API."""
+    import torch
+
+    def read(get):
+        try:
+            return str(get())
+        except Exception:  # absent in this torch, or refused (the legacy and the new API mixed)
+            return None
+
+    backends = torch.backends
+    return (read(torch.get_float32_matmul_precision), read(lambda: backends.fp32_precision),
+            read(lambda: backends.mkldnn.fp32_precision), read(lambda: backends.mkldnn.matmul.fp32_precision))
 
 
 def _same_bits(a, b) -> bool:
