@@ -285,10 +285,14 @@ class StackRuntime:
 
     def _post_hook(self, i: int):
         def post_hook(module, args, output):
-            self.finish_layer(i)
             seq = self.sequencer
+            load = seq.loaded.get(i)
+            reused = seq.loads.recycles(i) or (load is not None and seq.loads.reuses(load))
+            kept = copied_out(seq.stores[i], output) if reused and i in self.turn.held() else None
+            self.finish_layer(i)
             if seq.loads.recycles(i):  # autograd must not have saved views of reused device buffers
                 refuse_recorded_graph(seq.stores[i], output)
+            return kept
 
         return post_hook
 
@@ -498,6 +502,28 @@ def refuse_weight_gradients(store: LayerStore) -> None:
             f"through them would be wrong. {_HOW}",
             layer=store.index, name=store.name, reason=WEIGHTS_REQUIRE_GRAD,
         )
+
+
+def copied_out(store: LayerStore, output: Any) -> Any:
+    """``output`` with each tensor that is a view of one of the layer's weights (learned latents expanded,
+    a weight returned) copied out of the buffer the layer computed from, which the next layers reuse; None
+    where none is (the output as it is)."""
+    import torch
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    def storage(t: Any) -> int | None:
+        try:
+            return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+        except (RuntimeError, NotImplementedError):  # sparse, or no storage of its own
+            return None
+
+    leaves = [p for p in (storage(t) for t in tree_leaves(output)) if p]
+    if not leaves:
+        return None
+    weights = {p for p in (storage(w.param) for w in store.weights) if p}
+    if weights.isdisjoint(leaves):
+        return None
+    return tree_map(lambda t: t.clone() if storage(t) in weights else t, output)
 
 
 def refuse_recorded_graph(store: LayerStore, output: Any) -> None:

@@ -194,13 +194,18 @@ class Sequencer:
             now = [module._parameters.get(attr) for module, attr in w.holders]
             if any(p is not w.held for p in now):
                 out.append((w, now))
-            elif data_key(w.param) != w.bound or (not self.in_place and _version(w.param) != w.version):
-                # On the device path a write into the parameter (load_state_dict without assign, an
-                # in-place op under no_grad) lands in a device buffer the next release recycles: it is
-                # taken into the host store like a replacement. In place the parameter's data is the host
-                # store itself, so the write is already the weight.
+            elif data_key(w.param) != w.bound or (_version(w.param) != w.version and (
+                    not self.in_place or not self.on_host(w))):
+                # A write into the parameter (load_state_dict without assign, an in-place op under no_grad)
+                # lands in a buffer the next release recycles (a device buffer; in place, one read uncached):
+                # it is taken like a replacement. Bound to its host store in place, the write is the weight.
                 out.append((w, [w.param] * len(now)))
         return out
+
+    @staticmethod
+    def on_host(w: Weight) -> bool:
+        """Whether ``w``'s parameter computes from its host store (not from a load's buffer)."""
+        return w.host is not None and w.bound == data_key(w.host)
 
     # -- one layer -------------------------------------------------------------------------
     def prefetch(self, i: int) -> None:
@@ -233,7 +238,10 @@ class Sequencer:
             self.ensure(i)
             return
         for w in self.stores[i].weights:
-            self.bind(w, self.loads.value(w, load))
+            value = self.loads.value(w, load)
+            if self.in_place and value is not w.host and _version(w.param) != w.version:
+                value = w.host  # written in its host store while its file bytes were read uncached: the host is right
+            self.bind(w, value)
         load.ready = True
         load.handle = None
 
@@ -521,6 +529,10 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
         w.param.data = new.detach()
     if seq.in_place:
         value = w.param.data
+        if new is w.param and not seq.on_host(w) and data_key(value) == w.bound:
+            # Written in place while bound to a load's buffer (read uncached), which the next loads reuse:
+            # the values the user made are taken out of it.
+            value = w.param.data = value.clone()
         w.host, w.store = value, STRIDED  # owned by the model now (possibly the user's view of a mapping)
         w.stride, w.contiguous, w.nbytes = tuple(value.stride()), value.is_contiguous(), tensor_extent(value)[1]
         if seq.engaged:
