@@ -159,9 +159,16 @@ def plan_load(module: torch.nn.Module, path: str | os.PathLike, files: list[str]
     plan.unexpected = sorted(k for k in loaded if k not in sites)
     for names in groups:
         key = next((n for n in names if n in loaded), None)
+        fp8 = [n for n in names if n in fp8_keys]
+        if fp8 and len(names) > 1:
+            # An fp8 weight is kept as its codes and scales behind one module's parametrization: the other
+            # places that share the parameter would keep what they held (their initial values, or meta).
+            raise ValueError(f"{plan.path}: {fp8[0]} is stored as fp8 codes and scales, and {plan.component} ties "
+                             f"it to {', '.join(n for n in names if n != fp8[0])}: tied fp8 weights cannot be kept "
+                             "as fp8; untie them before loading, or load a checkpoint that stores them dequantized")
         if key is not None:
             plan.placements.append(_placement(names, key, loaded[key], plan, shard_plan))
-        elif not any(n in fp8_keys for n in names):
+        elif not fp8:
             plan.missing.extend(names)
     plan.missing.sort()
     _check_keys(plan, strict)
