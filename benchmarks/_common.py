@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -9,6 +10,31 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_DONTNEED = 4
+
+
+def map_private(fd: int, size: int) -> int:
+    """The address of ``size`` bytes of ``fd`` mapped read-only and private (as a checkpoint is mapped)."""
+    addr = _libc.mmap(None, size, 1, 2, fd, 0)  # PROT_READ, MAP_PRIVATE
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    return addr
+
+
+def unmap(addr: int, size: int) -> None:
+    _libc.munmap(addr, size)
+
+
+def unmap_pages(addr: int, size: int) -> None:
+    """``MADV_DONTNEED``: this process's pages of the mapping unmapped (the file's can then be dropped)."""
+    _libc.madvise(addr, size, MADV_DONTNEED)
 
 
 def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:

@@ -33,7 +33,6 @@ Run: python benchmarks/kernel_advice.py [--dir /var/tmp] [--mib 64] [--repeat 3]
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import emit_json, print_table
+from _common import emit_json, map_private, print_table, unmap
 from mapoffload.pagecache import pages
 from mapoffload.pagecache.kernel import kernel_caps
 from mapoffload.pagecache.mapped_file import MappedFiles
@@ -51,10 +50,6 @@ from mapoffload._native import _core
 
 MIB = 1 << 20
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def disk_reads(dev: int) -> int | None:
@@ -79,9 +74,7 @@ def run_once(path: str, prev: int, layer: int, nxt: int, mode: str) -> dict:
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         size = prev + layer + nxt
-        addr = _libc.mmap(None, size, 1, 2, fd, 0)  # PROT_READ, MAP_PRIVATE
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap")
+        addr = map_private(fd, size)
         files = MappedFiles()
         try:
             spans = layer_spans([(addr + prev, layer)])
@@ -121,7 +114,7 @@ def run_once(path: str, prev: int, layer: int, nxt: int, mode: str) -> dict:
             }
         finally:
             files.close()
-            _libc.munmap(addr, size)
+            unmap(addr, size)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

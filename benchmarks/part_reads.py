@@ -25,7 +25,6 @@ Run: python benchmarks/part_reads.py [--dir /var/tmp] [--layers 22] [--repeat 3]
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import resource
 import statistics
@@ -35,17 +34,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import emit_json, print_table  # noqa: E402
+from _common import emit_json, map_private, print_table, unmap, unmap_pages  # noqa: E402
 from mapoffload._native import _core  # noqa: E402
 from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker, folio_edges  # noqa: E402
 
 MIB = 1 << 20
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-MADV_DONTNEED = 4
 OFFSET = 37 * 1024 + 8  # a header's worth: no part starts on a 2 MiB boundary
 
 
@@ -108,22 +101,20 @@ class Reads:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
-        self.base = _libc.mmap(None, self.size, 1, 2, self.fd, 0)  # PROT_READ, MAP_PRIVATE
-        if self.base in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        self.base = map_private(self.fd, self.size)
         self.whole = _core.SpanArray([self.base], [self.size])
         self.worker = PageWorker()
 
     def close(self) -> None:
         self.worker.close()
-        _libc.munmap(self.base, self.size)
+        unmap(self.base, self.size)
         os.close(self.fd)
 
     def spans(self, off: int, n: int) -> _core.SpanArray:
         return _core.SpanArray([self.base + off], [n])
 
     def drop(self) -> None:
-        _libc.madvise(self.base, self.size, MADV_DONTNEED)  # unmapped: the file's pages can be dropped
+        unmap_pages(self.base, self.size)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def run(self, how: str, parts: list[tuple[int, int]]) -> tuple[float, float]:
