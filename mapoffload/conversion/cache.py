@@ -101,6 +101,15 @@ def _is_plain_file(path: str) -> bool:
         return False
 
 
+def _stamp(path: str) -> list[int] | None:
+    """A part file's size and modification time (ns), as its manifest records them; None where it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
 def read_manifest(folder: str) -> Any:
     """The parsed ``manifest.json`` of the conversion folder ``folder`` (unchecked JSON), read as
     the loader reads checkpoint files: a FIFO or a device under its name is refused at once,
@@ -197,6 +206,13 @@ class ConversionCache:
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             logger.warning("conversion cache %s is malformed: converting again", manifest)
+            return cache
+        stamps = data.get("parts")
+        if not isinstance(stamps, dict) or any(stamps.get(f) != _stamp(os.path.join(cache.path, f)) for f in files):
+            # Written since the conversion finished (a stray writer, a hand edit): the bytes of a part are
+            # mapped as they are, so a part whose size or modification time moved is not trusted.
+            logger.warning("conversion cache %s was changed after it was written (a part's size or modification "
+                           "time differs from its manifest's): converting again", cache.path)
             return cache
         cache.tensors = data["tensors"]
         cache.meta = meta
@@ -357,12 +373,16 @@ class ConversionCache:
         """
         if self._work is None:
             return
-        text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors, "meta": self.meta},
-                          indent=1, sort_keys=True).encode()
-        needed = self._written + len(text)
+        needed = self._written
         doing = f"writing the converted weights of {self.key} to disk"
         try:
             self._sync_reserved()
+            # Each part's size and modification time, once written: a later load reuses only parts unchanged.
+            parts = sorted({e["file"] for e in self.tensors.values()})
+            stamps = {f: _stamp(os.path.join(self._work, f)) for f in parts}
+            text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors, "meta": self.meta,
+                               "parts": stamps}, indent=1, sort_keys=True).encode()
+            needed += len(text)
             doing = f"writing {MANIFEST} of the conversion {self.key}"
             with open(os.path.join(self._work, MANIFEST), "wb") as f:
                 f.write(text)
