@@ -438,3 +438,24 @@ def test_where_the_step_holds_more_chunks_more_are_read_ahead_within_it(tmp_file
     assert second_ahead == [True]
     assert max(seen) <= step + 2 * 4 * KIB, [s / MIB for s in seen]
     worker.close()
+
+
+def test_a_part_s_step_and_a_layer_s_step_cut_the_same_chunks(tmp_file_dir):
+    """A run's first forwards replan: whole layers, then parts (the step from 58 MiB to 14 MiB, issue 43's
+    model at four layers of room). The chunks were cut to half the step, so each replan cut them afresh and
+    checked them afresh (the head read and computed twice). Now they are two folios wherever half the step
+    holds that beside a folio: the same chunks, and what their checks found kept."""
+    from mapoffload.pagecache.file_places import MapsView
+    from mapoffload.pagecache.mapped_file import MappedFiles
+    from mapoffload.pagecache.pages import FOLIO_BYTES, PageWorker
+
+    head, _ = _mapped_linear(tmp_file_dir, 6 * 1024, 1024)  # 24 MiB: rows of 4 KiB
+    worker, verdicts = PageWorker(), {}
+    cut = [runtime.RowChunks.of(head, "w", [head.weight.data], worker, MappedFiles(), MapsView(), step, verdicts)
+           for step in (58 * MIB, 14 * MIB, 6 * FOLIO_BYTES)]
+    assert all(c is not None for c in cut)
+    assert [[ch[:2] for ch in c.chunks] for c in cut] == [[(lo, lo + 1024) for lo in range(0, 6 * 1024, 1024)]] * 3
+    assert cut[0].exact is cut[1].exact is cut[2].exact
+    smaller = runtime.RowChunks.of(head, "w", [head.weight.data], worker, MappedFiles(), MapsView(), 3 * FOLIO_BYTES)
+    assert smaller is not None and smaller.chunks[0][1] == 512  # half the step, where it does not hold two folios
+    worker.close()

@@ -730,6 +730,10 @@ class _StreamedModule:
 
 
 MAX_KINDS = 16  # kinds of input RowChunks checks; later ones compute whole (each check reads the head twice)
+# The rows of a chunk, where half the step holds it beside the folio it shares: two 2 MiB folios, whatever the
+# step. Chunks that grew with the step were cut afresh, and checked afresh (the head read twice, computed
+# twice), each time the plan went from whole layers to parts and back over a run's first forwards.
+CHUNK_BYTES = 2 * FOLIO_BYTES
 
 
 class RowChunks:
@@ -786,8 +790,9 @@ class RowChunks:
            verdicts: dict | None = None, *, wrapped: bool = False):
         """The row chunks of ``module``'s weight, or None where it is not a plain linear over a 2-D weight
         (:meth:`plain_weight`) among ``tensors`` (the mapped weights streamed) that splits into at least two
-        chunks, each at most half of ``step`` (the one computing and the one read ahead) and a power of
-        two rows. ``verdicts``: where the checks are kept, by the weight's geometry and the rows a chunk
+        chunks, each a power of two rows of at most :data:`CHUNK_BYTES` where half of ``step`` (the one
+        computing and the one read ahead) holds that beside a folio, else of at most half of ``step``:
+        chunks that do not change with the plan unless its step is that small. ``verdicts``: where the checks are kept, by the weight's geometry and the rows a chunk
         (a module of the same geometry, or the streaming started afresh, takes what was found)."""
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
@@ -797,9 +802,9 @@ class RowChunks:
             return None
         row = weight.shape[1] * weight.element_size()
         half = step // 2
-        folios = half - FOLIO_BYTES >= 2 * FOLIO_BYTES  # chunks of two folios or more: cut at folio boundaries
-        per = (half - FOLIO_BYTES if folios else half) // row if row else 0
-        per = 1 << (per.bit_length() - 1) if per else 0  # a power of two: a plan that moves a little keeps the chunks
+        folios = half - FOLIO_BYTES >= CHUNK_BYTES  # chunks of two folios: cut at folio boundaries
+        per = (CHUNK_BYTES if folios else half) // row if row else 0
+        per = 1 << (per.bit_length() - 1) if per else 0  # a power of two of rows
         if per < 1 or per >= weight.shape[0]:
             return None
         start, place = weight.data_ptr(), maps.place(weight.data_ptr())
