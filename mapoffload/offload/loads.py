@@ -86,11 +86,12 @@ class UncachedRead:
     """A layer's bytes being read uncached (a Future of an UncachedBuffer); ``buffer`` once
     waited for."""
 
-    __slots__ = ("buffer", "future")
+    __slots__ = ("buffer", "future", "stale")
 
     def __init__(self, future) -> None:
         self.future = future
         self.buffer = None
+        self.stale = False  # the layer was written in place since: its buffer holds the file's bytes, not its weights
 
     def wait(self):
         self.buffer = self.future.result()
@@ -227,9 +228,13 @@ class InPlace(Target):
         self._pages.check(i)
         if load.handle is not None:
             load.handle.wait()
+        if load.uncached is not None and load.uncached.buffer is not None and self.source.written(i):
+            # Written in place since its read began (a write through ``.data`` moves no version counter):
+            # the file's bytes are not its weights; it computes from its host store (the buffer goes at release).
+            load.uncached.stale = True
 
     def value(self, w: Weight, load: Load) -> torch.Tensor:
-        if load.uncached is not None and load.uncached.buffer is not None:
+        if load.uncached is not None and load.uncached.buffer is not None and not load.uncached.stale:
             view = self.source.view(w, load.uncached.buffer)
             if view is not None:
                 return view
@@ -363,6 +368,10 @@ class UncachedSource:
                     or self.outstanding >= self.reader.buffers
                     or not self.places(i) or written_in_place(self._stores[i], self._written))
 
+    def written(self, i: int) -> bool:
+        """Whether layer ``i``'s mapped pages were written in place (:func:`written_in_place`)."""
+        return written_in_place(self._stores[i], self._written)
+
     def read(self, i: int) -> Future:
         """Start reading layer ``i``'s file bytes into a buffer (a Future of an ``UncachedBuffer``); give it
         back with :meth:`done`."""
@@ -382,6 +391,8 @@ class UncachedSource:
             return None
         k, offset = placed
         pos = buf.offsets[k] + offset - buf.extents[k][1]  # in the buffer, from its first byte
+        if pos % w.dtype.itemsize:
+            return None  # not at a multiple of its element size (a file packed unaligned): from its mapping
         base = buf.data.view(w.dtype)  # a view itself: as_strided counts from its storage's start
         return base.as_strided(w.shape, w.stride, base.storage_offset() + pos // w.dtype.itemsize)
 

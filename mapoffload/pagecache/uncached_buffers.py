@@ -77,7 +77,7 @@ class UncachedFile:
 class Slab:
     """A page-aligned uint8 tensor of ``capacity`` bytes (over-allocated, then offset), pinned or not."""
 
-    __slots__ = ("raw", "data", "capacity", "pin")
+    __slots__ = ("raw", "data", "capacity", "pin", "_own")
 
     def __init__(self, capacity: int) -> None:
         import torch
@@ -87,6 +87,12 @@ class Slab:
         self.data = self.raw[lead:lead + capacity]
         self.capacity = capacity
         self.pin: Any = None  # a HostPin while page-locked (it holds ``raw``: unregistered before it is freed)
+        self._own = _tensors_on(self.raw)  # raw and data
+
+    def viewed(self) -> bool:
+        """Whether a tensor beside the slab's own two shares its memory now (a view of a buffer's bytes
+        kept past the buffer's release: the next read would overwrite what it holds)."""
+        return _tensors_on(self.raw) > self._own
 
     @property
     def pinned(self) -> bool:
@@ -109,14 +115,23 @@ class Slab:
         return self.capacity if pinned else 0
 
 
+def _tensors_on(t: Any) -> int:
+    """Tensors sharing ``t``'s memory (its storage's use count; 0 where torch does not tell)."""
+    import torch
+
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if count is None else count(t.untyped_storage()._cdata)
+
+
 class UncachedBuffer:
     """A leased buffer holding the file bytes of one read.
 
     Views of it (:meth:`tensor`, :meth:`view`) share its memory: once
     :meth:`release` gives it back, the next read overwrites them. Release it
     when the views are no longer used (a ``with`` block does). A buffer
-    dropped without ``release()`` is not reused: its memory stays with
-    whatever views are left, and the reader allocates another.
+    released while a view of it is still alive, or dropped without
+    ``release()``, is not reused: its memory stays with whatever views are
+    left, and the reader allocates another.
 
     Attributes
     ----------

@@ -106,6 +106,7 @@ class UncachedReader:
         self._files: dict[tuple[int, int], UncachedFile] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stats = {"reads": 0, "wanted_bytes": 0, "uncached_bytes": 0, "buffered_bytes": 0, "seconds": 0.0}
+        self._said_viewed = False  # a buffer left to a view that outlived its release was logged
         _READERS.add(self)
 
     # --- files -----------------------------------------------------------------------------------
@@ -278,8 +279,18 @@ class UncachedReader:
     # --- buffers (the pool's) -------------------------------------------------------------------
 
     def _give_back(self, slab: Slab) -> None:
-        """:class:`~.uncached_buffers.BufferOwner`: a released buffer's slab goes back to the pool."""
-        self._slabs.give_back(slab)
+        """:class:`~.uncached_buffers.BufferOwner`: a released buffer's slab goes back to the pool, unless
+        a view of it outlived the release (a view of a weight kept past its forward: a hook recording
+        ``weight.detach()``, a module caching ``weight.t()``): then its memory stays with that view,
+        unregistered now, and the reader makes another."""
+        if not slab.viewed():
+            self._slabs.give_back(slab)
+            return
+        if not self._said_viewed:
+            self._said_viewed = True
+            logger.info("a view of an uncached buffer outlived its release (a view of a weight kept past its "
+                        "forward?): the buffer (%s) is left to it and not reused", format_bytes(slab.capacity))
+        self._slabs.lost(slab.capacity, slab.unpin())
 
     @staticmethod
     def _lost(reader_ref: weakref.ref, capacity: int, pinned: int) -> None:
