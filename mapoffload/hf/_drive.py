@@ -207,6 +207,7 @@ class Session:
             old = _current(s)
             view = views[s.name]
             if s.attr in s.module._buffers:
+                view._is_hf_initialized = True  # as a parameter: else its init (BatchNorm's ones, zeros) overwrites it
                 s.module._buffers[s.attr] = view
             else:
                 p = torch.nn.Parameter(view, requires_grad=bool(old.requires_grad))

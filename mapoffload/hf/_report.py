@@ -157,9 +157,13 @@ def load_report(model: torch.nn.Module, files: list[str], info: dict, cache: Con
         report.copied[reason] = report.copied.get(reason, 0) + n
     report.decided_by = decided_by
     if copied_by_request:
-        # The decision's copies under its one reason, as load_checkpoint files them.
+        # The decision's copies under its one reason, as load_checkpoint files them; what the loader made
+        # itself (a buffer it computes, a weight it built) stays under its own.
+        made = CopyReason.made_by(maker)
         report.copied[CopyReason.of_decision(decided_by)] = copied_by_request
-        report.copied.pop(CopyReason.made_by(maker), None)
+        left = report.copied.pop(made, 0) - copied_by_request
+        if left > 0:
+            report.copied[made] = left
     report.converted_tensors = len(cache.tensors)
     report.bytes_converted = cache.bytes
     report.conversion_dir = cache.path if cache.tensors else None

@@ -279,7 +279,7 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     config, model_kwargs = _config(cls, folder, config, model_kwargs, own, what)
     files = _weight_files(folder, config, model_kwargs)
     keep_fp8 = _check_quantization(config, folder, fp8)
-    key = fingerprint(files, model_class=concrete_class(cls, config), dtype=dtype, config=config,
+    key = fingerprint(_weight_files(folder, config, model_kwargs, index=True), model_class=concrete_class(cls, config), dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key)
@@ -311,15 +311,16 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     return Unsettled(model, files, info, session.cache, time.perf_counter() - start, "transformers", folder)
 
 
-def _weight_files(folder: str, config: Any, model_kwargs: dict[str, Any]) -> list[str]:
+def _weight_files(folder: str, config: Any, model_kwargs: dict[str, Any], index: bool = False) -> list[str]:
     """The files transformers' ``from_pretrained`` reads for these arguments
     (:func:`~mapoffload.loading.files.pretrained_files`): the load's conversion key and report
     are made from them, and the load checks that transformers resolved no other
-    (:mod:`._drive_transformers`)."""
+    (:mod:`._drive_transformers`). ``index``: a sharded checkpoint's index too (the key's)."""
     return pretrained_files(
         folder, variant=model_kwargs.get("variant"), use_safetensors=model_kwargs.get("use_safetensors"),
         subfolder=model_kwargs.get("subfolder") or "", gguf_file=model_kwargs.get("gguf_file"),
-        explicit=getattr(config, "transformers_weights", None), extra=tuple(getattr(type(config), "extra_files", ())))
+        explicit=getattr(config, "transformers_weights", None), extra=tuple(getattr(type(config), "extra_files", ())),
+        index=index)
 
 
 def _conversion_failed(folder: str, errors: dict[str, str], cause: BaseException | None) -> None:

@@ -369,7 +369,7 @@ def _pretrained_archive(base: str, variant: str | None, use_safetensors: bool | 
 
 def pretrained_files(folder: str | os.PathLike, *, variant: str | None = None, use_safetensors: bool | None = None,
                      subfolder: str = "", explicit: str | None = None, gguf_file: str | None = None,
-                     extra: tuple[str, ...] = ()) -> list[str]:
+                     extra: tuple[str, ...] = (), index: bool = False) -> list[str]:
     """The weight files transformers' own ``from_pretrained(folder, ...)`` reads from a local
     folder, for the same arguments: what a Hugging Face load is keyed on (its conversion's
     fingerprint) and reports.
@@ -389,6 +389,9 @@ def pretrained_files(folder: str | os.PathLike, *, variant: str | None = None, u
     extra
         The config class's ``extra_files`` (weights some models keep beside the checkpoint):
         those that exist are read too.
+    index
+        The index of a sharded checkpoint too, last: what the load depends on beside the weights
+        (transformers takes an ``"auto"`` dtype from its metadata where the config has none).
 
     Raises
     ------
@@ -406,6 +409,8 @@ def pretrained_files(folder: str | os.PathLike, *, variant: str | None = None, u
         archive = _pretrained_archive(base, variant, use_safetensors, explicit)
         files = _index_shards(archive) if archive.endswith(".index.json") else [archive]
     files += [p for p in (os.path.join(base, name) for name in extra) if os.path.isfile(p) and p not in files]
+    if index and archive.endswith(".index.json"):
+        files.append(archive)
     for f in files:
         try:
             _regular(f)

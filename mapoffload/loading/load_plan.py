@@ -125,6 +125,22 @@ def _placement(names: list[str], key: str, src: torch.Tensor, plan: LoadPlan,
     return out
 
 
+def _check_alias(names: list[str], key: str, alias: str, loaded: dict[str, torch.Tensor], plan: LoadPlan,
+                 shard_plan: ShardPlan | None) -> None:
+    """A second name of a tie group in the checkpoint (the group takes ``key``'s tensor): its shape
+    checked as ``key``'s, and its values the same as ``key``'s, else refused (one parameter cannot hold
+    both; ``load_state_dict`` would keep whichever it copied last)."""
+    import torch
+
+    _placement(names, alias, loaded[alias], plan, shard_plan)
+    a, b = loaded[key], loaded[alias]
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+        raise ValueError(f"{plan.path}: {key} and {alias} are tied in {plan.component} (one parameter), and the "
+                         f"checkpoint holds different tensors for them ({a.dtype} {tuple(a.shape)} and {b.dtype} "
+                         f"{tuple(b.shape)}{', other values' if a.dtype == b.dtype and a.shape == b.shape else ''}): "
+                         "untie them before loading, or drop one of the two from the checkpoint")
+
+
 def _check_keys(plan: LoadPlan, strict: bool) -> None:
     """Missing or unexpected keys (``strict``), and parameters that would stay on meta, refused."""
     if strict and (plan.missing or plan.unexpected):
@@ -168,6 +184,8 @@ def plan_load(module: torch.nn.Module, path: str | os.PathLike, files: list[str]
                              "as fp8; untie them before loading, or load a checkpoint that stores them dequantized")
         if key is not None:
             plan.placements.append(_placement(names, key, loaded[key], plan, shard_plan))
+            for alias in (n for n in names[names.index(key) + 1:] if n in loaded):
+                _check_alias(names, key, alias, loaded, plan, shard_plan)
         elif not fp8:
             plan.missing.extend(names)
     plan.missing.sort()
