@@ -324,6 +324,7 @@ class _FakeManager:
     made: list = []
     fail_at: int | None = None
     fail_hooks_at: int | None = None
+    pinned_bytes = pageable_bytes = 0  # host copies: none (the next stacks' budget is left as it is)
 
     def __init__(self, model, layers, options, **kwargs) -> None:  # noqa: ANN001
         if len(type(self).made) == type(self).fail_at:

@@ -115,12 +115,17 @@ def offload_pipeline_with(pipe: Any, options: OffloadOptions, calls: CallNames,
                          "(leave layers='auto'; offload one component with mapoffload.offload(component, layers=...))")
     import torch
 
+    from ..offload.manager import less_copies
+
     handle = OffloadHandle(pipe, options)
+    handle.pipeline = True
     try:
         for name, component in pipe.components.items():
             if not isinstance(component, torch.nn.Module) or name in skip:
                 continue
-            handle.components[name] = offload_with(component, options.filled(layers=_stacks(component)), calls)
+            # A budget given for the pipeline: what the components before made in copies is not this one's.
+            given = less_copies(options, (m for h in handle.components.values() for m in h.managers.values()))
+            handle.components[name] = offload_with(component, given.filled(layers=_stacks(component)), calls)
     except BaseException:
         handle.close()
         raise

@@ -88,6 +88,7 @@ class OffloadHandle:
         self._closed = False
         self._notes: dict[str, str] = {}  # for the summary: the decision behind the rest ("rest"/"placed")
         self.components: dict[str, OffloadHandle] = {}  # a pipeline's model components, each offloaded
+        self.pipeline = False  # a pipeline's handle (its rows are its components', none of them maybe)
 
     @property
     def rows(self) -> list[OffloadRow]:
@@ -102,7 +103,7 @@ class OffloadHandle:
             for row in h.rows:
                 row.component = name
                 rows.append(row)
-        if self.components:  # a pipeline: nothing of its own
+        if self.pipeline:  # nothing of its own
             return rows
         for path, m in self.managers.items():
             rows.append(stack_row(path, m, available=self.options.available_bytes,
@@ -129,7 +130,7 @@ class OffloadHandle:
 
         if self._closed:
             return f"{type(self.model).__name__}: offload closed, the model is whole again"
-        if self.components:  # one table for the pipeline, grouped by component
+        if self.pipeline:  # one table for the pipeline, grouped by component
             return format_rows(self.rows, self.device)
         return format_rows(self.rows, self.device) + fp8_words(self.model) + conversion_words(self.model)
 
@@ -275,7 +276,7 @@ def _refuse_offloaded(model: torch.nn.Module) -> None:
 def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     import torch
 
-    from ..offload.manager import start_stacks
+    from ..offload.manager import less_copies, start_stacks
 
     model, dev, o = handle.model, handle.device, handle.options
     rest, device_free_bytes = o.rest, o.device_free_bytes
@@ -299,7 +300,8 @@ def _place_rest(handle: OffloadHandle, calls: CallNames) -> None:
     if mode == "stream":
         owners = _leaf_owners(model, params)
         if owners:
-            handle.managers["rest"], = start_stacks(model, [(owners, o)], calls=calls)
+            rest_options = less_copies(o, handle.managers.values())  # the stacks' copies are not its room
+            handle.managers["rest"], = start_stacks(model, [(owners, rest_options)], calls=calls)
             handle._notes["rest"] = f"rest={rest!r}: {room}" if rest == "stream" else f"does not fit: {room}"
         params, buffers = _rest_tensors(model)  # what is left: shared weights, buffers
         rest_bytes = sum(tensor_bytes(p) for p in params)

@@ -287,6 +287,7 @@ def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOpti
     managers: list[LayerwiseOffloadManager] = []
     try:
         for layers, options in stacks:
+            options = less_copies(options, managers)
             manager = LayerwiseOffloadManager(model, layers, options)
             managers.append(manager)
             if calls is not None:
@@ -300,6 +301,16 @@ def start_stacks(model: torch.nn.Module, stacks: Iterable[tuple[Any, OffloadOpti
                 logger.debug("closing a manager after a failed start", exc_info=True)
         raise
     return managers
+
+
+def less_copies(options: OffloadOptions, managers: Iterable[LayerwiseOffloadManager]) -> OffloadOptions:
+    """``options`` with the host copies ``managers`` made (pinned and pageable stores) taken from its host
+    budget: the units of one offload weigh their copies against one figure, measured once, and each one's
+    copies are memory the next cannot have. Unchanged where the budget is left to the environment (None)."""
+    copied = sum(m.pinned_bytes + m.pageable_bytes for m in managers)
+    if not copied or options.available_bytes is None:
+        return options
+    return options.filled(available_bytes=max(0, options.available_bytes - copied))
 
 
 def resolve(options: OffloadOptions, copier: Copier | None) -> OffloadOptions:

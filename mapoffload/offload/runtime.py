@@ -639,6 +639,7 @@ class OutsideWeights:
             return
         self._stream_key = (self._key, unit)
         from ..pagecache.file_places import MapsView
+        from .placeholder import managed
         from .plan import _is_lookup, always_read_tensors, modules_outside
 
         whole = {t.data_ptr() for t, _ in always_read_tensors(self._model, self._layers)}
@@ -647,7 +648,9 @@ class OutsideWeights:
         for module in modules_outside(self._model, self._layers):
             if _is_lookup(module):
                 continue  # a lookup reads its rows (MADV_RANDOM), not the table: a head it is tied to reads it
-            mine = [p.data for p in module._parameters.values() if p is not None and p.data_ptr() in whole]
+            # Another stack's weights (a placeholder on the device path: no data to point at) are its own.
+            mine = [p.data for p in module._parameters.values()
+                    if p is not None and not managed(p) and p.data_ptr() in whole]
             if mine:
                 name = names.get(id(module)) or type(module).__name__
                 job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit,
