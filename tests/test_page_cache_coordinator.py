@@ -397,3 +397,23 @@ def test_uncached_buffers_are_not_counted_twice(ckpt, cap):
         dec_and_head = 7 * (WIDTH * WIDTH + WIDTH) * 4
         assert coord.budget.usable == 8749056 and coord.always_bytes == dec_and_head
         assert coord.room == 8749056 - dec_and_head + held > 0
+
+
+@pytest.mark.parametrize("source,added", [("cgroup", "cache and buffers"), ("machine", "buffers"),
+                                          ("MAPOFFLOAD_HOST_AVAILABLE_GIB", "nothing")])
+def test_a_rank_s_memory_is_added_back_only_where_the_measure_took_it(monkeypatch, source, added):
+    """Two ranks split the room by mapped bytes after adding back what the measure counted of the other as
+    "other memory". Only a cgroup's measure counts its cache; the machine's available memory counts every
+    file's cache as available, and the override's host counts only this process's anonymous memory. Added
+    back on those, a rank's cache counted twice: two ranks on a host with no cap planned more than it had
+    (found by a hostile review)."""
+    from mapoffload.pagecache import peers as peers_module
+    from mapoffload.pagecache.peers import Peer, share_room
+
+    mib = 1 << 20
+    rank = Peer(7, ((1, 2, 0, 32 * mib),), 32 * mib, resident_bytes=0, window_bytes=0, buffer_bytes=4 * mib)
+    monkeypatch.setattr(peers_module, "resident_now", lambda p: 20 * mib)
+    share = share_room([rank], lambda: ((1, 3, 0, 32 * mib),), 24 * mib, 32 * mib, source)
+    assert share.ranks == [7] and not share.replicas
+    back = {"cache and buffers": 24 * mib, "buffers": 4 * mib, "nothing": 0}[added]
+    assert share.room == (24 * mib + back) // 2

@@ -294,7 +294,7 @@ class PageCacheCoordinator:
         room += sum(held for held, _ in working) - self.working_buffers
         sizes = [m.sizes() for m in measured]
         mine = sum(map(sum, sizes))
-        share = self.peers.share(lambda: file_ranges_of(measured), room, mine)
+        share = self.peers.share(lambda: file_ranges_of(measured), room, mine, budget.source)
         self.replicas, self.ranks, self._others = share.replicas, share.ranks, share.others
         room, windows = share.room, 1 + len(share.replicas)  # a streaming window for each replica
         extra = 0 if self.thin_margin_failed else budget.cache_extra

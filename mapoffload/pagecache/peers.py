@@ -382,12 +382,18 @@ class PeerShare:
     others: int = 0
 
 
-def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, mine: int) -> PeerShare:
-    """Split ``room`` (measured with the peers' memory as "other") with the peers under the same cap.
+def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, mine: int,
+               source: str = "cgroup") -> PeerShare:
+    """Split ``room`` (measured by the budget's ``source``) with the peers under the same cap.
 
     ``mine`` is this process's mapped bytes, ``ranges_of()`` its file ranges (read only when there are
-    peers). What a rank holds now (its cache and its uncached buffers) was "other memory" in the
-    measure: it is added back, then the room is split by mapped bytes; replicas take nothing of it.
+    peers). What a rank holds now that the measure counted as "other memory" is added back, then the
+    room is split by mapped bytes; replicas take nothing of it. What the measure counted depends on its
+    source: a cgroup's counts the rank's cache and its uncached buffers; the machine's available memory
+    counts every file's cache as available, so only the rank's buffers (anonymous) were "other"; the
+    ``MAPOFFLOAD_HOST_AVAILABLE_GIB`` host counts only this process's own anonymous memory, so nothing
+    of the rank's was. (Adding back what was never taken counted a rank's cache twice: two ranks on a
+    host with no cap planned more page cache than it had.)
     """
     share = PeerShare(room)
     if not peers or not mine:
@@ -398,7 +404,10 @@ def share_room(peers: list[Peer], ranges_of: Callable[[], tuple], room: int, min
             share.replicas.append(p.pid)
         else:
             share.ranks.append(p.pid)
-            share.room += resident_now(p) + p.buffer_bytes  # its cache and its uncached buffers
+            if source == "cgroup":
+                share.room += resident_now(p) + p.buffer_bytes  # its cache and its uncached buffers
+            elif source == "machine":
+                share.room += p.buffer_bytes  # its cache was counted available, its buffers used
             share.others += p.mapped_bytes
     if share.others:
         share.room = share.room * mine // (mine + share.others)
@@ -429,12 +438,13 @@ class PeerLink:
         """The peers' records' stamp now (our own record is not in it)."""
         return self.registry().stamp()
 
-    def share(self, ranges_of: Callable[[], tuple], room: int, mine: int) -> PeerShare:
-        """This process's room among its peers' (:func:`share_room`); the stamp taken first."""
+    def share(self, ranges_of: Callable[[], tuple], room: int, mine: int, source: str = "cgroup") -> PeerShare:
+        """This process's room among its peers' (:func:`share_room`, ``source`` the budget's); the stamp
+        taken first."""
         # The stamp before the read: a record landing after it (before or after our own publish) changes
         # the stamp again, and the next forward plans with it.
         self.stamp = self.stamp_now()
-        return share_room(self.registry().peers(), ranges_of, room, mine)
+        return share_room(self.registry().peers(), ranges_of, room, mine, source)
 
     def publish(self, ranges: tuple, mapped: int, cached: int, window: int, paths_of: Callable[[], dict],
                 buffers: int) -> None:
