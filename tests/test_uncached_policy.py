@@ -182,8 +182,8 @@ def test_auto_reads_through_the_shared_page_cache_while_replicas_map_the_same_by
     replicas: list[int] = []
     share = PeerLink.share
 
-    def with_replicas(self, ranges_of, room, mine):
-        found = share(self, ranges_of, room, mine)
+    def with_replicas(self, ranges_of, room, mine, source="cgroup"):
+        found = share(self, ranges_of, room, mine, source)
         found.replicas = list(replicas)  # as if a peer record mapped these bytes
         return found
 
