@@ -100,6 +100,16 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def storage_users(tensor: torch.Tensor) -> int:
+    """Tensors sharing ``tensor``'s memory now: torch's use count of its storage, the one made to ask
+    included (0 where torch does not tell). A reused buffer a view still holds (a weight kept past its
+    layer's forward, a tensor autograd saved) must not be handed out again."""
+    import torch
+
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if count is None else count(tensor.untyped_storage()._cdata)
+
+
 def tensor_extent(tensor: torch.Tensor) -> tuple[int, int]:
     """``(address, nbytes)`` of the bytes a tensor's strides can reach.
 

@@ -361,6 +361,7 @@ class DevicePool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self.bytes = 0  # held now: in use or pooled
         self.peak_bytes = 0
+        self._said_viewed = False  # a buffer left to a view that outlived its layer was logged
 
     def take(self, nbytes: int) -> torch.Tensor:
         import torch
@@ -385,6 +386,19 @@ class DevicePool:
         return [b for bufs in self._free.values() for b in bufs]
 
     def give(self, buf: torch.Tensor) -> None:
+        """Pool ``buf`` for the next layer of its size, unless a view of it outlived its layer (a weight kept
+        past its forward: a hook keeping ``weight.detach()``, a module caching ``weight.t()``): the next
+        layer's copy would overwrite what that view holds. Then it is left to the view (its memory goes with
+        it, as a plain model's weight would), and the pool makes another."""
+        from ..memory.regions import storage_users
+
+        if storage_users(buf) > 2:  # buf, and the storage made to ask
+            self.bytes -= buf.numel()
+            if not self._said_viewed:
+                self._said_viewed = True
+                logger.info("a view of a layer's %s buffer outlived its layer (a weight kept past its forward?): "
+                            "left to it, not reused", self.device)
+            return
         self._free.setdefault(buf.numel(), []).append(buf)
 
     def clear(self) -> None:

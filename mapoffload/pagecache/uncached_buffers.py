@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from .._log import format_bytes, logger
 from .._native import _core
+from ..memory.regions import storage_users
 
 __all__ = ["O_DIRECT_ALIGN", "GROW_QUANTUM", "BufferOwner", "UncachedBuffer", "UncachedFile", "Slab", "buffer_capacity",
            "round_up"]
@@ -87,12 +88,12 @@ class Slab:
         self.data = self.raw[lead:lead + capacity]
         self.capacity = capacity
         self.pin: Any = None  # a HostPin while page-locked (it holds ``raw``: unregistered before it is freed)
-        self._own = _tensors_on(self.raw)  # raw and data
+        self._own = storage_users(self.raw)  # raw and data
 
     def viewed(self) -> bool:
         """Whether a tensor beside the slab's own two shares its memory now (a view of a buffer's bytes
         kept past the buffer's release: the next read would overwrite what it holds)."""
-        return _tensors_on(self.raw) > self._own
+        return storage_users(self.raw) > self._own
 
     @property
     def pinned(self) -> bool:
@@ -113,14 +114,6 @@ class Slab:
         except Exception:
             logger.debug("cudaHostUnregister of an uncached buffer failed", exc_info=True)
         return self.capacity if pinned else 0
-
-
-def _tensors_on(t: Any) -> int:
-    """Tensors sharing ``t``'s memory (its storage's use count; 0 where torch does not tell)."""
-    import torch
-
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return 0 if count is None else count(t.untyped_storage()._cdata)
 
 
 class UncachedBuffer:
