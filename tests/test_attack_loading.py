@@ -1,5 +1,5 @@
-"""Loading, attacked by a hostile review: four results that were silently wrong, each test failing before
-its fix.
+"""Loading, attacked by hostile reviews: results that were silently wrong (or a valid checkpoint refused at
+every forward), each test failing before its fix.
 
 - A load that converts (a dtype cast) left persistent float buffers (BatchNorm's running statistics) at
   their initial values: the mapped view put in their place did not carry transformers' "loaded" mark, so
@@ -10,6 +10,8 @@ its fix.
   at the others: another tensor stored under a tied name was neither loaded, checked nor reported.
 - ``LoadReport.copied`` lost the bytes transformers made itself where the decision copied
   (``keep_mapping=False``): its reasons did not add up to ``bytes_copied``.
+- An fp8 weight's float32 scale packed at an address not a multiple of 4 (the format allows it) made
+  every forward raise: the native kernel reads scales aligned.
 """
 
 from __future__ import annotations
@@ -123,3 +125,41 @@ def test_the_copied_bytes_reasons_add_up_where_the_decision_copied(tmp_path):
         assert sum(report.copied.values()) == report.bytes_copied, (keep, report.copied, report.bytes_copied)
     made = [r for r in report.copied if r is not mapoffload.CopyReason.ASKED]
     assert made, report.copied  # transformers' own bytes (the MLM head's bias) under their reason
+
+
+def test_an_fp8_scale_packed_unaligned_computes(tmp_path):
+    """safetensors asks no alignment: a float32 scale at an odd address (after a 3-byte int8 tensor and a
+    padded header) made every forward of the loaded fp8 model raise (the native kernel reads it aligned)."""
+    import struct
+
+    from fp8_models import random_codes, random_scales, transformers_dequant
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tag = torch.nn.Parameter(torch.zeros(3, dtype=torch.int8), requires_grad=False)
+            self.lin = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            return self.lin(x) + self.tag.float().sum()
+
+    codes, scale = random_codes((64, 64)), random_scales((2, 2))
+    tensors = {"tag": torch.tensor([1, 2, 3], dtype=torch.int8), "lin.weight_scale_inv": scale, "lin.weight": codes}
+    names = {torch.int8: "I8", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+    header, blobs, off = {}, [], 0
+    for k, t in tensors.items():
+        b = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    while (8 + len(h) + 3) % 4 != 1:
+        h += b" "  # the scale at an odd address
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    with empty_weights():
+        model = M().eval()
+    load_checkpoint(model, str(path), keep_mapping=True)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), x @ transformers_dequant(codes, scale, torch.float32).t() + 6)

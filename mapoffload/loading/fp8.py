@@ -202,6 +202,8 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     if nan is None:
         return False
     s = scale_as_float32(scale).contiguous()
+    if s.data_ptr() % s.element_size():
+        s = s.clone()  # a float32 scale packed unaligned in its file (safetensors asks no alignment): the kernel reads aligned
     if bool(s.isnan().any()):
         return False  # a NaN code times a NaN scale keeps one payload: torch's operand order decides which
     rows, cols = codes.shape[-2:]
