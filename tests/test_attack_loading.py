@@ -130,9 +130,8 @@ def test_the_copied_bytes_reasons_add_up_where_the_decision_copied(tmp_path):
 def test_an_fp8_scale_packed_unaligned_computes(tmp_path):
     """safetensors asks no alignment: a float32 scale at an odd address (after a 3-byte int8 tensor and a
     padded header) made every forward of the loaded fp8 model raise (the native kernel reads it aligned)."""
-    import struct
-
     from fp8_models import random_codes, random_scales, transformers_dequant
+    from packed_safetensors import write_packed
 
     class M(torch.nn.Module):
         def __init__(self) -> None:
@@ -144,19 +143,9 @@ def test_an_fp8_scale_packed_unaligned_computes(tmp_path):
             return self.lin(x) + self.tag.float().sum()
 
     codes, scale = random_codes((64, 64)), random_scales((2, 2))
-    tensors = {"tag": torch.tensor([1, 2, 3], dtype=torch.int8), "lin.weight_scale_inv": scale, "lin.weight": codes}
-    names = {torch.int8: "I8", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
-    header, blobs, off = {}, [], 0
-    for k, t in tensors.items():
-        b = t.contiguous().view(torch.uint8).numpy().tobytes()
-        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    while (8 + len(h) + 3) % 4 != 1:
-        h += b" "  # the scale at an odd address
     path = tmp_path / "m.safetensors"
-    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    write_packed(path, {"tag": torch.tensor([1, 2, 3], dtype=torch.int8), "lin.weight_scale_inv": scale,
+                        "lin.weight": codes}, odd="lin.weight_scale_inv")
     with empty_weights():
         model = M().eval()
     load_checkpoint(model, str(path), keep_mapping=True)

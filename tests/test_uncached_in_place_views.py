@@ -14,30 +14,13 @@ buffer. Three ways the views went wrong silently, found by a hostile review; eac
 
 from __future__ import annotations
 
-import json
-import struct
-
 import torch
 from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+from packed_safetensors import write_packed
 
 W, N = 64, 4
-
-
-def _write(path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file with ``tensors`` in this order, packed with no padding (safetensors' own writer
-    aligns them; the format does not ask it)."""
-    header, blobs, off = {}, [], 0
-    names = {torch.float32: "F32", torch.int8: "I8"}
-    for k, t in tensors.items():
-        b = t.contiguous().view(torch.uint8).numpy().tobytes()
-        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 class Odd(nn.Module):
@@ -68,6 +51,18 @@ def _mapped(make, path):
     return model
 
 
+def _three_forwards_uncached(model, x, want, also=lambda: True) -> None:
+    """Three forwards with every streamed layer read uncached in place, each equal to ``want`` (and
+    ``also()`` after each); something was read uncached."""
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+                assert also()
+        assert mgr.parts.loads.source.reader.stats()["reads"] > 0
+
+
 def test_a_weight_at_an_offset_not_a_multiple_of_its_element_size_computes_its_own_values(tmp_file_dir):
     torch.manual_seed(0)
     ref = Stack(Odd)
@@ -76,19 +71,14 @@ def test_a_weight_at_an_offset_not_a_multiple_of_its_element_size_computes_its_o
             b.s.copy_(torch.tensor([1, -2, 3], dtype=torch.int8))
     sd = ref.state_dict()
     path = tmp_file_dir / "odd.safetensors"
-    _write(path, {k: sd[k] for i in range(N) for k in (f"blocks.{i}.s", f"blocks.{i}.lin.weight",
+    write_packed(path, {k: sd[k] for i in range(N) for k in (f"blocks.{i}.s", f"blocks.{i}.lin.weight",
                                                           f"blocks.{i}.lin.bias")})
     model = _mapped(lambda: Stack(Odd), path)
     assert model.blocks[0].lin.weight.data_ptr() % 4  # the case: a float32 weight at an odd address
     x = torch.randn(2, W)
     with torch.no_grad():
         want = ref(x)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0) as mgr:
-        mgr.register_forward_hooks()
-        with torch.no_grad():
-            for _ in range(3):
-                assert torch.equal(model(x), want)
-        assert mgr.parts.loads.source.reader.stats()["reads"] > 0  # read uncached (the aligned ones from the buffer)
+    _three_forwards_uncached(model, x, want)  # the aligned weights from the buffer, the odd one from its mapping
 
 
 def _square(tmp_file_dir):
@@ -140,13 +130,7 @@ def test_a_view_of_a_weight_kept_past_its_forward_keeps_its_values(tmp_file_dir)
     x = torch.randn(2, W)
     with torch.no_grad():
         want = ref(x)
-    with LayerwiseOffloadManager(model, "blocks", device="cpu", reads="uncached", page_cache_bytes=0) as mgr:
-        mgr.register_forward_hooks()
-        with torch.no_grad():
-            for _ in range(3):
-                assert torch.equal(model(x), want)
-                assert torch.equal(kept["w"], ref.blocks[2].weight)
-        assert mgr.parts.loads.source.reader.stats()["reads"] > 0
+    _three_forwards_uncached(model, x, want, lambda: torch.equal(kept["w"], ref.blocks[2].weight))
     with torch.no_grad():
         assert torch.equal(model(x), want)  # after close(): the cached view still holds layer 3's weight
 
