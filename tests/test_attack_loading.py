@@ -152,3 +152,43 @@ def test_an_fp8_scale_packed_unaligned_computes(tmp_path):
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert torch.equal(model(x), x @ transformers_dequant(codes, scale, torch.float32).t() + 6)
+
+
+def test_an_fp8_kept_model_converts_as_the_dequantized_model_does(tmp_path):
+    """``model.half()`` / ``.float()`` / ``.to(dtype)`` on an fp8-kept model cast its codes like any floating
+    weight, and every later forward raised (``codes must be float8``): the model was lost. Now the weight
+    converts as the plain model's does (each rounding in turn) and the codes stay fp8 views of the file."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from fp8_models import Stack, random_codes, random_scales, transformers_dequant
+    from mapoffload.loading.fp8 import fp8_weights
+
+    torch.manual_seed(0)
+    ref = Stack(256, 2).to(torch.bfloat16).eval()
+    state = {}
+    for name, t in ref.state_dict().items():
+        if name.endswith(("up.weight", "down.weight")):
+            codes, scale = random_codes(t.shape, seed=len(state)), random_scales((2, 2))
+            state[name], state[name + "_scale_inv"] = codes, scale
+            with torch.no_grad():
+                t.copy_(transformers_dequant(codes, scale, torch.bfloat16))
+        else:
+            state[name] = t.contiguous()
+    path = tmp_path / "m.safetensors"
+    save_file(state, str(path))
+    for convert in (lambda m: m.half(), lambda m: m.float(), lambda m: m.half().float(),
+                    lambda m: m.to(torch.float32).to(torch.bfloat16)):
+        with empty_weights():
+            model = Stack(256, 2).to(torch.bfloat16).eval()
+        load_checkpoint(model, str(path), keep_mapping=True)
+        plain = copy.deepcopy(ref)
+        convert(model)
+        convert(plain)
+        dtype = next(plain.parameters()).dtype
+        x = torch.randn(2, 3, 256).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(model(x), plain(x))
+        kept = list(fp8_weights(model))
+        assert kept and all(codes.dtype == torch.float8_e4m3fn for _, codes, _ in kept)

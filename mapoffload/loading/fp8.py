@@ -230,6 +230,7 @@ class Fp8Dequantize(torch.nn.Module):
         super().__init__()
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
         self.dtype = dtype
+        self.casts: list[torch.dtype] = []  # the model's conversions since (model.half(): _KeepCodes), in turn
         # While the owning module computes (hooks set by attach_fp8), a weight read
         # again (an MoE's experts, indexed once per expert hit) is dequantized once.
         self._hold = False
@@ -246,6 +247,8 @@ class Fp8Dequantize(torch.nn.Module):
             # A reused working buffer nothing else holds (fp8_workspace), not fresh memory each time.
             out = workspace().take(codes.shape, self.dtype)
         out = dequantize_fp8(codes, self.scale, dtype=self.dtype, out=out)
+        for dtype in self.casts:  # each rounding the plain model's weight went through
+            out = out.to(dtype)
         if self._hold:
             self._memo = (codes, self.scale, out)
         return out
@@ -257,7 +260,8 @@ class Fp8Dequantize(torch.nn.Module):
             self._memo = None
 
     def extra_repr(self) -> str:
-        return f"dtype={self.dtype}, scale grid {tuple(self.scale.shape)}"
+        casts = "".join(f" -> {d}" for d in self.casts)
+        return f"dtype={self.dtype}{casts}, scale grid {tuple(self.scale.shape)}"
 
 
 def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: torch.Tensor, *,
@@ -290,10 +294,40 @@ def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: t
     module.register_parameter(name, torch.nn.Parameter(codes, requires_grad=False))
     dequant = Fp8Dequantize(scale, dtype)
     parametrize.register_parametrization(module, name, dequant, unsafe=True)
+    plist = module.parametrizations[name]
+    plist._apply = _KeepCodes(plist, dequant)
     module.register_forward_pre_hook(lambda _m, _a: dequant.hold(True))
     module.register_forward_hook(lambda _m, _a, _o: dequant.hold(False), always_call=True)
     module._register_state_dict_hook(_StateDictAsWeight(name))
     module._register_load_state_dict_pre_hook(_LoadCodes(name), with_module=True)
+
+
+class _KeepCodes:
+    """``Module._apply`` of an fp8 weight's parametrization (``model.half()``, ``.float()``, ``.to(dtype,
+    device)``): the weight converts as the dequantized model's would - dequantized as loaded, then cast
+    through every conversion made since, each rounding as the plain model's weight did - while its codes
+    and scales stay what they are (fp8, and views of the file), moved only where the device changes. ``Module._apply`` itself cast the codes like any floating
+    weight, and every later forward raised (``codes must be float8``). A manager's placeholder in place
+    of the codes takes the call itself (its refusal)."""
+
+    def __init__(self, plist: torch.nn.Module, dequant: Fp8Dequantize) -> None:
+        import weakref
+
+        self._plist, self._dequant = weakref.ref(plist), weakref.ref(dequant)  # no cycle through the module
+
+    def __call__(self, fn, recurse: bool = True):
+        plist, dequant = self._plist(), self._dequant()
+        codes = plist.original
+        if type(codes) not in _PLAIN:
+            return torch.nn.Module._apply(plist, fn, recurse)
+        now = dequant.casts[-1] if dequant.casts else dequant.dtype
+        probe = fn(torch.empty(0, dtype=now, device=codes.device))  # what it does to the weight as it is
+        if probe.device != codes.device:
+            torch.nn.Module._apply(plist, lambda t: t.to(probe.device), recurse)
+        if probe.is_floating_point() and probe.dtype != now:
+            dequant.casts.append(probe.dtype)
+            dequant.hold(False)
+        return plist
 
 
 class _StateDictAsWeight:
