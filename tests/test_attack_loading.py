@@ -184,8 +184,12 @@ def test_an_fp8_kept_model_converts_as_the_dequantized_model_does(tmp_path):
             model = Stack(256, 2).to(torch.bfloat16).eval()
         load_checkpoint(model, str(path), keep_mapping=True)
         plain = copy.deepcopy(ref)
+        twin = copy.deepcopy(model)  # a copy converts itself, not the model it was copied from
+        convert(twin)
         convert(model)
         convert(plain)
+        assert torch.equal(twin(torch.ones(1, 256, dtype=next(plain.parameters()).dtype)),
+                           model(torch.ones(1, 256, dtype=next(plain.parameters()).dtype)))
         dtype = next(plain.parameters()).dtype
         x = torch.randn(2, 3, 256).to(dtype)
         with torch.no_grad():

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch.nn.utils import parametrize
 
 from .fp8_workspace import workspace
 
@@ -294,40 +295,34 @@ def attach_fp8(module: torch.nn.Module, name: str, codes: torch.Tensor, scale: t
     module.register_parameter(name, torch.nn.Parameter(codes, requires_grad=False))
     dequant = Fp8Dequantize(scale, dtype)
     parametrize.register_parametrization(module, name, dequant, unsafe=True)
-    plist = module.parametrizations[name]
-    plist._apply = _KeepCodes(plist, dequant)
+    module.parametrizations[name].__class__ = _KeptCodes  # model.half() converts it as the plain model's
     module.register_forward_pre_hook(lambda _m, _a: dequant.hold(True))
     module.register_forward_hook(lambda _m, _a, _o: dequant.hold(False), always_call=True)
     module._register_state_dict_hook(_StateDictAsWeight(name))
     module._register_load_state_dict_pre_hook(_LoadCodes(name), with_module=True)
 
 
-class _KeepCodes:
-    """``Module._apply`` of an fp8 weight's parametrization (``model.half()``, ``.float()``, ``.to(dtype,
-    device)``): the weight converts as the dequantized model's would - dequantized as loaded, then cast
+class _KeptCodes(parametrize.ParametrizationList):
+    """An fp8 weight's parametrization, whose ``Module._apply`` (``model.half()``, ``.float()``, ``.to(dtype,
+    device)``) converts the weight as the dequantized model's would - dequantized as loaded, then cast
     through every conversion made since, each rounding as the plain model's weight did - while its codes
-    and scales stay what they are (fp8, and views of the file), moved only where the device changes. ``Module._apply`` itself cast the codes like any floating
-    weight, and every later forward raised (``codes must be float8``). A manager's placeholder in place
-    of the codes takes the call itself (its refusal)."""
+    and scales stay what they are (fp8, and views of the file), moved only where the device changes.
+    ``Module._apply`` itself cast the codes like any floating weight, and every later forward raised
+    (``codes must be float8``). A manager's placeholder in place of the codes takes the call itself (its
+    refusal). The class of the list (not an attribute of it): a copy of the model converts itself."""
 
-    def __init__(self, plist: torch.nn.Module, dequant: Fp8Dequantize) -> None:
-        import weakref
-
-        self._plist, self._dequant = weakref.ref(plist), weakref.ref(dequant)  # no cycle through the module
-
-    def __call__(self, fn, recurse: bool = True):
-        plist, dequant = self._plist(), self._dequant()
-        codes = plist.original
+    def _apply(self, fn, recurse: bool = True):
+        codes, dequant = self.original, self[0]
         if type(codes) not in _PLAIN:
-            return torch.nn.Module._apply(plist, fn, recurse)
+            return super()._apply(fn, recurse)
         now = dequant.casts[-1] if dequant.casts else dequant.dtype
         probe = fn(torch.empty(0, dtype=now, device=codes.device))  # what it does to the weight as it is
         if probe.device != codes.device:
-            torch.nn.Module._apply(plist, lambda t: t.to(probe.device), recurse)
+            super()._apply(lambda t: t.to(probe.device), recurse)
         if probe.is_floating_point() and probe.dtype != now:
             dequant.casts.append(probe.dtype)
             dequant.hold(False)
-        return plist
+        return self
 
 
 class _StateDictAsWeight:
