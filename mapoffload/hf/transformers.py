@@ -279,7 +279,8 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     config, model_kwargs = _config(cls, folder, config, model_kwargs, own, what)
     files = _weight_files(folder, config, model_kwargs)
     keep_fp8 = _check_quantization(config, folder, fp8)
-    key = fingerprint(_weight_files(folder, config, model_kwargs, index=True), model_class=concrete_class(cls, config), dtype=dtype, config=config,
+    sources = _weight_files(folder, config, model_kwargs, index=True)  # the index too: its metadata dtype counts
+    key = fingerprint(sources, model_class=concrete_class(cls, config), dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key)

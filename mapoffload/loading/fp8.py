@@ -204,7 +204,7 @@ def _dequantize_native(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tens
         return False
     s = scale_as_float32(scale).contiguous()
     if s.data_ptr() % s.element_size():
-        s = s.clone()  # a float32 scale packed unaligned in its file (safetensors asks no alignment): the kernel reads aligned
+        s = s.clone()  # packed unaligned in its file (safetensors asks no alignment): the kernel reads aligned
     if bool(s.isnan().any()):
         return False  # a NaN code times a NaN scale keeps one payload: torch's operand order decides which
     rows, cols = codes.shape[-2:]
@@ -231,7 +231,7 @@ class Fp8Dequantize(torch.nn.Module):
         super().__init__()
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
         self.dtype = dtype
-        self.casts: list[torch.dtype] = []  # the model's conversions since (model.half(): _KeepCodes), in turn
+        self.casts: list[torch.dtype] = []  # the model's conversions since (model.half(): _KeptCodes), in turn
         # While the owning module computes (hooks set by attach_fp8), a weight read
         # again (an MoE's experts, indexed once per expert hit) is dequantized once.
         self._hold = False

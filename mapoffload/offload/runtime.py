@@ -795,8 +795,9 @@ class RowChunks:
         (:meth:`plain_weight`) among ``tensors`` (the mapped weights streamed) that splits into at least two
         chunks, each a power of two rows of at most :data:`CHUNK_BYTES` where half of ``step`` (the one
         computing and the one read ahead) holds that beside a folio, else of at most half of ``step``:
-        chunks that do not change with the plan unless its step is that small. ``verdicts``: where the checks are kept, by the weight's geometry and the rows a chunk
-        (a module of the same geometry, or the streaming started afresh, takes what was found)."""
+        chunks that do not change with the plan unless its step is that small. ``verdicts``: where the
+        checks are kept, by the weight's geometry and the rows a chunk (a module of the same geometry, or
+        the streaming started afresh, takes what was found)."""
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
 
