@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 logger = logging.getLogger("mapoffload")
+
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_once(line: str) -> None:
+    """An info line, once per process (every manager, reader or pool would repeat it)."""
+    with _logged_lock:
+        if line in _logged:
+            return
+        _logged.add(line)
+    logger.info("%s", line)
 
 
 def format_bytes(n: float) -> str:

@@ -81,11 +81,12 @@ def test_a_plain_run_reuses_every_buffer(caplog, device):
     x = torch.randn(2, W)
     with caplog.at_level(logging.INFO, logger="mapoffload"), _twin(model, device) as mgr:
         mgr.register_forward_hooks()
+        same = torch.equal if device == "cpu" else torch.allclose  # GPU arithmetic differs in the last bits
         with torch.no_grad():
             want = ref(x)
-            assert torch.allclose(model(x.to(device)).cpu(), want)
+            assert same(model(x.to(device)).cpu(), want)
             held = mgr.parts.loads.pool.bytes
             for _ in range(3):
-                assert torch.allclose(model(x.to(device)).cpu(), want)
+                assert same(model(x.to(device)).cpu(), want)
         assert mgr.parts.loads.pool.bytes == held  # nothing made afresh: every buffer given back was pooled
     assert "outlived" not in caplog.text

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache
+from mapoffload import _log
 from mapoffload._env import EnvSettingError
 from mapoffload.pagecache import kernel, pages
 from mapoffload.pagecache.kernel import ENV_KERNEL_CAPS, KernelCaps, kernel_caps, parse_overrides
@@ -253,7 +254,7 @@ def test_a_warm_file_cannot_be_measured_and_is_inferred(tmp_file_dir):
 
 
 def test_the_worker_logs_the_advice_it_chose_once(layer_file, caplog):
-    pages._logged.clear()
+    _log._logged.clear()  # log_once: once per process
     with caplog.at_level(logging.INFO, logger="mapoffload"):
         for _ in range(2):
             w = PageWorker("no-large-folios")

@@ -118,7 +118,6 @@ def offload_pipeline_with(pipe: Any, options: OffloadOptions, calls: CallNames,
     from ..offload.manager import less_copies
 
     handle = OffloadHandle(pipe, options)
-    handle.pipeline = True
     try:
         for name, component in pipe.components.items():
             if not isinstance(component, torch.nn.Module) or name in skip:

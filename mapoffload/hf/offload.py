@@ -88,7 +88,13 @@ class OffloadHandle:
         self._closed = False
         self._notes: dict[str, str] = {}  # for the summary: the decision behind the rest ("rest"/"placed")
         self.components: dict[str, OffloadHandle] = {}  # a pipeline's model components, each offloaded
-        self.pipeline = False  # a pipeline's handle (its rows are its components', none of them maybe)
+
+    @property
+    def pipeline(self) -> bool:
+        """A pipeline's handle (not a module): its rows are its components', none of them maybe."""
+        import torch
+
+        return not isinstance(self.model, torch.nn.Module)
 
     @property
     def rows(self) -> list[OffloadRow]:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .._log import logger
+from .._log import log_once, logger
 from .._runs import merge_copies
 from ..pagecache.layer_pages import LayerPages
 from .loads import Load, Target, wait_quietly
@@ -361,7 +361,6 @@ class DevicePool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self.bytes = 0  # held now: in use or pooled
         self.peak_bytes = 0
-        self._said_viewed = False  # a buffer left to a view that outlived its layer was logged
 
     def take(self, nbytes: int) -> torch.Tensor:
         import torch
@@ -394,10 +393,8 @@ class DevicePool:
 
         if storage_users(buf) > 2:  # buf, and the storage made to ask
             self.bytes -= buf.numel()
-            if not self._said_viewed:
-                self._said_viewed = True
-                logger.info("a view of a layer's %s buffer outlived its layer (a weight kept past its forward?): "
-                            "left to it, not reused", self.device)
+            log_once(f"a view of a layer's {self.device} buffer outlived its layer (a weight kept past its "
+                     "forward?): left to it, not reused")
             return
         self._free.setdefault(buf.numel(), []).append(buf)
 

@@ -27,7 +27,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from .._log import logger
+from .._log import log_once, logger
 from .._runs import merge_runs
 from .file_places import MapsView
 from .kernel import KernelCaps, kernel_caps, overrides
@@ -243,19 +243,6 @@ def inner_pages(spans: _core.SpanArray) -> _core.SpanArray:
     return _core.SpanArray(addrs, sizes)
 
 
-_logged: set[str] = set()
-_logged_lock = threading.Lock()
-
-
-def _log_once(line: str) -> None:
-    """An info line, once per process (every manager on the same kernel and device would repeat it)."""
-    with _logged_lock:
-        if line in _logged:
-            return
-        _logged.add(line)
-    logger.info("%s", line)
-
-
 # How a let-go ended (PageWorker.let_go_counts):
 PAGEOUT = "pageout"  # MADV_COLD + MADV_PAGEOUT took every page
 DRAINED = "drained"  # pages were left; after POSIX_FADV_DONTNEED (drains every CPU's batch), PAGEOUT took them
@@ -416,7 +403,7 @@ class PageWorker:
         if caps is None:
             caps = kernel_caps(fd, self._given)
             self._caps[dev] = caps
-            _log_once(f"page-cache advice: {caps.advice()}; {caps.describe()}")
+            log_once(f"page-cache advice: {caps.advice()}; {caps.describe()}")
         return caps
 
     def advise(self, spans: _core.SpanArray, extents: list[Extent] = ()) -> KernelCaps | None:

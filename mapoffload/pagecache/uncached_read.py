@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .._log import format_bytes, logger
+from .._log import format_bytes, log_once, logger
 from .._native import _core
 from .uncached_buffers import O_DIRECT_ALIGN, UncachedBuffer, UncachedFile, Slab, buffer_capacity, round_up
 from .uncached_pool import SlabPool
@@ -106,7 +106,6 @@ class UncachedReader:
         self._files: dict[tuple[int, int], UncachedFile] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stats = {"reads": 0, "wanted_bytes": 0, "uncached_bytes": 0, "buffered_bytes": 0, "seconds": 0.0}
-        self._said_viewed = False  # a buffer left to a view that outlived its release was logged
         _READERS.add(self)
 
     # --- files -----------------------------------------------------------------------------------
@@ -286,10 +285,8 @@ class UncachedReader:
         if not slab.viewed():
             self._slabs.give_back(slab)
             return
-        if not self._said_viewed:
-            self._said_viewed = True
-            logger.info("a view of an uncached buffer outlived its release (a view of a weight kept past its "
-                        "forward?): the buffer (%s) is left to it and not reused", format_bytes(slab.capacity))
+        log_once("a view of an uncached buffer outlived its release (a view of a weight kept past its forward?): "
+                 "left to it, not reused")
         self._slabs.lost(slab.capacity, slab.unpin())
 
     @staticmethod
