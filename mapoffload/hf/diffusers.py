@@ -30,7 +30,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..loading.files import checkpoint_files
+from ..loading.files import diffusers_files
 from .._log import logger
 from ..loading.report import LoadReport
 from . import _keys
@@ -160,7 +160,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
     import time
 
     start = time.perf_counter()
-    files = checkpoint_files(folder)
+    files = diffusers_files(folder)
     torch_dtype = _resolve(dtype, _keys.read_keys(files))
     config = cls.load_config(folder)
     key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=torch_dtype, config=config)

@@ -39,6 +39,7 @@ __all__ = [
     "checkpoint_bytes",
     "checkpoint_components",
     "checkpoint_files",
+    "diffusers_files",
     "open_regular",
     "pretrained_files",
 ]
@@ -326,6 +327,16 @@ def checkpoint_bytes(path: str | os.PathLike) -> int:
     return sum(st.st_size for _, st in _file_set(p))
 
 
+def _checked(files: list[str], archive: str) -> list[str]:
+    """``files`` (named by ``archive``), each checked a regular file that exists."""
+    for f in files:
+        try:
+            _regular(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{f} is missing (named by {archive})") from None
+    return files
+
+
 # --- transformers' rule -------------------------------------------------------------
 
 # transformers' own names (its utils/constants: SAFE_WEIGHTS_NAME, ...), in the order it tries them.
@@ -411,9 +422,41 @@ def pretrained_files(folder: str | os.PathLike, *, variant: str | None = None, u
     files += [p for p in (os.path.join(base, name) for name in extra) if os.path.isfile(p) and p not in files]
     if index and archive.endswith(".index.json"):
         files.append(archive)
-    for f in files:
-        try:
-            _regular(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{f} is missing (named by {archive})") from None
-    return files
+    return _checked(files, archive)
+
+
+# --- diffusers' rule ----------------------------------------------------------------
+
+# diffusers' own names (its utils/constants), in the order its ModelMixin.from_pretrained tries them in a
+# local folder when use_safetensors and variant are not given: the index first (a sharded save), then the
+# single safetensors file, then the PyTorch file.
+_DIFFUSERS_NAMES = (
+    "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin",
+)
+
+
+def diffusers_files(folder: str | os.PathLike) -> list[str]:
+    """The weight files diffusers' own ``ModelMixin.from_pretrained(folder)`` reads from a local
+    component folder: what a diffusers component's load is keyed on and reads its stored dtype from.
+
+    Not :func:`checkpoint_files`' rule: a component folder often holds other variants beside the main
+    checkpoint (``diffusion_pytorch_model.fp16.safetensors``, ``..._ema.safetensors``), which diffusers
+    never reads; counted, they would decide an ``"auto"`` dtype and the conversion's key.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file diffusers would read (the names tried are listed), or a shard its index names is missing.
+    CheckpointError
+        A malformed index, a shard named outside the folder, or a file that is not a regular file.
+    """
+    base = user_path(folder)
+    for name in _DIFFUSERS_NAMES:
+        archive = os.path.join(base, name)
+        if os.path.isfile(archive):  # diffusers' own test
+            break
+    else:
+        raise FileNotFoundError(f"no {' or '.join(_DIFFUSERS_NAMES)} in {base} (what diffusers' from_pretrained reads)")
+    files = _index_shards(archive) if archive.endswith(INDEX_SUFFIX) else [archive]
+    return _checked(files, archive)
