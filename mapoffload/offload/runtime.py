@@ -703,6 +703,7 @@ class _StreamedModule:
         self.read_whole = not unit or self.bytes <= unit
         worker.advise(self.spans, self.extents)
         verdicts, step = chunking if chunking is not None else (None, unit)
+        self._own = vars(module).get("forward")  # the instance's own forward, if it had one
         self.rows = (None if self.read_whole
                      else RowChunks.of(module, name, tensors, worker, files, maps, step, verdicts))
         if not self.read_whole:
@@ -711,9 +712,8 @@ class _StreamedModule:
                         "" if self.rows is None else f" (or in {len(self.rows.chunks)} chunks of its rows where "
                         "that computes bit-equal: RowChunks)")
         self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
-                      module.register_forward_hook(Hook(self.after), always_call=True).remove]
-        if self.rows is not None:
-            self._undo.append(wrap_forward(module, Hook(self.rows.forward)).remove)
+                      module.register_forward_hook(Hook(self.after), always_call=True).remove,
+                      wrap_forward(module, Hook(self.forward)).remove]
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -722,6 +722,19 @@ class _StreamedModule:
         if self.rows is not None:
             self.rows.stop()  # removed inside a chunk: the chunks left compute on, reading nothing
         _core.advise_random(self.spans, False)
+
+    def forward(self, *args, **kwargs):
+        """The module's forward (over its row chunks where it has them), letting its weights go on a
+        ``KeyboardInterrupt`` or another ``BaseException`` that is not an ``Exception``: torch runs no
+        always-call hook for those, and the weights stayed cached, over the plan, until its next run."""
+        forward = self.rows.forward if self.rows is not None else self._own or _class_forward(self.module)
+        try:
+            return forward(*args, **kwargs)
+        except Exception:
+            raise  # torch runs the always-call hook
+        except BaseException:
+            self.after(self.module, args, None)
+            raise
 
     def before(self, module, args) -> None:
         if self.read_whole:

@@ -1,0 +1,55 @@
+"""A KeyboardInterrupt (or another BaseException that is not an Exception) raised inside a module outside
+the layers whose always-read weights the plan streams (a head read in whole before it runs): torch runs
+no always-call hook for it, and the weights stayed in the page cache, over the plan, until the module's
+next run. They are let go as the exception leaves the module, as an Exception's are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
+
+from room_stack import W, Stack
+from test_attack_room import BLOCKS, IN_USE, MARGIN, MIB, cap, checkpoint, given_back, mapped, streamed_head  # noqa: F401
+
+HEAD = 768  # 1.5 MiB: read in whole in the 2 MiB window of a part
+EDGES = 2 * 4 << 10  # a page at each end of the head may stay
+
+
+class Head(nn.Linear):
+    """A head of its own class: its forward is the one the test makes raise."""
+
+
+class SmallHead(Stack):
+    def __init__(self) -> None:
+        super().__init__(BLOCKS, HEAD, head_cls=Head)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, RuntimeError])
+def test_an_interrupt_inside_a_streamed_head_lets_its_weights_go(tmp_file_dir, cap, monkeypatch, error):
+    path, x, want = checkpoint(tmp_file_dir, SmallHead)
+    drop_page_cache(str(path))  # written back: a dirty page is neither paged out nor dropped by a let-go
+    cap(IN_USE + MARGIN + 3 * MIB)  # a part's window, not the head beside it
+    model = mapped(path, SmallHead)
+    head = model.head
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+        assert mgr.residency.always_streamed, mgr.residency.describe()
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        assert streamed_head(head) and sum(resident_bytes([head.weight])) <= EDGES
+        seen = []
+
+        def forward(inp):
+            seen.append(sum(resident_bytes([head.weight])))
+            raise error("inside the head")
+
+        monkeypatch.setattr(Head, "forward", lambda self, inp: forward(inp))
+        with pytest.raises(error):
+            model(x)
+        assert seen == [head.weight.nbytes]  # read in whole before it ran
+        assert sum(resident_bytes([head.weight])) <= EDGES  # let go as the exception left it
+        monkeypatch.undo()
+        assert torch.equal(model(x), want)
+    given_back(model)
