@@ -3,8 +3,9 @@
 A conversion is reused by the next load of the same folder and invalidated by
 any change of the sources (their real paths, sizes, modification and change
 times), the model class (an ``AutoModel*`` class counts as the concrete class
-it resolves to), the requested dtype (however it is spelled), the config or the
-transformers/torch versions: :func:`fingerprint` names the folder they live in
+it resolves to) or its code where no package's version names it (a user's
+subclass, a checkpoint's own code), the requested dtype (however it is spelled),
+the config or the versions: :func:`fingerprint` names the folder they live in
 (:mod:`.cache`). Its root (:func:`default_root`) is, in order: the
 ``cache_dir`` argument, ``$MAPOFFLOAD_CONVERT_DIR`` (``~`` expanded in both), ``<checkpoint
 folder>/.mapoffload-converted`` when it holds the finished conversion (a conversion made
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from typing import Any
 
 FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
@@ -108,10 +110,43 @@ def _config_text(config: Any) -> str:
     return json.dumps(data, sort_keys=True)
 
 
+# Packages whose release names their classes' code: their version stands for it.
+_VERSIONED = ("transformers", "diffusers", "torch", "vllm")
+
+
+def _code(model_class: Any, config: Any, files: list[str]) -> dict[str, str]:
+    """What the model class's code is, beside the versions: a digest of the source of each class in its
+    MRO that no versioned package ships (a user's subclass, with its ``_keep_in_fp32_modules``; remote
+    code transformers imported), and, where the config maps classes to the checkpoint's own code
+    (``auto_map``), of the ``.py`` files beside the checkpoint (an Auto class stays itself before the
+    load: its class is not known yet). A change there converts again: reused, an old conversion gave
+    the old code's dtypes, silently."""
+    import inspect
+
+    out: dict[str, str] = {}
+    for klass in inspect.getmro(model_class) if isinstance(model_class, type) else ():
+        top = klass.__module__.partition(".")[0]
+        if top in _VERSIONED or top in sys.stdlib_module_names:
+            continue
+        try:
+            text = inspect.getsource(klass)
+        except (OSError, TypeError):  # defined where no source is kept (an interactive session)
+            text = repr(sorted((k, repr(v)) for k, v in vars(klass).items() if not k.startswith("__")))
+        out[f"{klass.__module__}.{klass.__qualname__}"] = hashlib.sha256(text.encode()).hexdigest()
+    if getattr(config, "auto_map", None):
+        for folder in sorted({os.path.dirname(os.path.realpath(f)) for f in files}):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as fh:
+                        out[os.path.join(folder, name)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
 def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
     """A hex digest of everything a conversion's result depends on: the sources, the concrete model
-    class (a class or its qualified name; see :func:`concrete_class`), the dtype, the config, the
-    versions, ``extra`` -- never how the caller spelled them."""
+    class (a class or its qualified name; see :func:`concrete_class`) and its code where no package
+    version names it (:func:`_code`), the dtype, the config, the versions, ``extra`` -- never how the
+    caller spelled them."""
     import torch
     import transformers
 
@@ -122,8 +157,13 @@ def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, 
         # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
         sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+    for name in _VERSIONED:  # diffusers' loader (its key conversions) for its models, say
+        version = getattr(sys.modules.get(name), "__version__", None)
+        if version is not None and isinstance(model_class, type) and model_class.__module__.startswith(name + "."):
+            versions[name] = version
     blob = json.dumps({
-        "format": FORMAT, "transformers": transformers.__version__, "torch": torch.__version__,
+        "format": FORMAT, **versions, "code": _code(model_class, config, files),
         "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
         "config": _config_text(config),
         "extra": repr(extra),

@@ -163,7 +163,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
     files = diffusers_files(folder)
     torch_dtype = _resolve(dtype, _keys.read_keys(files))
     config = cls.load_config(folder)
-    key = fingerprint(files, model_class=f"{cls.__module__}.{cls.__qualname__}", dtype=torch_dtype, config=config)
+    key = fingerprint(files, model_class=cls, dtype=torch_dtype, config=config)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key)
     with driving(cache, diffusers_hooks(), files=files), warnings.catch_warnings():
