@@ -133,6 +133,32 @@ def test_rank_out_of_range_names_the_range(tied_checkpoint):
         load()
 
 
+@pytest.mark.parametrize("rank, world_size", [(True, 2), (0, True), (0.5, 2), (0, 2.0)])
+def test_shard_tensor_takes_no_bool_or_float_for_a_rank(rank, world_size):
+    """A bool is an int to Python: ``rank=True`` took rank 1's slice, ``world_size=True`` the whole tensor."""
+    from mapoffload import shard_tensor
+
+    with pytest.raises(TypeError, match="must be an int"):
+        shard_tensor(torch.arange(10.0), rank, world_size, 0)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        shard_tensor(torch.arange(10.0), 0, 2, 0.0)
+
+
+@pytest.mark.parametrize("rank, world_size", [(-1, 2), (2, 2), (True, 2), (1, None)])
+def test_a_rank_without_a_plan_is_checked_all_the_same(tied_checkpoint, rank, world_size):
+    model, load = _load(tied_checkpoint, rank=rank, world_size=world_size)
+    with pytest.raises((TypeError, ValueError), match="rank"):
+        load()
+    assert model.a.weight.device.type == "meta"  # nothing assigned
+
+
+def test_a_rank_without_a_plan_loads_every_tensor_whole(tied_checkpoint):
+    with empty_weights():
+        model = Tied(rows=8)
+    load_checkpoint(model, tied_checkpoint, keep_mapping=True, strict=False, rank=1, world_size=2)
+    assert torch.equal(model.a.weight, torch.arange(32.0).reshape(8, 4))  # a replica
+
+
 def test_a_plan_of_the_wrong_kind_is_refused(tied_checkpoint):
     _, load = _load(tied_checkpoint, shard_plan=["a.weight"])
     with pytest.raises(TypeError, match="shard_plan must be a mapping"):

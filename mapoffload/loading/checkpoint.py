@@ -98,7 +98,8 @@ def load_checkpoint(
         parameters have the slices' shapes.
     rank, world_size
         This rank's place in the tensor-parallel group; default: the
-        initialised ``torch.distributed`` group's.
+        initialised ``torch.distributed`` group's. Without a ``shard_plan``
+        every tensor loads whole (a replica), and they are checked all the same.
     local_ranks
         Ranks sharing this host, for the gate; None detects
         (:mod:`mapoffload.memory.ranks`).
@@ -136,6 +137,8 @@ def load_checkpoint(
     files = checkpoint_files(path)
     if shard_plan is not None:
         check_plan(shard_plan)
+    elif rank is not None or world_size is not None:
+        resolve_rank(rank, world_size)  # checked all the same (a rank of -1 or True is a mistake); all loads whole
     shard = resolve_rank(rank, world_size) if shard_plan is not None else None
     plan = plan_load(module, path, files, strict=strict, shard_plan=shard_plan, shard=shard, progress=progress)
     # The gate by this module's name: a keep_checkpoint_mapped set here (a test's monkeypatch) is the one asked.

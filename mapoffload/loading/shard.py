@@ -30,10 +30,15 @@ def shard_bounds(size: int, rank: int, world_size: int, *, what: str = "tensor")
 
     Raises
     ------
+    TypeError
+        ``rank`` or ``world_size`` is not an int (a bool, a float).
     ValueError
         ``world_size`` < 1, ``rank`` outside ``0..world_size-1``, or ``size``
         not divisible by ``world_size`` (``what`` names the tensor).
     """
+    # A bool is an int to Python: rank=True took rank 1's slice, world_size=True the whole tensor.
+    size, rank, world_size = _index(size, f"{what}: size"), _index(rank, f"{what}: rank"), \
+        _index(world_size, f"{what}: world_size")
     if world_size < 1:
         raise ValueError(f"{what}: world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -48,6 +53,7 @@ def narrow_shard(t: torch.Tensor, rank: int, world_size: int, dim: int, *, what:
     """``rank``'s even slice of ``t`` along ``dim``: always a view (maybe strided)."""
     if t.dim() == 0:
         raise ValueError(f"{what}: a scalar cannot be split")
+    dim = _index(dim, f"{what}: dim")
     if not -t.dim() <= dim < t.dim():
         raise ValueError(f"{what}: dimension {dim} is out of range for shape {tuple(t.shape)}")
     dim %= t.dim()
@@ -87,6 +93,8 @@ def shard_tensor(t: torch.Tensor, rank: int, world_size: int, dim: int | None) -
 
     Raises
     ------
+    TypeError
+        ``rank``, ``world_size`` or ``dim`` is not an int (a bool, a float).
     ValueError
         The size along ``dim`` does not split evenly, ``rank`` is out of
         range, or ``dim`` is out of range.
