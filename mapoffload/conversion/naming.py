@@ -57,7 +57,9 @@ def default_root(folder: str, key: str | None = None) -> str:
                 return local
         elif not os.path.lexists(local) and os.access(folder, os.W_OK | os.X_OK):
             return local
-    base = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"))
+    xdg = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "")
+    # The XDG spec: a relative value is invalid and ignored (it would follow each process's current folder).
+    base = xdg if os.path.isabs(xdg) else os.path.expanduser(os.path.join("~", ".cache"))
     return os.path.join(base, "mapoffload", "converted")
 
 

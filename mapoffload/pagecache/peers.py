@@ -227,8 +227,15 @@ class PeerRegistry:
 
     def __init__(self, folder: str | None = None, *, root: str = "/") -> None:
         if folder is None:
-            base = os.path.expanduser(os.environ.get(ENV_PEERS_DIR) or "") \
-                or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            env = os.environ.get(ENV_PEERS_DIR) or ""
+            base = os.path.expanduser(env)
+            if base and not os.path.isabs(base):  # each process would look in its own current folder: no peers
+                from .._env import EnvSettingError
+
+                raise EnvSettingError(ENV_PEERS_DIR, env, "an absolute path (or one starting with ~/): a relative "
+                                      "one names another folder in each process's current directory, and "
+                                      "processes started from different folders would never see each other")
+            base = base or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             top = os.path.join(base, f"mapoffload-peers-{os.getuid()}")
             folder = os.path.join(top, _cgroup_key(root))
             self._levels = (top, folder)
