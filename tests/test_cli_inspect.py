@@ -67,6 +67,46 @@ def test_inspect_names_the_conversion_folder_a_load_left(tmp_path, capsys):
     assert f"{report.converted_tensors} tensors" in text
 
 
+def test_inspect_finds_a_conversion_made_elsewhere_and_only_this_checkpoint_s(tmp_path, capsys, monkeypatch):
+    """Under ``$MAPOFFLOAD_CONVERT_DIR`` (or the user's cache: a hub snapshot's) a conversion was not
+    looked for: "conversions: none yet" beside a finished one. Another checkpoint's in the same root
+    is not listed."""
+    import transformers as tf
+
+    root = tmp_path / "conversions"
+    monkeypatch.setenv("MAPOFFLOAD_CONVERT_DIR", str(root))
+    folders = [tmp_path / "a", tmp_path / "b"]
+    reports = []
+    for folder in folders:
+        build("gpt2", str(folder))
+        model = mapoffload.from_pretrained(tf.GPT2LMHeadModel, folder, device=None, dtype=torch.float16)
+        reports.append(model.mapoffload_report)
+        assert reports[-1].conversion_dir.startswith(str(root))
+    assert main(["inspect", str(folders[0]), "--json"]) == 0
+    (conv,) = json.loads(capsys.readouterr().out)["conversions"]
+    assert conv["path"] == reports[0].conversion_dir and conv["finished"] is True
+    assert main(["inspect", str(folders[0])]) == 0
+    assert f"conversions: 1 in {root}" in capsys.readouterr().out
+
+
+def test_inspect_s_gate_counts_the_local_ranks_as_the_gate_does(tmp_path, capsys, monkeypatch):
+    """With 3 ranks on the host each holds its own copy and its own reserve: the reason said "178 bytes >=
+    10 GiB available - 4 GiB reserve: keep mapped" (false as written) and the copy budget left the ranks out."""
+    from mapoffload.memory.budget import HOST_COPY_RESERVE_BYTES, host_copies_would_not_fit
+
+    build("gpt2", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("MAPOFFLOAD_HOST_AVAILABLE_GIB", "10")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    gate, available, total = data["gate"], data["host"]["available"], data["total_bytes"]
+    assert gate["local_ranks"] == 3
+    assert gate["copy_budget_bytes"] == available - 3 * HOST_COPY_RESERVE_BYTES
+    assert gate["keep_mapped"] == host_copies_would_not_fit(total, available_bytes=available, local_ranks=3)
+    assert gate["keep_mapped"] == (3 * total >= gate["copy_budget_bytes"])  # what the reason says
+    assert gate["reason"].startswith(f"3 ranks x {total} bytes >= {available} available - 3 ranks x ")
+
+
 def test_inspect_says_an_unfinished_conversion_is_one(tmp_path, capsys):
     folder = tmp_path / "gpt2"
     build("gpt2", str(folder))

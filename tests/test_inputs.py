@@ -159,6 +159,16 @@ def test_a_rank_without_a_plan_loads_every_tensor_whole(tied_checkpoint):
     assert torch.equal(model.a.weight, torch.arange(32.0).reshape(8, 4))  # a replica
 
 
+@pytest.mark.parametrize("weight_bytes, available", [(float("nan"), 1 << 30), (1 << 20, float("nan")),
+                                                      (True, 1 << 30), (1.5e9, 1 << 30)])
+def test_the_copy_gate_takes_whole_byte_counts_only(weight_bytes, available):
+    """NaN compared False everywhere: the gate answered "copies fit" for it (and for True)."""
+    from mapoffload.memory.budget import host_copies_would_not_fit
+
+    with pytest.raises(TypeError, match="must be a whole number of bytes"):
+        host_copies_would_not_fit(weight_bytes, available_bytes=available, local_ranks=1)
+
+
 def test_a_plan_of_the_wrong_kind_is_refused(tied_checkpoint):
     _, load = _load(tied_checkpoint, shard_plan=["a.weight"])
     with pytest.raises(TypeError, match="shard_plan must be a mapping"):

@@ -49,9 +49,11 @@ def _print_inspect(data: dict) -> None:
     _say(data["host"]["summary"])
     gate = data["gate"]
     verdict = "keep the checkpoint mapped" if gate["keep_mapped"] else "copy into host memory"
+    n = gate["local_ranks"]
+    each = "" if n == 1 else f"{n} local ranks x "
     _say(
-        f"gate: {verdict} (load_checkpoint, keep_mapping=None) — {format_bytes(data['total_bytes'])} of weights against "
-        f"{format_bytes(data['host']['available'])} available minus the "
+        f"gate: {verdict} (load_checkpoint, keep_mapping=None) — {each}{format_bytes(data['total_bytes'])} of weights "
+        f"against {format_bytes(data['host']['available'])} available minus {each}the "
         f"{format_bytes(gate['reserve_bytes'])} reserve"
     )
     for c in data["components"]:

@@ -147,15 +147,30 @@ def _dir_bytes(path: str) -> int:
 
 def conversions(folder: str) -> list[dict]:
     """The conversion folders ``from_pretrained`` (or a pipeline's component, or vLLM's
-    ``mapoffload`` load format: ``"for"`` says which) left beside the checkpoint in ``folder``: ``<folder>/.mapoffload-converted/<fingerprint>/``,
-    finished when its manifest is there (:mod:`mapoffload.conversion`).
+    ``mapoffload`` load format: ``"for"`` says which) made from the checkpoint in ``folder``: every one
+    beside it (``<folder>/.mapoffload-converted/<fingerprint>/``), and the finished ones a load of it
+    would write elsewhere (``$MAPOFFLOAD_CONVERT_DIR``, the user's cache: a hub snapshot's, or a folder
+    this user cannot write) whose manifest names this folder as their origin; finished when its
+    manifest is there (:mod:`mapoffload.conversion`).
 
     Which one a later load reuses depends on what it asks for (class, dtype,
     config, versions), which a folder alone does not say: each is listed.
     """
+    local = os.path.join(folder, CONVERTED_DIR)
+    out = _conversions_in(local, None)
+    try:
+        elsewhere = _conversion_root(folder)
+    except Exception:  # an environment setting refused: the loader says why
+        return out
+    if os.path.realpath(elsewhere) != os.path.realpath(local):
+        out += _conversions_in(elsewhere, os.path.realpath(folder))
+    return out
+
+
+def _conversions_in(root: str, origin: str | None) -> list[dict]:
+    """The conversion folders under ``root``; with ``origin``, only the finished ones made from it."""
     from ..conversion.cache import read_manifest
 
-    root = os.path.join(folder, CONVERTED_DIR)
     out: list[dict] = []
     try:
         names = sorted(os.listdir(root))
@@ -165,16 +180,19 @@ def conversions(folder: str) -> list[dict]:
         path = os.path.join(root, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        tensors, finished, made_for = 0, False, None
+        tensors, finished, made_for, made_from = 0, False, None, None
         if not name.startswith("."):  # ".<key>.<random>": a conversion being written, or one that died
             try:  # the loader's own read: a FIFO under the manifest's name is not waited on
                 manifest = read_manifest(path)
                 tensors = len(manifest["tensors"])
                 meta = manifest.get("meta") or {}
                 made_for = "vllm" if isinstance(meta, dict) and "vllm" in meta else "transformers"
+                made_from = manifest.get("origin")
                 finished = True
             except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
                 pass
+        if origin is not None and made_from != origin:
+            continue  # another checkpoint's (a shared root), or not known to be this one's
         try:
             nbytes = _dir_bytes(path)
         except OSError:
@@ -182,6 +200,25 @@ def conversions(folder: str) -> list[dict]:
         out.append({"path": path, "key": name, "finished": finished, "tensors": tensors, "bytes": nbytes,
                     "for": made_for})
     return out
+
+
+def _gate(total: int, available: int, keep: bool) -> dict:
+    """The copy gate's numbers and its reason, with the ranks sharing this host as the gate counts them
+    (each its own copy and its own reserve: :func:`~mapoffload.memory.budget.host_copies_would_not_fit`)."""
+    from ..memory.budget import host_copy_room
+    from ..memory.ranks import local_world
+
+    n = local_world(None).size
+    each = "" if n == 1 else f"{n} ranks x "
+    compare = ">=" if keep else "<"
+    return {
+        "keep_mapped": keep,
+        "local_ranks": n,
+        "reserve_bytes": HOST_COPY_RESERVE_BYTES,
+        "copy_budget_bytes": host_copy_room(available, n),
+        "reason": f"{each}{total} bytes {compare} {available} available - {each}{HOST_COPY_RESERVE_BYTES} reserve: "
+                  + ("keep mapped" if keep else "copies fit"),
+    }
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
@@ -214,14 +251,5 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
         "entry_points": entry_points(p, keep),
         "conversions": found,
         "conversion_root": _conversion_root(p) if os.path.isdir(p) else None,
-        "gate": {
-            "keep_mapped": keep,
-            "reserve_bytes": HOST_COPY_RESERVE_BYTES,
-            "copy_budget_bytes": host.available - HOST_COPY_RESERVE_BYTES,
-            "reason": (
-                f"{total} bytes >= {host.available} available - {HOST_COPY_RESERVE_BYTES} reserve: keep mapped"
-                if keep
-                else f"{total} bytes < {host.available} available - {HOST_COPY_RESERVE_BYTES} reserve: copies fit"
-            ),
-        },
+        "gate": _gate(total, host.available, keep),
     }

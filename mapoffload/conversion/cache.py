@@ -141,6 +141,7 @@ class ConversionCache:
     _mark: int | None = None  # the writer lock's fd while _work is being written
     _written: int = 0  # bytes of the parts on disk so far
     meta: dict[str, Any] = field(default_factory=dict)  # what a caller stores beside the tensors (the manifest's "meta")
+    origin: str | None = None  # the checkpoint folder it was made from (real path): `mapoffload inspect` finds it by that
     _reserved: list[str] = field(default_factory=list)  # parts written through a shared mapping: synced at commit
     _shared: list[tuple[str, Any]] = field(default_factory=list)  # (path, storage): reserved parts' shared mappings, until sealed
 
@@ -161,10 +162,11 @@ class ConversionCache:
         return sum(e["bytes"] for e in self.tensors.values())
 
     @classmethod
-    def open(cls, root: str, key: str) -> ConversionCache:
-        """The cache for ``key`` under ``root``: reused when a finished manifest
+    def open(cls, root: str, key: str, origin: str | None = None) -> ConversionCache:
+        """The cache for ``key`` under ``root`` (made from the checkpoint folder ``origin``, recorded in
+        its manifest): reused when a finished manifest
         matches, otherwise empty (written on :meth:`add`)."""
-        cache = cls(root, key)
+        cache = cls(root, key, origin=os.path.realpath(origin) if origin is not None else None)
         sweep(cache.root)
         manifest = os.path.join(cache.path, MANIFEST)
         from ..loading.files import CheckpointError
@@ -381,7 +383,7 @@ class ConversionCache:
             parts = sorted({e["file"] for e in self.tensors.values()})
             stamps = {f: _stamp(os.path.join(self._work, f)) for f in parts}
             text = json.dumps({"format": FORMAT, "key": self.key, "tensors": self.tensors, "meta": self.meta,
-                               "parts": stamps}, indent=1, sort_keys=True).encode()
+                               "parts": stamps, "origin": self.origin}, indent=1, sort_keys=True).encode()
             needed += len(text)
             doing = f"writing {MANIFEST} of the conversion {self.key}"
             with open(os.path.join(self._work, MANIFEST), "wb") as f:

@@ -165,7 +165,7 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
     config = cls.load_config(folder)
     key = fingerprint(files, model_class=cls, dtype=torch_dtype, config=config)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
-    cache = ConversionCache.open(root, key)
+    cache = ConversionCache.open(root, key, origin=folder)
     with driving(cache, diffusers_hooks(), files=files), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated")
         model, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, low_cpu_mem_usage=True,

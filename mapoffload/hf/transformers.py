@@ -283,7 +283,7 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     key = fingerprint(sources, model_class=concrete_class(cls, config), dtype=dtype, config=config,
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
-    cache = ConversionCache.open(root, key)
+    cache = ConversionCache.open(root, key, origin=folder)
     session = None
     try:
         with driving(cache, transformers_hooks(), keep_fp8=keep_fp8, files=files) as session:

@@ -247,9 +247,19 @@ def host_copies_would_not_fit(
         Ranks on this host; None detects (``LOCAL_WORLD_SIZE``, else an
         initialised ``torch.distributed``'s world size, else 1; see
         :mod:`mapoffload.memory.ranks`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``weight_bytes`` or ``available_bytes`` not an int (a float, NaN, a bool), ``local_ranks``
+        not a whole number >= 1.
     """
     from .ranks import local_world
 
+    for name, value in (("weight_bytes", weight_bytes), ("available_bytes", available_bytes)):
+        # NaN compared False everywhere: "copies fit", whatever the host had. So did True.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be a whole number of bytes (an int), not {value!r}")
     if weight_bytes <= 0:
         return False
     n = local_world(local_ranks).size

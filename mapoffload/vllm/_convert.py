@@ -193,7 +193,7 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
     tensors = read_files(files)
     sources = SourceIndex(tensors)  # one index of the checkpoint's addresses for the whole load
     root = cache_dir or default_root(folder, key)
-    cache = ConversionCache.open(root, key)
+    cache = ConversionCache.open(root, key, origin=folder)
     if cache.reused:
         bound = _rebind(params, cache, tensors)
         if bound is not None:
@@ -201,6 +201,6 @@ def bind_mapped(model: torch.nn.Module, files: list[str], *, key: str, cache_dir
             return bound, cache
         logger.warning("conversion %s does not cover this model's parameters: converting again", cache.path)
         cache.discard()  # else the folder written next is dropped for it, and every start converts again
-        cache = ConversionCache(root, key)
+        cache = ConversionCache(root, key, origin=cache.origin)
     os.makedirs(root, exist_ok=True)
     return _convert(model, params, cache, tensors, sources, check_loaded), cache
