@@ -179,3 +179,26 @@ def folder_problem(path: str) -> str | None:
         if parent == current:
             return None
         current, first = parent, False
+
+
+def check_cache_dir(value: Any) -> str | None:
+    """A conversion folder's root as given (``cache_dir=``, ``--cache-dir``): None, or a path (``~``
+    expanded) that is or can be made a folder; checked before anything loads (a load that converts
+    would fail at its end, after reading the whole model).
+
+    Raises
+    ------
+    TypeError
+        Not a path.
+    ValueError
+        Empty, or a file (or under one).
+    """
+    if value is None:
+        return None
+    path = user_path(value, "cache_dir")
+    if not path:
+        raise ValueError("cache_dir is empty (''): name a folder, or leave it out for the default")
+    problem = folder_problem(path)
+    if problem is not None:
+        raise ValueError(f"cache_dir {path!r} cannot hold the conversion folders: {problem}")
+    return path

@@ -109,3 +109,23 @@ def test_an_empty_cache_dir_is_refused_before_loading(tmp_path, capsys, no_loadi
     build("gpt2", str(tmp_path / "m"))
     err = _refused(capsys, str(tmp_path / "m"), "--cache-dir", "")
     assert "cache" in err and "empty" in err
+
+
+def test_a_model_type_s_base_class_is_refused_before_loading(tmp_path, capsys, no_loading):
+    # --class GPT2PreTrainedModel ended in transformers' AttributeError traceback (all_tied_weights_keys)
+    build("gpt2", str(tmp_path / "m"))
+    err = _refused(capsys, str(tmp_path / "m"), "--class", "GPT2PreTrainedModel")
+    assert "base class" in err and "GPT2ForCausalLM" in err
+
+
+def test_a_load_transformers_cannot_do_is_one_line_naming_the_folder(tmp_path, capsys):
+    # A config dtype torch has no name for: transformers' AttributeError came out as a traceback.
+    folder = tmp_path / "m"
+    build("gpt2", str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "nonsense"
+    (folder / "config.json").write_text(json.dumps(config))
+    err = _refused(capsys, str(folder))
+    assert f"transformers could not load {folder}: AttributeError" in err and "nonsense" in err
+    with pytest.raises(AttributeError):  # -v: the traceback, for a report
+        main(["convert", str(folder), "-v"])

@@ -118,6 +118,13 @@ def test_inspect_says_an_unfinished_conversion_is_one(tmp_path, capsys):
     assert "1 unfinished (no manifest: converted again by the next load)" in capsys.readouterr().out
 
 
+def test_inspect_of_a_config_nested_too_deeply_says_so(tmp_path, capsys):
+    build("gpt2", str(tmp_path))
+    (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)  # RecursionError in json, a traceback
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "from_pretrained: refused: config.json is not valid JSON (nested too deeply)" in capsys.readouterr().out
+
+
 def test_inspect_of_a_folder_whose_config_is_not_json_says_so(tmp_path, capsys):
     build("gpt2", str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")

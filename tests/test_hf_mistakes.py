@@ -300,3 +300,17 @@ def test_auto_config_is_a_configuration_class(gpt2):
 
     with pytest.raises(TypeError, match=r"^AutoConfig is a configuration class: pass a model class"):
         mapoffload.from_pretrained(tf.AutoConfig, gpt2, device=None)
+
+
+@pytest.mark.parametrize("bad", ["", "file"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_refused_before_loading(gpt2, loads, tmp_path, bad):
+    """``cache_dir=""`` loaded the whole model, then failed "creating a conversion folder under : ...";
+    a file, "... is a file" at the end of the load."""
+    import transformers as tf
+
+    if bad == "file":
+        bad = str(tmp_path / "a-file")
+        (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="cache_dir"):
+        mapoffload.from_pretrained(tf.GPT2LMHeadModel, gpt2, device=None, dtype=torch.float16, cache_dir=bad)
+    assert loads == []

@@ -123,6 +123,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except (OSError, ValueError, MissingExtraError) as exc:  # transformers' own messages span lines: one line
         print(f"mapoffload convert: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
         return 2
+    except Exception as exc:  # transformers' load failed (a config its model class cannot take): said in one line
+        if args.verbose:
+            raise
+        print(f"mapoffload convert: error: transformers could not load {args.folder}: {type(exc).__name__}: "
+              f"{' '.join(str(exc).splitlines())} (-v shows the traceback)", file=sys.stderr)
+        return 2
     if report.converted_tensors:
         how = "already there, reused" if report.conversion_reused else "written"
         _say(f"{report.converted_tensors} tensors converted by the load ({format_bytes(report.bytes_converted)}), "

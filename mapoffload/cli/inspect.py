@@ -103,6 +103,8 @@ def _transformers_refusal(folder: str) -> str | None:
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
+    except RecursionError:
+        return "config.json is not valid JSON (nested too deeply)"
     except ValueError as exc:
         return f"config.json is not valid JSON ({exc})"
     except OSError as exc:

@@ -15,7 +15,7 @@ from typing import Any
 
 import json
 
-from .._checks import user_path
+from .._checks import check_cache_dir, user_path
 from ..loading.files import CheckpointError, NotLocalError, looks_remote, open_regular
 from ..loading.report import LoadReport
 from ._args import DTYPE_NAMES, check_dtype
@@ -100,6 +100,10 @@ def named_class(name: str) -> Any:
             hasattr(found, "_model_mapping") or issubclass(found, transformers.PreTrainedModel)):
         raise ValueError(f"{name!r} is not a transformers model class: name one such as LlamaForCausalLM, "
                          "or an Auto class such as AutoModelForCausalLM (default: config.json's architectures)")
+    if name.endswith("PreTrainedModel"):  # a model type's base (LlamaPreTrainedModel): transformers cannot build it
+        raise ValueError(f"{name!r} is the base class of a model type's classes, not a model: name one such as "
+                         f"{name.removesuffix('PreTrainedModel')}ForCausalLM or {name.removesuffix('PreTrainedModel')}"
+                         "Model, or leave the class out (config.json's architectures)")
     return found
 
 
@@ -129,10 +133,7 @@ def convert_pretrained(folder: str | os.PathLike, *, dtype: Any = "auto", cache_
     from . import transformers as hf_transformers
 
     check_dtype(dtype)
-    if cache_dir is not None:
-        cache_dir = user_path(cache_dir, "cache_dir")
-        if not cache_dir:
-            raise ValueError("the cache folder is empty (''): name a folder, or leave it out for the default")
+    cache_dir = check_cache_dir(cache_dir)
     folder = user_path(folder, "folder")
     check_model_folder(folder)
     if isinstance(cls, str):

@@ -30,6 +30,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_cache_dir
 from ..loading.files import diffusers_files
 from .._log import logger
 from ..loading.report import LoadReport
@@ -242,6 +243,7 @@ def _load_pipeline(pipeline_cls: Any, folder: str | os.PathLike, *, dtype: Any, 
     require("diffusers", WHAT)
     check_pipeline_class(pipeline_cls, WHAT)
     check_flags(keep_mapping=keep_mapping)
+    cache_dir = check_cache_dir(cache_dir)
     folder = check_folder(folder, WHAT, beside="model_index.json beside the component folders")
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):

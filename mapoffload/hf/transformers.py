@@ -21,6 +21,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_cache_dir
 from ..loading.files import CheckpointError, pretrained_files
 from ..loading.report import LoadReport
 from . import _keys
@@ -270,6 +271,7 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
     require("transformers", "mapoffload.from_pretrained")
     check_model_class(cls, what)
     check_flags(strict=strict)
+    cache_dir = check_cache_dir(cache_dir)
     check_transformers_kwargs(model_kwargs)
     folder = check_folder(folder, what, beside="config.json beside the weights")
     start = time.perf_counter()
