@@ -79,3 +79,33 @@ def test_a_writer_killed_while_computing_is_swept(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_writer_killed_just_before_its_folder_is_put_in_place_is_swept(tmp_path):
+    """Killed between the manifest and the rename: the writer's mark was already gone, and the whole
+    finished copy (a model's size) stayed as an unmarked folder for an hour. The mark now goes after
+    the rename."""
+    code = textwrap.dedent(f"""
+        import os, torch
+        from mapoffload.conversion import ConversionCache
+        cache = ConversionCache.open({str(tmp_path)!r}, {KEY!r})
+        cache.reserve({{"a": ((1024, 1024), torch.float32)}})["a"].fill_(1)
+        ConversionCache._put_in_place = lambda self: os._exit(9)  # killed at the rename
+        cache.commit()
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert child.returncode == 9, child.stderr[-2000:]
+    (work,) = os.listdir(tmp_path)
+    assert os.path.isfile(os.path.join(tmp_path, work, MANIFEST))  # whole, but not in place
+    cache = ConversionCache.open(str(tmp_path), KEY)  # the next start sweeps it at once
+    assert not cache.reused and os.listdir(tmp_path) == []
+
+
+def test_a_finished_conversion_keeps_no_writer_mark(tmp_path):
+    from mapoffload.conversion.marks import WRITER
+
+    cache = ConversionCache.open(str(tmp_path), KEY)
+    cache.reserve({"a": ((4,), torch.float32)})["a"].fill_(1)
+    cache.commit()
+    assert not os.path.lexists(os.path.join(tmp_path, KEY, WRITER))
+    assert ConversionCache.open(str(tmp_path), KEY).reused

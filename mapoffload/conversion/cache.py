@@ -391,11 +391,13 @@ class ConversionCache:
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename publishes it (a crash leaves no empty manifest)
             doing = f"moving the finished conversion into place at {self.path}"
-            try:  # the mark goes, its lock stays held until the folder is in place (a sweep sees it changing)
-                os.unlink(os.path.join(self._work, WRITER))
-            except FileNotFoundError:
-                pass
-            self._put_in_place()
+            # The mark (and its lock) stays through the rename: killed before it, the work folder is a dead
+            # writer's, swept by the next load (unmarked, a whole copy stayed an hour). Then it goes.
+            if self._put_in_place():
+                try:
+                    os.unlink(os.path.join(self.path, WRITER))
+                except FileNotFoundError:
+                    pass
         except OSError as exc:
             raise self._failed(doing, exc, needed, whole=True) from exc
         except BaseException:
@@ -406,18 +408,19 @@ class ConversionCache:
         self._mark = None
         logger.info("converted %d tensors (%s) into %s", len(self.tensors), format_bytes(self.bytes), self.path)
 
-    def _put_in_place(self) -> None:
+    def _put_in_place(self) -> bool:
         """Rename the work folder to :attr:`path`, replacing whatever is there that is not a
-        finished conversion of the same key (a damaged folder, a file, a link)."""
+        finished conversion of the same key (a damaged folder, a file, a link). Whether ours is the
+        folder in place (not: another load's finished one, or one this user cannot replace)."""
         try:
             os.rename(self._work, self.path)
-            return
+            return True
         except OSError:
             pass
         if type(self).open(self.root, self.key).reused:
             # another load finished the same conversion; our mapped files stay valid until unmapped
             shutil.rmtree(self._work, ignore_errors=True)
-            return
+            return False
         # A damaged or unfinished folder under our name: replace it (else it is converted forever).
         try:
             st = os.lstat(self.path)
@@ -436,13 +439,15 @@ class ConversionCache:
                            "again; remove that folder, or pass cache_dir= for a folder of your own", self.key,
                            self.path, exc.strerror or exc)
             shutil.rmtree(self._work, ignore_errors=True)
-            return
+            return False
         try:
             os.rename(self._work, self.path)
         except OSError:
             if not type(self).open(self.root, self.key).reused:
                 raise
             shutil.rmtree(self._work, ignore_errors=True)  # a concurrent load put its own in place meanwhile
+            return False
+        return True
 
     def _failed(self, doing: str, exc: OSError, needed: int, *, whole: bool,
                 why: str | None = None) -> ConversionWriteError:
