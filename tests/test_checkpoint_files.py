@@ -323,3 +323,15 @@ def test_directory_named_like_a_weight_file(tmp_path):
     with pytest.raises(CheckpointError, match="regular") as err:
         checkpoint_files(tmp_path)
     assert str(tmp_path / "model.safetensors") in str(err.value)
+
+
+def test_a_link_loop_or_a_name_too_long_is_said_as_it_is(tmp_path):
+    """Both were "no such file or folder": a loop of links, a name longer than the file system takes."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(CheckpointError, match="Too many levels of symbolic links"):
+        checkpoint_files(tmp_path / "a")
+    with pytest.raises(CheckpointError, match="File name too long"):
+        checkpoint_files(tmp_path / ("x" * 300))
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        checkpoint_files(tmp_path / "absent")

@@ -131,3 +131,11 @@ def test_inspect_of_a_folder_whose_config_is_not_json_says_so(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "from_pretrained: refused: config.json is not valid JSON" in text
+
+
+def test_a_quantization_config_that_is_not_an_object_is_named(tmp_path, capsys):
+    # "fp8" as the whole quantization_config was said as "method 'None' is not supported"
+    build("gpt2", str(tmp_path))
+    _with_config(tmp_path, quantization_config="fp8")
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "refused: quantization_config is 'fp8', not the settings of a quantization method" in capsys.readouterr().out

@@ -316,3 +316,17 @@ def test_in_place_says_what_the_anonymous_growth_is(small_run):
     growth = next(line for line in text.splitlines() if "host anonymous growth" in line)
     if "uncached window" in growth:
         assert "the streamed layers read from the file into reused buffers" in growth, growth
+
+
+def test_the_demo_folder_variable_is_read_as_the_others_are(monkeypatch, tmp_path):
+    """Empty: the default (it was an error); ``~/x``: the home folder's (it was taken literally)."""
+    import tempfile
+
+    from mapoffload.cli.demo_sizing import _demo_folder
+
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", "")
+    assert _demo_folder() == tempfile.gettempdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "demo").mkdir()
+    monkeypatch.setenv("MAPOFFLOAD_DEMO_DIR", "~/demo")
+    assert _demo_folder() == str(tmp_path / "demo")

@@ -142,8 +142,8 @@ def _check_budget(cfg, mode: str, layer_bytes: int, tensors: int, Model) -> None
 
 def _demo_folder() -> str:
     """Where the checkpoint goes: ``MAPOFFLOAD_DEMO_DIR`` (checked), else the system temp folder."""
-    folder = os.environ.get("MAPOFFLOAD_DEMO_DIR")
-    if folder is None:
+    folder = os.path.expanduser(os.environ.get("MAPOFFLOAD_DEMO_DIR") or "")  # "~/x": as the other variables
+    if not folder:  # unset or empty: the default, as the other variables
         return tempfile.gettempdir()
     if not os.path.exists(folder):
         raise ValueError(f"MAPOFFLOAD_DEMO_DIR={folder!r}: no such folder")

@@ -202,6 +202,9 @@ def quantization_refusal(quantization_config: Any) -> str | None:
     q = quantization_config
     if q is None:
         return None
+    if isinstance(q, (str, int, float, list)):  # not a method's settings ("fp8": said as "method 'None'" before)
+        return (f"quantization_config is {q!r}, not the settings of a quantization method (an object with "
+                "\"quant_method\"); correct config.json")
     method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
     method = str(getattr(method, "value", method))
     if method in SUPPORTED_QUANT_METHODS:

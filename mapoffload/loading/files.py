@@ -22,6 +22,7 @@ downloads link into the cache). Its target is what is mapped.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -236,6 +237,11 @@ def _components(p: str) -> list[tuple[str, str, list[str]]]:
         if not os.path.exists(p):
             if _looks_remote(p):
                 raise NotLocalError(p, what="mapoffload")
+            try:
+                os.stat(p)
+            except OSError as exc:  # a link loop (ELOOP), a name too long: said as it is, not "no such file"
+                if exc.errno != errno.ENOENT:
+                    raise CheckpointError(p, f"cannot be opened: {exc.strerror or exc}") from None
             raise FileNotFoundError(f"no such file or folder: {p}")
         if not p.endswith(CHECKPOINT_SUFFIXES):
             raise CheckpointError(
