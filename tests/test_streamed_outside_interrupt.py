@@ -53,3 +53,33 @@ def test_an_interrupt_inside_a_streamed_head_lets_its_weights_go(tmp_file_dir, c
         monkeypatch.undo()
         assert torch.equal(model(x), want)
     given_back(model)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupt_while_the_head_is_read_in_lets_it_go(tmp_file_dir, cap, monkeypatch, error):
+    from mapoffload.pagecache.pages import PageWorker
+
+    path, x, want = checkpoint(tmp_file_dir, SmallHead)
+    drop_page_cache(str(path))
+    cap(IN_USE + MARGIN + 3 * MIB)
+    model = mapped(path, SmallHead)
+    head = model.head
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        real = PageWorker.read_in
+
+        def read_in(worker, spans, *args, **kwargs):
+            done = real(worker, spans, *args, **kwargs)
+            if spans.total_bytes >= head.weight.nbytes:  # the head's (the parts' are 1 MiB)
+                done.result()
+                raise error("while the head is read in")
+            return done
+
+        monkeypatch.setattr(PageWorker, "read_in", read_in)
+        with pytest.raises(error):
+            model(x)
+        monkeypatch.undo()
+        assert sum(resident_bytes([head.weight])) <= EDGES
+        assert torch.equal(model(x), want)
+    given_back(model)

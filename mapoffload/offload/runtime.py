@@ -738,7 +738,13 @@ class _StreamedModule:
 
     def before(self, module, args) -> None:
         if self.read_whole:
-            self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
+            try:
+                self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
+            except Exception:
+                raise  # torch runs the always-call hook
+            except BaseException:  # interrupted while reading in: what was read is let go as its forward's
+                self.after(module, args, None)
+                raise
 
     def after(self, module, args, output) -> None:
         self.worker.let_go(self.spans, self.extents)
