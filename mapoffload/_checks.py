@@ -182,23 +182,21 @@ def folder_problem(path: str) -> str | None:
 
 
 def check_cache_dir(value: Any) -> str | None:
-    """A conversion folder's root as given (``cache_dir=``, ``--cache-dir``): None, or a path (``~``
-    expanded) that is or can be made a folder; checked before anything loads (a load that converts
-    would fail at its end, after reading the whole model).
+    """A conversion folder's root as given (``cache_dir=``, ``--cache-dir``): None, or a path with ``~``
+    expanded; an empty one is refused before anything loads (a load that converts failed at its end,
+    "creating a conversion folder under : ..."). One that cannot be a folder (a file) is the write's
+    :class:`~mapoffload.conversion.ConversionWriteError`, naming the way out, when a load converts.
 
     Raises
     ------
     TypeError
         Not a path.
     ValueError
-        Empty, or a file (or under one).
+        Empty.
     """
     if value is None:
         return None
     path = user_path(value, "cache_dir")
     if not path:
         raise ValueError("cache_dir is empty (''): name a folder, or leave it out for the default")
-    problem = folder_problem(path)
-    if problem is not None:
-        raise ValueError(f"cache_dir {path!r} cannot hold the conversion folders: {problem}")
     return path
