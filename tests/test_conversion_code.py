@@ -80,3 +80,60 @@ def test_a_user_subclass_edited_converts_again(tmp_path, monkeypatch):
         assert third.conversion_reused
     finally:
         sys.modules.pop("mine_conversion_code", None)
+
+
+def test_an_attribute_set_after_the_class_body_converts_again(tmp_path):
+    """Set after the class statement (or from a module constant), it was in no source text hashed."""
+    _tiny(tmp_path)
+    mine = type("MyLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
+    first, head = _load(mine, str(tmp_path))
+    assert not first.conversion_reused and head == torch.float16
+    mine._keep_in_fp32_modules_strict = ["lm_head"]
+    second, head = _load(mine, str(tmp_path))
+    assert not second.conversion_reused and head == torch.float32
+
+
+def _exec_class(body: str, module: str | None):
+    """A class as a notebook cell makes it: no source file; ``module`` None: exec'd with a bare dict
+    (its ``__module__`` is ``builtins``)."""
+    ns = {} if module is None else {"__name__": module}
+    exec(compile("from transformers import LlamaForCausalLM\nclass Mine(LlamaForCausalLM):\n" + body, "<cell>", "exec"),
+         ns)
+    return ns["Mine"]
+
+
+@pytest.mark.parametrize("module", [None, "__main__"])
+def test_a_class_without_a_source_file_is_reused_unchanged_and_converted_again_edited(tmp_path, module):
+    _tiny(tmp_path)
+    first, _ = _load(_exec_class("    pass\n", module), str(tmp_path))
+    again, _ = _load(_exec_class("    pass\n", module), str(tmp_path))  # the same code, made afresh
+    edited, head = _load(_exec_class(KEEP, module), str(tmp_path))
+    assert not first.conversion_reused and again.conversion_reused
+    assert not edited.conversion_reused and head == torch.float32
+
+
+def test_the_key_follows_the_code_that_runs_not_its_file(tmp_path, monkeypatch):
+    """A module's file edited after it was imported: the class that runs is still the old one, and its
+    conversion is keyed on it (hashing the file stored the old code's weights under the new code's key)."""
+    from mapoffload.conversion.code_key import class_code
+
+    code = tmp_path / "mine_running_code.py"
+    code.write_text(SUBCLASS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = importlib.import_module("mine_running_code")
+        before = class_code(module.MyLlamaForCausalLM, None, [])
+        code.write_text(SUBCLASS + KEEP)
+        assert class_code(module.MyLlamaForCausalLM, None, []) == before
+        assert class_code(importlib.reload(module).MyLlamaForCausalLM, None, []) != before
+    finally:
+        sys.modules.pop("mine_running_code", None)
+
+
+def test_a_subclass_of_a_diffusers_model_is_keyed_on_diffusers_version():
+    diffusers = pytest.importorskip("diffusers")
+    from mapoffload.conversion.code_key import class_versions
+
+    mine = type("MyUNet", (diffusers.UNet2DModel,), {"__module__": "my_components"})
+    assert class_versions(mine)["diffusers"] == diffusers.__version__
+    assert "diffusers" not in class_versions(transformers.LlamaForCausalLM)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from typing import Any
+
+from .code_key import class_code, class_versions
 
 FORMAT = 1  # of the conversion folder (its manifest, and so its fingerprint)
 MANIFEST = "manifest.json"  # written last in a conversion folder: a folder without it is unfinished
@@ -112,42 +113,10 @@ def _config_text(config: Any) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-# Packages whose release names their classes' code: their version stands for it.
-_VERSIONED = ("transformers", "diffusers", "torch", "vllm")
-
-
-def _code(model_class: Any, config: Any, files: list[str]) -> dict[str, str]:
-    """What the model class's code is, beside the versions: a digest of the source of each class in its
-    MRO that no versioned package ships (a user's subclass, with its ``_keep_in_fp32_modules``; remote
-    code transformers imported), and, where the config maps classes to the checkpoint's own code
-    (``auto_map``), of the ``.py`` files beside the checkpoint (an Auto class stays itself before the
-    load: its class is not known yet). A change there converts again: reused, an old conversion gave
-    the old code's dtypes, silently."""
-    import inspect
-
-    out: dict[str, str] = {}
-    for klass in inspect.getmro(model_class) if isinstance(model_class, type) else ():
-        top = klass.__module__.partition(".")[0]
-        if top in _VERSIONED or top in sys.stdlib_module_names:
-            continue
-        try:
-            text = inspect.getsource(klass)
-        except (OSError, TypeError):  # defined where no source is kept (an interactive session)
-            text = repr(sorted((k, repr(v)) for k, v in vars(klass).items() if not k.startswith("__")))
-        out[f"{klass.__module__}.{klass.__qualname__}"] = hashlib.sha256(text.encode()).hexdigest()
-    if getattr(config, "auto_map", None):
-        for folder in sorted({os.path.dirname(os.path.realpath(f)) for f in files}):
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".py"):
-                    with open(os.path.join(folder, name), "rb") as fh:
-                        out[os.path.join(folder, name)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
 def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, extra: Any = None) -> str:
     """A hex digest of everything a conversion's result depends on: the sources, the concrete model
     class (a class or its qualified name; see :func:`concrete_class`) and its code where no package
-    version names it (:func:`_code`), the dtype, the config, the versions, ``extra`` -- never how the
+    version names it (:mod:`.code_key`), the dtype, the config, the versions, ``extra`` -- never how the
     caller spelled them."""
     import torch
     import transformers
@@ -159,13 +128,10 @@ def fingerprint(files: list[str], *, model_class: Any, dtype: Any, config: Any, 
         # in a shared root), and their change time, which no copy (cp -p, rsync -a) preserves.
         st = os.stat(f)
         sources.append([os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
-    for name in _VERSIONED:  # diffusers' loader (its key conversions) for its models, say
-        version = getattr(sys.modules.get(name), "__version__", None)
-        if version is not None and isinstance(model_class, type) and model_class.__module__.startswith(name + "."):
-            versions[name] = version
+    # diffusers' loader (its key conversions) for its models and their subclasses, say
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__, **class_versions(model_class)}
     blob = json.dumps({
-        "format": FORMAT, **versions, "code": _code(model_class, config, files),
+        "format": FORMAT, **versions, "code": class_code(model_class, config, files),
         "class": _class_name(model_class), "dtype": _dtype_name(dtype), "sources": sources,
         "config": _config_text(config),
         "extra": repr(extra),
