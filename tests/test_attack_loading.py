@@ -114,6 +114,28 @@ def test_a_tied_name_holding_the_same_tensor_loads(tmp_path):
     assert not report.unexpected_keys and not report.missing_keys
 
 
+def test_a_tie_is_judged_by_its_bytes(tmp_path):
+    """The same bytes with a NaN in them load (``torch.equal`` called them other values); ``0.0`` against
+    ``-0.0`` are other bytes, refused."""
+    from safetensors.torch import save_file
+
+    emb = torch.randn(10, 4)
+    emb[3, 1] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file({"emb.weight": emb, "head.weight": emb.clone()}, str(path))
+    with empty_weights():
+        model = Tied()
+    load_checkpoint(model, str(path), keep_mapping=True, strict=True)
+    assert torch.equal(model.emb.weight.view(torch.int32), emb.view(torch.int32))
+    zeros = torch.zeros(10, 4)
+    path = tmp_path / "zeros.safetensors"
+    save_file({"emb.weight": zeros, "head.weight": -zeros}, str(path))
+    with empty_weights():
+        model = Tied()
+    with pytest.raises(ValueError, match="other values"):
+        load_checkpoint(model, str(path), keep_mapping=True, strict=True)
+
+
 def test_the_copied_bytes_reasons_add_up_where_the_decision_copied(tmp_path):
     cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, max_position_embeddings=64)
