@@ -45,7 +45,9 @@ __all__ = [
 
 _DYNAMO = "torch._dynamo"
 _WAITING_LOCK = threading.RLock()
-_WAITING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a Hook not marked yet -> its function
+# The Hooks not marked yet (a set: a table whose values held their functions, and they the modules, kept
+# every hooked module alive).
+_WAITING: weakref.WeakSet = weakref.WeakSet()
 
 
 def _disable(fn):
@@ -67,10 +69,10 @@ def _dynamo_ready() -> bool:
 def _dynamo_imported() -> None:
     """TorchDynamo was imported: every :class:`Hook` made so far is marked."""
     with _WAITING_LOCK:
-        waiting = list(_WAITING.items())
+        waiting = list(_WAITING)
         _WAITING.clear()
-    for hook, fn in waiting:
-        hook.fn = _disable(fn)
+    for hook in waiting:
+        hook.fn = _disable(hook.__wrapped__)
 
 
 class _DynamoWatch(importlib.abc.MetaPathFinder):
@@ -138,7 +140,7 @@ class Hook:
         self.__wrapped__ = fn
         with _WAITING_LOCK:
             if not _dynamo_ready():
-                _WAITING[self] = fn
+                _WAITING.add(self)
                 _DynamoWatch.install()
                 return
         self.fn = _disable(fn)
@@ -170,7 +172,17 @@ class Patch:
 
 
 _LOCK = threading.Lock()
-_REGISTRY: weakref.WeakKeyDictionary[Any, dict[str, Patch]] = weakref.WeakKeyDictionary()
+# Each module's patches live in its own __dict__: a process-wide table (even a weak-keyed one, whose values
+# held the wrapped forwards, and they the module) kept every offloaded module alive after its model was
+# dropped without close(): its mapping, its stack's threads and its place in the page-cache plan with it.
+_PATCHES = "_mapoffload_patches"
+
+
+def _patches(module: Any, make: bool = False) -> dict[str, Patch] | None:
+    patches = module.__dict__.get(_PATCHES)
+    if patches is None and make:
+        patches = module.__dict__[_PATCHES] = {}
+    return patches
 
 
 def _after_fork_in_child() -> None:
@@ -187,7 +199,7 @@ def install(module: Any, name: str, value: Any) -> Patch:
     """Set ``module.<name>`` to ``value`` on the instance, or count one more holder of the patch
     already there (the first value stays)."""
     with _LOCK:
-        patches = _REGISTRY.setdefault(module, {})
+        patches = _patches(module, make=True)
         patch = patches.get(name)
         if patch is not None:
             patch.holders += 1
@@ -201,7 +213,7 @@ def uninstall(module: Any, name: str) -> None:
     """One holder lets go of ``module``'s patch ``name``; the last puts back what it replaced,
     unless the attribute was set since by someone else (theirs stays)."""
     with _LOCK:
-        patches = _REGISTRY.get(module)
+        patches = _patches(module)
         patch = patches.get(name) if patches else None
         if patch is None:
             return
@@ -210,7 +222,7 @@ def uninstall(module: Any, name: str) -> None:
             return
         del patches[name]
         if not patches:
-            del _REGISTRY[module]
+            del module.__dict__[_PATCHES]
         if module.__dict__.get(name, _MISSING) is not patch.value:
             return
         if patch.previous is _MISSING:
@@ -222,7 +234,7 @@ def uninstall(module: Any, name: str) -> None:
 def patched(module: Any) -> tuple[str, ...]:
     """The attributes mapoffload has patched on ``module`` now (empty once given back)."""
     with _LOCK:
-        return tuple(sorted(_REGISTRY.get(module, {})))
+        return tuple(sorted(_patches(module) or ()))
 
 
 class _ForwardPatch:
