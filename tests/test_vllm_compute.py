@@ -154,6 +154,32 @@ def test_the_conversion_key_names_the_gemm_layout(tmp_path):
     assert key(gemm=PLAIN) == key() != key(gemm=VNNI)
 
 
+def test_the_conversion_key_names_the_cpu_kernels(tmp_path, monkeypatch):
+    """vLLM prepacks MoE experts in another layout where the CPU has AMX: a conversion written on a host
+    without it (a folder shared by NFS, or a shared cache_dir) was reused on one with it, serving the other
+    layout's bytes (logprobs off by 1e-3)."""
+    import vllm  # noqa: F401  (the key names vLLM's version)
+
+    from mapoffload.vllm._options import LoaderOptions
+    from mapoffload.vllm.loader import _Loader
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 64)
+    loader = _Loader.__new__(_Loader)
+    loader.options = LoaderOptions.parse({})
+    model = _layer(32, 64)
+    model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"model_type": "mixtral"}, quantization=None)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+    def key():
+        return loader._key([str(path)], model, model_config, vllm_config, "MixtralForCausalLM", False)
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with_amx = key()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert key() != with_amx
+
+
 def test_vnni_packs_a_shared_weight_once_and_never_under_an_embedding(vllm_utils):
     """One Parameter held by two linears is packed once (the second computes from the same packed
     bytes); one an embedding also holds is left plain when the embedding came first, and refused by

@@ -64,6 +64,16 @@ def _safetensors_files(folder: str) -> list[str]:
     return files
 
 
+def _cpu_kernels() -> list:
+    """What decides the layouts vLLM's CPU kernels prepack weights in after loading (its MoE experts: one
+    for AMX, another without): a conversion holds those bytes, so a folder shared by hosts of two kinds
+    (NFS, a shared cache_dir) gives each its own. torch's CPU capability and its AMX answer."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return [torch.backends.cpu.get_cpu_capability(), bool(amx()) if callable(amx) else None]
+
+
 class _Loader:
     """Mixin body of :class:`MapoffloadModelLoader` (kept apart so the module imports without vLLM)."""
 
@@ -127,7 +137,8 @@ class _Loader:
         shapes = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
-                              extra={"vllm": vllm.__version__, **ranks, "quantization": model_config.quantization,
+                              extra={"vllm": vllm.__version__, **ranks, "cpu": _cpu_kernels(),
+                                     "quantization": model_config.quantization,
                                      "pack": pack, "gemm_layout": gemm, "parameters": shapes,
                                      **({} if only is None else {"offloaded": sorted(only)})})
 
