@@ -335,3 +335,38 @@ def test_a_link_loop_or_a_name_too_long_is_said_as_it_is(tmp_path):
         checkpoint_files(tmp_path / ("x" * 300))
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         checkpoint_files(tmp_path / "absent")
+
+
+def test_vllm_reads_the_hf_index_beside_a_consolidated_one(tmp_path):
+    """Mistral's repos: ``model.safetensors.index.json`` and its shards beside ``consolidated.safetensors``
+    and its own index. vLLM serves the folder from the first; the ``mapoffload`` load format refused it
+    ("2 safetensors indexes: name the one to load"), which a vLLM user cannot do."""
+    from mapoffload.loading.files import vllm_files
+    from mapoffload.vllm.loader import _safetensors_files
+
+    t = {"a": torch.ones(2)}
+    save_file(t, str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file(t, str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    (tmp_path / "consolidated.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "consolidated.safetensors"}}))
+    with pytest.raises(CheckpointError, match="2 safetensors indexes"):
+        checkpoint_files(tmp_path)  # the general rule asks
+    shards = [str(tmp_path / "model-00001-of-00001.safetensors")]
+    assert vllm_files(tmp_path) == _safetensors_files(str(tmp_path)) == shards
+    (tmp_path / "model.safetensors.index.json").unlink()
+    (tmp_path / "consolidated.safetensors.index.json").unlink()
+    assert vllm_files(tmp_path) == [str(tmp_path / "consolidated.safetensors")] + shards  # vLLM's glob
+
+
+def test_vllm_s_rule_refuses_pytorch_files_by_name(tmp_path):
+    from mapoffload.vllm import VllmLoadError
+    from mapoffload.vllm.loader import _safetensors_files
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(VllmLoadError, match="pytorch_model.bin: the mapoffload load format maps safetensors"):
+        _safetensors_files(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="no .safetensors file"):
+        _safetensors_files(str(tmp_path))

@@ -41,6 +41,7 @@ __all__ = [
     "checkpoint_components",
     "checkpoint_files",
     "diffusers_files",
+    "vllm_files",
     "open_regular",
     "pretrained_files",
 ]
@@ -466,3 +467,39 @@ def diffusers_files(folder: str | os.PathLike) -> list[str]:
         raise FileNotFoundError(f"no {' or '.join(_DIFFUSERS_NAMES)} in {base} (what diffusers' from_pretrained reads)")
     files = _index_shards(archive) if archive.endswith(INDEX_SUFFIX) else [archive]
     return _checked(files, archive)
+
+
+# --- vLLM's rule --------------------------------------------------------------------------
+
+
+VLLM_INDEX = "model.safetensors.index.json"  # the one index vLLM's safetensors loading filters by
+
+
+def vllm_files(folder: str | os.PathLike) -> list[str]:
+    """The weight files vLLM's own safetensors loading reads from a local model folder (its
+    ``DefaultModelLoader`` with ``load_format="safetensors"``, which the ``mapoffload`` format loads
+    as): the shards ``model.safetensors.index.json`` names where it is there, else every top-level
+    ``.safetensors`` file. Another index beside it (Mistral's ``consolidated.safetensors.index.json``)
+    and the files only it names are not read; :func:`checkpoint_files`' rule would ask which to load.
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``.safetensors`` file in the folder, or a shard the index names is missing.
+    CheckpointError
+        A malformed index, a shard named outside the folder, or a file that is not a regular file.
+    """
+    base = user_path(folder)
+    index = os.path.join(base, VLLM_INDEX)
+    if os.path.isfile(index):
+        return _checked(_index_shards(index), index)
+    found = sorted((os.path.join(base, e) for e in os.listdir(base) if e.endswith(SAFETENSORS_SUFFIX)),
+                   key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"no .safetensors file in {base} (what vLLM's safetensors loading reads)")
+    return _checked(found, base)
+
+
+def files_bytes(files: list[str]) -> int:
+    """On-disk bytes of ``files`` (sizes only, no data read)."""
+    return sum(os.stat(f).st_size for f in files)

@@ -17,7 +17,7 @@ import os
 import torch
 
 from ..loading.decide import decide
-from ..loading.files import NotLocalError, checkpoint_bytes, checkpoint_files, looks_remote
+from ..loading.files import NotLocalError, files_bytes, looks_remote, vllm_files
 from .._log import format_bytes, logger
 from ..loading.checkpoint import keep_checkpoint_mapped
 from ..memory.regions import tensor_bytes
@@ -56,12 +56,18 @@ def _local_folder(model: str) -> str:
 
 
 def _safetensors_files(folder: str) -> list[str]:
-    files = checkpoint_files(folder)
-    others = [f for f in files if not f.endswith(".safetensors")]
-    if others:
-        raise VllmLoadError(f"{others[0]}: the mapoffload load format maps safetensors checkpoints only "
-                            f"(convert the folder, or load with load_format='auto')")
-    return files
+    """The files vLLM's safetensors loading reads in ``folder`` (:func:`vllm_files`); a folder of PyTorch
+    files only is refused naming one."""
+    try:
+        return vllm_files(folder)
+    except FileNotFoundError:
+        if not os.path.isdir(folder):
+            raise
+        others = sorted(e for e in os.listdir(folder) if e.endswith((".bin", ".pt", ".pth")))
+        if not others:
+            raise
+        raise VllmLoadError(f"{os.path.join(folder, others[0])}: the mapoffload load format maps safetensors "
+                            "checkpoints only (convert the folder, or load with load_format='auto')") from None
 
 
 def _cpu_kernels() -> list:
@@ -94,7 +100,7 @@ class _Loader:
         keep = self.options.keep_mapping
         if keep is None and self.options.stream_layers:
             return True, "stream_layers=true in model_loader_extra_config"
-        decision = decide(keep, weight_bytes=lambda: checkpoint_bytes(folder), component=f"vLLM {architecture}",
+        decision = decide(keep, weight_bytes=lambda: files_bytes(_safetensors_files(folder)), component=f"vLLM {architecture}",
                           gate=keep_checkpoint_mapped)
         if decision.decided_by == "caller":
             return decision.keep_mapping, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
