@@ -167,3 +167,13 @@ def test_device_path_stacks_are_named_as_a_summary_names_them():
     model.model.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
     stranger = [torch.nn.Linear(2, 2)]
     assert _stack_paths(model, [list(model.model.layers), stranger, []]) == ["model.layers", "stack 1", "stack 2"]
+
+
+def test_reload_weights_from_disk_is_refused_saying_what_works():
+    """vLLM's ``reload_weights()`` without an iterator asks the load format for the weights: vLLM said only
+    "Model reloading with 'mapoffload' format" (NotImplementedError); a reload would pack the mapped linear
+    weights away. Refused before anything changes, naming the ways that work."""
+    from mapoffload.vllm.loader import _Loader
+
+    with pytest.raises(VllmLoadError, match=r"reload_weights\(\) is not supported.*load_weights\(\.\.\.\)"):
+        _Loader.__new__(_Loader).get_all_weights(None, None)

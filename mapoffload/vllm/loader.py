@@ -148,6 +148,16 @@ class _Loader:
                                      "pack": pack, "gemm_layout": gemm, "parameters": shapes,
                                      **({} if only is None else {"offloaded": sorted(only)})})
 
+    def get_all_weights(self, model_config, model):  # noqa: ANN001
+        """vLLM's ``reload_weights()`` from disk asks the load format for the checkpoint's weights: refused
+        before anything changes, saying what works (vLLM said only "Model reloading with 'mapoffload'
+        format"). Its reload re-runs vLLM's weight post-processing, which the mapped linear layers skip
+        at a load: it would pack their weights away and leave the engine without them."""
+        raise VllmLoadError("reload_weights() is not supported by the mapoffload load format (vLLM's reload "
+                            "post-processes the weights again, which the mapped linear layers cannot take): "
+                            "update served weights with the model's load_weights(...) (collective_rpc), or start "
+                            "a new engine on the new checkpoint, or serve with load_format='auto'")
+
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
         from vllm.config import get_current_vllm_config
