@@ -74,7 +74,7 @@ def row_chunks(head: nn.Module):
     """The head's :class:`~mapoffload.offload.runtime.RowChunks` (its streamed forward computes over them), or
     None."""
     forward = vars(head).get("forward")
-    streamed = getattr(getattr(forward, "__wrapped__", None), "__self__", None) if "forward" in patched(head) else None
+    streamed = getattr(getattr(forward, "__wrapped__", None), "_streamed", None) if "forward" in patched(head) else None
     return getattr(streamed, "rows", None)
 
 

@@ -191,7 +191,7 @@ def test_the_streamed_head_computes_what_the_plain_model_does(ckpt, cap, threads
             # Whatever this CPU's library does with a narrower output (AMD EPYC gave equal chunks, the
             # Intel Xeon kind did not): each kind of input was checked once, and took the chunks after
             # only where they were exact.
-            rows = vars(model.head)["forward"].__wrapped__.__self__.rows  # the streamed head's RowChunks
+            rows = vars(model.head)["forward"].__wrapped__._streamed.rows  # the streamed head's RowChunks
             assert len(rows.exact) == 6 and rows.chunked_calls == sum(rows.exact.values()), rows.exact
         assert "forward" not in vars(model.head)
     finally:

@@ -83,3 +83,50 @@ def test_an_interrupt_while_the_head_is_read_in_lets_it_go(tmp_file_dir, cap, mo
         assert sum(resident_bytes([head.weight])) <= EDGES
         assert torch.equal(model(x), want)
     given_back(model)
+
+
+def test_an_interrupt_in_a_user_s_hook_around_the_head_is_let_go_as_the_next_forward_starts(
+        tmp_file_dir, cap, monkeypatch):
+    """A user's pre-hook raising after the head was read in: torch runs neither its always-call hook nor
+    its forward. What it read is let go as the model's next forward starts (not when the head next runs,
+    after every layer has read its parts in beside it)."""
+    path, x, want = checkpoint(tmp_file_dir, SmallHead)
+    drop_page_cache(str(path))
+    cap(IN_USE + MARGIN + 3 * MIB)
+    model = mapped(path, SmallHead)
+    head = model.head
+    armed, at_first_layer = [], []
+
+    def interrupt(module, args):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt("in a user's hook")
+
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        head.register_forward_pre_hook(interrupt)  # after the manager's: the head is read in first
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, a: at_first_layer.append(sum(resident_bytes([head.weight]))))
+        armed.append(1)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        assert sum(resident_bytes([head.weight])) > EDGES  # torch ran nothing of ours after it
+        at_first_layer.clear()
+        assert torch.equal(model(x), want)
+        assert at_first_layer and at_first_layer[0] <= EDGES, at_first_layer
+
+
+def test_a_streamed_module_s_forward_keeps_its_signature(tmp_file_dir, cap):
+    """Its forward is wrapped while streamed: ``inspect.signature`` (transformers asks it of forwards, as
+    ``logits_to_keep``) still sees the module's own, not ``(*args, **kwargs)``."""
+    import inspect
+
+    path, x, want = checkpoint(tmp_file_dir, SmallHead)
+    cap(IN_USE + MARGIN + 3 * MIB)
+    model = mapped(path, SmallHead)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        assert torch.equal(model(x), want)
+        assert "forward" in vars(model.head)  # wrapped
+        assert inspect.signature(model.head.forward) == inspect.signature(nn.Linear(2, 2).forward)

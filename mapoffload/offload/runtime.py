@@ -194,6 +194,7 @@ class StackRuntime:
         c.follow_cap()
         c.note_forward(self.member)
         self.member.choose_reads()
+        self.outside.let_go_left()  # what an interrupt around a streamed module left cached
         self.outside.check()
         plan = self.member.residency
         if plan is None:
@@ -576,7 +577,7 @@ class OutsideWeights:
         self._layers = layers
         self._files = files
         self._worker = worker  # the stack's page worker: streams the always-read weights (stream())
-        self._streamed: list = []  # what puts each streamed module back (its hooks)
+        self._streamed: list[_StreamedModule] = []  # each streamed module (removed: its hooks put back)
         self._stream_key: tuple | None = None  # (the outside weights' key, the unit) it was streamed for
         self.streamed_bytes = 0
         self._key: tuple[int, ...] | None = None
@@ -629,8 +630,8 @@ class OutsideWeights:
         not change with the depth, so that what their checks found holds when the depth does. Idempotent;
         hooks and advice are put back when it stops."""
         if not on:
-            for undo in self._streamed:
-                undo()
+            for job in self._streamed:
+                job.remove()
             self._streamed, self.streamed_bytes = [], 0
             return
         if self._streamed and (self._key, unit) != self._stream_key:
@@ -655,11 +656,19 @@ class OutsideWeights:
                 name = names.get(id(module)) or type(module).__name__
                 job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit,
                                       (self._verdicts, step or unit))
-                self._streamed.append(job.remove)
+                self._streamed.append(job)
                 self.streamed_bytes += job.bytes
         if self._streamed:
             logger.info("%s: %s read every forward are streamed (read in as their modules run, let go after)",
                         WHAT, format_bytes(self.streamed_bytes))
+
+    def let_go_left(self) -> None:
+        """Let go what a streamed module read in and an interrupt left cached (a ``KeyboardInterrupt`` in a
+        hook around it, which neither its always-call hook nor its guarded forward sees): called as the
+        next forward of the model starts."""
+        for job in self._streamed:
+            if job.inside:
+                job.after(job.module, (), None)
 
     def _refresh(self) -> None:
         from ..memory.regions import MappedRegions, tensor_extent  # one definition of a tensor's bytes
@@ -711,9 +720,16 @@ class _StreamedModule:
                         "it computes%s, let go after", name, format_bytes(self.bytes), format_bytes(unit),
                         "" if self.rows is None else f" (or in {len(self.rows.chunks)} chunks of its rows where "
                         "that computes bit-equal: RowChunks)")
+        self.inside = False  # read in by its pre-hook, not let go yet
+
+        @functools.wraps(self._own or _class_forward(module))  # its signature, for whoever inspects it
+        def streamed_forward(*args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+        streamed_forward._streamed = self  # what streams it (for tools and tests)
         self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
                       module.register_forward_hook(Hook(self.after), always_call=True).remove,
-                      wrap_forward(module, Hook(self.forward)).remove]
+                      wrap_forward(module, Hook(streamed_forward)).remove]
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -737,6 +753,7 @@ class _StreamedModule:
             raise
 
     def before(self, module, args) -> None:
+        self.inside = True
         if self.read_whole:
             try:
                 self.worker.read_in(self.spans, WHAT, self.edges, self.extents).result()
@@ -747,6 +764,7 @@ class _StreamedModule:
                 raise
 
     def after(self, module, args, output) -> None:
+        self.inside = False
         self.worker.let_go(self.spans, self.extents)
         self.worker.drain()  # done before anything can write the weights in place (PageWorker.drain)
 
