@@ -49,7 +49,14 @@ def test_plain_layout_keeps_the_weight_and_computes_what_onednn_does(vllm_utils)
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert torch.equal(layer.cpu_linear(x, layer.weight, layer.bias),
                        torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert vllm_utils.dispatch_cpu_unquantized_gemm.__name__ == "dispatch_cpu_unquantized_gemm"  # put back
+    # Out of the context: a layer it dispatched keeps its weight when vLLM dispatches it again (its
+    # reload_weights), any other is vLLM's own (packed away).
+    vllm_utils.dispatch_cpu_unquantized_gemm(layer, True)
+    assert layer.weight.data_ptr() == ptr
+    other = _layer(64, 96)
+    vllm_utils.dispatch_cpu_unquantized_gemm(other, True)
+    assert other.weight.numel() == 0  # vLLM's: packed for its library, the weight removed
+    assert vllm_utils.dispatch_cpu_unquantized_gemm.mapoffload_original.__name__ == "dispatch_cpu_unquantized_gemm"
 
 
 def test_vnni_packs_in_place_of_the_weight_and_computes_as_vllms_kernel(vllm_utils):

@@ -169,11 +169,23 @@ def test_device_path_stacks_are_named_as_a_summary_names_them():
     assert _stack_paths(model, [list(model.model.layers), stranger, []]) == ["model.layers", "stack 1", "stack 2"]
 
 
-def test_reload_weights_from_disk_is_refused_saying_what_works():
-    """vLLM's ``reload_weights()`` without an iterator asks the load format for the weights: vLLM said only
-    "Model reloading with 'mapoffload' format" (NotImplementedError); a reload would pack the mapped linear
-    weights away. Refused before anything changes, naming the ways that work."""
+def test_reload_weights_from_disk_reads_the_checkpoint_as_views_of_its_mapping(tmp_path):
+    """vLLM's ``reload_weights()`` without an iterator asks the load format for the weights (vLLM said only
+    "Model reloading with 'mapoffload' format"): the files vLLM's own rule reads, mapped (no copy); a
+    folder of PyTorch files is refused by name. (The reload itself: test_vllm_weight_updates.py.)"""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mapoffload.memory.regions import MappedRegions
     from mapoffload.vllm.loader import _Loader
 
-    with pytest.raises(VllmLoadError, match=r"reload_weights\(\) is not supported.*load_weights\(\.\.\.\)"):
-        _Loader.__new__(_Loader).get_all_weights(None, None)
+    save_file({"a": torch.arange(6.0), "b": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    got = dict(_Loader.__new__(_Loader).get_all_weights(SimpleNamespace(model=str(tmp_path)), None))
+    assert torch.equal(got["a"], torch.arange(6.0)) and torch.equal(got["b"], torch.ones(2, 2))
+    assert all(MappedRegions().classify(list(got.values())))
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({"a": torch.ones(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(VllmLoadError, match="maps safetensors checkpoints only"):
+        list(_Loader.__new__(_Loader).get_all_weights(SimpleNamespace(model=str(tmp_path)), None))

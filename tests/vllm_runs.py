@@ -9,7 +9,8 @@ stdin: ``{"runs": [{"name", "folder", "load_format", "extra", "dtype",
 it has generated, a run updates its weights as RLHF weight syncing does (the model's ``load_weights`` in the
 worker, given the negated checkpoint tensors whose names hold one of the parts), generates again
 (``tokens_after_update``), and reports the digests of the conversion folders' files before and after
-(``conversion_digests``). Output: one line ``RESULTS <json>`` with, per run, the
+(``conversion_digests``). With ``reload`` (``{"folder", "from": "iterator" | "disk"}``), vLLM's
+``reload_weights`` from that folder, then ``tokens_after_reload``. Output: one line ``RESULTS <json>`` with, per run, the
 tokens and logprobs of every prompt, where each parameter's bytes live (the
 checkpoint's files, a conversion folder, anonymous memory) as the process's
 mappings say, and the page-cache coordinator's peers (other ranks and replicas
@@ -217,6 +218,23 @@ def _updated(llm, spec: dict, sampling) -> dict:  # noqa: ANN001
             "tokens_after_update": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def _reloaded(llm, reload: dict, prompts: list, sampling) -> list:  # noqa: ANN001
+    """vLLM's ``reload_weights`` from ``reload["folder"]``: its tensors as an iterator (RLHF weight transfer's
+    path), or from disk (``weights_path``) with ``"from": "disk"``; the tokens generated after it."""
+    from safetensors.torch import load_file
+    from vllm.inputs import TokensPrompt
+
+    folder = reload["folder"]
+    if reload.get("from") == "disk":
+        kwargs = {"weights_path": folder}
+    else:
+        kwargs = {"weights_iterator": list(load_file(os.path.join(folder, "model.safetensors")).items()),
+                  "is_checkpoint_format": True}
+    llm.collective_rpc("reload_weights", kwargs=kwargs)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def run(spec: dict) -> dict:
     with _environment(spec.get("env") or {}):
         return _run(spec)
@@ -254,6 +272,8 @@ def _run(spec: dict) -> dict:
         result["ranks"] = ranks
         if spec.get("update"):
             result.update(_updated(llm, spec, sp))
+        if spec.get("reload"):
+            result["tokens_after_reload"] = _reloaded(llm, spec["reload"], spec["prompts"], sp)
         if spec.get("hold"):  # a file path: say so, and keep the engine up until the file exists
             sys.stdout.write("HOLD " + json.dumps(result) + "\n")
             sys.stdout.flush()

@@ -69,6 +69,31 @@ def _takes(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and weight.is_contiguous()
 
 
+# On a layer mapped_linear dispatched: the layout its weight computes in (vLLM's reload dispatches it again).
+_MARK = "_mapoffload_linear"
+
+
+def _reload_dispatch(original: Callable) -> Callable:
+    """vLLM's CPU GEMM dispatch, as installed for good at the first mapped load: a layer that
+    :func:`mapped_linear` dispatched keeps its weight when vLLM dispatches it again outside a load (its
+    ``reload_weights`` post-processing, which then copies what the dispatch left into the bound weight:
+    packed away, that was an empty tensor, and the engine lost its linear weights); any other layer is
+    vLLM's. A VNNI layer is refused: its packing is decided across layers at a load only."""
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        mark = getattr(layer, _MARK, None)
+        if mark is None:
+            return original(layer, remove_weight)
+        if mark == VNNI:
+            raise VllmLoadError(f"reloading weights into {type(layer).__name__}, which computes from weights packed "
+                                "for vLLM's small-GEMM kernel (linear='vnni'): start a new engine on the new weights")
+        layer.cpu_linear = _linear  # the reloaded weight computed from as it is, as at the load
+        return None
+
+    dispatch.mapoffload_original = original
+    return dispatch
+
+
 @contextlib.contextmanager
 def mapped_linear(enabled: bool, *, layout: str = PLAIN,
                   stored: Callable[[torch.nn.Module, str], torch.Tensor | None] | None = None) -> Iterator[None]:
@@ -84,6 +109,8 @@ def mapped_linear(enabled: bool, *, layout: str = PLAIN,
         return
     from vllm.model_executor.layers import utils
 
+    if not hasattr(utils.dispatch_cpu_unquantized_gemm, "mapoffload_original"):
+        utils.dispatch_cpu_unquantized_gemm = _reload_dispatch(utils.dispatch_cpu_unquantized_gemm)
     original = utils.dispatch_cpu_unquantized_gemm
     # A weight shared by two layers is packed once, and never where another holder reads its rows.
     seen: dict[int, str] = {}  # id of a weight parameter dispatched -> "vnni" (packed) or "plain"
@@ -99,13 +126,16 @@ def mapped_linear(enabled: bool, *, layout: str = PLAIN,
                                    f"({type(layer).__name__}), whose lookup reads plain rows: load without "
                                    f"linear='vnni'")
             layer.cpu_linear = _vnni_linear  # already packed for its other linear
+            setattr(layer, _MARK, VNNI)
             return None
         # An embedding keeps its weight (remove_weight=False): the lookup reads the plain rows.
         if layout != VNNI or not remove_weight or before == PLAIN or not _takes(weight):
             seen[id(weight)] = PLAIN
             layer.cpu_linear = _linear
+            setattr(layer, _MARK, PLAIN)
             return None
         seen[id(weight)] = VNNI
+        setattr(layer, _MARK, VNNI)
         packed = stored(layer, "weight") if stored is not None else None
         if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
             packed = torch.ops._C.convert_weight_packed(weight.data)

@@ -149,14 +149,12 @@ class _Loader:
                                      **({} if only is None else {"offloaded": sorted(only)})})
 
     def get_all_weights(self, model_config, model):  # noqa: ANN001
-        """vLLM's ``reload_weights()`` from disk asks the load format for the checkpoint's weights: refused
-        before anything changes, saying what works (vLLM said only "Model reloading with 'mapoffload'
-        format"). Its reload re-runs vLLM's weight post-processing, which the mapped linear layers skip
-        at a load: it would pack their weights away and leave the engine without them."""
-        raise VllmLoadError("reload_weights() is not supported by the mapoffload load format (vLLM's reload "
-                            "post-processes the weights again, which the mapped linear layers cannot take): "
-                            "update served weights with the model's load_weights(...) (collective_rpc), or start "
-                            "a new engine on the new checkpoint, or serve with load_format='auto'")
+        """The checkpoint's tensors, as views of its mapping, for vLLM's ``reload_weights()`` from disk (the
+        folder the engine serves, or ``weights_path``): vLLM loads them into the bound weights as its own
+        reload does (copy-on-write: the files are never written). A folder of PyTorch files is refused."""
+        from ..loading.read import read_files
+
+        yield from read_files(_safetensors_files(_local_folder(model_config.model))).items()
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
