@@ -141,9 +141,16 @@ def test_the_conversion_key_names_the_gemm_layout(tmp_path):
     folder has no packed weights to map, a VNNI one holds no plain rows. (Regression: the layout was
     shadowed in the key by the parallel layout, so a VNNI start reused the plain folder and kept its
     packed weights in memory.)"""
+    from mapoffload.vllm._compute import PLAIN, VNNI
+
+    key = _key_of(tmp_path, "LlamaForCausalLM")
+    assert key(gemm=PLAIN) == key() != key(gemm=VNNI)
+
+
+def _key_of(tmp_path, architecture: str):
+    """``key(**kw)``: the load format's conversion key of a one-layer model of ``architecture``."""
     import vllm  # noqa: F401  (the key names vLLM's version)
 
-    from mapoffload.vllm._compute import PLAIN, VNNI
     from mapoffload.vllm._options import LoaderOptions
     from mapoffload.vllm.loader import _Loader
 
@@ -152,35 +159,20 @@ def test_the_conversion_key_names_the_gemm_layout(tmp_path):
     loader = _Loader.__new__(_Loader)
     loader.options = LoaderOptions.parse({})
     model = _layer(32, 64)
-    model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"model_type": "llama"}, quantization=None)
+    model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"architectures": [architecture]}, quantization=None)
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
 
     def key(**kw):
-        return loader._key([str(path)], model, model_config, vllm_config, "LlamaForCausalLM", False, **kw)
+        return loader._key([str(path)], model, model_config, vllm_config, architecture, False, **kw)
 
-    assert key(gemm=PLAIN) == key() != key(gemm=VNNI)
+    return key
 
 
 def test_the_conversion_key_names_the_cpu_kernels(tmp_path, monkeypatch):
     """vLLM prepacks MoE experts in another layout where the CPU has AMX: a conversion written on a host
     without it (a folder shared by NFS, or a shared cache_dir) was reused on one with it, serving the other
     layout's bytes (logprobs off by 1e-3)."""
-    import vllm  # noqa: F401  (the key names vLLM's version)
-
-    from mapoffload.vllm._options import LoaderOptions
-    from mapoffload.vllm.loader import _Loader
-
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(b"\0" * 64)
-    loader = _Loader.__new__(_Loader)
-    loader.options = LoaderOptions.parse({})
-    model = _layer(32, 64)
-    model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"model_type": "mixtral"}, quantization=None)
-    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
-
-    def key():
-        return loader._key([str(path)], model, model_config, vllm_config, "MixtralForCausalLM", False)
-
+    key = _key_of(tmp_path, "MixtralForCausalLM")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     with_amx = key()
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
