@@ -130,3 +130,32 @@ def test_a_streamed_module_s_forward_keeps_its_signature(tmp_file_dir, cap):
         assert torch.equal(model(x), want)
         assert "forward" in vars(model.head)  # wrapped
         assert inspect.signature(model.head.forward) == inspect.signature(nn.Linear(2, 2).forward)
+
+
+class ScaledTop(SmallHead):
+    """The model holds a weight of its own (a scale on the output, as some architectures' logit scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(HEAD) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_the_model_s_own_streamed_weight_leaves_its_forward_unwrapped(tmp_file_dir, cap):
+    """The model itself streams its own weight (read in before it runs, let go after), but its forward,
+    which runs the layers, is not wrapped: the layers' guards see its interrupts, and torch.compile still
+    compiles it."""
+    from mapoffload.offload.hooks import patched
+
+    path, x, want = checkpoint(tmp_file_dir, ScaledTop)
+    cap(IN_USE + MARGIN + 3 * MIB)
+    model = mapped(path, ScaledTop)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu") as mgr, torch.no_grad():
+        mgr.register_forward_hooks()
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+        assert mgr.residency.always_streamed and streamed_head(model.head)
+        assert "forward" in patched(model.head) and "forward" not in patched(model)
+    given_back(model)

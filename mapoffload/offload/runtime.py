@@ -645,6 +645,7 @@ class OutsideWeights:
 
         whole = {t.data_ptr() for t, _ in always_read_tensors(self._model, self._layers)}
         names = {id(m): n for n, m in self._model.named_modules()}
+        layer_ids = {id(layer) for layer in self._layers}
         maps = MapsView()
         for module in modules_outside(self._model, self._layers):
             if _is_lookup(module):
@@ -654,8 +655,11 @@ class OutsideWeights:
                     if p is not None and not managed(p) and p.data_ptr() in whole]
             if mine:
                 name = names.get(id(module)) or type(module).__name__
+                # One that runs the layers (the model itself, holding a weight of its own) is not wrapped:
+                # the layers' guards see its interrupts, and its forward stays what torch.compile compiles.
+                holds_layers = any(id(m) in layer_ids for m in module.modules())
                 job = _StreamedModule(module, name, mine, self._worker, self._files, maps, unit,
-                                      (self._verdicts, step or unit))
+                                      (self._verdicts, step or unit), guard=not holds_layers)
                 self._streamed.append(job)
                 self.streamed_bytes += job.bytes
         if self._streamed:
@@ -700,7 +704,7 @@ class _StreamedModule:
     layers' hooks)."""
 
     def __init__(self, module, name: str, tensors, worker: PageWorker, files: MappedFiles, maps, unit: int,
-                 chunking: tuple[dict, int] | None = None) -> None:
+                 chunking: tuple[dict, int] | None = None, guard: bool = True) -> None:
         from ..memory.regions import tensor_extent
         from ..pagecache.pages import folio_edges
 
@@ -728,8 +732,9 @@ class _StreamedModule:
 
         streamed_forward._streamed = self  # what streams it (for tools and tests)
         self._undo = [module.register_forward_pre_hook(Hook(self.before)).remove,
-                      module.register_forward_hook(Hook(self.after), always_call=True).remove,
-                      wrap_forward(module, Hook(streamed_forward)).remove]
+                      module.register_forward_hook(Hook(self.after), always_call=True).remove]
+        if guard or self.rows is not None:  # (rows: a Linear's own weight, never a module holding layers)
+            self._undo.append(wrap_forward(module, Hook(streamed_forward)).remove)
 
     def remove(self) -> None:
         for undo in self._undo:
