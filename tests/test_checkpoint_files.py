@@ -370,3 +370,20 @@ def test_vllm_s_rule_refuses_pytorch_files_by_name(tmp_path):
     (tmp_path / "pytorch_model.bin").unlink()
     with pytest.raises(FileNotFoundError, match="no .safetensors file"):
         _safetensors_files(str(tmp_path))
+
+
+def test_vllm_s_rule_skips_hidden_files_and_names_a_missing_shard(tmp_path):
+    """vLLM globs ``*.safetensors``, which matches no hidden file (a hidden copy made mapoffload refuse a
+    key "in both"); an index naming a missing shard, beside a ``.bin``, was "safetensors only"."""
+    from mapoffload.loading.files import vllm_files
+    from mapoffload.vllm.loader import _safetensors_files
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    save_file({"a": torch.ones(2)}, str(tmp_path / ".model.safetensors"))
+    assert vllm_files(tmp_path) == [str(tmp_path / "model.safetensors")]
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors is missing"):
+        _safetensors_files(str(tmp_path))

@@ -187,5 +187,5 @@ def test_reload_weights_from_disk_reads_the_checkpoint_as_views_of_its_mapping(t
     assert all(MappedRegions().classify(list(got.values())))
     (tmp_path / "model.safetensors").unlink()
     torch.save({"a": torch.ones(1)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(VllmLoadError, match="maps safetensors checkpoints only"):
-        list(_Loader.__new__(_Loader).get_all_weights(SimpleNamespace(model=str(tmp_path)), None))
+    with pytest.raises(VllmLoadError, match="maps safetensors checkpoints only"):  # at the call, before vLLM
+        _Loader.__new__(_Loader).get_all_weights(SimpleNamespace(model=str(tmp_path)), None)  # moves any weight

@@ -59,7 +59,7 @@ def test_vllm_s_reload_serves_what_a_new_engine_on_the_new_weights_serves(tmp_pa
     """vLLM's ``reload_weights`` (an iterator: RLHF weight transfer's path; or from disk) re-runs its weight
     post-processing: it packed the mapped linear weights away and copied the empty result into them (the
     engine raised, then every generate did). Now it serves what an engine started on the new folder serves,
-    streamed or not, and the checkpoint's files are unchanged."""
+    streamed or not, VNNI-packed or not, and the checkpoint's files are unchanged."""
     import hashlib
 
     old = save_tiny("llama", str(tmp_path / "a"), seed=0)
@@ -67,8 +67,10 @@ def test_vllm_s_reload_serves_what_a_new_engine_on_the_new_weights_serves(tmp_pa
     files = sorted(os.path.join(old, f) for f in os.listdir(old) if f.endswith(".safetensors"))
     digest = [hashlib.sha256(open(f, "rb").read()).hexdigest() for f in files]
     base = {"prompts": PROMPTS, "max_tokens": 8}
-    runs = [{**base, "name": "new", "folder": new, "load_format": "auto"}]
-    for extra in ({"keep_mapping": True}, KEEP):
+    vnni = {"keep_mapping": True, "linear": "vnni"}  # packed again at the reload (plain where the CPU lacks it)
+    runs = [{**base, "name": "new", "folder": new, "load_format": "auto"},
+            {**base, "name": "new vnni", "folder": new, "load_format": "mapoffload", "extra": vnni}]
+    for extra in ({"keep_mapping": True}, KEEP, vnni):
         for source in ("iterator", "disk"):
             runs.append({**base, "name": f"{source} {json.dumps(extra)}", "folder": old, "load_format": "mapoffload",
                          "extra": extra, "reload": {"folder": new, "from": source}})
@@ -77,8 +79,9 @@ def test_vllm_s_reload_serves_what_a_new_engine_on_the_new_weights_serves(tmp_pa
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"vllm_runs.py failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     results = json.loads(lines[-1][len("RESULTS "):])
-    for run in runs[1:]:
+    for run in runs[2:]:
         got = results[run["name"]]
         assert "error" not in got, f"{run['name']}: {got['error']}"
-        assert got["tokens_after_reload"] == results["new"]["tokens"] != got["tokens"], run["name"]
+        fresh = results["new vnni" if "vnni" in run["name"] else "new"]
+        assert got["tokens_after_reload"] == fresh["tokens"] != got["tokens"], run["name"]
     assert [hashlib.sha256(open(f, "rb").read()).hexdigest() for f in files] == digest

@@ -493,8 +493,8 @@ def vllm_files(folder: str | os.PathLike) -> list[str]:
     index = os.path.join(base, VLLM_INDEX)
     if os.path.isfile(index):
         return _checked(_index_shards(index), index)
-    found = sorted((os.path.join(base, e) for e in os.listdir(base) if e.endswith(SAFETENSORS_SUFFIX)),
-                   key=_natural_key)
+    found = sorted((os.path.join(base, e) for e in os.listdir(base)  # a glob's: hidden files are not matched
+                    if e.endswith(SAFETENSORS_SUFFIX) and not e.startswith(".")), key=_natural_key)
     if not found:
         raise FileNotFoundError(f"no .safetensors file in {base} (what vLLM's safetensors loading reads)")
     return _checked(found, base)

@@ -26,6 +26,7 @@ makes that step keep the weights on a mapping, in one of two layouts
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -73,21 +74,41 @@ def _takes(weight: torch.Tensor) -> bool:
 _MARK = "_mapoffload_linear"
 
 
+def _pack(layer: torch.nn.Module, weight: torch.Tensor, packed: torch.Tensor | None = None) -> None:
+    """``layer``'s weight replaced by its VNNI packing (``packed`` where one was kept), its bias made float32,
+    and the layer computing through the small-GEMM kernel."""
+    if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
+        packed = torch.ops._C.convert_weight_packed(weight.data)
+    weight.data = packed
+    bias = getattr(layer, "bias", None)
+    if bias is not None and bias.dtype != torch.float32:
+        bias.data = bias.data.float()
+    layer.cpu_linear = _vnni_linear
+
+
 def _reload_dispatch(original: Callable) -> Callable:
     """vLLM's CPU GEMM dispatch, as installed for good at the first mapped load: a layer that
-    :func:`mapped_linear` dispatched keeps its weight when vLLM dispatches it again outside a load (its
-    ``reload_weights`` post-processing, which then copies what the dispatch left into the bound weight:
-    packed away, that was an empty tensor, and the engine lost its linear weights); any other layer is
-    vLLM's. A VNNI layer is refused: its packing is decided across layers at a load only."""
+    :func:`mapped_linear` dispatched is dispatched again as at its load when vLLM post-processes it outside
+    a load (its ``reload_weights``, which then copies what the dispatch left into the bound weight: packed
+    away by vLLM's own, that was an empty tensor, and the engine lost its linear weights). A plain one keeps
+    its weight; a VNNI one has the reloaded weight packed again, once where two linears share it (it was
+    never an embedding's: the load refuses that). Any other layer is vLLM's."""
+    packed: dict[int, weakref.ref] = {}  # id -> the weights packed by a reload (packed once)
 
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         mark = getattr(layer, _MARK, None)
-        if mark is None:
+        weight = getattr(layer, "weight", None)
+        if mark is None or weight is None or weight.is_meta:
             return original(layer, remove_weight)
-        if mark == VNNI:
-            raise VllmLoadError(f"reloading weights into {type(layer).__name__}, which computes from weights packed "
-                                "for vLLM's small-GEMM kernel (linear='vnni'): start a new engine on the new weights")
-        layer.cpu_linear = _linear  # the reloaded weight computed from as it is, as at the load
+        if mark != VNNI:
+            layer.cpu_linear = _linear  # the reloaded weight computed from as it is, as at the load
+            return None
+        known = packed.get(id(weight))
+        if known is not None and known() is weight:
+            layer.cpu_linear = _vnni_linear  # packed for the other linear sharing it
+            return None
+        _pack(layer, weight)
+        packed[id(weight)] = weakref.ref(weight, lambda _, key=id(weight): packed.pop(key, None))
         return None
 
     dispatch.mapoffload_original = original
@@ -136,15 +157,11 @@ def mapped_linear(enabled: bool, *, layout: str = PLAIN,
             return None
         seen[id(weight)] = VNNI
         setattr(layer, _MARK, VNNI)
-        packed = stored(layer, "weight") if stored is not None else None
-        if packed is None or packed.shape != weight.shape or packed.dtype != weight.dtype:
-            packed = torch.ops._C.convert_weight_packed(weight.data)
-        weight.data = packed
         bias = getattr(layer, "bias", None)
-        if bias is not None and bias.dtype != torch.float32:
-            kept = stored(layer, "bias") if stored is not None else None
-            bias.data = kept if kept is not None and kept.dtype == torch.float32 else bias.data.float()
-        layer.cpu_linear = _vnni_linear
+        kept = stored(layer, "bias") if stored is not None and bias is not None else None
+        if kept is not None and kept.dtype == torch.float32 and bias.dtype != torch.float32:
+            bias.data = kept
+        _pack(layer, weight, stored(layer, "weight") if stored is not None else None)
         return None
 
     utils.dispatch_cpu_unquantized_gemm = dispatch

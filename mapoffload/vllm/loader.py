@@ -58,16 +58,12 @@ def _local_folder(model: str) -> str:
 def _safetensors_files(folder: str) -> list[str]:
     """The files vLLM's safetensors loading reads in ``folder`` (:func:`vllm_files`); a folder of PyTorch
     files only is refused naming one."""
-    try:
-        return vllm_files(folder)
-    except FileNotFoundError:
-        if not os.path.isdir(folder):
-            raise
+    if os.path.isdir(folder) and not any(e.endswith(".safetensors") for e in os.listdir(folder)):
         others = sorted(e for e in os.listdir(folder) if e.endswith((".bin", ".pt", ".pth")))
-        if not others:
-            raise
-        raise VllmLoadError(f"{os.path.join(folder, others[0])}: the mapoffload load format maps safetensors "
-                            "checkpoints only (convert the folder, or load with load_format='auto')") from None
+        if others:
+            raise VllmLoadError(f"{os.path.join(folder, others[0])}: the mapoffload load format maps safetensors "
+                                "checkpoints only (convert the folder, or load with load_format='auto')")
+    return vllm_files(folder)  # a missing shard, a malformed index: said as they are
 
 
 def _cpu_kernels() -> list:
@@ -151,10 +147,12 @@ class _Loader:
     def get_all_weights(self, model_config, model):  # noqa: ANN001
         """The checkpoint's tensors, as views of its mapping, for vLLM's ``reload_weights()`` from disk (the
         folder the engine serves, or ``weights_path``): vLLM loads them into the bound weights as its own
-        reload does (copy-on-write: the files are never written). A folder of PyTorch files is refused."""
+        reload does (copy-on-write: the files are never written). Everything is resolved and mapped here,
+        before vLLM moves the layers' weights aside: a refusal (a folder of PyTorch files, a hub id, a
+        missing shard) leaves the engine serving what it served."""
         from ..loading.read import read_files
 
-        yield from read_files(_safetensors_files(_local_folder(model_config.model))).items()
+        return iter(read_files(_safetensors_files(_local_folder(model_config.model))).items())
 
     def load_weights(self, model: torch.nn.Module, model_config) -> Bound:  # noqa: ANN001
         """Bind an already built ``model``'s parameters to the mapping (vLLM's in-place load API)."""
