@@ -63,3 +63,43 @@ def test_a_model_dropped_without_close_is_freed(tmp_file_dir, dynamo):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:4] == ["alive 0", "members 0", "mapped 0", "threads []"], out.stdout
+
+
+def test_a_manager_dropped_without_close_keeps_offloading_and_a_second_one_is_refused(tmp_file_dir):
+    """Its hooks stay on the model and keep offloading it (bit-equal). A second manager was accepted: its
+    forward patch was skipped (the first one's stayed), its plan was never applied, and after its close()
+    the model still carried the first's hooks. Refused by name now."""
+    import gc
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mapoffload import LayerwiseOffloadManager, empty_weights, load_checkpoint
+    from mapoffload.offload.placeholder import AlreadyOffloadedError
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    ref = M().eval()
+    path = str(tmp_file_dir / "m.safetensors")
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    with empty_weights():
+        model = M().eval()
+    load_checkpoint(model, path, keep_mapping=True)
+    x = torch.randn(2, 64)
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu")
+    mgr.register_forward_hooks()
+    del mgr
+    gc.collect()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    with pytest.raises(AlreadyOffloadedError, match="layer blocks.0 is already offloaded.*close"):
+        LayerwiseOffloadManager(model, "blocks", device="cpu")

@@ -9,6 +9,7 @@ from .._log import logger
 from .._progress import byte_bar
 from ..memory.budget import host_copies_would_not_fit, host_copy_room, host_memory_available_bytes
 from ..memory.regions import MappedRegions
+from .hooks import patched
 from .placeholder import AlreadyOffloadedError, OffloadedWeight, offloaded_by
 from .stores import (
     CONSOLIDATED,
@@ -101,6 +102,13 @@ def collect(model: torch.nn.Module, layers: list[torch.nn.Module], device: objec
     stores = []
     for i, layer in enumerate(layers):
         base = prefix.get(id(layer), f"layers.{i}")
+        if "forward" in patched(layer):
+            # Its forward is another manager's guard: one dropped without close() (its hooks stay on the
+            # model, and keep streaming it); a second manager's hooks would run beside them, its plan unused.
+            raise AlreadyOffloadedError(
+                f"layer {base} is already offloaded: its forward is still wrapped by a LayerwiseOffloadManager's "
+                "hooks (one dropped without close() keeps them on the model, and keeps offloading it); keep the "
+                "manager and close() it (or use it as a context manager) before offloading the model again")
         store = LayerStore(i, base)
         by_id: dict[int, Weight] = {}
         for mod_name, module in layer.named_modules(remove_duplicate=False):
