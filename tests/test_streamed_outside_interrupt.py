@@ -11,11 +11,18 @@ from torch import nn
 
 from mapoffload import LayerwiseOffloadManager, drop_page_cache, resident_bytes
 
-from room_stack import W, Stack
-from test_attack_room import BLOCKS, IN_USE, MARGIN, MIB, cap, checkpoint, given_back, mapped, streamed_head  # noqa: F401
+from fake_cgroups import fake_cap
+from room_stack import Stack
+from test_attack_room import BLOCKS, IN_USE, MARGIN, MIB, checkpoint, given_back, mapped, streamed_head
 
 HEAD = 768  # 1.5 MiB: read in whole in the 2 MiB window of a part
 EDGES = 2 * 4 << 10  # a page at each end of the head may stay
+
+
+@pytest.fixture
+def cap(tmp_path, monkeypatch):
+    """``cap(bytes)``: a fake cgroup v2 cap with 10 MiB in use and an 8 MiB margin (test_attack_room's)."""
+    return fake_cap(tmp_path, monkeypatch, margin=MARGIN, in_use=IN_USE)
 
 
 class Head(nn.Linear):

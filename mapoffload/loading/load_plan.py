@@ -130,8 +130,6 @@ def _check_alias(names: list[str], key: str, alias: str, loaded: dict[str, torch
     """A second name of a tie group in the checkpoint (the group takes ``key``'s tensor): its shape
     checked as ``key``'s, and its values the same as ``key``'s, else refused (one parameter cannot hold
     both; ``load_state_dict`` would keep whichever it copied last)."""
-    import torch
-
     _placement(names, alias, loaded[alias], plan, shard_plan)
     a, b = loaded[key], loaded[alias]
     if a.dtype != b.dtype or a.shape != b.shape or not _same_bytes(a, b):
