@@ -137,3 +137,16 @@ def test_a_subclass_of_a_diffusers_model_is_keyed_on_diffusers_version():
     mine = type("MyUNet", (diffusers.UNet2DModel,), {"__module__": "my_components"})
     assert class_versions(mine)["diffusers"] == diffusers.__version__
     assert "diffusers" not in class_versions(transformers.LlamaForCausalLM)
+
+
+def test_the_body_of_a_decorated_method_is_in_the_key():
+    """A method under a decorator (``@torch.no_grad()``): the wrapper's code was all that was hashed."""
+    from mapoffload.conversion.code_key import class_code
+
+    def make(constant: str):
+        body = ("    import torch\n    @torch.no_grad()\n    def _init_weights(self, module):\n"
+                f"        return {constant} if module is None else super()._init_weights(module)\n")
+        return _exec_class(body, "__main__")
+
+    assert class_code(make("1.0"), None, []) == class_code(make("1.0"), None, [])
+    assert class_code(make("1.0"), None, []) != class_code(make("3.0"), None, [])

@@ -68,9 +68,13 @@ def _functions(klass: type) -> list[tuple[str, types.CodeType]]:
             value = value.__func__
         parts = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
         for i, part in enumerate(parts):
-            code = getattr(part, "__code__", None)
-            if isinstance(code, types.CodeType):
-                out.append((f"{name}.{i}", code))
+            for depth in range(8):  # a decorated method: the wrapper's code, then what it wraps (__wrapped__)
+                code = getattr(part, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    out.append((f"{name}.{i}.{depth}", code))
+                part = getattr(part, "__wrapped__", None)
+                if part is None:
+                    break
     return sorted(out, key=lambda item: item[0])
 
 
