@@ -147,18 +147,19 @@ def test_the_conversion_key_names_the_gemm_layout(tmp_path):
     assert key(gemm=PLAIN) == key() != key(gemm=VNNI)
 
 
-def _key_of(tmp_path, architecture: str):
-    """``key(**kw)``: the load format's conversion key of a one-layer model of ``architecture``."""
+def _key_of(tmp_path, architecture: str, model: torch.nn.Module | None = None):
+    """``key(**kw)``: the load format's conversion key of ``model`` (a one-layer one) of ``architecture``."""
     import vllm  # noqa: F401  (the key names vLLM's version)
 
     from mapoffload.vllm._options import LoaderOptions
     from mapoffload.vllm.loader import _Loader
 
     path = tmp_path / "model.safetensors"
-    path.write_bytes(b"\0" * 64)
+    if not path.exists():  # one file for every key of a test (its times are in the key)
+        path.write_bytes(b"\0" * 64)
     loader = _Loader.__new__(_Loader)
     loader.options = LoaderOptions.parse({})
-    model = _layer(32, 64)
+    model = _layer(32, 64) if model is None else model
     model_config = SimpleNamespace(dtype=torch.bfloat16, hf_config={"architectures": [architecture]}, quantization=None)
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
 
@@ -207,3 +208,20 @@ def test_vnni_packs_a_shared_weight_once_and_never_under_an_embedding(vllm_utils
     with mapped_linear(True, layout=VNNI), pytest.raises(VllmLoadError, match="also an embedding's"):
         vllm_utils.dispatch_cpu_unquantized_gemm(first, True)
         vllm_utils.dispatch_cpu_unquantized_gemm(emb, False)
+
+
+def test_the_conversion_key_names_an_out_of_tree_model_s_code(tmp_path):
+    """A model registered through vLLM's ModelRegistry is no vLLM release's code: its class's code is in the
+    key (an edited ``load_weights`` reused the old conversion); vLLM's own classes are named by its version."""
+
+    def model_of(body: str) -> torch.nn.Module:
+        ns: dict = {"__name__": "my_vllm_plugin"}
+        exec("import torch\nclass MyModel(torch.nn.Module):\n    def load_weights(self, weights):\n"
+             f"        return {body}\n", ns)
+        model = ns["MyModel"]()
+        model.proj = _layer(32, 64)
+        return model
+
+    first = _key_of(tmp_path, "MyModel", model_of("{n for n, _ in weights}"))()
+    assert _key_of(tmp_path, "MyModel", model_of("{n for n, _ in weights}"))() == first
+    assert _key_of(tmp_path, "MyModel", model_of("{n.upper() for n, _ in weights}"))() != first

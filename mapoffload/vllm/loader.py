@@ -17,6 +17,7 @@ import os
 import torch
 
 from ..loading.decide import decide
+from ..conversion.code_key import class_code
 from ..loading.files import NotLocalError, files_bytes, looks_remote, vllm_files
 from .._log import format_bytes, logger
 from ..loading.checkpoint import keep_checkpoint_mapped
@@ -140,6 +141,8 @@ class _Loader:
         return conversion_key(files, architecture=architecture, dtype=model_config.dtype,
                               hf_config=model_config.hf_config,
                               extra={"vllm": vllm.__version__, **ranks, "cpu": _cpu_kernels(),
+                                     # an out-of-tree model (vLLM's ModelRegistry): its code, as a user's class's
+                                     "code": class_code(type(model), None, []),
                                      "quantization": model_config.quantization,
                                      "pack": pack, "gemm_layout": gemm, "parameters": shapes,
                                      **({} if only is None else {"offloaded": sorted(only)})})
