@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("dynamo", ["dynamo", "no-dynamo"])
 def test_a_model_dropped_without_close_is_freed(tmp_file_dir, dynamo):
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_file_dir / "m.safetensors"), dynamo],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd="/")  # the installed package
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:4] == ["alive 0", "members 0", "mapped 0", "threads []"], out.stdout
 
