@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..memory.regions import tensor_bytes
+from ..memory.regions import same_bits, tensor_bytes
 from .files import CheckpointError
 from .read import read_files
 from .shard import ShardPlan, group_dim, narrow_shard
@@ -132,21 +132,11 @@ def _check_alias(names: list[str], key: str, alias: str, loaded: dict[str, torch
     both; ``load_state_dict`` would keep whichever it copied last)."""
     _placement(names, alias, loaded[alias], plan, shard_plan)
     a, b = loaded[key], loaded[alias]
-    if a.dtype != b.dtype or a.shape != b.shape or not _same_bytes(a, b):
+    if not same_bits(a, b):
         raise ValueError(f"{plan.path}: {key} and {alias} are tied in {plan.component} (one parameter), and the "
                          f"checkpoint holds different tensors for them ({a.dtype} {tuple(a.shape)} and {b.dtype} "
                          f"{tuple(b.shape)}{', other values' if a.dtype == b.dtype and a.shape == b.shape else ''}): "
                          "untie them before loading, or drop one of the two from the checkpoint")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one dtype and shape hold the same bytes: a NaN is its own (``torch.equal``
-    refused a tie holding one), ``-0.0`` is not ``0.0``; one view of the same bytes is not read."""
-    import torch
-
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _check_keys(plan: LoadPlan, strict: bool) -> None:

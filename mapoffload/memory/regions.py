@@ -100,6 +100,19 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values bit for bit (one dtype and shape): a NaN equals its own
+    bits, ``-0.0`` is not ``0.0`` (``torch.equal`` says otherwise of both). Two views of the same bytes are
+    not read."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def storage_users(tensor: torch.Tensor) -> int:
     """Tensors sharing ``tensor``'s memory now: torch's use count of its storage, the one made to ask
     included (0 where torch does not tell). A reused buffer a view still holds (a weight kept past its
