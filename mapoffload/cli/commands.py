@@ -52,8 +52,8 @@ def _print_inspect(data: dict) -> None:
     n = gate["local_ranks"]
     each = "" if n == 1 else f"{n} local ranks x "
     _say(
-        f"gate: {verdict} (load_checkpoint, keep_mapping=None) — {each}{format_bytes(data['total_bytes'])} of weights "
-        f"against {format_bytes(data['host']['available'])} available minus {each}the "
+        f"gate: {verdict} (load_checkpoint, keep_mapping=None) — {each}{format_bytes(data['total_bytes'])} "
+        f"of weights against {format_bytes(data['host']['available'])} available minus {each}the "
         f"{format_bytes(gate['reserve_bytes'])} reserve"
     )
     for c in data["components"]:

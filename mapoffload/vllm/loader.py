@@ -71,8 +71,6 @@ def _cpu_kernels() -> list:
     """What decides the layouts vLLM's CPU kernels prepack weights in after loading (its MoE experts: one
     for AMX, another without): a conversion holds those bytes, so a folder shared by hosts of two kinds
     (NFS, a shared cache_dir) gives each its own. torch's CPU capability and its AMX answer."""
-    import torch
-
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return [torch.backends.cpu.get_cpu_capability(), bool(amx()) if callable(amx) else None]
 
@@ -97,8 +95,8 @@ class _Loader:
         keep = self.options.keep_mapping
         if keep is None and self.options.stream_layers:
             return True, "stream_layers=true in model_loader_extra_config"
-        decision = decide(keep, weight_bytes=lambda: files_bytes(_safetensors_files(folder)), component=f"vLLM {architecture}",
-                          gate=keep_checkpoint_mapped)
+        decision = decide(keep, weight_bytes=lambda: files_bytes(_safetensors_files(folder)),
+                          component=f"vLLM {architecture}", gate=keep_checkpoint_mapped)
         if decision.decided_by == "caller":
             return decision.keep_mapping, f"keep_mapping={str(keep).lower()} in model_loader_extra_config"
         return decision.keep_mapping, ("host copies would not fit (the gate)" if decision.keep_mapping
