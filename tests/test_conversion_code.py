@@ -150,3 +150,70 @@ def test_the_body_of_a_decorated_method_is_in_the_key():
 
     assert class_code(make("1.0"), None, []) == class_code(make("1.0"), None, [])
     assert class_code(make("1.0"), None, []) != class_code(make("3.0"), None, [])
+
+
+HELPED = (
+    "import torch\nfrom transformers import LlamaForCausalLM\n"
+    "HEAD = {head}\n"
+    "def keep(model):\n    {keep}\n"
+    "class Block:\n    def place(self, model):\n        keep(model)\n"
+    "class MyLlamaForCausalLM(LlamaForCausalLM):\n"
+    "    def __init__(self, config):\n        super().__init__(config)\n        Block().place(self)\n"
+)
+
+
+@pytest.mark.parametrize("before, after", [
+    # a module-level function the class's code calls (through a class of the module), edited
+    ({"head": "None", "keep": "pass"}, {"head": "None", "keep": "model.lm_head.to(torch.float32)"}),
+    # a module-level value that function reads, edited
+    ({"head": "torch.float16", "keep": "model.lm_head.to(HEAD)"},
+     {"head": "torch.float32", "keep": "model.lm_head.to(HEAD)"}),
+])
+def test_code_the_class_calls_edited_converts_again(tmp_path, monkeypatch, before, after):
+    """What a method runs through the module's names (a helper function, a class, a constant): its
+    ``__init__`` unchanged, the edited helper made ``lm_head`` float32, and the old float16 conversion
+    was reused, silently."""
+    folder = tmp_path / "model"
+    _tiny(folder)
+    code = tmp_path / "mine_helped_code.py"
+    code.write_text(HELPED.format(**before))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = importlib.import_module("mine_helped_code")
+        first, head = _load(module.MyLlamaForCausalLM, str(folder))
+        assert not first.conversion_reused and head == torch.float16
+        code.write_text(HELPED.format(**after))
+        module = importlib.reload(module)
+        second, head = _load(module.MyLlamaForCausalLM, str(folder))  # compares with transformers' own load
+        assert not second.conversion_reused and head == torch.float32
+        third, _ = _load(module.MyLlamaForCausalLM, str(folder))
+        assert third.conversion_reused
+    finally:
+        sys.modules.pop("mine_helped_code", None)
+
+
+def test_the_key_of_a_recursive_helper_is_stable():
+    """Helpers calling each other (or themselves) are hashed once each, the same in every call."""
+    from mapoffload.conversion.code_key import class_code
+
+    body = ("    def __init__(self, config):\n        super().__init__(config)\n        ping(self, 3)\n")
+    ns = {"__name__": "__main__"}
+    exec(compile("from transformers import LlamaForCausalLM\n"
+                 "def ping(m, n):\n    return pong(m, n - 1) if n else m\n"
+                 "def pong(m, n):\n    return ping(m, n)\n"
+                 "class Mine(LlamaForCausalLM):\n" + body, "<cell>", "exec"), ns)
+    key = class_code(ns["Mine"], None, [])
+    assert class_code(ns["Mine"], None, []) == key
+    ns["pong"] = lambda m, n: m  # rebound in the module: what runs changed
+    assert class_code(ns["Mine"], None, []) != key
+
+
+def test_a_plain_value_of_the_class_its_code_reads_is_in_the_key():
+    """``self.HEAD`` read by ``__init__``: a class attribute no loader names, edited."""
+    from mapoffload.conversion.code_key import class_code
+
+    def make(dtype: str):
+        return _exec_class(f"    import torch\n    HEAD = torch.{dtype}\n    del torch\n", "__main__")
+
+    assert class_code(make("float16"), None, []) == class_code(make("float16"), None, [])
+    assert class_code(make("float16"), None, []) != class_code(make("float32"), None, [])

@@ -67,7 +67,11 @@ def test_serves_under_a_cap_vllms_loader_cannot_hold(tmp_path):
         pytest.skip(str(exc))
     assert rc_theirs != 0 or (capped_theirs or {}).get("error"), "vLLM's loader served under the cap"
     assert rc_ours == 0 and capped_ours and "error" not in capped_ours, err
-    assert (capped_ours["tokens"], capped_ours["logprobs"]) == (ours["tokens"], ours["logprobs"])
+    # All three named on a failure: which engine was the odd one (once in CI ours uncapped, first of the three
+    # to run, parted from both at 1e-7 of a logprob; not reproduced in 35 runs since).
+    runs = {name: (r["tokens"], r["logprobs"]) for name, r in
+            (("capped ours", capped_ours), ("uncapped ours", ours), ("uncapped vLLM", theirs))}
+    assert runs["capped ours"] == runs["uncapped ours"], runs
     assert capped_ours["tokens"] == theirs["tokens"]  # greedy: vLLM's own tokens
     assert capped_ours["where"]["managers"] == 1 and capped_ours["where"]["anonymous"] == 0
     forwards = MAX_TOKENS  # a prefill and MAX_TOKENS - 1 decode steps
