@@ -63,7 +63,9 @@ class OffloadOptions:
     rest
         The parameters and buffers outside the streamed lists: ``"auto"`` places them on
         the device when they fit in its free memory (less what streaming needs), else
-        streams their modules one by one; ``"device"`` or ``"stream"`` force one way.
+        streams their modules to it one by one; ``"device"`` or ``"stream"`` force one way.
+        On the CPU they compute where they are (``"stream"`` is refused there): the page-cache
+        plan streams them through the page cache wherever it has no room for them.
     prefetch_layers
         How many layers ahead each layer's pre-hook starts loading (the prefetch depth).
     resident_layers
@@ -162,6 +164,11 @@ class OffloadOptions:
             parse_overrides(self.kernel_caps)  # an unknown feature is refused now, not when a manager is built
         if self.cpu_twin and dev.type != "cpu":
             raise ValueError(f"cpu_twin is for device='cpu', not {dev}")
+        if self.rest == "stream" and self.in_place:
+            raise ValueError("rest='stream' streams the weights outside the stacks to the device; on the CPU they "
+                             "compute where they are, and the page-cache plan streams them (read in as their "
+                             "modules run, let go after) wherever it has no room for them: leave rest='auto' "
+                             "(cpu_twin=True runs the device path's streaming on the CPU)")
 
     @property
     def in_place(self) -> bool:

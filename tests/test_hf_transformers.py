@@ -209,9 +209,12 @@ def test_offload_built_model_on_cpu_is_exact(folders):
         mapoffload.offload(model, device="cpu").close()
     model.eval()
     expected = _forward(model, "gpt2")
-    with mapoffload.offload(model, device="cpu", rest="stream") as handle:
-        assert "rest" in handle.managers and "rest: computes on the CPU" in handle.summary()
-        assert [r.unit for r in handle.rows] == ["transformer.h", "rest", "placed"]
+    with mapoffload.offload(model, device="cpu") as handle:
+        assert list(handle.managers) == ["transformer.h"] and "rest: left where it is" in handle.summary()
+        assert torch.equal(expected, _forward(model, "gpt2"))
+    with mapoffload.offload(model, device="cpu", cpu_twin=True, rest="stream") as handle:  # the device path's
+        assert "rest" in handle.managers and "rest: copied module by module" in handle.summary()
+        assert [r.unit for r in handle.rows] == ["transformer.h", "rest", "placed", "buffers"]
         assert torch.equal(expected, _forward(model, "gpt2"))
     assert torch.equal(expected, _forward(model, "gpt2"))
 

@@ -91,7 +91,8 @@ def test_the_options_are_checked_once_per_call(ckpt, monkeypatch):
     original = OffloadOptions.__post_init__
     monkeypatch.setattr(OffloadOptions, "__post_init__", lambda self: (checks.append(1), original(self)))
     model = mapped(ckpt[0]).eval()
-    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", prefetch_layers=2) as handle:
+    with mapoffload.offload(model, device="cpu", cpu_twin=True, layers="blocks", rest="stream",
+                            prefetch_layers=2) as handle:
         assert set(handle.managers) == {"blocks", "rest"}
     assert len(checks) == 1
     o = OffloadOptions(device="cpu")
@@ -147,3 +148,16 @@ def test_device_none_beside_options_says_which_two_meanings_meet(tmp_path):
     with pytest.raises(TypeError, match=r"device=None loads the model without offloading it, and options= "
                                         r"offloads it: give one of them"):
         mapoffload.from_pretrained(object, tmp_path, options=o, device=None)
+
+
+def test_rest_stream_on_the_cpu_is_refused_with_what_streams_there(ckpt):
+    """On the CPU the weights outside the stacks compute where they are and the page-cache plan streams
+    them (``OutsideWeights``): a second mechanism (a stack of their modules) for the same pages is refused."""
+    with pytest.raises(ValueError, match=r"rest='stream' streams .* to the device; on the CPU .* page-cache plan"):
+        OffloadOptions(device="cpu", rest="stream")
+    model = mapped(ckpt[0]).eval()
+    with pytest.raises(ValueError, match="cpu_twin=True runs the device path's streaming"):
+        mapoffload.offload(model, device="cpu", layers="blocks", rest="stream")
+    assert OffloadOptions(device="cpu", cpu_twin=True, rest="stream").rest == "stream"
+    with mapoffload.offload(model, device="cpu", layers="blocks") as handle:  # nothing was left hooked
+        assert list(handle.managers) == ["blocks"]

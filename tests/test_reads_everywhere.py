@@ -17,7 +17,7 @@ from stacks import mapped  # noqa: E402
 def test_offload_passes_reads_to_a_streamed_rest(ckpt, reads):
     path, x, want = ckpt
     model = mapped(path).eval()
-    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream", reads=reads) as handle:
+    with mapoffload.offload(model, device="cpu", cpu_twin=True, layers="blocks", rest="stream", reads=reads) as handle:
         assert sorted(handle.managers) == ["blocks", "rest"]
         assert {m.parts.member.reads_mode for m in handle.managers.values()} == {reads}
         with torch.no_grad():
@@ -34,7 +34,8 @@ class _Pipe:
 def test_offload_pipeline_passes_reads_to_every_component(ckpt):
     path, x, want = ckpt
     a, b = mapped(path).eval(), mapped(path).eval()
-    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", rest="stream", reads="uncached") as handle:
+    with mapoffload.offload_pipeline(_Pipe(a=a, b=b), device="cpu", cpu_twin=True, rest="stream",
+                                     reads="uncached") as handle:
         managers = [m for h in handle.components.values() for m in h.managers.values()]
         assert len(managers) == 2 and {m.parts.member.reads_mode for m in managers} == {"uncached"}
         with torch.no_grad():

@@ -194,24 +194,29 @@ def test_residency_under_a_cap_reports_the_bytes_read_each_forward(checkpoint):
 
 
 def test_streamed_rest_counts_modules_and_placed_tensors_once(checkpoint):
+    """The rest streamed to the device module by module (the CPU twin runs that path: on the CPU itself
+    ``rest="stream"`` is refused, the page-cache plan streams the rest)."""
+    twin = {"device": "cpu", "cpu_twin": True, "host_store": "mapped", "layers": "blocks", "rest": "stream"}
     model = _load(checkpoint)
-    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream") as handle:
+    with mapoffload.offload(model, **twin) as handle:
         # Only a tied embedding outside the blocks: nothing to stream, it stays placed.
-        assert [r.unit for r in handle.rows] == ["blocks", "rest"] and "rest" not in handle.managers
+        assert [r.unit for r in handle.rows] == ["blocks", "rest", "buffers"] and "rest" not in handle.managers
     model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())  # untied: an anonymous copy
-    with mapoffload.offload(model, device="cpu", layers="blocks", rest="stream") as handle:
-        blocks, rest, placed = handle.rows
-        assert (rest.unit, rest.layers, rest.how) == ("rest", 2, "in place")
+    with mapoffload.offload(model, **twin) as handle:
+        blocks, rest, placed, buffers = handle.rows
+        assert (rest.unit, rest.layers, rest.how) == ("rest", 2, "streamed")
         assert (rest.mapped_bytes, rest.anonymous_bytes) == _classes(_hosts(handle, "rest"), checkpoint)
         assert rest.mapped_bytes == rest.anonymous_bytes == _header_bytes(checkpoint, "embed.")
         assert (placed.unit, placed.layers, placed.how) == ("placed", None, "placed")
         assert placed.nbytes == placed.anonymous_bytes == 16 * 8  # position_ids
+        weights = [blocks, rest, placed]
         everything = _hosts(handle, "blocks") + _hosts(handle, "rest") + [model.position_ids]
-        assert sum(r.nbytes for r in handle.rows) == sum(_classes(everything, checkpoint))
-        assert sum(r.nbytes for r in handle.rows) == _header_bytes(checkpoint) + 8192 + 16 * 8  # + the untied copy
+        assert sum(r.nbytes for r in weights) == sum(_classes(everything, checkpoint))
+        assert sum(r.nbytes for r in weights) == _header_bytes(checkpoint) + 8192 + 16 * 8  # + the untied copy
+        assert buffers.unit == "buffers" and buffers.mapped_bytes == 0
         text = handle.summary()
-        _check_words(text)
-        assert "rest: computes on the CPU" in text and "2 modules" in text
+        assert all(len(line) <= 100 for line in text.splitlines()), text
+        assert "rest: copied module by module into CPU buffers" in text and "2 modules" in text
 
 
 class Pipe:
