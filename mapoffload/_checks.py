@@ -182,21 +182,26 @@ def folder_problem(path: str) -> str | None:
 
 
 def check_cache_dir(value: Any) -> str | None:
-    """A conversion folder's root as given (``cache_dir=``, ``--cache-dir``): None, or a path with ``~``
-    expanded; an empty one is refused before anything loads (a load that converts failed at its end,
-    "creating a conversion folder under : ..."). One that cannot be a folder (a file) is the write's
-    :class:`~mapoffload.conversion.ConversionWriteError`, naming the way out, when a load converts.
+    """A conversion folder's root as given (``cache_dir=``, ``--cache-dir``, vLLM's
+    ``model_loader_extra_config['cache_dir']``): None, or a path with ``~`` expanded. Refused before
+    anything loads: an empty one (a load that converts failed at its end, "creating a conversion folder
+    under : ..."), and one that cannot be a folder (a file, or under one: :func:`folder_problem`; a load
+    that converts failed after the whole model was read). The one check every entry point makes.
 
     Raises
     ------
     TypeError
         Not a path.
     ValueError
-        Empty.
+        Empty, or not a folder nor one that can be made.
     """
     if value is None:
         return None
     path = user_path(value, "cache_dir")
     if not path:
         raise ValueError("cache_dir is empty (''): name a folder, or leave it out for the default")
+    problem = folder_problem(path)
+    if problem is not None:
+        raise ValueError(f"cache_dir={path!r} cannot hold the conversion folders: {problem}; name a folder "
+                         "(it is made if missing)")
     return path

@@ -177,13 +177,6 @@ def test_a_zero_dim_parameter_is_converted(tmp_path):
     assert load_file(path)["s"].shape == () and load_file(path)["s"].item() == 2.5
 
 
-def test_a_conversion_root_that_is_a_file_is_named_with_the_way_out(tmp_path):
-    cls, _ = build("mixtral", str(tmp_path / "m"))
-    (tmp_path / "afile").write_text("x")
-    with pytest.raises(OSError, match=r"conversion folder under .*afile.*cache_dir="):
-        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
-
-
 @pytest.mark.parametrize("fp8", ["keep", "dequantize"])
 def test_an_fp8_checkpoints_conversion_is_reused(tmp_path, monkeypatch, fp8):
     pytest.importorskip("accelerate")
@@ -346,11 +339,22 @@ def test_a_file_where_the_default_conversion_folder_goes_is_stepped_around(tmp_p
     assert (tmp_path / "m" / ".mapoffload-converted").read_text() == "someone's file"
 
 
-def test_a_conversion_root_that_is_a_file_says_so(tmp_path):
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_a_conversion_root_that_is_a_file_is_refused_before_the_load(tmp_path, monkeypatch, where):
+    """The check every entry point makes (``check_cache_dir``, vLLM's too): it was the write's error once
+    the whole model was read and converted."""
+    from mapoffload.hf import transformers as hf_transformers
+
     cls, _ = build("mixtral", str(tmp_path / "m"))
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(mapoffload.hf.ConversionWriteError, match=r"afile is a file, not a folder.*cache_dir="):
-        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(tmp_path / "afile"))
+    root = tmp_path / "afile" if where == "file" else tmp_path / "afile" / "conv"
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded before refusing cache_dir")
+
+    monkeypatch.setattr(hf_transformers, "_config", no_load)
+    with pytest.raises(ValueError, match=rf"cache_dir='{root}' cannot hold .*afile is a file, not a folder"):
+        mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=str(root))
     assert (tmp_path / "afile").read_text() == "x"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._checks import folder_problem, user_path
+from .._checks import check_cache_dir
 from .._env import EnvSettingError
 from .._log import logger
 from ..options import OffloadOptions
@@ -372,17 +372,13 @@ class LoaderOptions:
 
 
 def _cache_dir(cache_dir: Any) -> str | None:
-    if cache_dir is None:
-        return None
-    if not isinstance(cache_dir, str) or not cache_dir:
+    """:func:`~mapoffload._checks.check_cache_dir`'s answer, refused as this door refuses (before any weight
+    is read: making it would fail with a bare ``FileExistsError`` out of vLLM's loader, after the model was
+    built)."""
+    if cache_dir is not None and not isinstance(cache_dir, str):
         raise VllmLoadError(f"model_loader_extra_config['cache_dir'] must be a folder path, got {cache_dir!r}",
                             keys=("cache_dir",))
-    cache_dir = user_path(cache_dir, "cache_dir")  # "~/conv": no shell expanded it in the JSON
-    # Checked here, before any weight is read: making it would fail with a bare FileExistsError or
-    # NotADirectoryError out of vLLM's loader, after the model was built.
-    problem = folder_problem(cache_dir)
-    if problem is not None:
-        raise VllmLoadError(f"model_loader_extra_config['cache_dir'] = {cache_dir!r} cannot hold the "
-                            f"conversion folders: {problem}; name a folder (it is made if missing)",
-                            keys=("cache_dir",))
-    return cache_dir
+    try:
+        return check_cache_dir(cache_dir)  # "~/conv": no shell expanded it in the JSON
+    except (TypeError, ValueError) as exc:
+        raise VllmLoadError(f"model_loader_extra_config: {exc}", keys=("cache_dir",)) from None
