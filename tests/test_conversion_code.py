@@ -217,3 +217,71 @@ def test_a_plain_value_of_the_class_its_code_reads_is_in_the_key():
 
     assert class_code(make("float16"), None, []) == class_code(make("float16"), None, [])
     assert class_code(make("float16"), None, []) != class_code(make("float32"), None, [])
+
+
+def _code_of(src: str, name: str = "mine_exec", file: str | None = "/home/u/proj/mine_exec.py") -> dict:
+    """``class_code`` of ``Mine`` in a module run from ``src`` (a user's file: ``__file__`` outside any
+    install)."""
+    from mapoffload.conversion.code_key import class_code
+
+    ns = {"__name__": name, **({"__file__": file} if file else {})}
+    exec(compile("import torch\nfrom transformers import LlamaForCausalLM\n" + src, file or "<cell>", "exec"), ns)
+    return class_code(ns["Mine"], None, [])
+
+
+MINE = "class Mine(LlamaForCausalLM):\n    def __init__(self, config):\n        super().__init__(config)\n        {}\n"
+
+
+@pytest.mark.parametrize("before, after", [
+    # a default argument of a helper under a decorator (torch's wrapper's code is torch's)
+    ("@torch.no_grad()\ndef keep(m, dt=torch.float16):\n    m.lm_head.to(dt)\n",
+     "@torch.no_grad()\ndef keep(m, dt=torch.float32):\n    m.lm_head.to(dt)\n"),
+    # a partial, an enum member, a namespace of settings
+    ("import functools\ndef cast(m, dt):\n    m.lm_head.to(dt)\nkeep = functools.partial(cast, dt=torch.float16)\n",
+     "import functools\ndef cast(m, dt):\n    m.lm_head.to(dt)\nkeep = functools.partial(cast, dt=torch.float32)\n"),
+    ("import enum\nclass P(enum.Enum):\n    HALF = 1\n    FULL = 2\nMODE = P.HALF\ndef keep(m):\n    return MODE\n",
+     "import enum\nclass P(enum.Enum):\n    HALF = 1\n    FULL = 2\nMODE = P.FULL\ndef keep(m):\n    return MODE\n"),
+    ("import types\nS = types.SimpleNamespace(dt=torch.float16)\ndef keep(m):\n    m.lm_head.to(S.dt)\n",
+     "import types\nS = types.SimpleNamespace(dt=torch.float32)\ndef keep(m):\n    m.lm_head.to(S.dt)\n"),
+    # a method of a reached class's base, under a decorator
+    ("class Base:\n    @torch.no_grad()\n    def place(self, m):\n        m.lm_head.to(torch.float16)\n"
+     "class Block(Base):\n    pass\ndef keep(m):\n    Block().place(m)\n",
+     "class Base:\n    @torch.no_grad()\n    def place(self, m):\n        m.lm_head.to(torch.float32)\n"
+     "class Block(Base):\n    pass\ndef keep(m):\n    Block().place(m)\n"),
+])
+def test_what_a_helper_reaches_is_in_the_key(before, after):
+    assert _code_of(before + MINE.format("keep(self)")) == _code_of(before + MINE.format("keep(self)"))
+    assert _code_of(before + MINE.format("keep(self)")) != _code_of(after + MINE.format("keep(self)"))
+
+
+def test_a_package_named_like_a_standard_module_is_the_users():
+    """``code.model`` (a user's package, not Python's ``code``) was skipped as Python's own."""
+    body = MINE.format("self.lm_head.to(torch.{})")
+    assert _code_of(body.format("float16"), "code.model", "/home/u/proj/code/model.py") != \
+        _code_of(body.format("float32"), "code.model", "/home/u/proj/code/model.py")
+
+
+def test_names_the_code_does_not_load_leave_the_key_alone():
+    """``self.model`` is an attribute, not the script's global ``model``; what transformers caches on a
+    class as it loads it (``..._cached_value``) is no code's: neither changes the key (each converted
+    again once per process before)."""
+    src = "model = None\n" + MINE.format("self.model.norm.weight.data.fill_(1.0)")
+    key = _code_of(src)
+    assert _code_of(src.replace("model = None", "model = object()")) == key
+    from mapoffload.conversion.code_key import class_code
+
+    ns = {"__name__": "mine_cached", "__file__": "/home/u/proj/mine_cached.py"}
+    exec("from transformers import LlamaForCausalLM\n" + MINE.format("pass"), ns)
+    before = class_code(ns["Mine"], None, [])
+    ns["Mine"]._can_set_experts_implementation_cached_value = False
+    assert class_code(ns["Mine"], None, []) == before
+
+
+def test_values_that_cannot_be_read_do_not_stop_a_load():
+    """A module whose ``__getattr__`` raises ImportError, a class attribute that raises on every access, a
+    list holding itself: hashed as they can be, never raised."""
+    src = ("import types\nclass Lazy(types.ModuleType):\n    def __getattr__(self, n):\n        raise ImportError(n)\n"
+           "lazy = Lazy('lazy')\nclass AttrDict(dict):\n    __getattr__ = dict.__getitem__\n"
+           "GRAPH = []\nGRAPH.append(GRAPH)\n"
+           "class Block:\n    CFG = AttrDict()\n    def place(self, m):\n        return lazy, GRAPH, self.CFG\n")
+    assert _code_of(src + MINE.format("Block().place(self)")) == _code_of(src + MINE.format("Block().place(self)"))
