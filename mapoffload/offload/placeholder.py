@@ -72,6 +72,13 @@ class OffloadedWeight(torch.nn.Parameter):
         self._mapoffload_manager = None
         return self
 
+    def renewed(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> OffloadedWeight:
+        """A new placeholder for the same slot, of the weight's ``shape``, ``stride`` and ``dtype`` (its
+        weight was replaced: this one stands for the old)."""
+        fresh = OffloadedWeight(shape, stride, dtype, self._mo_name, self._mo_layer, device=self._mo_device)
+        fresh._mapoffload_manager = self._mapoffload_manager
+        return fresh
+
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return (
             f"OffloadedWeight({self._mo_name}, layer {self._mo_layer}, shape={tuple(self.shape)}, "

@@ -174,7 +174,8 @@ class Sequencer:
             w.param.data = data
             target = w.param
         for module, attr in w.holders:
-            module._parameters[attr] = target
+            if not lent(module._parameters.get(attr)):  # a tensor the user lent the model computes as it is
+                module._parameters[attr] = target
         self.note(w, target)
 
     def note(self, w: Weight, held: Any) -> None:
@@ -192,8 +193,8 @@ class Sequencer:
             if w.held is None:
                 continue  # never bound: the manager is still being made
             now = [module._parameters.get(attr) for module, attr in w.holders]
-            if any(p is not w.held for p in now):
-                out.append((w, now))
+            if any(p is not w.held for p in now) and not all(p is w.held or lent(p) for p in now):
+                out.append((w, now))  # replaced (a tensor lent for a call, in every holder, is no edit: lent())
             elif data_key(w.param) != w.bound or (_version(w.param) != w.version and (
                     not self.in_place or not self.on_host(w))):
                 # A write into the parameter (load_state_dict without assign, an in-place op under no_grad)
@@ -436,6 +437,12 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         being given back) the edit is logged and left as the user made it.
     """
     for w, now in edits:
+        if all(p is w.param for p in now) and data_key(w.param) == w.bound and _version(w.param) == w.version:
+            # The weight's own parameter put back, unchanged, after a swap (on the device path its holders
+            # held a placeholder): bound again, nothing written.
+            load = seq.loaded.get(store.index)
+            seq.bind(w, seq.loads.value(w, load) if load is not None and seq.is_loaded(store.index) else None)
+            continue
         why = refusal(w, now, in_place=seq.in_place) or _shared(seq, w, now[0])
         if why is not None:
             msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
@@ -446,6 +453,17 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         _adopt(seq, pages, store, w, now[0], device=device)
         logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
                     "in place, an owned tensor" if seq.in_place else "written into its host store")
+
+
+def lent(held: Any) -> bool:
+    """Whether a module's parameter slot holds a plain tensor (not an ``nn.Parameter``) the user put there:
+    ``torch.func.functional_call`` does, for one call, and puts the parameter back after it. It computes as
+    it is, as in plain PyTorch (autograd reaches it), and the weight is left as it was: taking it as the
+    weight wrote it into the weight's own parameter (in place) or host store (the device path), which the
+    model kept computing with once the parameter was put back."""
+    import torch
+
+    return isinstance(held, torch.Tensor) and not isinstance(held, torch.nn.Parameter)
 
 
 def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
@@ -464,7 +482,9 @@ def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
     if not isinstance(new, torch.Tensor):
         return f"with a {type(new).__name__}, not a tensor"
     if isinstance(new, OffloadedWeight):
-        return "with an offloaded placeholder, which has no values: assign a tensor that has them"
+        return ("with an offloaded placeholder (what the model holds between forwards on the device path: this "
+                "one stood for a weight since replaced, whose values are gone), which has no values: assign a "
+                "tensor that has them")
     if new is not w.param and offloaded_by(new)[0]:
         return ("with a weight mapoffload offloads already (another layer's): assign a copy of it (.clone()), "
                 "or tie the weights before offloading")
@@ -524,6 +544,11 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
         if mark is not None:
             new._mapoffload_manager = mark
         w.param = new
+        if not seq.in_place:
+            # The placeholder the holders held between forwards stood for the old weight, and a user may
+            # hold it as "the original": put back, it is refused (its values are gone), never taken for
+            # the new weight's own.
+            w.placeholder = w.placeholder.renewed(w.shape, w.stride, w.dtype)
         w.placeholder.requires_grad_(new.requires_grad)
     elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
         w.param.data = new.detach()
