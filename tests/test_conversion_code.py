@@ -285,3 +285,31 @@ def test_values_that_cannot_be_read_do_not_stop_a_load():
            "GRAPH = []\nGRAPH.append(GRAPH)\n"
            "class Block:\n    CFG = AttrDict()\n    def place(self, m):\n        return lazy, GRAPH, self.CFG\n")
     assert _code_of(src + MINE.format("Block().place(self)")) == _code_of(src + MINE.format("Block().place(self)"))
+
+
+def test_a_conversion_the_key_missed_a_change_for_is_not_used(tmp_path, monkeypatch):
+    """The net under the key: a reused conversion whose tensors the model takes in another dtype (its code
+    changed in a way no key sees; here the key is made blind to code) is discarded and converted again,
+    with a warning, where transformers would have rounded the stored float16 head into a float32 one."""
+    import logging
+
+    from mapoffload.conversion import naming
+
+    monkeypatch.setattr(naming, "class_code", lambda *a, **k: {})  # a key blind to the model's code
+    _tiny(tmp_path)
+    first, head = _load(_exec_class("    pass\n", "__main__"), str(tmp_path))
+    assert not first.conversion_reused and head == torch.float16
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("mapoffload").addHandler(handler)
+    try:
+        body = ("    def __init__(self, config):\n        super().__init__(config)\n"
+                "        self.lm_head.to(__import__('torch').float32)\n")
+        second, head = _load(_exec_class(body, "__main__"), str(tmp_path))  # compared with transformers' own
+    finally:
+        logging.getLogger("mapoffload").removeHandler(handler)
+    assert not second.conversion_reused and head == torch.float32
+    assert any("lm_head.weight: stored torch.float16" in r.getMessage() for r in records)
+    third, _ = _load(_exec_class(body, "__main__"), str(tmp_path))
+    assert third.conversion_reused  # the new conversion took the old one's place

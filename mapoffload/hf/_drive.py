@@ -98,6 +98,7 @@ class Session:
     made_since_trim: int = 0
     files: list[str] | None = None  # the files the conversion is keyed on: transformers must read no other
     resolved: list[str] | None = None  # the files transformers resolved for this load
+    stale: list[str] = field(default_factory=list)  # reused tensors the model took another dtype or shape for
 
     def snapshot(self) -> Any:
         """A :class:`~mapoffload.MappedRegions` in which views of the load's own files (the

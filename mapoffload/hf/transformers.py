@@ -22,6 +22,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_cache_dir
+from .._log import logger
 from ..loading.files import CheckpointError, pretrained_files
 from ..loading.report import LoadReport
 from . import _keys
@@ -289,15 +290,25 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
                       extra=sorted((k, repr(v)) for k, v in {**model_kwargs, "fp8": fp8}.items()))
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key, origin=folder)
-    session = None
-    try:
-        with driving(cache, transformers_hooks(), keep_fp8=keep_fp8, files=files) as session:
-            model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
-                                              **model_kwargs)
-    except RuntimeError as exc:  # transformers raises once its report lists conversion errors
-        if session is None or not session.conversion_errors:
-            raise
-        _conversion_failed(folder, session.conversion_errors, exc)
+    while True:
+        session = None
+        try:
+            with driving(cache, transformers_hooks(), keep_fp8=keep_fp8, files=files) as session:
+                model, info = cls.from_pretrained(folder, config=config, dtype=dtype, output_loading_info=True,
+                                                  **model_kwargs)
+        except RuntimeError as exc:  # transformers raises once its report lists conversion errors
+            if session is None or not session.conversion_errors:
+                raise
+            _conversion_failed(folder, session.conversion_errors, exc)
+        if not session.stale:
+            break
+        # The key missed a change of the model's code (a helper it calls, a value it reads): what the
+        # conversion holds is not what this model takes. Never used: converted again, once.
+        logger.warning("conversion %s does not hold what %s makes of the checkpoint now (%s): converting again",
+                       cache.path, type(model).__name__, "; ".join(session.stale[:3]))
+        del model, info
+        cache.discard()
+        cache = ConversionCache(root, key, origin=cache.origin)
     if session.conversion_errors:
         _conversion_failed(folder, session.conversion_errors, None)
     problems = []
