@@ -289,3 +289,48 @@ def test_a_resident_layer_written_in_place_on_the_twin_keeps_the_write(stack):
             mgr.release_layer(0)
             assert torch.equal(model(x), _plain_with(ref, {"blocks.0.weight": new})(x))
     assert torch.equal(model.blocks[0].weight.detach(), new)
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_a_parametrization_added_while_offloaded_is_refused_as_such(stack, path_kind):
+    """weight_norm / register_parametrization moves the weight out of the slot: it was refused as "removed
+    (None)", which the user never did."""
+    from torch.nn.utils import parametrizations
+
+    path, x, _ = stack
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS[path_kind]) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+        if path_kind == "twin":  # between forwards the slot holds a placeholder: refused as it is read
+            with pytest.raises(RuntimeError, match=r"blocks\.4\.weight is offloaded .* not loaded"):
+                parametrizations.weight_norm(model.blocks[4])
+            return
+        parametrizations.weight_norm(model.blocks[4])
+        with pytest.raises(ReplacedWeightError, match=r"blocks\.4\.weight .*moved into a parametrization"), \
+                torch.no_grad():
+            model(x)
+
+
+def test_a_users_hooks_on_the_device_path_see_the_weights_where_the_message_says(stack):
+    """A forward hook registered after the manager's runs once the layer is released; the refusal says
+    which hooks see the weights (a pre-hook registered after offloading, a hook registered before it)."""
+    path, x, want = stack
+    model = mapped(path)
+    seen = {}
+    model.blocks[5].register_forward_hook(lambda mod, a, o: seen.__setitem__("hook before", mod.weight.sum()))
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS["twin"]) as mgr:
+        mgr.register_forward_hooks()
+        model.blocks[5].register_forward_pre_hook(lambda mod, a: seen.__setitem__("pre-hook after", mod.weight.sum()))
+        with torch.no_grad():
+            model(x)
+        assert seen["hook before"] == seen["pre-hook after"] == x.new_tensor(0) + _plain_sum(path)
+        model.blocks[5].register_forward_hook(lambda mod, a, o: mod.weight.sum())
+        with pytest.raises(RuntimeError, match="forward pre-hook registered after offloading, or a forward hook "
+                                               "registered before it"), torch.no_grad():
+            model(x)
+
+
+def _plain_sum(path) -> torch.Tensor:
+    return mapped(path).blocks[5].weight.detach().sum()

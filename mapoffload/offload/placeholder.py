@@ -205,17 +205,21 @@ def _message(w: OffloadedWeight | None, what: str) -> str:
     if w is None:
         return f"an offloaded weight was {what}: its layer is not loaded"
     close, _ = _owner_words(w)
+    # A forward hook registered after the manager's runs once the layer was released, and a forward pre-hook
+    # registered before it runs before the layer is loaded: the weights are there only in between.
+    hooks = ("A hook of yours on the layer sees them in a forward pre-hook registered after offloading, or "
+             "a forward hook registered before it.")
     if close is not None:
         return (
             f"{w._mo_name} is offloaded and was {what} while its layer ({w._mo_layer}) is not loaded: its values "
             f"are read in only while that layer runs. Run the model (its hooks load each layer), or call {close} "
-            "first to get the real weights back."
+            f"first to get the real weights back. {hooks}"
         )
     return (
         f"{w._mo_name} is offloaded by a LayerwiseOffloadManager and was {what} while layer {w._mo_layer} "
         f"is not loaded. Run the model with the manager's hooks (register_forward_hooks()), load the layer "
         f"first (prefetch_layer({w._mo_layer}, non_blocking=False)), or close the manager (manager.close()) to "
-        "get the real weights back."
+        f"get the real weights back. {hooks}"
     )
 
 

@@ -444,6 +444,9 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
             seq.bind(w, seq.loads.value(w, load) if load is not None and seq.is_loaded(store.index) else None)
             continue
         why = refusal(w, now, in_place=seq.in_place) or _shared(seq, w, now[0])
+        if why is not None and now[0] is None and _parametrized(w):
+            why = ("it was moved into a parametrization (torch.nn.utils.parametrize, weight_norm): an offloaded "
+                   "layer's weights are not reparametrized; apply it before offloading, or close the manager first")
         if why is not None:
             msg = f"{w.names[0]} (layer {store.index}) was replaced in the offloaded model, but {why}"
             if strict:
@@ -453,6 +456,13 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         _adopt(seq, pages, store, w, now[0], device=device)
         logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
                     "in place, an owned tensor" if seq.in_place else "written into its host store")
+
+
+def _parametrized(w: Weight) -> bool:
+    """Whether a holder of ``w`` moved it into a parametrization (its slot emptied, not by the user)."""
+    from torch.nn.utils import parametrize
+
+    return any(parametrize.is_parametrized(module, attr) for module, attr in w.holders)
 
 
 def lent(held: Any) -> bool:
