@@ -233,3 +233,32 @@ def test_one_handle_type_for_a_model_and_a_pipeline():
     handle.close()
     assert pipe.mapoffload_handle is None and handle.components["text_encoder"].rows == []
     assert "closed" in handle.summary()
+
+
+def test_a_diffusers_conversion_the_model_takes_otherwise_is_converted_again(folders, tmp_path, monkeypatch):
+    """The net under the key (as for transformers, tests/test_conversion_code.py): a reused conversion whose
+    tensors the component takes in another dtype or shape is discarded and converted again, once."""
+    from mapoffload.hf import _drive_diffusers
+
+    folder = folders[torch.float32]
+    dtypes = {"transformer": torch.bfloat16, "text_encoder_2": torch.bfloat16}
+
+    def load():
+        return mapoffload.pipeline_from_pretrained(diffusers.FluxPipeline, folder, device=None, dtype=dtypes,
+                                                   tokenizer=None, tokenizer_2=None, cache_dir=str(tmp_path))
+
+    load()
+    real, calls = _drive_diffusers.stale_tensors, []
+
+    def stale_once(model, reused):  # the transformer's first reused load: it took one tensor otherwise
+        if isinstance(model, diffusers.FluxTransformer2DModel):
+            calls.append(bool(reused))
+            if calls == [True]:
+                return ["x.weight: stored torch.bfloat16 (2,), the model's torch.float32 (2,)"]
+        return real(model, reused)
+
+    monkeypatch.setattr(_drive_diffusers, "stale_tensors", stale_once)
+    again = load()
+    assert not again.mapoffload_reports["transformer"].conversion_reused  # converted again
+    assert calls[0] and not any(calls[calls.index(False):])  # a stale shard; then the load that wrote anew
+    assert load().mapoffload_reports["transformer"].conversion_reused

@@ -273,3 +273,35 @@ def driving(cache: ConversionCache, hooks: list[tuple[Any, str, Any]], *,
                 if ok:
                     logger.info("a conversion's inputs were not visible: its files are not kept for reuse")
                 cache.abandon()
+
+
+def stale_tensors(model: Any, reused: dict[str, Any]) -> list[str]:
+    """The reused conversion's tensors that the model took in another dtype or shape than they were stored:
+    a conversion holds each tensor as the load set it into the model, so a difference means the model's
+    code changed in a way the key did not see (a cast transformers then made of the stored values would
+    round them through the old dtype, silently)."""
+    out = []
+    for name, tensor in reused.items():
+        try:
+            target = model.get_parameter(name)
+        except AttributeError:
+            try:
+                target = model.get_buffer(name)
+            except AttributeError:
+                continue  # renamed by the model's own rules: not checkable by name
+        if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape):
+            out.append(f"{name}: stored {tensor.dtype} {tuple(tensor.shape)}, "
+                       f"the model's {target.dtype} {tuple(target.shape)}")
+    return out
+
+
+def convert_again(cache: ConversionCache, session: Session, what: str) -> ConversionCache | None:
+    """After a load that reused ``cache``: None when the model took every tensor as stored; else (the key
+    missed a change of the model's code: a helper it calls, a value it reads) the conversion is discarded,
+    with a warning naming the tensors, and the empty cache to load with again is returned."""
+    if not session.stale:
+        return None
+    logger.warning("conversion %s does not hold what %s makes of the checkpoint now (%s): converting again",
+                   cache.path, what, "; ".join(session.stale[:3]))
+    cache.discard()
+    return ConversionCache(cache.root, cache.key, origin=cache.origin)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._drive import _session
+from ._drive import _session, stale_tensors
 
 
 def _wrap_set_tensor(original):
@@ -39,11 +39,14 @@ def _wrap_load_dict(original):
         if s is None:
             return original(model, state_dict, *args, **kwargs)
         s.loads += 1
+        reused = {}
         if s.cache.reused:
             cached = s.cache.mapped()
+            reused = {k: cached[k] for k in state_dict if k in cached}
             state_dict = type(state_dict)((k, cached.get(k, v)) for k, v in state_dict.items())
         s.regions = s.snapshot()
         result = original(model, state_dict, *args, **kwargs)
+        s.stale += stale_tensors(model, reused)  # once per shard: every call counts
         s.finish()
         return result
 

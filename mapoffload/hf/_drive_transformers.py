@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from .._log import logger
-from ._drive import FP8_PART, _session
+from ._drive import FP8_PART, _session, stale_tensors
 
 SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"  # transformers' switch for its loader threads
 
@@ -166,7 +166,7 @@ def _wrap_load(original):
         s.regions = s.snapshot()  # the checkpoint's files are open (mapped) by now
         s.sources = state_dict
         result = original(model, state_dict, load_config, *args, **kwargs)  # one by one: see _wrap_env
-        s.stale = stale_tensors(model, reused)
+        s.stale += stale_tensors(model, reused)  # once per shard: every call counts
         s.finish()
         s.sources = None
         info = result[0] if isinstance(result, tuple) else result
@@ -177,26 +177,6 @@ def _wrap_load(original):
 
     convert_and_load_state_dict_in_model.__wrapped__ = original
     return convert_and_load_state_dict_in_model
-
-
-def stale_tensors(model: Any, reused: dict[str, Any]) -> list[str]:
-    """The reused conversion's tensors that the model took in another dtype or shape than they were stored:
-    a conversion holds each tensor as the load set it into the model, so a difference means the model's
-    code changed in a way the key did not see (a cast transformers then made of the stored values would
-    round them through the old dtype, silently)."""
-    out = []
-    for name, tensor in reused.items():
-        try:
-            target = model.get_parameter(name)
-        except AttributeError:
-            try:
-                target = model.get_buffer(name)
-            except AttributeError:
-                continue  # renamed by the model's own rules: not checkable by name
-        if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape):
-            out.append(f"{name}: stored {tensor.dtype} {tuple(tensor.shape)}, "
-                       f"the model's {target.dtype} {tuple(target.shape)}")
-    return out
 
 
 def _wrap_env(original):

@@ -40,7 +40,7 @@ from ..options import FIELDS, OffloadOptions, gather, load_options, shows_option
 from ._args import check_flags, check_folder, check_pipeline_class, keyword_names
 from ..conversion import ConversionCache
 from ..conversion import default_root, fingerprint
-from ._drive import driving
+from ._drive import convert_again, driving
 from ._drive_diffusers import diffusers_hooks
 from ._report import Unsettled, settle
 from ._extras import require
@@ -167,10 +167,16 @@ def _load_diffusers_model(cls: Any, folder: str, name: str, dtype: Any,
     key = fingerprint(files, model_class=cls, dtype=torch_dtype, config=config)
     root = os.fspath(cache_dir) if cache_dir is not None else default_root(folder, key)
     cache = ConversionCache.open(root, key, origin=folder)
-    with driving(cache, diffusers_hooks(), files=files), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated")
-        model, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, low_cpu_mem_usage=True,
-                                          output_loading_info=True)
+    while True:
+        with driving(cache, diffusers_hooks(), files=files) as session, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated")
+            model, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, low_cpu_mem_usage=True,
+                                              output_loading_info=True)
+        again = convert_again(cache, session, f"{name} ({cls.__name__})")
+        if again is None:
+            break
+        del model, info  # what the stale conversion made: never used
+        cache = again
     problems = []
     if info.get("missing_keys"):
         problems.append(_keys.describe_keys("missing", sorted(info["missing_keys"])) + " (initialised by diffusers)")

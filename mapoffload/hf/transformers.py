@@ -22,7 +22,6 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_cache_dir
-from .._log import logger
 from ..loading.files import CheckpointError, pretrained_files
 from ..loading.report import LoadReport
 from . import _keys
@@ -31,7 +30,7 @@ from ..conversion import concrete_class, default_root, fingerprint
 from ..offload.hooks import CallNames
 from ..options import FIELDS, OffloadOptions, load_options, shows_option_keywords, unexpected_keyword
 from ._args import check_flags, check_folder, check_model_class, keyword_names
-from ._drive import driving
+from ._drive import convert_again, driving
 from ._drive_transformers import transformers_hooks
 from ._report import Unsettled, settle
 from ._extras import require
@@ -300,15 +299,11 @@ def load_unsettled(cls: Any, folder: str | os.PathLike, *, dtype: Any, strict: b
             if session is None or not session.conversion_errors:
                 raise
             _conversion_failed(folder, session.conversion_errors, exc)
-        if not session.stale:
+        again = convert_again(cache, session, type(model).__name__)
+        if again is None:
             break
-        # The key missed a change of the model's code (a helper it calls, a value it reads): what the
-        # conversion holds is not what this model takes. Never used: converted again, once.
-        logger.warning("conversion %s does not hold what %s makes of the checkpoint now (%s): converting again",
-                       cache.path, type(model).__name__, "; ".join(session.stale[:3]))
-        del model, info
-        cache.discard()
-        cache = ConversionCache(root, key, origin=cache.origin)
+        del model, info  # what the stale conversion made: never used
+        cache = again
     if session.conversion_errors:
         _conversion_failed(folder, session.conversion_errors, None)
     problems = []
