@@ -4,8 +4,10 @@ original put back after it), and a user's own swap and swap back. The manager to
 as the weight, by writing it into the original parameter (in place: the original's ``.data`` became the
 other model's storage) or into the weight's host store (the device path): the model kept computing with
 the temporary weights after they were put back, and after ``close()``, silently. On the device path what
-the model holds between forwards is a placeholder: put back after a parameter replaced its weight, it is
-refused by name (it stood for the old values, which are gone)."""
+the model holds between forwards is a placeholder, and a parameter that replaced the weight had its values
+written into the weight's host store: the old parameter (its data the store or a device buffer) took the
+new values, and the old placeholder put back was taken for the new weight. Each now stands for the old
+weight, and put back is that weight again."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from mapoffload import LayerwiseOffloadManager, ReplacedWeightError
+from mapoffload import LayerwiseOffloadManager
 from mapoffload.offload.placeholder import OffloadedWeight
+from mapoffload.offload.runtime import OffloadedGradientError
 from stacks import mapped
 
 PATHS = {"in-place": {}, "uncached": {"reads": "uncached"}, "twin": {"cpu_twin": True, "host_store": "mapped"}}
@@ -76,12 +79,8 @@ def test_a_weight_swapped_and_put_back_computes_as_the_original(ckpt, path_kind,
                 assert torch.equal(model(x), plain_tmp(x))
                 model.blocks[3].weight = orig
                 assert model.blocks[3].weight is orig
-                if twin_placeholder and way == "parameter":
-                    # What the user held was the placeholder of a weight since replaced: refused, by name.
-                    with pytest.raises(ReplacedWeightError, match=r"blocks\.3\.weight .*placeholder .*replaced"):
-                        model(x)
-                    return
                 assert torch.equal(model(x), want)
+                assert model.blocks[3].weight is orig  # the placeholder put back is the one held again
     assert type(orig) is (OffloadedWeight if twin_placeholder else nn.Parameter)
     assert torch.equal(model.blocks[3].weight.detach(), ref.blocks[3].weight.detach())
     assert torch.equal(tmp, torch.full_like(tmp, 0.01))  # the swapped-in tensor was not written either
@@ -105,3 +104,78 @@ def test_functional_call_gradients_reach_the_callers_tensors(ckpt):
         functional_call(model, params, (x,)).square().sum().backward()
     for k in plain:
         assert params[k].grad is not None and torch.equal(params[k].grad, plain[k].grad), k
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_functional_call_with_another_models_parameters(ckpt, path_kind):
+    """``dict(other.named_parameters())``: Parameters, not plain tensors, each taken as a replacement for the
+    call; what functional_call puts back after it (on the device path the placeholders) is the model's own
+    weights again, and the other model keeps its values."""
+    from torch.func import functional_call
+
+    path, x, want = ckpt
+    ref = mapped(path).eval()
+    other = _other(ref)
+    kept = {k: v.detach().clone() for k, v in other.named_parameters()}
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS[path_kind]) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(functional_call(model, dict(other.named_parameters()), (x,)), other(x))
+                assert torch.equal(model(x), want)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert all(torch.equal(p.detach(), kept[k]) for k, p in other.named_parameters())
+    assert not any(isinstance(p, OffloadedWeight) for p in model.parameters())
+
+
+@pytest.mark.parametrize("host_store", ["mapped", "pageable"])
+def test_a_loaded_weights_parameter_put_back_after_a_swap_on_the_device_path(ckpt, host_store):
+    """Taken while its layer is loaded (a resident layer), the weight is the real parameter, whose data was
+    the device buffer (or the host store) the swapped-in values were then written into."""
+    path, x, want = ckpt
+    model = mapped(path).eval()
+    tmp = torch.full_like(model.blocks[0].weight, 0.01)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", cpu_twin=True, host_store=host_store,
+                                 resident_layers=1) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+            orig = model.blocks[0].weight
+            assert not isinstance(orig, OffloadedWeight)
+            model.blocks[0].weight = nn.Parameter(tmp.clone())
+            model(x)
+            model.blocks[0].weight = orig
+            assert torch.equal(model(x), want)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert model.blocks[0].weight is orig
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_torch_func_over_weights_lent_outside_the_layers(ckpt, path_kind):
+    """A lent weight outside the layers is a functorch wrapper under torch.func: it has no storage to look
+    up among the outside weights (it raised "Cannot access data pointer")."""
+    from torch.func import functional_call, grad, vmap
+
+    path, x, _ = ckpt
+    ref = mapped(path).eval()
+    params = {k: v.detach() for k, v in _other(ref).named_parameters() if k.startswith("mix")}
+    plain_grads = grad(lambda p: functional_call(ref, p, (x,), strict=False).square().sum())(params)
+    with torch.no_grad():
+        plain_vmap = vmap(lambda p: functional_call(ref, p, (x,), strict=False))(
+            {k: v.unsqueeze(0).expand(2, *v.shape) for k, v in params.items()})
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS[path_kind]) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            batched = vmap(lambda p: functional_call(model, p, (x,), strict=False))(
+                {k: v.unsqueeze(0).expand(2, *v.shape) for k, v in params.items()})
+        if path_kind == "twin":  # gradients are refused on the device path (its layers' buffers are reused)
+            with pytest.raises(OffloadedGradientError):
+                grad(lambda p: functional_call(model, p, (x,), strict=False).square().sum())(params)
+        else:
+            grads = grad(lambda p: functional_call(model, p, (x,), strict=False).square().sum())(params)
+            assert all(torch.equal(grads[k], plain_grads[k]) for k in params)
+    assert torch.equal(batched, plain_vmap)

@@ -561,7 +561,11 @@ def outside_tensors(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tu
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is None or managed(t) or t.device.type != "cpu" or t.numel() == 0:
                 continue
-            held.append((id(m), t.data_ptr()))
+            try:
+                ptr = t.data_ptr()
+            except RuntimeError:  # no storage: a torch.func transform's wrapper of a tensor lent for a call
+                continue
+            held.append((id(m), ptr))
             if id(t) in seen:
                 continue
             seen.add(id(t))

@@ -437,6 +437,10 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
         being given back) the edit is logged and left as the user made it.
     """
     for w, now in edits:
+        restored = now[0] if len({id(p) for p in now}) == 1 else None
+        restored = restored if getattr(restored, "_mo_stood_for", None) is not None else None
+        if restored is not None:  # a placeholder this weight had before a replacement, put back
+            now = [restored._mo_stood_for] * len(now)
         if all(p is w.param for p in now) and data_key(w.param) == w.bound and _version(w.param) == w.version:
             # The weight's own parameter put back, unchanged, after a swap (on the device path its holders
             # held a placeholder): bound again, nothing written.
@@ -454,6 +458,10 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
             logger.warning("%s; the model is given back with it as it is", msg)
             continue
         _adopt(seq, pages, store, w, now[0], device=device)
+        if restored is not None:  # the holders hold that placeholder again, as the one who put it back expects
+            w.placeholder, restored._mo_stood_for = restored, None
+            if not seq.is_loaded(store.index) and seq.engaged:
+                seq.bind(w, None)
         logger.info("%s: the weight replaced in the model computes from now on (%s)", w.names[0],
                     "in place, an owned tensor" if seq.in_place else "written into its host store")
 
@@ -555,10 +563,14 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
             new._mapoffload_manager = mark
         w.param = new
         if not seq.in_place:
-            # The placeholder the holders held between forwards stood for the old weight, and a user may
-            # hold it as "the original": put back, it is refused (its values are gone), never taken for
-            # the new weight's own.
-            w.placeholder = w.placeholder.renewed(w.shape, w.stride, w.dtype)
+            # The old parameter keeps its values (its data was the host store or a device buffer, which the
+            # new values are written into, or which the next loads reuse: a mapping view stays right), and
+            # the placeholder the holders held between forwards stands for it: either put back (a user's
+            # swap undone, torch.func.functional_call restoring what it found) is taken as that weight again.
+            if w.store != MAPPED or data_key(old) != data_key(w.host):
+                old.data = old.data.detach().clone()
+            previous, w.placeholder = w.placeholder, w.placeholder.renewed(w.shape, w.stride, w.dtype)
+            previous._mo_stood_for = old
         w.placeholder.requires_grad_(new.requires_grad)
     elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
         w.param.data = new.detach()
