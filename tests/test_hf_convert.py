@@ -464,3 +464,21 @@ def test_a_full_disk_at_the_manifest_names_the_folder_and_the_bytes_and_leaves_n
     assert f"{err.bytes_needed} bytes" in str(err)
     again = mapoffload.from_pretrained(cls, str(tmp_path / "m"), device=None, cache_dir=cache)
     assert again.mapoffload_report.converted_tensors == 4
+
+
+def test_a_conversion_discarded_by_another_process_after_it_was_opened(tmp_path):
+    """Opened (checked, reused), then removed by another process's discard() (the net under the key) or
+    rewritten: its tensors were mapped only when the load asked for them, which raised KeyError or
+    FileNotFoundError. They are mapped as it is opened."""
+    import torch
+
+    cls, _ = build("mixtral", str(tmp_path))
+    first = convert_pretrained(str(tmp_path))
+    root, key = os.path.dirname(first.conversion_dir), os.path.basename(first.conversion_dir)
+    opened = _converted.ConversionCache.open(root, key)
+    assert opened.reused
+    want = {k: v.clone() for k, v in _converted.ConversionCache.open(root, key).mapped().items()}
+    _converted.ConversionCache.open(root, key).discard()  # the other process
+    assert not os.path.exists(first.conversion_dir)
+    got = opened.mapped()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

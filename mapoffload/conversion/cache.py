@@ -144,6 +144,7 @@ class ConversionCache:
     origin: str | None = None  # the checkpoint folder it was made from (real path): `mapoffload inspect` finds it by that
     _reserved: list[str] = field(default_factory=list)  # parts written through a shared mapping: synced at commit
     _shared: list[tuple[str, Any]] = field(default_factory=list)  # (path, storage): reserved parts' shared mappings, until sealed
+    _views: dict[str, Any] | None = None  # a reused conversion's tensors, mapped as it was opened (see mapped())
 
     def __post_init__(self) -> None:
         # The one place a conversion folder's root is taken (from_pretrained's and the pipelines'
@@ -217,6 +218,15 @@ class ConversionCache:
                            "time differs from its manifest's): converting again", cache.path)
             return cache
         cache.tensors = data["tensors"]
+        try:  # mapped now: another process's discard() or rewrite of the folder after this can no longer reach
+            cache._views = cache._map_parts()  # what is reused (it removed or replaced the parts under mapped())
+            replaced = any(stamps.get(f) != _stamp(os.path.join(cache.path, f)) for f in files)
+        except (CheckpointError, OSError, KeyError) as exc:
+            replaced = exc
+        if replaced:  # between the checks above and the mapping: what was mapped may not be what was checked
+            logger.warning("conversion cache %s changed as it was opened (%s): converting again", cache.path,
+                           replaced if replaced is not True else "another process rewrote it")
+            return cls(root, key, origin=cache.origin)
         cache.meta = meta
         cache.reused = True
         return cache
@@ -230,7 +240,7 @@ class ConversionCache:
         except OSError as exc:
             logger.warning("conversion %s cannot be removed (%s)", self.path, exc)
             return
-        self.tensors, self.meta, self.reused = {}, {}, False
+        self.tensors, self.meta, self.reused, self._views = {}, {}, False, None
 
     def part_files(self) -> list[str]:
         """The parts this conversion's views are mapped from: those written so far while it is
@@ -245,7 +255,10 @@ class ConversionCache:
         return {s for e in self.tensors.values() for s in e["sources"]}
 
     def mapped(self) -> dict[str, torch.Tensor]:
-        """Every cached target as a view of its mapped file."""
+        """Every cached target as a view of its mapped file (a reused conversion's: mapped as it was opened)."""
+        return dict(self._views) if self._views is not None else self._map_parts()
+
+    def _map_parts(self) -> dict[str, torch.Tensor]:
         from ..loading.read import read_file
 
         out: dict[str, torch.Tensor] = {}
