@@ -334,3 +334,23 @@ def test_a_users_hooks_on_the_device_path_see_the_weights_where_the_message_says
 
 def _plain_sum(path) -> torch.Tensor:
     return mapped(path).blocks[5].weight.detach().sum()
+
+
+def test_a_tie_made_on_the_device_path_is_refused_then_given_back_tied(stack):
+    """Between forwards the slot holds the other weight's placeholder: refused by name (it said the values
+    were gone), and close() gave the model back holding a placeholder (it could not run, nor be saved)."""
+    path, x, ref = stack
+    model = mapped(path)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **PATHS["twin"]) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+        model.blocks[1].weight = model.blocks[0].weight
+        with pytest.raises(ReplacedWeightError, match=r"blocks\.1\.weight .* with blocks\.0\.weight's placeholder"), \
+                torch.no_grad():
+            model(x)
+    assert model.blocks[1].weight is model.blocks[0].weight and type(model.blocks[0].weight) is nn.Parameter
+    plain = copy.deepcopy(ref)
+    plain.blocks[1].weight = plain.blocks[0].weight
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))

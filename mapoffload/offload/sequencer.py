@@ -150,6 +150,9 @@ class Sequencer:
         """Give the model its real parameters back (host data); the layers were released before."""
         from .placeholder import stand_in, unguard_conversions
 
+        # A slot the user pointed at another weight's placeholder (a tie made on the device path, refused
+        # while offloaded) gets that weight's real parameter: the tie they made, not a placeholder.
+        real = {id(w.placeholder): w for s in self.stores for w in s.weights}
         for s in self.stores:
             for w in s.weights:
                 if data_key(w.param) == w.bound:  # else new .data the user gave it, refused: it stays theirs
@@ -159,6 +162,10 @@ class Sequencer:
                     if module._parameters.get(attr) is w.held:  # a refused edit stays the user's
                         module._parameters[attr] = w.param
                 self.note(w, w.param)
+        for module in self.model.modules():  # any slot, this stack's or another's
+            for attr, held in list(module._parameters.items()):
+                if held is not None and id(held) in real:
+                    module._parameters[attr] = real[id(held)].param
 
         unguard_conversions(self.model)
         self.engaged = False
@@ -499,9 +506,13 @@ def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
         return "it was removed (None): an offloaded layer keeps each of its weights; close the manager first"
     if not isinstance(new, torch.Tensor):
         return f"with a {type(new).__name__}, not a tensor"
+    if isinstance(new, OffloadedWeight) and getattr(new, "_mo_name", None) not in w.names:
+        return (f"with {getattr(new, '_mo_name', 'another weight')}'s placeholder (what the model holds between "
+                "forwards on the device path), which has no values: tie the weights before offloading, or close "
+                "the manager first (it gives the model back with the weights tied as you made them)")
     if isinstance(new, OffloadedWeight):
         return ("with an offloaded placeholder (what the model holds between forwards on the device path: this "
-                "one stood for a weight since replaced, whose values are gone), which has no values: assign a "
+                "one stood for this weight before a replacement no longer held), which has no values: assign a "
                 "tensor that has them")
     if new is not w.param and offloaded_by(new)[0]:
         return ("with a weight mapoffload offloads already (another layer's): assign a copy of it (.clone()), "
