@@ -36,7 +36,7 @@ from .copier import Copier, CopyHandle, CopyStats, CudaError, MappingFaultError,
 from .loading.shard import shard_tensor
 from .offload import LayerwiseOffloadManager
 from .offload.runtime import OffloadedGradientError
-from .offload.hooks import ReplacedWeightError
+from .offload.hooks import ReplacedWeightError, WeightNotLoadedError
 from .options import OffloadOptions
 from .pagecache.coordinator import PageCacheCoordinator, coordinator as page_cache_coordinator
 from .memory.ranks import LocalWorld, local_world
@@ -102,6 +102,7 @@ __all__ = [
     "OffloadedWeight",
     "PageCacheCoordinator",
     "ReplacedWeightError",
+    "WeightNotLoadedError",
     "cgroup_memory_limit_bytes",
     "checkpoint_bytes",
     "checkpoint_files",

@@ -304,7 +304,7 @@ def test_a_parametrization_added_while_offloaded_is_refused_as_such(stack, path_
         with torch.no_grad():
             model(x)
         if path_kind == "twin":  # between forwards the slot holds a placeholder: refused as it is read
-            with pytest.raises(RuntimeError, match=r"blocks\.4\.weight is offloaded .* not loaded"):
+            with pytest.raises(mapoffload.WeightNotLoadedError, match=r"blocks\.4\.weight is offloaded .*not loaded"):
                 parametrizations.weight_norm(model.blocks[4])
             return
         parametrizations.weight_norm(model.blocks[4])
@@ -327,8 +327,8 @@ def test_a_users_hooks_on_the_device_path_see_the_weights_where_the_message_says
             model(x)
         assert seen["hook before"] == seen["pre-hook after"] == x.new_tensor(0) + _plain_sum(path)
         model.blocks[5].register_forward_hook(lambda mod, a, o: mod.weight.sum())
-        with pytest.raises(RuntimeError, match="forward pre-hook registered after offloading, or a forward hook "
-                                               "registered before it"), torch.no_grad():
+        words = "forward pre-hook registered after offloading, or a forward hook registered before it"
+        with pytest.raises(mapoffload.WeightNotLoadedError, match=words), torch.no_grad():
             model(x)
 
 

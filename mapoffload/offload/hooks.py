@@ -261,6 +261,12 @@ class ReplacedWeightError(ValueError):
     only, or none): raised by the next forward (or ``register_forward_hooks``), naming the weight."""
 
 
+class WeightNotLoadedError(RuntimeError):
+    """An offloaded weight's placeholder (what a layer's slot holds between its forwards on the device path)
+    was used where its values are needed: its layer is not loaded. The message names the weight, and the
+    call or hook that sees its values."""
+
+
 @dataclass(frozen=True)
 class CallNames:
     """What the placeholders' errors tell a user to call, as the entry point that made the manager

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import hooks
-from .hooks import CallNames, OffloadedCopyError, copy_refusal
+from .hooks import CallNames, OffloadedCopyError, WeightNotLoadedError, copy_refusal
 
 # Properties whose value would be computed from the data.
 _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -130,7 +130,7 @@ class OffloadedWeight(torch.nn.Parameter):
             raise OffloadedCopyError(share_refusal(owner_of(args[0]), args[0]._mo_name))
         else:
             what = f"used by {what}"
-        raise RuntimeError(_message(_first(args, kwargs), what))
+        raise WeightNotLoadedError(_message(_first(args, kwargs), what))
 
 
 def _follow_requires_grad(w: OffloadedWeight) -> None:
@@ -150,7 +150,7 @@ def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
 
     mgr = owner_of(w)
     if mgr is None:
-        raise RuntimeError(_message(w, "assigned .data after its manager was gone"))
+        raise WeightNotLoadedError(_message(w, "assigned .data after its manager was gone"))
     if value.dtype != w.dtype or tuple(value.shape) != tuple(w.shape):
         raise ReplacedWeightError(
             f"{w._mo_name} (layer {w._mo_layer}) was assigned .data of {value.dtype} {tuple(value.shape)}, where the "
@@ -171,7 +171,7 @@ def _move(self: OffloadedWeight, name: str, args: tuple, kwargs: dict) -> Offloa
         elif isinstance(a, torch.Tensor):
             dtype = a.dtype
     if name == "type" and not args and "dtype" not in kwargs:
-        raise RuntimeError(_message(self, "asked for its type string"))
+        raise WeightNotLoadedError(_message(self, "asked for its type string"))
     if dtype is not None and dtype != self.dtype:
         raise OffloadedConversionError(_conversion_message(self, dtype))
     return self
