@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from mapoffload import LayerwiseOffloadManager
+from mapoffload import LayerwiseOffloadManager, WeightNotLoadedError
 from mapoffload.offload.placeholder import OffloadedWeight
 from mapoffload.offload.runtime import OffloadedGradientError
 from stacks import mapped
@@ -179,3 +179,91 @@ def test_torch_func_over_weights_lent_outside_the_layers(ckpt, path_kind):
             grads = grad(lambda p: functional_call(model, p, (x,), strict=False).square().sum())(params)
             assert all(torch.equal(grads[k], plain_grads[k]) for k in params)
     assert torch.equal(batched, plain_vmap)
+
+
+TWIN = PATHS["twin"]
+
+
+def test_the_swapped_out_placeholder_is_its_old_parameter(ckpt):
+    """``.data =`` or ``requires_grad_`` on the placeholder of a parameter swapped out changes that parameter
+    only (they went to the weight the slot holds now); put back into another layer's slot, it is that
+    layer's replacement (its placeholder stays that layer's own: a ``.data =`` there was written into the
+    first layer)."""
+    path, x, _ = ckpt
+    ref, model = mapped(path).eval(), mapped(path).eval()
+    new, values = torch.full_like(ref.blocks[3].weight, 0.01), torch.full_like(ref.blocks[3].weight, -0.02)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        olds = {}
+        with torch.no_grad():
+            for m in (model, ref):
+                olds[id(m)] = m.blocks[3].weight  # on the twin, the placeholder
+                m.blocks[3].weight = nn.Parameter(new.clone())
+                m(x)
+                olds[id(m)].data = values.clone()
+                olds[id(m)].requires_grad_(False)
+            assert torch.equal(model(x), ref(x)) and model.blocks[3].weight.requires_grad
+            for m in (model, ref):
+                m.blocks[4].weight = olds[id(m)]
+                m.blocks[4].weight.data = new.clone() * 2
+            assert torch.equal(model(x), ref(x))
+    for name, p in ref.named_parameters():
+        assert type(model.get_parameter(name)) is nn.Parameter and torch.equal(model.get_parameter(name), p), name
+
+
+def test_an_update_then_a_swap_then_the_old_weight_put_back(ckpt):
+    """The old parameter's values are what an update wrote (it still viewed the mapping it was bound to)."""
+    path, x, _ = ckpt
+    model = mapped(path).eval()
+    update = torch.full_like(model.blocks[0].weight, 0.03)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            model(x)
+            orig = model.blocks[0].weight
+            mgr.update_cpu_weights({"blocks.0.weight": update})
+            model.blocks[0].weight = nn.Parameter(torch.zeros_like(update))
+            model(x)
+            model.blocks[0].weight = orig
+            got = model(x)
+    plain = mapped(path).eval()
+    plain.blocks[0].weight = nn.Parameter(update.clone())
+    with torch.no_grad():
+        assert torch.equal(got, plain(x)) and torch.equal(model(x), plain(x))
+
+
+def test_the_placeholder_put_back_while_its_layer_is_loaded_is_the_weight(ckpt):
+    path, x, want = ckpt
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        orig = model.blocks[3].weight
+        assert isinstance(orig, OffloadedWeight)
+        mgr.load_all_layers()
+        model.blocks[3].weight = orig  # what the slot held before the load: no edit
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+
+
+def test_close_never_raises_with_a_refused_edit_and_a_load_in_flight(ckpt):
+    path, _, _ = ckpt
+    for kw in ({}, {"reads": "uncached"}, TWIN):
+        model = mapped(path).eval()
+        mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", **kw)
+        mgr.register_forward_hooks()
+        mgr.prefetch_layer(3)  # read ahead, not waited for
+        model.blocks[3].bias = nn.Parameter(torch.zeros(7))  # a wrong shape: refused at a forward
+        mgr.close()
+        assert model.blocks[3].bias.shape == (7,)  # given back as the user left it
+
+
+def test_a_placeholder_used_after_close_says_so(ckpt):
+    path, x, _ = ckpt
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        held = model.blocks[3].weight
+    assert type(model.blocks[3].weight) is nn.Parameter
+    words = r"placeholder .* its manager has closed.*take that one from the model"
+    with pytest.raises(WeightNotLoadedError, match=words):
+        held.sum()

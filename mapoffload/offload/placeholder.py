@@ -136,6 +136,10 @@ class OffloadedWeight(torch.nn.Parameter):
 def _follow_requires_grad(w: OffloadedWeight) -> None:
     """``requires_grad`` set on a placeholder (``model.requires_grad_(False)`` between forwards) is set on
     the real parameter it stands for too: the manager's gradient rule and the model given back see it."""
+    old = getattr(w, "_mo_stood_for", None)
+    if old is not None:  # the placeholder of a parameter swapped out: that one's, not the weight's now
+        old.requires_grad_(w.requires_grad)
+        return
     mgr = owner_of(w)
     weight = mgr.parts.by_name.get(w._mo_name) if mgr is not None else None
     if weight is not None and weight[1].param.requires_grad != w.requires_grad:
@@ -148,6 +152,10 @@ def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
     weight) where they cannot be the weight's."""
     from .hooks import ReplacedWeightError
 
+    old = getattr(w, "_mo_stood_for", None)
+    if old is not None:  # the placeholder of a parameter swapped out: only that one changes, as in plain torch
+        old.data = value
+        return
     mgr = owner_of(w)
     if mgr is None:
         raise WeightNotLoadedError(_message(w, "assigned .data after its manager was gone"))
@@ -204,6 +212,11 @@ def _owner_words(w: OffloadedWeight) -> tuple[str | None, str | None]:
 def _message(w: OffloadedWeight | None, what: str) -> str:
     if w is None:
         return f"an offloaded weight was {what}: its layer is not loaded"
+    mgr = owner_of(w)
+    if mgr is None or mgr.parts.sequencer.closed:
+        return (f"{w._mo_name} was {what}, but this is the placeholder the model held while it was offloaded "
+                f"(layer {w._mo_layer}), and its manager has closed: the model holds its real parameter again; "
+                f"take that one from the model (its .{w._mo_name.rpartition('.')[2]}), not this placeholder")
     close, _ = _owner_words(w)
     # A forward hook registered after the manager's runs once the layer was released, and a forward pre-hook
     # registered before it runs before the layer is loaded: the weights are there only in between.

@@ -111,7 +111,13 @@ class Sequencer:
         edits = self.edits(self.stores[i])
         load = self.loaded.get(i)
         if edits and load is not None and not load.ready:
-            self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
+            if strict:
+                self.ensure(i)  # in flight: it lands, is let go (the edit adopted then) and is loaded afresh
+                return
+            try:  # the model given back (close never raises): it lands, and is let go with the edit as it is
+                self.loads.ready(i, load)
+            finally:
+                self.release(i, strict=False)
             return
         if edits:
             adopt_edits(self, self.pages, self.stores[i], edits, device=self.device, strict=strict)
@@ -166,6 +172,8 @@ class Sequencer:
             for attr, held in list(module._parameters.items()):
                 if held is not None and id(held) in real:
                     module._parameters[attr] = real[id(held)].param
+                elif getattr(held, "_mo_stood_for", None) is not None:  # one a swap left: its old parameter
+                    module._parameters[attr] = held._mo_stood_for
 
         unguard_conversions(self.model)
         self.engaged = False
@@ -446,11 +454,13 @@ def adopt_edits(seq: Sequencer, pages: LayerPages, store: LayerStore, edits: lis
     for w, now in edits:
         restored = now[0] if len({id(p) for p in now}) == 1 else None
         restored = restored if getattr(restored, "_mo_stood_for", None) is not None else None
-        if restored is not None:  # a placeholder this weight had before a replacement, put back
+        if restored is not None:  # a placeholder a weight had before a replacement: the parameter it stood for
             now = [restored._mo_stood_for] * len(now)
-        if all(p is w.param for p in now) and data_key(w.param) == w.bound and _version(w.param) == w.version:
-            # The weight's own parameter put back, unchanged, after a swap (on the device path its holders
-            # held a placeholder): bound again, nothing written.
+            restored = restored if restored._mo_name in w.names else None  # this weight's own, put back
+        if all(p is w.param or p is w.placeholder for p in now) and data_key(w.param) == w.bound \
+                and _version(w.param) == w.version:
+            # The weight's own parameter or placeholder put back, unchanged (on the device path the slot held
+            # the other while the layer was loaded or released): bound again, nothing written.
             load = seq.loaded.get(store.index)
             seq.bind(w, seq.loads.value(w, load) if load is not None and seq.is_loaded(store.index) else None)
             continue
@@ -578,8 +588,8 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
             # new values are written into, or which the next loads reuse: a mapping view stays right), and
             # the placeholder the holders held between forwards stands for it: either put back (a user's
             # swap undone, torch.func.functional_call restoring what it found) is taken as that weight again.
-            if w.store != MAPPED or data_key(old) != data_key(w.host):
-                old.data = old.data.detach().clone()
+            current = old.data if seq.is_loaded(store.index) else w.host  # released: what an update wrote
+            old.data = current if w.store == MAPPED and current is w.host else current.detach().clone()
             previous, w.placeholder = w.placeholder, w.placeholder.renewed(w.shape, w.stride, w.dtype)
             previous._mo_stood_for = old
         w.placeholder.requires_grad_(new.requires_grad)
