@@ -267,3 +267,65 @@ def test_a_placeholder_used_after_close_says_so(ckpt):
     words = r"placeholder .* its manager has closed.*take that one from the model"
     with pytest.raises(WeightNotLoadedError, match=words):
         held.sum()
+
+
+def test_data_on_the_held_placeholder_before_the_swap_is_taken_up(ckpt):
+    """No forward between the swap and ``.data =`` on the placeholder held from before it: the value went
+    into the new parameter (the swap was taken up by the write)."""
+    path, x, _ = ckpt
+    ref, model = mapped(path).eval(), mapped(path).eval()
+    new, values = torch.full_like(ref.blocks[3].weight, 0.01), torch.full_like(ref.blocks[3].weight, -0.02)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        with torch.no_grad():
+            for m in (model, ref):
+                old = m.blocks[3].weight
+                m.blocks[3].weight = nn.Parameter(new.clone())
+                old.data = values.clone()
+            assert torch.equal(model(x), ref(x))
+    assert torch.equal(model.blocks[3].weight.detach(), new)
+
+
+def test_data_given_to_the_swapped_out_parameter_is_kept(ckpt):
+    path, x, _ = ckpt
+    ref, model = mapped(path).eval(), mapped(path).eval()
+    new, values = torch.full_like(ref.blocks[3].weight, 0.01), torch.full_like(ref.blocks[3].weight, -0.02)
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        mgr.prefetch_layer(3, non_blocking=False)
+        with torch.no_grad():
+            for m in (model, ref):
+                old = m.blocks[3].weight  # the real parameter (its layer is loaded)
+                m.blocks[3].weight = nn.Parameter(new.clone())
+                old.data = values.clone()
+                if m is model:
+                    mgr.release_layer(3)
+                m.blocks[3].weight = old
+            assert torch.equal(old.detach(), values) and torch.equal(model(x), ref(x))
+
+
+def test_requires_grad_follows_the_weight_in_the_slot(ckpt):
+    """The gradient rule asks the weight a swap put in the slot (a frozen one was refused as trainable), and
+    ``model.parameters()`` between forwards answers what each real parameter says (a flag set on one while
+    its layer was loaded was not seen)."""
+    from torch.func import functional_call
+
+    path, x, _ = ckpt
+    model = mapped(path).eval()
+    with LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN) as mgr:
+        mgr.register_forward_hooks()
+        model.requires_grad_(False)
+        with torch.no_grad():
+            functional_call(model, {"blocks.0.weight": nn.Parameter(torch.zeros(1024, 512), requires_grad=False)},
+                            (x,))
+        model(x)  # autograd on, every weight frozen: nothing refused
+        model.blocks[0].weight = nn.Parameter(torch.zeros(1024, 512), requires_grad=False)
+        model(x)
+        mgr.prefetch_layer(3, non_blocking=False)
+        real = model.blocks[3].weight
+        mgr.release_layer(3)
+        real.requires_grad_(True)
+        assert [n for n, p in model.named_parameters() if p.requires_grad] == ["blocks.3.weight"]
+        held = model.blocks[4].weight
+    with pytest.raises(WeightNotLoadedError, match="its manager has closed"):
+        held.requires_grad_(False)  # the model holds its real parameter again: this changed nothing

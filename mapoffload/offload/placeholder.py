@@ -107,6 +107,10 @@ class OffloadedWeight(torch.nn.Parameter):
                     # Where the weight computes when loaded: `model.device`
                     # (the device of its first parameter) stays right.
                     return _DEVICE_PROPERTIES[prop](args[0]._mo_device)
+                if prop == "requires_grad":  # what it stands for says (set on a real parameter while loaded)
+                    stands = _stands_for(args[0])
+                    if stands is not None:
+                        return stands.requires_grad
                 if prop not in _DATA_PROPERTIES:
                     return _plain(func, args, kwargs)
             elif prop == "data" and len(args) == 2 and args[1] is args[0]:
@@ -133,17 +137,38 @@ class OffloadedWeight(torch.nn.Parameter):
         raise WeightNotLoadedError(_message(_first(args, kwargs), what))
 
 
+def _stands_for(w: OffloadedWeight) -> torch.nn.Parameter | None:
+    """The real parameter ``w`` stands for: one a swap took out, else its weight's now; None once its manager
+    is gone."""
+    old = w.__dict__.get("_mo_stood_for")
+    if old is not None:
+        return old
+    mgr = owner_of(w)
+    weight = mgr.parts.by_name.get(w._mo_name) if mgr is not None and not mgr.parts.sequencer.closed else None
+    return weight[1].param if weight is not None and weight[1].placeholder is w else None
+
+
+def _take_up_swaps(w: OffloadedWeight) -> None:
+    """A swap of ``w``'s weight not taken up yet (no forward since) is taken up now: ``w`` then stands for
+    the parameter swapped out (``_mo_stood_for``), not for the weight the slot holds."""
+    mgr = owner_of(w)
+    if mgr is not None and not mgr.parts.sequencer.closed and mgr.parts.sequencer.engaged:
+        mgr.parts.sequencer.adopt_edits(w._mo_layer)
+
+
 def _follow_requires_grad(w: OffloadedWeight) -> None:
     """``requires_grad`` set on a placeholder (``model.requires_grad_(False)`` between forwards) is set on
-    the real parameter it stands for too: the manager's gradient rule and the model given back see it."""
-    old = getattr(w, "_mo_stood_for", None)
-    if old is not None:  # the placeholder of a parameter swapped out: that one's, not the weight's now
-        old.requires_grad_(w.requires_grad)
-        return
+    the real parameter it stands for too: the manager's gradient rule and the model given back see it.
+    Refused for one whose manager closed (the model holds its real parameter again)."""
     mgr = owner_of(w)
-    weight = mgr.parts.by_name.get(w._mo_name) if mgr is not None else None
-    if weight is not None and weight[1].param.requires_grad != w.requires_grad:
-        weight[1].param.requires_grad_(w.requires_grad)
+    if mgr is None or mgr.parts.sequencer.closed:
+        raise WeightNotLoadedError(_message(w, "set requires_grad"))
+    with torch._C.DisableTorchFunctionSubclass():
+        flag = w.requires_grad  # its own flag, just set (reading it asks what it stands for)
+    _take_up_swaps(w)
+    stands = _stands_for(w)
+    if stands is not None and stands.requires_grad != flag:  # a swapped-out parameter's, or its weight's now
+        stands.requires_grad_(flag)
 
 
 def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
@@ -152,6 +177,7 @@ def _assign_data(w: OffloadedWeight, value: torch.Tensor) -> None:
     weight) where they cannot be the weight's."""
     from .hooks import ReplacedWeightError
 
+    _take_up_swaps(w)
     old = getattr(w, "_mo_stood_for", None)
     if old is not None:  # the placeholder of a parameter swapped out: only that one changes, as in plain torch
         old.data = value

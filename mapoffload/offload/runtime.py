@@ -263,6 +263,8 @@ class StackRuntime:
                 self._sample()
                 if torch.is_grad_enabled():
                     if not self.in_place:
+                        seq.engage()
+                        seq.adopt_edits(i)  # the weight a swap put in the slot is the one the rule asks about
                         refuse_weight_gradients(seq.stores[i])
                     elif i in seq.loaded and seq.loads.reuses(seq.loaded[i]):
                         seq.release(i)  # read ahead into a reused buffer: autograd reads it through its mapping

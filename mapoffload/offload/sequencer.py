@@ -185,6 +185,11 @@ class Sequencer:
         if data is None:
             w.param.data = w.host  # never left pointing into a recycled device buffer
             target = w.param if self.in_place else w.placeholder
+            if target is not w.param and target.requires_grad != w.param.requires_grad:  # set while it was loaded
+                import torch
+
+                with torch._C.DisableTorchFunctionSubclass():  # the flag only (not the placeholder's own rule)
+                    target.requires_grad_(w.param.requires_grad)
         else:
             w.param.data = data
             target = w.param
@@ -516,6 +521,10 @@ def refusal(w: Weight, now: list, *, in_place: bool) -> str | None:
         return "it was removed (None): an offloaded layer keeps each of its weights; close the manager first"
     if not isinstance(new, torch.Tensor):
         return f"with a {type(new).__name__}, not a tensor"
+    owner = offloaded_by(new)[1] if isinstance(new, OffloadedWeight) else None
+    if isinstance(new, OffloadedWeight) and (owner is None or owner.parts.sequencer.closed):
+        return ("with a placeholder from an offloaded model's manager that has closed (what the model held while "
+                "it was offloaded before), which has no values: assign the model's real parameter")
     if isinstance(new, OffloadedWeight) and getattr(new, "_mo_name", None) not in w.names:
         return (f"with {getattr(new, '_mo_name', 'another weight')}'s placeholder (what the model holds between "
                 "forwards on the device path), which has no values: tie the weights before offloading, or close "
@@ -588,8 +597,9 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
             # new values are written into, or which the next loads reuse: a mapping view stays right), and
             # the placeholder the holders held between forwards stands for it: either put back (a user's
             # swap undone, torch.func.functional_call restoring what it found) is taken as that weight again.
-            current = old.data if seq.is_loaded(store.index) else w.host  # released: what an update wrote
-            old.data = current if w.store == MAPPED and current is w.host else current.detach().clone()
+            if data_key(old) == w.bound:  # still what the manager bound (else the user gave it data since)
+                current = old.data if seq.is_loaded(store.index) else w.host  # released: what an update wrote
+                old.data = current if w.store == MAPPED and current is w.host else current.detach().clone()
             previous, w.placeholder = w.placeholder, w.placeholder.renewed(w.shape, w.stride, w.dtype)
             previous._mo_stood_for = old
         w.placeholder.requires_grad_(new.requires_grad)
