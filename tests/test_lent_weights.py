@@ -329,3 +329,17 @@ def test_requires_grad_follows_the_weight_in_the_slot(ckpt):
         held = model.blocks[4].weight
     with pytest.raises(WeightNotLoadedError, match="its manager has closed"):
         held.requires_grad_(False)  # the model holds its real parameter again: this changed nothing
+
+
+def test_close_never_raises_with_a_swap_beside_a_refused_edit(ckpt):
+    """Taking up the swap set its placeholder's requires_grad through the placeholder's own rule, which took
+    up the layer's edits again, strictly: the refused one beside it raised out of close()."""
+    path, _, _ = ckpt
+    model = mapped(path).eval()
+    new = nn.Parameter(torch.zeros(1024, 512))
+    mgr = LayerwiseOffloadManager(model, "blocks", device="cpu", **TWIN)
+    mgr.register_forward_hooks()
+    model.blocks[3].weight = new
+    model.blocks[3].bias = nn.Parameter(torch.zeros(7))  # a wrong shape: refused
+    mgr.close()
+    assert model.blocks[3].weight is new and model.blocks[3].bias.shape == (7,)

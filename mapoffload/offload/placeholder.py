@@ -153,7 +153,7 @@ def _take_up_swaps(w: OffloadedWeight) -> None:
     the parameter swapped out (``_mo_stood_for``), not for the weight the slot holds."""
     mgr = owner_of(w)
     if mgr is not None and not mgr.parts.sequencer.closed and mgr.parts.sequencer.engaged:
-        mgr.parts.sequencer.adopt_edits(w._mo_layer)
+        mgr.parts.sequencer.adopt_edits(w._mo_layer, strict=False)  # a refused one is the next forward's error
 
 
 def _follow_requires_grad(w: OffloadedWeight) -> None:

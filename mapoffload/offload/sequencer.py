@@ -602,7 +602,8 @@ def _adopt(seq: Sequencer, pages: LayerPages, store: LayerStore, w: Weight, new:
                 old.data = current if w.store == MAPPED and current is w.host else current.detach().clone()
             previous, w.placeholder = w.placeholder, w.placeholder.renewed(w.shape, w.stride, w.dtype)
             previous._mo_stood_for = old
-        w.placeholder.requires_grad_(new.requires_grad)
+        with torch._C.DisableTorchFunctionSubclass():  # the flag only: not the placeholder's rule for users
+            w.placeholder.requires_grad_(new.requires_grad)
     elif not isinstance(new, torch.nn.Parameter):  # a plain tensor put into module._parameters
         w.param.data = new.detach()
     if seq.in_place:
